@@ -1,0 +1,1 @@
+"""Actors: multi-turn episodes in sandboxes, strict token-in-token-out trajectories."""

@@ -1,0 +1,1 @@
+"""Trajectory buffer: a durable gRPC service with groups, staleness control and backpressure."""

@@ -1,0 +1,1 @@
+"""Learner: JAX training core (model, algorithms, packing, sharding, checkpoints, weights)."""

@@ -1,0 +1,1 @@
+"""Operator: kopf reconciles RLJobs into learners, actors, the buffer and sandboxes."""

@@ -1,0 +1,185 @@
+from stoker.v1 import trajectory_pb2 as _trajectory_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PutRequest(_message.Message):
+    __slots__ = ("client_id", "trajectories")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    trajectories: _containers.RepeatedCompositeFieldContainer[_trajectory_pb2.Trajectory]
+    def __init__(self, client_id: _Optional[str] = ..., trajectories: _Optional[_Iterable[_Union[_trajectory_pb2.Trajectory, _Mapping]]] = ...) -> None: ...
+
+class PutResult(_message.Message):
+    __slots__ = ("code", "field", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    field: str
+    message: str
+    def __init__(self, code: _Optional[int] = ..., field: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("results", "stored", "duplicates")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[PutResult]
+    stored: int
+    duplicates: int
+    def __init__(self, results: _Optional[_Iterable[_Union[PutResult, _Mapping]]] = ..., stored: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("actor_id", "groups")
+    ACTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    actor_id: str
+    groups: int
+    def __init__(self, actor_id: _Optional[str] = ..., groups: _Optional[int] = ...) -> None: ...
+
+class AcquireResponse(_message.Message):
+    __slots__ = ("granted", "policy_version", "retry_after_seconds")
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    granted: int
+    policy_version: int
+    retry_after_seconds: float
+    def __init__(self, granted: _Optional[int] = ..., policy_version: _Optional[int] = ..., retry_after_seconds: _Optional[float] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("actor_id", "groups")
+    ACTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    actor_id: str
+    groups: int
+    def __init__(self, actor_id: _Optional[str] = ..., groups: _Optional[int] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SampleRequest(_message.Message):
+    __slots__ = ("learner_id", "max_groups", "min_groups", "timeout_seconds")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    MIN_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    max_groups: int
+    min_groups: int
+    timeout_seconds: float
+    def __init__(self, learner_id: _Optional[str] = ..., max_groups: _Optional[int] = ..., min_groups: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class Group(_message.Message):
+    __slots__ = ("group_id", "trajectories", "masked")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    MASKED_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    trajectories: _containers.RepeatedCompositeFieldContainer[_trajectory_pb2.Trajectory]
+    masked: bool
+    def __init__(self, group_id: _Optional[str] = ..., trajectories: _Optional[_Iterable[_Union[_trajectory_pb2.Trajectory, _Mapping]]] = ..., masked: _Optional[bool] = ...) -> None: ...
+
+class SampleResponse(_message.Message):
+    __slots__ = ("batch_id", "groups", "policy_version")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    batch_id: str
+    groups: _containers.RepeatedCompositeFieldContainer[Group]
+    policy_version: int
+    def __init__(self, batch_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("batch_id",)
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    batch_id: str
+    def __init__(self, batch_id: _Optional[str] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("committed_trajectories",)
+    COMMITTED_TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    committed_trajectories: int
+    def __init__(self, committed_trajectories: _Optional[int] = ...) -> None: ...
+
+class SetPolicyVersionRequest(_message.Message):
+    __slots__ = ("policy_version",)
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    def __init__(self, policy_version: _Optional[int] = ...) -> None: ...
+
+class SetPolicyVersionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BufferStats(_message.Message):
+    __slots__ = ("capacity", "stored_trajectories", "complete_groups", "incomplete_groups", "leased_batches", "fill", "policy_version", "admission_credit", "in_flight_groups", "accepted_total", "sampled_total", "committed_total", "dropped", "staleness_histogram", "per_actor_accepted", "put_rate", "sample_rate", "stale_incomplete_groups")
+    class DroppedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class StalenessHistogramEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    class PerActorAcceptedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    STORED_TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    INCOMPLETE_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    LEASED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    FILL_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_CREDIT_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    PER_ACTOR_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    PUT_RATE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    STALE_INCOMPLETE_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    capacity: int
+    stored_trajectories: int
+    complete_groups: int
+    incomplete_groups: int
+    leased_batches: int
+    fill: float
+    policy_version: int
+    admission_credit: int
+    in_flight_groups: int
+    accepted_total: int
+    sampled_total: int
+    committed_total: int
+    dropped: _containers.ScalarMap[str, int]
+    staleness_histogram: _containers.ScalarMap[int, int]
+    per_actor_accepted: _containers.ScalarMap[str, int]
+    put_rate: float
+    sample_rate: float
+    stale_incomplete_groups: int
+    def __init__(self, capacity: _Optional[int] = ..., stored_trajectories: _Optional[int] = ..., complete_groups: _Optional[int] = ..., incomplete_groups: _Optional[int] = ..., leased_batches: _Optional[int] = ..., fill: _Optional[float] = ..., policy_version: _Optional[int] = ..., admission_credit: _Optional[int] = ..., in_flight_groups: _Optional[int] = ..., accepted_total: _Optional[int] = ..., sampled_total: _Optional[int] = ..., committed_total: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., per_actor_accepted: _Optional[_Mapping[str, int]] = ..., put_rate: _Optional[float] = ..., sample_rate: _Optional[float] = ..., stale_incomplete_groups: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,69 @@
+"""The ``stoker`` command line.
+
+Each subcommand lives with its component, in a module exposing ``add_arguments(parser)`` and
+``main(args) -> int``; this file only dispatches. Component modules are imported only when their
+subcommand runs, so ``stoker validate`` never pays for importing JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from stoker import __version__
+
+# subcommand -> (module providing add_arguments/main, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("stoker.local", "run an RLJob manifest on this machine: buffer, actors and learner as local processes"),
+    "validate": ("stoker.validate_cmd", "check RLJob manifests; exit 2 and one line per problem when invalid"),
+    "crd": ("stoker.crd_cmd", "print (or write) the RLJob CustomResourceDefinition generated from the spec"),
+    "buffer": ("stoker.buffer.cli", "serve the trajectory buffer (gRPC)"),
+    "actor": ("stoker.actor.cli", "run an actor: episodes in sandboxes, trajectories to the buffer"),
+    "learner": ("stoker.learner.cli", "run the learner: pull batches, train, publish weights"),
+    "operator": ("stoker.operator.cli", "run the Kubernetes operator (kopf) that reconciles RLJobs"),
+    "audit": ("stoker.audit", "measure latencies and size the actor pool that keeps the learner fed"),
+}
+
+
+class NotReady(Exception):
+    """A subcommand whose component is not built yet."""
+
+
+def _load(module_name: str):  # type: ignore[no-untyped-def]
+    return importlib.import_module(module_name)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    try:
+        return int(_load(args._module).main(args) or 0)
+    except NotReady as exc:
+        print(f"stoker {args.command}: {exc}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        print(f"stoker {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The full parser; only the subcommand named first in ``argv`` gets its arguments loaded."""
+    parser = argparse.ArgumentParser(
+        prog="stoker",
+        description="Decoupled, asynchronous agentic reinforcement learning on Kubernetes.",
+    )
+    parser.add_argument("--version", action="version", version=f"stoker {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    wanted = argv[0] if argv else None
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        command.set_defaults(_module=module_name)
+        if name == wanted:
+            _load(module_name).add_arguments(command)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Load RLJob manifests from YAML and explain every problem in user terms.
+
+Each problem names the field path as a user writes it (``spec.actors.maxReplicas``), what was
+given and what was expected. Nothing a user can type produces a Python traceback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from stoker.spec import API_VERSION, KIND, RLJob, cross_field_problems
+
+MAX_MANIFEST_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Problem:
+    source: str  # "FILE" or "FILE[doc N]"
+    path: str  # field path, e.g. "spec.actors.maxReplicas"; "" for the whole document
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.source}: {self.path}" if self.path else self.source
+        return f"{where}: {self.message}"
+
+
+class ManifestError(Exception):
+    """One or more problems in a manifest file."""
+
+    def __init__(self, problems: list[Problem]):
+        super().__init__("\n".join(str(p) for p in problems))
+        self.problems = problems
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _loc_path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.startswith(("function-after[", "function-before[", "function-wrap[")):
+            continue
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _explain(error: Any) -> tuple[str, str]:
+    """A pydantic error dict -> (path, 'got X; expected Y')."""
+    path = _loc_path(tuple(error["loc"]))
+    kind = error["type"]
+    given = error.get("input")
+    ctx = error.get("ctx") or {}
+    if kind == "extra_forbidden":
+        return path, "unknown field"
+    if kind == "missing":
+        return path, "missing; required"
+    if kind == "literal_error":
+        return path, f"got {_short(given)}; expected one of {ctx.get('expected', '')}"
+    if kind == "enum":
+        return path, f"got {_short(given)}; expected one of {ctx.get('expected', '')}"
+    if kind == "value_error":
+        return path, f"{error['msg'].removeprefix('Value error, ')}"
+    return path, f"got {_short(given)}; expected {error['msg'][0].lower()}{error['msg'][1:]}"
+
+
+def validate_document(doc: Any, source: str) -> tuple[RLJob | None, list[Problem]]:
+    """Validate one parsed YAML document as an RLJob."""
+    if not isinstance(doc, dict):
+        return None, [Problem(source, "", f"expected a mapping (an RLJob manifest), got {type(doc).__name__}")]
+    problems: list[Problem] = []
+    if doc.get("apiVersion") != API_VERSION:
+        problems.append(Problem(source, "apiVersion", f"got {_short(doc.get('apiVersion'))}; expected '{API_VERSION}'"))
+    if doc.get("kind") != KIND:
+        problems.append(Problem(source, "kind", f"got {_short(doc.get('kind'))}; expected '{KIND}'"))
+    if problems:
+        return None, problems
+    try:
+        job = RLJob.model_validate(doc)
+    except ValidationError as exc:
+        for error in exc.errors():
+            path, message = _explain(error)
+            problems.append(Problem(source, path, message))
+        return None, problems
+    problems = [Problem(source, f"spec.{path}", message) for path, message in cross_field_problems(job.spec)]
+    return (None if problems else job), problems
+
+
+def load_text(text: str, source: str) -> tuple[list[RLJob], list[Problem]]:
+    """Every RLJob in a (multi-document) YAML text, and every problem found."""
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        reason = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        return [], [Problem(source, "", f"malformed YAML{where}: {reason}")]
+    if not docs:
+        return [], [Problem(source, "", "empty; expected at least one RLJob document")]
+    jobs: list[RLJob] = []
+    problems: list[Problem] = []
+    for index, doc in enumerate(docs):
+        job, found = validate_document(doc, source if len(docs) == 1 else f"{source}[doc {index + 1}]")
+        problems.extend(found)
+        if job is not None:
+            jobs.append(job)
+    return jobs, problems
+
+
+def load_file(path: str | Path) -> tuple[list[RLJob], list[Problem]]:
+    source = str(path)
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        return [], [Problem(source, "", f"cannot read: {exc.strerror or exc}")]
+    if len(raw) > MAX_MANIFEST_BYTES:
+        return [], [Problem(source, "", f"{len(raw)} bytes; expected a manifest under {MAX_MANIFEST_BYTES} bytes")]
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return [], [Problem(source, "", "not UTF-8 text; expected a YAML manifest")]
+    if "\x00" in text:
+        return [], [Problem(source, "", "binary data; expected a YAML manifest")]
+    return load_text(text, source)
+
+
+def load_job(path: str | Path) -> RLJob:
+    """Exactly one valid RLJob from a file, or ``ManifestError``."""
+    jobs, problems = load_file(path)
+    if problems:
+        raise ManifestError(problems)
+    if len(jobs) != 1:
+        raise ManifestError([Problem(str(path), "", f"{len(jobs)} RLJob documents; expected exactly one")])
+    return jobs[0]

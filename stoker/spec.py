@@ -1,0 +1,372 @@
+"""The RLJob: one typed model of a whole job, the single source of truth.
+
+Everything else is derived from these classes: the CRD schema (``stoker crd``), manifest
+validation (``stoker validate``), the local runner, the operator's children and each component's
+settings. Field names are snake_case in Python and camelCase in YAML, as Kubernetes users expect.
+
+Defaults make a minimal manifest work: ``spec: {}`` is a valid local FrozenLake job.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "stoker.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "RLJob"
+PLURAL = "rljobs"
+SINGULAR = "rljob"
+SHORT_NAMES = ["rlj"]
+
+# A Kubernetes resource quantity such as "500m", "2", "4Gi".
+QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+# RFC 1123 DNS label: what Kubernetes accepts as an object name used in child names.
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+def cel(rule: str, message: str) -> dict[str, Any]:
+    """A CEL rule, emitted into the CRD's ``x-kubernetes-validations``."""
+    return {"rule": rule, "message": message}
+
+
+class SpecModel(BaseModel):
+    """Base for every part of the spec: camelCase aliases, unknown fields rejected."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+        use_enum_values=True,
+    )
+
+
+# --------------------------------------------------------------------------------------- model
+
+
+class TransformerConfig(SpecModel):
+    """Architecture of the decoder-only policy (Llama/Qwen family)."""
+
+    vocab_size: int = Field(64, ge=2, description="Tokenizer vocabulary size.")
+    hidden_size: int = Field(64, ge=8, description="Width of the residual stream.")
+    num_layers: int = Field(2, ge=1, description="Number of transformer blocks.")
+    num_heads: int = Field(4, ge=1, description="Query heads per block.")
+    num_kv_heads: int = Field(2, ge=1, description="Key/value heads (grouped-query attention).")
+    head_dim: int | None = Field(None, ge=4, description="Per-head width; hiddenSize/numHeads when unset.")
+    intermediate_size: int = Field(128, ge=8, description="SwiGLU hidden width.")
+    max_seq_len: int = Field(512, ge=16, description="Longest sequence the rotary tables cover.")
+    rope_theta: float = Field(10000.0, gt=0, description="Rotary embedding base.")
+    rms_norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon.")
+    tie_embeddings: bool = Field(True, description="Share the input embedding with the output head.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TransformerConfig:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("numHeads must be a multiple of numKvHeads")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError("hiddenSize must be a multiple of numHeads when headDim is unset")
+        return self
+
+
+class ModelSpec(SpecModel):
+    """The policy: an architecture to initialise, or a Hugging Face-format checkpoint."""
+
+    checkpoint: str | None = Field(
+        None, description="Directory with safetensors weights and config.json; random init when unset."
+    )
+    tokenizer: str | None = Field(
+        None, description="Path to a tokenizers tokenizer.json; the built-in environment tokenizer when unset."
+    )
+    architecture: TransformerConfig = Field(default_factory=TransformerConfig)
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter and compute dtype.")
+
+
+# ----------------------------------------------------------------------------------- algorithm
+
+
+class AlgorithmName(str, Enum):
+    GRPO = "grpo"
+    PPO = "ppo"
+    DPO = "dpo"
+    GSPO = "gspo"
+
+
+class AlgorithmSpec(SpecModel):
+    """The RL objective and its hyperparameters."""
+
+    name: AlgorithmName = Field(AlgorithmName.GRPO, description="grpo | ppo | dpo | gspo.")
+    learning_rate: float = Field(3e-3, gt=0, description="Adam learning rate.")
+    clip_epsilon: float = Field(0.2, gt=0, description="PPO-style ratio clip (low side).")
+    clip_epsilon_high: float | None = Field(None, gt=0, description="Upper ratio clip; clipEpsilon when unset.")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference policy (0 disables it).")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus.")
+    importance_correction: bool = Field(
+        True, description="Truncated importance sampling against the behaviour policy's log-probs."
+    )
+    importance_cap: float = Field(2.0, ge=1, description="Truncation cap of the importance weight.")
+    loss_aggregation: Literal["token-mean", "sequence-mean"] = Field(
+        "token-mean", description="How per-token losses are averaged."
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount (PPO).")
+    gae_lambda: float = Field(0.95, ge=0, le=1, description="GAE lambda (PPO).")
+    value_coef: float = Field(0.5, ge=0, description="Value loss weight (PPO).")
+    dpo_beta: float = Field(0.1, gt=0, description="DPO inverse temperature.")
+    dpo_dataset: str | None = Field(None, description="JSONL of chosen/rejected pairs; buffer groups ranked by reward when unset.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+
+
+# --------------------------------------------------------------------------------- environment
+
+
+class FrozenLakeOptions(SpecModel):
+    size: int = Field(4, ge=2, le=16, description="Map side length.")
+    slippery: bool = Field(False, description="Gymnasium's is_slippery.")
+    map_seeds: list[int] = Field(
+        default_factory=lambda: [0, 1, 2, 3], min_length=1, description="Each seed generates one random solvable map."
+    )
+    hole_probability: float = Field(0.2, ge=0, lt=1, description="1 - gymnasium's p (frozen-tile probability).")
+    reward_shaping: bool = Field(
+        True,
+        description="Potential-based shaping (distance to goal); it never changes the optimal policy.",
+    )
+
+
+class SweOptions(SpecModel):
+    tasks: list[str] = Field(
+        default_factory=list, description="Task names from the bundled set; all bundled tasks when empty."
+    )
+
+
+class StepLatency(SpecModel):
+    """Extra delay injected into every environment step (benchmarks)."""
+
+    distribution: Literal["none", "fixed", "uniform", "exponential"] = "none"
+    seconds: float = Field(0.0, ge=0, description="The fixed delay, or the mean for uniform/exponential.")
+
+
+class SandboxSpec(SpecModel):
+    kind: Literal["process", "pod"] = Field(
+        "process", description="process: a local subprocess; pod: a Kubernetes pod per episode."
+    )
+    image: str | None = Field(None, description="Sandbox pod image (kind: pod); the actor image when unset.")
+    cpu_seconds: int = Field(60, ge=1, description="CPU-time limit per sandbox.")
+    memory_mb: int = Field(512, ge=16, description="Address-space limit per sandbox.")
+    step_timeout_seconds: float = Field(30.0, gt=0, description="Wall-clock limit per environment step.")
+    heartbeat_seconds: float = Field(10.0, gt=0, description="How often the actor marks its sandboxes alive.")
+    heartbeat_ttl_seconds: float = Field(120.0, gt=0, description="A sandbox pod silent this long is a zombie.")
+
+
+class EnvironmentSpec(SpecModel):
+    name: Literal["frozenlake", "swe"] = Field("frozenlake", description="frozenlake | swe.")
+    frozenlake: FrozenLakeOptions = Field(default_factory=FrozenLakeOptions)
+    swe: SweOptions = Field(default_factory=SweOptions)
+    max_turns: int = Field(8, ge=1, description="Turn limit per episode.")
+    max_episode_seconds: float = Field(300.0, gt=0, description="Wall-clock limit per episode.")
+    step_latency: StepLatency = Field(default_factory=StepLatency)
+    sandbox: SandboxSpec = Field(default_factory=SandboxSpec)
+
+
+# -------------------------------------------------------------------------------------- actors
+
+
+class ResourceList(SpecModel):
+    cpu: Annotated[str, Field(pattern=QUANTITY_PATTERN)] | None = None
+    memory: Annotated[str, Field(pattern=QUANTITY_PATTERN)] | None = None
+
+
+class Resources(SpecModel):
+    requests: ResourceList = Field(default_factory=ResourceList)
+    limits: ResourceList = Field(default_factory=ResourceList)
+
+
+class SamplingSpec(SpecModel):
+    temperature: float = Field(1.0, gt=0, description="Softmax temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    max_new_tokens: int = Field(4, ge=1, description="Token limit per model turn.")
+
+
+class ActorsSpec(SpecModel):
+    replicas: int = Field(2, ge=0, description="Actor processes/pods.")
+    min_replicas: int = Field(1, ge=0, description="Autoscaling floor.")
+    max_replicas: int = Field(8, ge=1, description="Autoscaling ceiling.")
+    concurrency: int = Field(8, ge=1, description="Episodes each actor runs at once.")
+    image: str | None = Field(None, description="Actor image; the operator's default when unset.")
+    resources: Resources = Field(
+        default_factory=lambda: Resources(
+            requests=ResourceList(cpu="1", memory="2Gi"), limits=ResourceList(cpu="2", memory="4Gi")
+        )
+    )
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    weight_sync: Literal["between-turns", "between-episodes"] = Field(
+        "between-turns", description="When an actor may switch to newer weights."
+    )
+
+
+# -------------------------------------------------------------------------------------- buffer
+
+
+class SecretRef(SpecModel):
+    name: Annotated[str, Field(pattern=DNS_LABEL_PATTERN, max_length=253)]
+    key: str = "token"
+
+
+class BufferSpec(SpecModel):
+    capacity: int = Field(4096, ge=1, description="Trajectories held before Put is refused (backpressure).")
+    group_size: int = Field(8, ge=1, description="Episodes per task group (GRPO's G).")
+    max_staleness: int = Field(4, ge=0, description="Policy versions a token may lag behind the learner.")
+    sync: Literal["batch", "none"] = Field("batch", description="batch: fsync per Put; none: leave it to the OS.")
+    failed_group_policy: Literal["mask", "discard"] = Field(
+        "mask", description="Deliver groups containing a failed episode masked, or discard (and count) them."
+    )
+    group_timeout_seconds: float = Field(600.0, gt=0, description="Incomplete groups older than this are reported.")
+    storage_size: Annotated[str, Field(pattern=QUANTITY_PATTERN)] = Field(
+        "10Gi", description="PersistentVolumeClaim size for the write-ahead log."
+    )
+    auth_secret_ref: SecretRef | None = Field(
+        None, description="Secret holding the bearer token; the operator generates one when unset."
+    )
+    port: int = Field(50051, ge=1, le=65535)
+
+
+# ------------------------------------------------------------------------------------- learner
+
+
+class MeshSpec(SpecModel):
+    """Named mesh axes and their sizes; -1 takes all remaining devices."""
+
+    fsdp: int = Field(-1, description="Parameter/optimizer sharding axis.")
+    tp: int = Field(1, ge=1, description="Tensor-parallel axis.")
+
+
+class CheckpointSpec(SpecModel):
+    dir: str = Field("checkpoints", description="Orbax checkpoint directory (local path or gs://).")
+    interval_steps: int = Field(50, ge=1)
+    keep: int = Field(3, ge=1, description="Checkpoints retained.")
+
+
+TPU_ACCELERATORS = (
+    "tpu-v4-podslice",
+    "tpu-v5-lite-podslice",
+    "tpu-v5p-slice",
+    "tpu-v6e-slice",
+)
+
+
+class LearnerSpec(SpecModel):
+    accelerator: Literal["cpu", "tpu-v4-podslice", "tpu-v5-lite-podslice", "tpu-v5p-slice", "tpu-v6e-slice"] = Field(
+        "cpu", description="GKE TPU accelerator label, or cpu for a local run."
+    )
+    topology: Annotated[str, Field(pattern=r"^[1-9][0-9]*(x[1-9][0-9]*){1,2}$")] | None = Field(
+        None, description="TPU topology, e.g. 2x4 (immutable once set)."
+    )
+    num_slices: int = Field(1, ge=1, description="TPU slices (multislice when > 1).")
+    mesh: MeshSpec = Field(default_factory=MeshSpec)
+    batch_groups: int = Field(4, ge=1, description="Groups per training step.")
+    sequence_buckets: list[int] = Field(
+        default_factory=lambda: [128, 256, 512, 1024], min_length=1, description="Packed row lengths."
+    )
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    publish_interval_steps: int = Field(1, ge=1, description="Publish weights to actors every k steps.")
+    max_steps: int = Field(500, ge=1, description="Training stops after this many steps.")
+    compilation_cache_dir: str | None = Field(None, description="JAX persistent compilation cache.")
+    max_restarts: int = Field(3, ge=0, description="JobSet failurePolicy.maxRestarts.")
+    queue_name: str | None = Field(None, description="Kueue LocalQueue (label kueue.x-k8s.io/queue-name).")
+    image: str | None = Field(None, description="Learner image; the operator's default when unset.")
+
+    @model_validator(mode="after")
+    def _buckets_ascending(self) -> LearnerSpec:
+        if list(self.sequence_buckets) != sorted(set(self.sequence_buckets)) or self.sequence_buckets[0] < 8:
+            raise ValueError("sequenceBuckets must be strictly ascending lengths >= 8")
+        return self
+
+
+# ---------------------------------------------------------------------------------------- job
+
+
+class RLJobSpec(SpecModel):
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    environment: EnvironmentSpec = Field(default_factory=EnvironmentSpec)
+    actors: ActorsSpec = Field(default_factory=ActorsSpec)
+    buffer: BufferSpec = Field(default_factory=BufferSpec)
+    learner: LearnerSpec = Field(default_factory=LearnerSpec)
+    mode: Literal["disaggregated", "colocated"] = Field(
+        "disaggregated", description="disaggregated: actors, buffer, learner apart; colocated: learner only, on-policy."
+    )
+    suspend: bool = Field(False, description="Scale actors to 0 and stop the learner after a checkpoint.")
+    seed: int = Field(0, ge=0, description="Seeds initialisation, sampling and environments.")
+
+
+class ObjectMeta(BaseModel):
+    """The part of Kubernetes ObjectMeta a manifest may carry; the server owns the rest."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: Annotated[str, Field(pattern=DNS_LABEL_PATTERN, max_length=63)] = "stoker"
+    namespace: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class RLJob(BaseModel):
+    model_config = ConfigDict(populate_by_name=True, extra="forbid", frozen=True)
+
+    api_version: Literal["stoker.dev/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
+    kind: Literal["RLJob"] = KIND
+    metadata: ObjectMeta = Field(default_factory=ObjectMeta)
+    spec: RLJobSpec = Field(default_factory=RLJobSpec)
+    # Written by the operator; accepted so `kubectl get -o yaml` output validates too.
+    status: dict[str, Any] | None = None
+
+
+# ---------------------------------------------------------------------- cross-field rules
+
+
+def cross_field_problems(spec: RLJobSpec) -> list[tuple[str, str]]:
+    """Rules spanning several fields, as ``(field path under spec, message)``.
+
+    Kept as plain checks rather than pydantic validators so each problem names the exact field;
+    the CRD carries the same rules as CEL (see ``stoker.crd``) so the API server enforces them too.
+    """
+    problems: list[tuple[str, str]] = []
+    actors = spec.actors
+    if actors.min_replicas > actors.max_replicas:
+        problems.append(
+            ("actors.minReplicas", f"got {actors.min_replicas}; expected <= maxReplicas ({actors.max_replicas})")
+        )
+    if spec.learner.accelerator != "cpu" and spec.learner.topology is None:
+        problems.append(("learner.topology", f"missing; required for accelerator {spec.learner.accelerator}"))
+    if spec.algorithm.name in (AlgorithmName.GRPO, AlgorithmName.GSPO) and spec.buffer.group_size < 2:
+        problems.append(
+            ("buffer.groupSize", f"got {spec.buffer.group_size}; expected >= 2 for group-relative advantages")
+        )
+    longest_bucket = spec.learner.sequence_buckets[-1]
+    if longest_bucket > spec.model.architecture.max_seq_len:
+        problems.append(
+            (
+                "learner.sequenceBuckets",
+                f"got a {longest_bucket}-token bucket; expected <= model.architecture.maxSeqLen "
+                f"({spec.model.architecture.max_seq_len})",
+            )
+        )
+    return problems
+
+
+# CEL equivalents of cross_field_problems, attached to the CRD schema at these paths.
+CEL_RULES: dict[tuple[str, ...], list[dict[str, Any]]] = {
+    ("actors",): [cel("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas")],
+    ("learner",): [
+        cel("self.accelerator == 'cpu' || has(self.topology)", "topology is required for a TPU accelerator"),
+        cel(
+            "!has(oldSelf.topology) || (has(self.topology) && self.topology == oldSelf.topology)",
+            "topology is immutable",
+        ),
+        cel("self.accelerator == oldSelf.accelerator", "accelerator is immutable"),
+    ],
+}
+

@@ -1,0 +1,64 @@
+"""The RLJob status: what the operator reports and ``kubectl get rljobs`` shows.
+
+Shared by the operator (which writes it) and the CRD generator (which declares its schema, so the
+API server does not prune it).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+Phase = Literal["Pending", "Running", "Suspended", "Succeeded", "Failed", "Degraded"]
+
+CONDITION_TYPES = (
+    "Ready",
+    "LearnerReady",
+    "ActorsAvailable",
+    "BufferReady",
+    "Suspended",
+    "StalenessExceeded",
+    "LearnerStarved",
+)
+
+
+class StatusModel(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class Condition(StatusModel):
+    """A ``metav1.Condition``."""
+
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
+    message: str = ""
+    observed_generation: int | None = None
+    last_transition_time: str = Field(description="RFC 3339; changes only when status changes.")
+
+
+class StalenessStatus(StatusModel):
+    p50: int = 0
+    max: int = 0
+    dropped: int = Field(0, description="Groups dropped at sample time for being too stale.")
+
+
+class ActorsStatus(StatusModel):
+    ready: int = 0
+    desired: int = 0
+    summary: str = Field("0/0", description="ready/desired, for kubectl get.")
+
+
+class RLJobStatus(StatusModel):
+    phase: Phase | None = None
+    observed_generation: int | None = None
+    policy_version: int | None = None
+    staleness: StalenessStatus | None = None
+    buffer_fill: float | None = None
+    learner_duty_cycle: float | None = None
+    actors: ActorsStatus | None = None
+    zombies_reaped: int | None = None
+    message: str | None = None
+    conditions: list[Condition] = Field(default_factory=list)
