@@ -51,6 +51,7 @@ class Episode:
     finished_unix: float = 0.0
     sample_seconds: float = 0.0
     environment_seconds: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -89,6 +90,7 @@ def to_proto(episode: Episode) -> trajectory_pb2.Trajectory:
             sample_seconds=episode.sample_seconds,
             environment_seconds=episode.environment_seconds,
         ),
+        metrics=episode.metrics,
     )
 
 
@@ -113,6 +115,7 @@ def from_proto(message: trajectory_pb2.Trajectory) -> Episode:
         finished_unix=message.timings.finished_unix,
         sample_seconds=message.timings.sample_seconds,
         environment_seconds=message.timings.environment_seconds,
+        metrics=dict(message.metrics),
     )
 
 

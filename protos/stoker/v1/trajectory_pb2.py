@@ -24,17 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astoker/v1/trajectory.proto\x12\tstoker.v1\"k\n\x07Timings\x12\x14\n\x0cstarted_unix\x18\x01 \x01(\x01\x12\x15\n\rfinished_unix\x18\x02 \x01(\x01\x12\x16\n\x0esample_seconds\x18\x03 \x01(\x01\x12\x1b\n\x13\x65nvironment_seconds\x18\x04 \x01(\x01\"\xed\x02\n\nTrajectory\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x12\n\ngroup_size\x18\x03 \x01(\r\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12\x10\n\x08\x61\x63tor_id\x18\x05 \x01(\t\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x11\n\ttoken_ids\x18\x07 \x01(\x0c\x12\x11\n\tloss_mask\x18\x08 \x01(\x0c\x12\x10\n\x08logprobs\x18\t \x01(\x0c\x12\x17\n\x0fpolicy_versions\x18\n \x01(\x0c\x12\x14\n\x0cturn_rewards\x18\x0b \x03(\x02\x12\x0e\n\x06reward\x18\x0c \x01(\x02\x12(\n\x06status\x18\r \x01(\x0e\x32\x18.stoker.v1.EpisodeStatus\x12\x15\n\rstatus_reason\x18\x0e \x01(\t\x12\x11\n\tnum_turns\x18\x0f \x01(\r\x12#\n\x07timings\x18\x10 \x01(\x0b\x32\x12.stoker.v1.Timings*\x9b\x01\n\rEpisodeStatus\x12\x1e\n\x1a\x45PISODE_STATUS_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45PISODE_STATUS_OK\x10\x01\x12\x1c\n\x18\x45PISODE_STATUS_TRUNCATED\x10\x02\x12\x19\n\x15\x45PISODE_STATUS_FAILED\x10\x03\x12\x1a\n\x16\x45PISODE_STATUS_TIMEOUT\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astoker/v1/trajectory.proto\x12\tstoker.v1\"k\n\x07Timings\x12\x14\n\x0cstarted_unix\x18\x01 \x01(\x01\x12\x15\n\rfinished_unix\x18\x02 \x01(\x01\x12\x16\n\x0esample_seconds\x18\x03 \x01(\x01\x12\x1b\n\x13\x65nvironment_seconds\x18\x04 \x01(\x01\"\xd2\x03\n\nTrajectory\x12\x12\n\nepisode_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x12\n\ngroup_size\x18\x03 \x01(\r\x12\x0f\n\x07task_id\x18\x04 \x01(\t\x12\x10\n\x08\x61\x63tor_id\x18\x05 \x01(\t\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x11\n\ttoken_ids\x18\x07 \x01(\x0c\x12\x11\n\tloss_mask\x18\x08 \x01(\x0c\x12\x10\n\x08logprobs\x18\t \x01(\x0c\x12\x17\n\x0fpolicy_versions\x18\n \x01(\x0c\x12\x14\n\x0cturn_rewards\x18\x0b \x03(\x02\x12\x0e\n\x06reward\x18\x0c \x01(\x02\x12(\n\x06status\x18\r \x01(\x0e\x32\x18.stoker.v1.EpisodeStatus\x12\x15\n\rstatus_reason\x18\x0e \x01(\t\x12\x11\n\tnum_turns\x18\x0f \x01(\r\x12#\n\x07timings\x18\x10 \x01(\x0b\x32\x12.stoker.v1.Timings\x12\x33\n\x07metrics\x18\x11 \x03(\x0b\x32\".stoker.v1.Trajectory.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\x9b\x01\n\rEpisodeStatus\x12\x1e\n\x1a\x45PISODE_STATUS_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45PISODE_STATUS_OK\x10\x01\x12\x1c\n\x18\x45PISODE_STATUS_TRUNCATED\x10\x02\x12\x19\n\x15\x45PISODE_STATUS_FAILED\x10\x03\x12\x1a\n\x16\x45PISODE_STATUS_TIMEOUT\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stoker.v1.trajectory_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EPISODESTATUS']._serialized_start=519
-  _globals['_EPISODESTATUS']._serialized_end=674
+  _globals['_TRAJECTORY_METRICSENTRY']._loaded_options = None
+  _globals['_TRAJECTORY_METRICSENTRY']._serialized_options = b'8\001'
+  _globals['_EPISODESTATUS']._serialized_start=620
+  _globals['_EPISODESTATUS']._serialized_end=775
   _globals['_TIMINGS']._serialized_start=41
   _globals['_TIMINGS']._serialized_end=148
   _globals['_TRAJECTORY']._serialized_start=151
-  _globals['_TRAJECTORY']._serialized_end=516
+  _globals['_TRAJECTORY']._serialized_end=617
+  _globals['_TRAJECTORY_METRICSENTRY']._serialized_start=571
+  _globals['_TRAJECTORY_METRICSENTRY']._serialized_end=617
 # @@protoc_insertion_point(module_scope)

@@ -33,7 +33,14 @@ class Timings(_message.Message):
     def __init__(self, started_unix: _Optional[float] = ..., finished_unix: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., environment_seconds: _Optional[float] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("episode_id", "group_id", "group_size", "task_id", "actor_id", "num_tokens", "token_ids", "loss_mask", "logprobs", "policy_versions", "turn_rewards", "reward", "status", "status_reason", "num_turns", "timings")
+    __slots__ = ("episode_id", "group_id", "group_size", "task_id", "actor_id", "num_tokens", "token_ids", "loss_mask", "logprobs", "policy_versions", "turn_rewards", "reward", "status", "status_reason", "num_turns", "timings", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     EPISODE_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +57,7 @@ class Trajectory(_message.Message):
     STATUS_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_TURNS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     episode_id: str
     group_id: str
     group_size: int
@@ -66,4 +74,5 @@ class Trajectory(_message.Message):
     status_reason: str
     num_turns: int
     timings: Timings
-    def __init__(self, episode_id: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., task_id: _Optional[str] = ..., actor_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., loss_mask: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., policy_versions: _Optional[bytes] = ..., turn_rewards: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., status: _Optional[_Union[EpisodeStatus, str]] = ..., status_reason: _Optional[str] = ..., num_turns: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, episode_id: _Optional[str] = ..., group_id: _Optional[str] = ..., group_size: _Optional[int] = ..., task_id: _Optional[str] = ..., actor_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., loss_mask: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., policy_versions: _Optional[bytes] = ..., turn_rewards: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., status: _Optional[_Union[EpisodeStatus, str]] = ..., status_reason: _Optional[str] = ..., num_turns: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
