@@ -11,8 +11,10 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from stoker import __version__
+from stoker.manifest import ManifestError
 
 # subcommand -> (module providing add_arguments/main, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -31,7 +33,8 @@ class NotReady(Exception):
     """A subcommand whose component is not built yet."""
 
 
-def _load(module_name: str):  # type: ignore[no-untyped-def]
+def _load(module_name: str) -> Any:
+    """The subcommand's module; typed Any because each provides add_arguments/main by convention."""
     return importlib.import_module(module_name)
 
 
@@ -43,6 +46,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NotReady as exc:
         print(f"stoker {args.command}: {exc}", file=sys.stderr)
         return 3
+    except ManifestError as exc:
+        for problem in exc.problems:
+            print(problem, file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"stoker {args.command}: interrupted", file=sys.stderr)
         return 130

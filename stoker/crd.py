@@ -35,10 +35,10 @@ def structural(schema: dict[str, Any], defs: dict[str, Any] | None = None) -> di
         if len(options) != 1:
             raise ValueError(f"cannot express a union of {len(options)} types structurally: {schema}")
         rest = {k: v for k, v in schema.items() if k != "anyOf"}
-        out = structural({**options[0], **rest}, defs)
+        translated = structural({**options[0], **rest}, defs)
         if nullable:
-            out["nullable"] = True
-        return out
+            translated["nullable"] = True
+        return translated
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key in _DROP_KEYS:
@@ -51,6 +51,12 @@ def structural(schema: dict[str, Any], defs: dict[str, Any] | None = None) -> di
             out["enum"] = [value]
         elif key == "additionalProperties" and value is False:
             continue  # structural schemas prune unknown fields already
+        elif key in ("exclusiveMinimum", "exclusiveMaximum"):
+            # JSON Schema 2020 puts the bound here; OpenAPI v3.0 wants the bound plus a flag.
+            out["minimum" if key == "exclusiveMinimum" else "maximum"] = value
+            out[key] = True
+        elif key == "default" and value is None:
+            continue  # an unset optional is simply absent
         else:
             out[key] = copy.deepcopy(value)
     if "enum" in out and "type" not in out:

@@ -70,7 +70,10 @@ def _explain(error: Any) -> tuple[str, str]:
         return path, f"got {_short(given)}; expected one of {ctx.get('expected', '')}"
     if kind == "value_error":
         return path, f"{error['msg'].removeprefix('Value error, ')}"
-    return path, f"got {_short(given)}; expected {error['msg'][0].lower()}{error['msg'][1:]}"
+    expected = error["msg"]
+    for prefix in ("Input should be ", "String should ", "List should ", "Value should "):
+        expected = expected.removeprefix(prefix)
+    return path, f"got {_short(given)}; expected {expected}"
 
 
 def validate_document(doc: Any, source: str) -> tuple[RLJob | None, list[Problem]]:

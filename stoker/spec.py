@@ -12,7 +12,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "stoker.dev"
@@ -268,7 +268,7 @@ class LearnerSpec(SpecModel):
     mesh: MeshSpec = Field(default_factory=MeshSpec)
     batch_groups: int = Field(4, ge=1, description="Groups per training step.")
     sequence_buckets: list[int] = Field(
-        default_factory=lambda: [128, 256, 512, 1024], min_length=1, description="Packed row lengths."
+        default_factory=lambda: [128, 256, 512], min_length=1, description="Packed row lengths."
     )
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     publish_interval_steps: int = Field(1, ge=1, description="Publish weights to actors every k steps.")
@@ -278,11 +278,12 @@ class LearnerSpec(SpecModel):
     queue_name: str | None = Field(None, description="Kueue LocalQueue (label kueue.x-k8s.io/queue-name).")
     image: str | None = Field(None, description="Learner image; the operator's default when unset.")
 
-    @model_validator(mode="after")
-    def _buckets_ascending(self) -> LearnerSpec:
-        if list(self.sequence_buckets) != sorted(set(self.sequence_buckets)) or self.sequence_buckets[0] < 8:
-            raise ValueError("sequenceBuckets must be strictly ascending lengths >= 8")
-        return self
+    @field_validator("sequence_buckets")
+    @classmethod
+    def _buckets_ascending(cls, buckets: list[int]) -> list[int]:
+        if buckets != sorted(set(buckets)) or buckets[0] < 8:
+            raise ValueError(f"got {buckets}; expected strictly ascending lengths >= 8")
+        return buckets
 
 
 # ---------------------------------------------------------------------------------------- job
@@ -316,8 +317,8 @@ class ObjectMeta(BaseModel):
 class RLJob(BaseModel):
     model_config = ConfigDict(populate_by_name=True, extra="forbid", frozen=True)
 
-    api_version: Literal["stoker.dev/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
-    kind: Literal["RLJob"] = KIND
+    api_version: Literal["stoker.dev/v1alpha1"] = Field("stoker.dev/v1alpha1", alias="apiVersion")
+    kind: Literal["RLJob"] = "RLJob"
     metadata: ObjectMeta = Field(default_factory=ObjectMeta)
     spec: RLJobSpec = Field(default_factory=RLJobSpec)
     # Written by the operator; accepted so `kubectl get -o yaml` output validates too.

@@ -1,0 +1,86 @@
+"""The environment protocol: reset/step over text, with reward, done and info.
+
+Environments run inside a sandbox (see ``sandbox_server``), so this module and the environments
+stay free of JAX and of anything the actor's inference needs. The actor never hands an environment
+token ids: it decodes the model's sampled ids to text for ``step`` and tokenises the observation
+text it gets back.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class Observation:
+    text: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StepResult:
+    observation: Observation
+    reward: float
+    terminated: bool  # the environment reached a terminal state
+    truncated: bool = False  # the environment itself stopped the episode early
+
+
+class EnvironmentError_(Exception):
+    """A user-visible environment problem (bad options, unknown task)."""
+
+
+class Environment(Protocol):
+    """One episode's environment; text in, text out."""
+
+    def reset(self, task_id: str, seed: int) -> Observation: ...
+
+    def step(self, action: str) -> StepResult: ...
+
+    def close(self) -> None: ...
+
+
+def make_environment(name: str, options: dict[str, Any], workdir: str) -> Environment:
+    """Build a named environment from its RLJob options (camelCase or snake_case keys).
+
+    ``workdir`` is the sandbox's private directory; environments that touch files stay inside it.
+    """
+    if name == "frozenlake":
+        from stoker.actor.frozenlake import FrozenLake
+
+        return FrozenLake.from_options(options)
+    if name == "swe":
+        from stoker.actor.swe import SweEnvironment
+
+        return SweEnvironment.from_options(options, workdir)
+    raise EnvironmentError_(f"unknown environment {name!r}; expected frozenlake or swe")
+
+
+def options_json(options: Any) -> str:
+    """Spec options (a pydantic model) as the JSON a sandbox Reset carries."""
+    return json.dumps(options.model_dump(mode="json", by_alias=True))
+
+
+@dataclass(frozen=True)
+class StepLatency:
+    """Extra delay per environment step (benchmarks): none, fixed, uniform or exponential.
+
+    ``seconds`` is the fixed delay, or the mean: uniform draws from [0, 2*seconds], exponential
+    from Exp(1/seconds).
+    """
+
+    distribution: str = "none"
+    seconds: float = 0.0
+
+    def sample(self, rng: random.Random) -> float:
+        if self.distribution == "none" or self.seconds <= 0:
+            return 0.0
+        if self.distribution == "fixed":
+            return self.seconds
+        if self.distribution == "uniform":
+            return rng.uniform(0.0, 2.0 * self.seconds)
+        if self.distribution == "exponential":
+            return rng.expovariate(1.0 / self.seconds)
+        raise EnvironmentError_(f"unknown latency distribution {self.distribution!r}")
