@@ -1,15 +1,340 @@
-"""``stoker run``: the local runner (buffer, actors and learner as local processes)."""
+"""``stoker run``: an RLJob on this machine, with no cluster.
+
+``--mode async`` (the default) starts the same processes a cluster would run -- the buffer, the
+learner and ``spec.actors.replicas`` actors -- as local subprocesses talking gRPC over loopback,
+and supervises them: a live progress display, a run directory with metrics and checkpoints, a
+report at the end, and a clean stop on completion, on error and on Ctrl-C (learner first so it
+writes its final checkpoint, then actors with their sandboxes, then the buffer).
+
+``--mode sync`` runs the classic synchronous loop in this process (generate, step environments,
+train, repeat) with the same model and environment: the on-policy baseline.
+
+Running again with the same ``--run-dir`` resumes: the learner restores its latest checkpoint and
+the buffer replays its log.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
 
-from stoker.cli import NotReady
+from stoker.manifest import load_job
+from stoker.spec import RLJob
+
+# How long a child gets to shut down cleanly after SIGTERM before it is killed.
+STOP_GRACE_SECONDS = 30.0
+READY_TIMEOUT_SECONDS = 120.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE", help="RLJob manifest")
+    parser.add_argument(
+        "--mode",
+        choices=("async", "sync"),
+        default="async",
+        help="async: buffer, actors and learner as processes (default); sync: the synchronous baseline loop",
+    )
+    parser.add_argument("--run-dir", type=Path, help="run directory (default: runs/<job name>); reused to resume")
+    parser.add_argument("--max-minutes", type=float, help="stop after this much wall-clock time")
+    parser.add_argument(
+        "--target-success",
+        type=float,
+        help="stop once the rolling success rate reaches this value (e.g. 0.9)",
+    )
+    parser.add_argument("--max-steps", type=int, help="override spec.learner.maxSteps")
+    parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of the live display")
+
+
+@dataclass
+class RunOptions:
+    """What ``stoker run`` was asked to do, resolved once."""
+
+    manifest: Path
+    job: RLJob
+    mode: str
+    run_dir: Path
+    max_minutes: float | None = None
+    target_success: float | None = None
+    max_steps: int | None = None
+    live: bool = True
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    @property
+    def weights_dir(self) -> Path:
+        return self.run_dir / "weights"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.run_dir / "logs"
+
+
+def resolve_options(args: argparse.Namespace) -> RunOptions:
+    job = load_job(args.file)
+    run_dir = args.run_dir or Path("runs") / job.metadata.name
+    return RunOptions(
+        manifest=Path(args.file).resolve(),
+        job=job,
+        mode=args.mode,
+        run_dir=run_dir.resolve(),
+        max_minutes=args.max_minutes,
+        target_success=args.target_success,
+        max_steps=args.max_steps,
+        live=not args.no_progress and sys.stderr.isatty(),
+    )
 
 
 def main(args: argparse.Namespace) -> int:
-    raise NotReady("not available yet in this version")
+    options = resolve_options(args)
+    options.run_dir.mkdir(parents=True, exist_ok=True)
+    options.logs_dir.mkdir(exist_ok=True)
+    _write_run_record(options)
+    if options.mode == "sync":
+        from stoker.sync import run_sync
+
+        outcome = run_sync(options)
+    else:
+        outcome = run_async(options)
+    from stoker.report import write_report
+
+    report = write_report(options.run_dir)
+    print(f"{outcome.message}\nreport: {report}", file=sys.stderr)
+    return outcome.exit_code
+
+
+def _write_run_record(options: RunOptions) -> None:
+    record = {
+        "manifest": str(options.manifest),
+        "mode": options.mode,
+        "started_unix": time.time(),
+        "spec": options.job.spec.model_dump(by_alias=True, mode="json"),
+    }
+    with (options.run_dir / "runs.jsonl").open("a") as out:
+        out.write(json.dumps(record) + "\n")
+
+
+# ------------------------------------------------------------------------------ supervision
+
+
+@dataclass
+class Outcome:
+    exit_code: int
+    message: str
+
+
+@dataclass
+class Child:
+    """One supervised subprocess, in its own process group so its sandboxes die with it."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+    _log: IO[bytes] | None = None
+
+    def start(self, env: dict[str, str]) -> None:
+        self._log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def signal(self, signum: int) -> None:
+        if self.running and self.process is not None:
+            try:
+                os.killpg(self.process.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def wait(self, timeout: float) -> bool:
+        if self.process is None:
+            return True
+        try:
+            self.process.wait(timeout=timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
+        """SIGTERM, wait, then SIGKILL the whole process group (sandboxes included)."""
+        self.signal(signal.SIGTERM)
+        if not self.wait(grace):
+            self.signal(signal.SIGKILL)
+            self.wait(10.0)
+        # Whatever the child left in its group (e.g. a sandbox mid-step) goes too.
+        if self.process is not None:
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self._log is not None:
+            self._log.close()
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def _stoker(*args: str) -> list[str]:
+    return [sys.executable, "-m", "stoker.cli", *args]
+
+
+def wait_for_ready_file(path: Path, child: Child, timeout: float = READY_TIMEOUT_SECONDS) -> str:
+    """The content a child writes to ``path`` once it serves (its address), or RuntimeError."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.stat().st_size:
+            return path.read_text().strip()
+        if not child.running:
+            raise RuntimeError(f"{child.name} exited with code {child.returncode} before it was ready:\n{child.tail()}")
+        child.wait(0.1)
+    raise RuntimeError(f"{child.name} was not ready after {timeout:.0f} s:\n{child.tail()}")
+
+
+@contextmanager
+def _terminate_on_signals() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt so both stop the run the same orderly way."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@dataclass
+class AsyncRun:
+    options: RunOptions
+    buffer: Child | None = None
+    learner: Child | None = None
+    actors: list[Child] = field(default_factory=list)
+
+    def children(self) -> list[Child]:
+        return [c for c in (self.learner, *self.actors, self.buffer) if c is not None]
+
+    def start(self, env: dict[str, str]) -> str:
+        o = self.options
+        manifest = str(o.manifest)
+        ready = o.run_dir / "buffer.ready"
+        ready.unlink(missing_ok=True)
+        self.buffer = Child(
+            "buffer",
+            _stoker(
+                "buffer",
+                "--manifest", manifest,
+                "--port", "0",
+                "--data-dir", str(o.run_dir / "buffer"),
+                "--ready-file", str(ready),
+            ),
+            o.logs_dir / "buffer.log",
+        )
+        self.buffer.start(env)
+        address = wait_for_ready_file(ready, self.buffer)
+        learner_argv = _stoker(
+            "learner",
+            "--manifest", manifest,
+            "--buffer", address,
+            "--run-dir", str(o.run_dir),
+            "--weights-dir", str(o.weights_dir),
+        )
+        if o.max_steps is not None:
+            learner_argv += ["--max-steps", str(o.max_steps)]
+        self.learner = Child("learner", learner_argv, o.logs_dir / "learner.log")
+        self.learner.start(env)
+        for index in range(o.job.spec.actors.replicas):
+            actor = Child(
+                f"actor-{index}",
+                _stoker(
+                    "actor",
+                    "--manifest", manifest,
+                    "--buffer", address,
+                    "--weights", str(o.weights_dir),
+                    "--actor-id", f"actor-{index}",
+                ),
+                o.logs_dir / f"actor-{index}.log",
+            )
+            actor.start(env)
+            self.actors.append(actor)
+        return address
+
+    def stop(self) -> None:
+        # Learner first (final checkpoint), then actors (and their sandboxes), the buffer last so
+        # in-flight Puts still land.
+        for child in self.children():
+            child.stop()
+
+    def failed_child(self) -> Child | None:
+        for child in self.children():
+            code = child.returncode
+            if code is not None and code != 0:
+                return child
+            if code == 0 and child is not self.learner:
+                return child  # only the learner is expected to finish
+        return None
+
+
+def child_env(options: RunOptions) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    cache = options.job.spec.learner.compilation_cache_dir or str(options.run_dir / "jax-cache")
+    env.setdefault("STOKER_COMPILATION_CACHE", cache)
+    return env
+
+
+def run_async(options: RunOptions) -> Outcome:
+    from stoker.progress import Progress
+
+    run = AsyncRun(options)
+    deadline = time.monotonic() + options.max_minutes * 60 if options.max_minutes else None
+    with _terminate_on_signals(), Progress(options) as progress:
+        try:
+            address = run.start(child_env(options))
+            progress.attach_buffer(address)
+            while True:
+                progress.refresh()
+                if run.learner is not None and run.learner.returncode == 0:
+                    return Outcome(0, f"done: learner finished ({progress.summary()})")
+                failed = run.failed_child()
+                if failed is not None:
+                    return Outcome(
+                        1,
+                        f"{failed.name} exited with code {failed.returncode}; stopping the run.\n"
+                        f"last lines of {failed.log_path}:\n{failed.tail()}",
+                    )
+                if options.target_success is not None and progress.success_rate() >= options.target_success:
+                    return Outcome(0, f"done: success rate reached {options.target_success} ({progress.summary()})")
+                if deadline is not None and time.monotonic() > deadline:
+                    return Outcome(0, f"stopped after {options.max_minutes} minutes ({progress.summary()})")
+                assert run.learner is not None
+                run.learner.wait(0.5)
+        except KeyboardInterrupt:
+            return Outcome(130, f"interrupted; checkpoint and buffer kept in {options.run_dir} ({progress.summary()})")
+        except RuntimeError as exc:
+            return Outcome(1, str(exc))
+        finally:
+            progress.stop_display()
+            run.stop()

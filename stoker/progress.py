@@ -1,0 +1,216 @@
+"""The live progress of a local run: the learner's metrics stream plus the buffer's stats.
+
+Reads ``metrics.jsonl`` incrementally (the learner appends one record per step) and polls the
+buffer's Stats; renders a ``rich`` live table on a terminal, or a plain line every few seconds
+otherwise (CI logs, pipes). Buffer samples are also appended to ``buffer_stats.jsonl`` for the
+report.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from stoker.local import RunOptions
+
+# Steps averaged for the displayed (and target-checked) success rate.
+SUCCESS_WINDOW_STEPS = 10
+PLAIN_LINE_SECONDS = 10.0
+BUFFER_POLL_SECONDS = 1.0
+
+
+@dataclass
+class MetricsTail:
+    """Reads the records appended to a JSONL file since the last call (tolerates a partial line)."""
+
+    path: Path
+    _offset: int = 0
+    _partial: str = ""
+
+    def read_new(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open() as handle:
+                handle.seek(self._offset)
+                chunk = handle.read()
+                self._offset = handle.tell()
+        except FileNotFoundError:
+            return []
+        text = self._partial + chunk
+        lines = text.split("\n")
+        self._partial = lines.pop()
+        records = []
+        for line in lines:
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a torn line from a killed writer; the next record is whole
+        return records
+
+
+@dataclass
+class RunState:
+    """What the display shows, folded from metrics records and buffer stats."""
+
+    started: float = field(default_factory=time.monotonic)
+    last: dict[str, Any] = field(default_factory=dict)
+    recent_success: deque[float] = field(default_factory=lambda: deque(maxlen=SUCCESS_WINDOW_STEPS))
+    buffer: dict[str, Any] = field(default_factory=dict)
+    first_step: int | None = None
+    first_step_time: float | None = None
+
+    def fold(self, record: dict[str, Any]) -> None:
+        self.last = record
+        if "success_rate" in record:
+            self.recent_success.append(float(record["success_rate"]))
+        step = record.get("step")
+        if isinstance(step, int) and self.first_step is None:
+            self.first_step, self.first_step_time = step, time.monotonic()
+
+    def success_rate(self) -> float:
+        return sum(self.recent_success) / len(self.recent_success) if self.recent_success else 0.0
+
+    def eta_seconds(self, max_steps: int) -> float | None:
+        step = self.last.get("step")
+        if not isinstance(step, int) or self.first_step is None or self.first_step_time is None:
+            return None
+        done = step - self.first_step
+        if done <= 0:
+            return None
+        rate = done / max(time.monotonic() - self.first_step_time, 1e-9)
+        return max(max_steps - step, 0) / rate
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return "-" if math.isnan(value) else f"{value:.{digits}f}"
+    return str(value)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s"
+
+
+class Progress:
+    """Context manager: live display while a run is supervised."""
+
+    def __init__(self, options: RunOptions):
+        self.options = options
+        self.max_steps = options.max_steps or options.job.spec.learner.max_steps
+        self.state = RunState()
+        self.tail = MetricsTail(options.metrics_path)
+        self._buffer_client: Any = None
+        self._last_poll = 0.0
+        self._last_line = 0.0
+        self._live: Live | None = None
+        self._buffer_log = (options.run_dir / "buffer_stats.jsonl").open("a")
+
+    def __enter__(self) -> Progress:
+        if self.options.live:
+            self._live = Live(self.render(), console=Console(stderr=True), refresh_per_second=2, transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_display()
+        self._buffer_log.close()
+        if self._buffer_client is not None:
+            self._buffer_client.close()
+
+    def stop_display(self) -> None:
+        if self._live is not None:
+            self._live.update(self.render())
+            self._live.__exit__(None, None, None)
+            self._live = None
+
+    def attach_buffer(self, address: str) -> None:
+        from stoker.buffer.client import BufferClient
+
+        self._buffer_client = BufferClient(address, token=None)
+
+    def success_rate(self) -> float:
+        return self.state.success_rate()
+
+    def refresh(self) -> None:
+        for record in self.tail.read_new():
+            self.state.fold(record)
+        now = time.monotonic()
+        if self._buffer_client is not None and now - self._last_poll >= BUFFER_POLL_SECONDS:
+            self._last_poll = now
+            self._poll_buffer()
+        if self._live is not None:
+            self._live.update(self.render())
+        elif now - self._last_line >= PLAIN_LINE_SECONDS:
+            self._last_line = now
+            print(self.summary(), file=sys.stderr, flush=True)
+
+    def _poll_buffer(self) -> None:
+        import grpc
+
+        try:
+            stats = self._buffer_client.stats()
+        except grpc.RpcError:
+            return  # the buffer is starting or stopping; the next poll will tell
+        sample = {
+            "time": time.time(),
+            "fill": stats.fill,
+            "stored": stats.stored_trajectories,
+            "complete_groups": stats.complete_groups,
+            "accepted_total": stats.accepted_total,
+            "put_rate": stats.put_rate,
+            "policy_version": stats.policy_version,
+            "dropped": dict(stats.dropped),
+            "staleness_histogram": {str(k): v for k, v in stats.staleness_histogram.items()},
+        }
+        self.state.buffer = sample
+        self._buffer_log.write(json.dumps(sample) + "\n")
+        self._buffer_log.flush()
+
+    def summary(self) -> str:
+        last, buf = self.state.last, self.state.buffer
+        return (
+            f"step {_fmt(last.get('step'))}/{self.max_steps}  version {_fmt(last.get('policy_version'))}  "
+            f"success {self.success_rate():.2f}  reward {_fmt(last.get('reward_mean'))}  "
+            f"duty {_fmt(last.get('duty_cycle'), 2)}  fill {_fmt(buf.get('fill'), 2)}  "
+            f"staleness {_fmt(last.get('staleness_mean'), 2)}  traj/s {_fmt(buf.get('put_rate'), 1)}  "
+            f"elapsed {_duration(time.monotonic() - self.state.started)}"
+        )
+
+    def render(self) -> Table:
+        last, buf = self.state.last, self.state.buffer
+        table = Table(title=f"stoker run {self.options.job.metadata.name} ({self.options.mode})", show_header=False)
+        table.add_column("metric", style="bold")
+        table.add_column("value")
+        dropped = buf.get("dropped") or {}
+        rows = [
+            ("step", f"{_fmt(last.get('step'))} / {self.max_steps}"),
+            ("policy version", _fmt(last.get("policy_version"))),
+            ("success rate", f"{self.success_rate():.3f} (last {SUCCESS_WINDOW_STEPS} steps)"),
+            ("reward", _fmt(last.get("reward_mean"))),
+            ("learner duty cycle", _fmt(last.get("duty_cycle"), 3)),
+            ("buffer fill", _fmt(buf.get("fill"), 3)),
+            ("staleness (mean / max)", f"{_fmt(last.get('staleness_mean'), 2)} / {_fmt(last.get('staleness_max'))}"),
+            ("dropped", ", ".join(f"{k} {v}" for k, v in dropped.items()) or "0"),
+            ("trajectories/s", _fmt(buf.get("put_rate"), 1)),
+            ("elapsed", _duration(time.monotonic() - self.state.started)),
+            ("ETA", _duration(self.state.eta_seconds(self.max_steps))),
+        ]
+        for name, value in rows:
+            table.add_row(name, value)
+        return table

@@ -1,0 +1,97 @@
+"""The local runner's pieces that do not need a model: supervision, metrics tailing, the report."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stoker.local import Child, wait_for_ready_file
+from stoker.progress import MetricsTail, RunState
+from stoker.report import rolling_mean, time_to_reach, write_report
+
+SPAWN_GRANDCHILD = r"""
+import subprocess, sys, time, pathlib
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+pathlib.Path(sys.argv[1]).write_text(str(grandchild.pid))
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is dead for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_stopping_a_child_takes_its_whole_process_group(tmp_path: Path) -> None:
+    pid_file = tmp_path / "grandchild.pid"
+    child = Child("worker", [sys.executable, "-c", SPAWN_GRANDCHILD, str(pid_file)], tmp_path / "worker.log")
+    child.start(dict(os.environ))
+    grandchild = int(wait_for_ready_file(pid_file, child, timeout=30))
+    assert child.running and _alive(grandchild)
+    child.stop(grace=5)
+    assert not child.running
+    deadline = time.monotonic() + 10
+    while _alive(grandchild) and time.monotonic() < deadline:
+        child.wait(0.05)
+    assert not _alive(grandchild), "a grandchild (e.g. a sandbox) outlived its actor"
+
+
+def test_a_child_that_dies_before_ready_is_reported_with_its_log(tmp_path: Path) -> None:
+    child = Child("buffer", [sys.executable, "-c", "import sys; print('port in use'); sys.exit(3)"], tmp_path / "b.log")
+    child.start(dict(os.environ))
+    with pytest.raises(RuntimeError, match="exited with code 3 before it was ready:\n.*port in use"):
+        wait_for_ready_file(tmp_path / "never", child, timeout=30)
+
+
+def test_metrics_tail_reads_only_whole_new_records(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    tail = MetricsTail(path)
+    assert tail.read_new() == []
+    with path.open("w") as out:
+        out.write(json.dumps({"step": 1}) + "\n" + '{"step": 2, "succ')
+    assert tail.read_new() == [{"step": 1}]
+    with path.open("a") as out:
+        out.write('ess_rate": 0.5}\n')
+    assert tail.read_new() == [{"step": 2, "success_rate": 0.5}]
+    assert tail.read_new() == []
+
+
+def test_success_window_and_time_to_target() -> None:
+    state = RunState()
+    for value in [0.0] * 5 + [1.0] * 10:
+        state.fold({"success_rate": value})
+    assert state.success_rate() == 1.0
+    assert rolling_mean([0, 1, 1, 1], 2) == [0.0, 0.5, 1.0, 1.0]
+    records = [{"time": 100.0 + i, "success_rate": 1.0 if i >= 3 else 0.0} for i in range(10)]
+    assert time_to_reach(records, "success_rate", 0.9, window=2) == 4.0
+    assert time_to_reach(records[:3], "success_rate", 0.9) is None
+
+
+def test_report_is_written_from_partial_records(tmp_path: Path) -> None:
+    assert "No training steps" in write_report(tmp_path).read_text()
+    with (tmp_path / "metrics.jsonl").open("w") as out:
+        for step in range(20):
+            record = {"time": 1000.0 + step, "step": step, "policy_version": step, "success_rate": step / 19, "duty_cycle": 0.97}
+            out.write(json.dumps(record) + "\n")
+        out.write('{"time": 10')  # torn last line of a killed learner
+    with (tmp_path / "buffer_stats.jsonl").open("w") as out:
+        for i in range(5):
+            out.write(json.dumps({"time": 1000.0 + i, "fill": i / 10, "accepted_total": i, "staleness_histogram": {"0": 3, "1": i}}) + "\n")
+    report = write_report(tmp_path).read_text()
+    assert "steps: 19" in report and "mean learner duty cycle: 0.970" in report
+    assert "time to 0.9 success:" in report
+    for plot in ("success", "duty_cycle", "buffer_fill", "staleness"):
+        assert (tmp_path / "plots" / f"{plot}.png").stat().st_size > 1000
