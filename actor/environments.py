@@ -28,7 +28,7 @@ class StepResult:
     truncated: bool = False  # the environment itself stopped the episode early
 
 
-class EnvironmentError_(Exception):
+class EnvironmentProblem(Exception):
     """A user-visible environment problem (bad options, unknown task)."""
 
 
@@ -55,7 +55,7 @@ def make_environment(name: str, options: dict[str, Any], workdir: str) -> Enviro
         from stoker.actor.swe import SweEnvironment
 
         return SweEnvironment.from_options(options, workdir)
-    raise EnvironmentError_(f"unknown environment {name!r}; expected frozenlake or swe")
+    raise EnvironmentProblem(f"unknown environment {name!r}; expected frozenlake or swe")
 
 
 def options_json(options: Any) -> str:
@@ -83,4 +83,4 @@ class StepLatency:
             return rng.uniform(0.0, 2.0 * self.seconds)
         if self.distribution == "exponential":
             return rng.expovariate(1.0 / self.seconds)
-        raise EnvironmentError_(f"unknown latency distribution {self.distribution!r}")
+        raise EnvironmentProblem(f"unknown latency distribution {self.distribution!r}")

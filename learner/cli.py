@@ -1,15 +1,123 @@
-"""``stoker learner``: command-line entry point."""
+"""``stoker learner``: pull batches from the buffer, train, publish weights, checkpoint.
+
+    stoker learner --manifest job.yaml --buffer HOST:PORT [--token-file F] --run-dir DIR \\
+                   [--weights-dir DIR | --weights-port P] [--max-steps N] [--metrics-port P]
+
+Resumes from the latest checkpoint under the spec's ``learner.checkpoint.dir`` (relative to
+``--run-dir``). SIGTERM/SIGINT stop it after the current step with a final checkpoint. Metrics go to
+``RUN_DIR/learner_metrics.jsonl`` and, with ``--metrics-port``, to Prometheus.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
 
-from stoker.cli import NotReady
+log = logging.getLogger("stoker.learner")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    del parser
+    parser.add_argument("--manifest", required=True, metavar="FILE", help="RLJob manifest")
+    parser.add_argument("--buffer", metavar="ADDR", help="buffer gRPC address HOST:PORT (not needed for DPO on a dataset)")
+    parser.add_argument("--token-file", metavar="F", help="file holding the buffer's bearer token (also guards the weights)")
+    parser.add_argument("--run-dir", required=True, metavar="DIR", help="checkpoints, metrics and caches go here")
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--weights-dir", metavar="DIR", help="publish weights into this shared directory")
+    weights.add_argument("--weights-port", type=int, metavar="P", help="serve weights over gRPC on this port")
+    parser.add_argument("--max-steps", type=int, metavar="N", help="stop after N total steps (default: spec)")
+    parser.add_argument("--metrics-port", type=int, default=0, metavar="P", help="serve Prometheus metrics here")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"stoker learner: {message}", file=sys.stderr)
+    return code
 
 
 def main(args: argparse.Namespace) -> int:
-    raise NotReady("not available yet in this version")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from stoker.manifest import ManifestError, load_job
+
+    try:
+        job = load_job(args.manifest)
+    except ManifestError as exc:
+        return _fail(f"invalid manifest:\n{exc}")
+    token = None
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as exc:
+            return _fail(f"--token-file {args.token_file}: {exc.strerror or exc}")
+    if args.max_steps is not None and args.max_steps < 1:
+        return _fail(f"--max-steps {args.max_steps}; expected >= 1")
+    spec = job.spec
+    dataset_only = str(spec.algorithm.name) == "dpo" and spec.algorithm.dpo_dataset is not None
+    if args.buffer is None and not dataset_only:
+        return _fail("--buffer is required (only DPO on a dataset file trains without one)")
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    # Multi-host TPU pods: must happen before anything touches a JAX backend.
+    from stoker.learner import distributed
+
+    try:
+        distributed.initialize()
+    except distributed.DistributedEnvError as exc:
+        return _fail(f"TPU environment: {exc}")
+
+    from stoker.learner.loop import DatasetError, Learner, LearnerSettings
+    from stoker.learner.metrics import MetricsSink
+    from stoker.learner.weights import WeightPublisher
+
+    overrides = {"max_steps": args.max_steps} if args.max_steps is not None else {}
+    settings = LearnerSettings.from_spec(spec, run_dir=run_dir, **overrides)
+    try:
+        learner = Learner(settings)
+    except ValueError as exc:  # a mesh that does not fit the devices, a bad model checkpoint
+        return _fail(str(exc))
+    from stoker.buffer.client import BufferClient, BufferUnavailableError
+    from stoker.buffer.client import BufferError as BufferClientError
+
+    source = None
+    if args.buffer is not None:
+        source = BufferClient(args.buffer, token, learner_id="learner")
+        try:
+            source.wait_ready(timeout=120.0)
+        except BufferUnavailableError as exc:
+            learner.close()
+            return _fail(f"buffer {args.buffer}: {exc}", 1)
+    publisher = None
+    if args.weights_dir or args.weights_port is not None:
+        publisher = WeightPublisher(
+            directory=args.weights_dir,
+            address=f"0.0.0.0:{args.weights_port}" if args.weights_port is not None else None,
+            auth_token=token,
+        )
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        log.info("signal %d: stopping after this step", signum)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with MetricsSink(run_dir / "learner_metrics.jsonl", port=args.metrics_port) as sink:
+            made = learner.run(source, publisher, sink=sink, stop=stop)
+    except DatasetError as exc:
+        return _fail(str(exc))
+    except BufferClientError as exc:  # the buffer stayed unreachable past the client's retry deadline
+        learner.save()
+        return _fail(f"buffer {args.buffer}: {exc} (checkpointed at step {learner.steps})", 1)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        learner.close()
+        if publisher is not None:
+            publisher.close()
+    log.info("stopped at step %d, policy version %d (%d updates this run)", learner.steps, learner.version, made)
+    return 0

@@ -77,8 +77,8 @@ def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def _linear(n_in: int, n_out: int, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(n_in, n_out, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+def _linear(n_in: int, n_out: int, *, dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
+    return nnx.Linear(n_in, n_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
 
 class LayerCache(NamedTuple):
@@ -102,17 +102,23 @@ class Attention(nnx.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = head_dim(config)
         self.rope_theta = config.rope_theta
-        hidden = config.hidden_size
-        self.q_proj = _linear(hidden, self.num_heads * self.head_dim, dtype=dtype, rngs=rngs)
-        self.k_proj = _linear(hidden, self.num_kv_heads * self.head_dim, dtype=dtype, rngs=rngs)
-        self.v_proj = _linear(hidden, self.num_kv_heads * self.head_dim, dtype=dtype, rngs=rngs)
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = _linear(hidden, self.num_heads * self.head_dim, dtype=dtype, rngs=rngs, bias=bias)
+        self.k_proj = _linear(hidden, self.num_kv_heads * self.head_dim, dtype=dtype, rngs=rngs, bias=bias)
+        self.v_proj = _linear(hidden, self.num_kv_heads * self.head_dim, dtype=dtype, rngs=rngs, bias=bias)
         self.o_proj = _linear(self.num_heads * self.head_dim, hidden, dtype=dtype, rngs=rngs)
+        # Qwen3 normalises each query/key head before the rotation.
+        eps = config.rms_norm_eps
+        self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, eps, dtype=dtype) if config.qk_norm else None
+        self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, eps, dtype=dtype) if config.qk_norm else None
 
     def project_kv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Rotated keys and values for tokens ``x`` [B, T, hidden] at ``positions`` [B, T]."""
         b, t, _ = x.shape
         k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
         return rotary(k, positions, self.rope_theta), v
 
     def __call__(
@@ -121,7 +127,10 @@ class Attention(nnx.Module):
         """Attend from ``x`` [B, T, hidden] to ``keys``/``values`` [B, S, kv_heads, D] where
         ``mask`` [B, T, S] is true. Scores are softmax(q k^T / sqrt(D)) in float32."""
         b, t, _ = x.shape
-        q = rotary(self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim), positions, self.rope_theta)
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = rotary(q, positions, self.rope_theta)
         out = jax.nn.dot_product_attention(q, keys, values, mask=mask[:, None, :, :], implementation="xla")
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
 
@@ -168,9 +177,10 @@ class Transformer(nnx.Module):
         )
         self.layers = nnx.List([Block(config, dtype=dtype, rngs=rngs) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.lm_head: nnx.Linear | None = None
-        if not config.tie_embeddings:
-            self.lm_head = nnx.Linear(
+        self.lm_head: nnx.Linear | None = (
+            None
+            if config.tie_embeddings
+            else nnx.Linear(
                 config.hidden_size,
                 config.vocab_size,
                 use_bias=False,
@@ -179,6 +189,7 @@ class Transformer(nnx.Module):
                 kernel_init=nnx.initializers.normal(EMBED_INIT_STDDEV),
                 rngs=rngs,
             )
+        )
 
     def _logits(self, h: jax.Array) -> jax.Array:
         h = self.norm(h)
@@ -196,10 +207,19 @@ class Transformer(nnx.Module):
         return logits
 
     def prefill(
-        self, token_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array, *, cache_len: int | None
+        self,
+        token_ids: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        *,
+        cache_len: int | None,
+        logits_at: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Forward over [B, T] tokens; with ``cache_len`` (>= T) also return a KV cache whose
-        first T slots hold these tokens' keys and values (the sampler's prefill)."""
+        first T slots hold these tokens' keys and values (the sampler's prefill).
+
+        ``logits_at`` [B]: return logits [B, V] at just that index of each row (the head is then
+        applied to B vectors instead of B * T)."""
         mask = packed_mask(segment_ids)
         h = self.embed_tokens(token_ids)
         layer_caches: list[LayerCache] = []
@@ -211,10 +231,14 @@ class Transformer(nnx.Module):
             if cache_len is not None:
                 pad = ((0, 0), (0, cache_len - k.shape[1]), (0, 0), (0, 0))
                 layer_caches.append(LayerCache(jnp.pad(k, pad), jnp.pad(v, pad)))
+        if logits_at is not None:
+            logits = self._logits(jnp.take_along_axis(h, logits_at[:, None, None], axis=1))[:, 0]
+        else:
+            logits = self._logits(h)
         if cache_len is None:
-            return self._logits(h), None
+            return logits, None
         segments = jnp.pad(segment_ids, ((0, 0), (0, cache_len - segment_ids.shape[1])))
-        return self._logits(h), KVCache(tuple(layer_caches), segments)
+        return logits, KVCache(tuple(layer_caches), segments)
 
     def decode(self, token_ids: jax.Array, positions: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """One cached step: token [B] at position [B] (= its cache slot) -> logits [B, V].

@@ -70,7 +70,7 @@ class RunOptions:
 
     @property
     def metrics_path(self) -> Path:
-        return self.run_dir / "metrics.jsonl"
+        return self.run_dir / "learner_metrics.jsonl"
 
     @property
     def weights_dir(self) -> Path:

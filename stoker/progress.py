@@ -1,6 +1,6 @@
 """The live progress of a local run: the learner's metrics stream plus the buffer's stats.
 
-Reads ``metrics.jsonl`` incrementally (the learner appends one record per step) and polls the
+Reads ``learner_metrics.jsonl`` incrementally (the learner appends one record per step) and polls the
 buffer's Stats; renders a ``rich`` live table on a terminal, or a plain line every few seconds
 otherwise (CI logs, pipes). Buffer samples are also appended to ``buffer_stats.jsonl`` for the
 report.

@@ -1,6 +1,6 @@
 """The run report: ``report.md`` with matplotlib plots, written from a run directory's records.
 
-Inputs are the learner's ``metrics.jsonl`` (one record per training step) and the runner's
+Inputs are the learner's ``learner_metrics.jsonl`` (one record per training step) and the runner's
 ``buffer_stats.jsonl`` (buffer samples); either may be missing or short (an interrupted run still
 gets a report of what happened).
 """
@@ -79,7 +79,7 @@ def _plot(path: Path, title: str, xlabel: str, ylabel: str, series: list[tuple[l
 
 
 def write_report(run_dir: Path) -> Path:
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    metrics = read_jsonl(run_dir / "learner_metrics.jsonl")
     buffer = read_jsonl(run_dir / "buffer_stats.jsonl")
     plots = run_dir / "plots"
     plots.mkdir(exist_ok=True)

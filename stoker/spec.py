@@ -63,6 +63,8 @@ class TransformerConfig(SpecModel):
     rope_theta: float = Field(10000.0, gt=0, description="Rotary embedding base.")
     rms_norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon.")
     tie_embeddings: bool = Field(True, description="Share the input embedding with the output head.")
+    attention_bias: bool = Field(False, description="Biases on the query/key/value projections (Qwen2).")
+    qk_norm: bool = Field(False, description="RMSNorm on each query and key head before rotary (Qwen3).")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TransformerConfig:
@@ -132,7 +134,10 @@ class FrozenLakeOptions(SpecModel):
     hole_probability: float = Field(0.2, ge=0, lt=1, description="1 - gymnasium's p (frozen-tile probability).")
     reward_shaping: bool = Field(
         True,
-        description="Potential-based shaping (distance to goal); it never changes the optimal policy.",
+        description=(
+            "Potential-based shaping (distance to goal, holes lowest); on a deterministic lake it never "
+            "changes the optimal policy."
+        ),
     )
 
 
@@ -150,8 +155,12 @@ class StepLatency(SpecModel):
 
 
 class SandboxSpec(SpecModel):
-    kind: Literal["process", "pod"] = Field(
-        "process", description="process: a local subprocess; pod: a Kubernetes pod per episode."
+    kind: Literal["process", "pod", "inline"] = Field(
+        "process",
+        description=(
+            "process: a local subprocess per episode; pod: a Kubernetes pod per episode; "
+            "inline: inside the actor process, no isolation (trusted environments such as FrozenLake; fastest)."
+        ),
     )
     image: str | None = Field(None, description="Sandbox pod image (kind: pod); the actor image when unset.")
     cpu_seconds: int = Field(60, ge=1, description="CPU-time limit per sandbox.")
@@ -270,6 +279,11 @@ class LearnerSpec(SpecModel):
     sequence_buckets: list[int] = Field(
         default_factory=lambda: [128, 256, 512], min_length=1, description="Packed row lengths."
     )
+    microbatch_tokens: int | None = Field(
+        None,
+        ge=8,
+        description="Tokens (rows x bucket length) per packed micro-batch; 4 x the longest bucket when unset.",
+    )
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     publish_interval_steps: int = Field(1, ge=1, description="Publish weights to actors every k steps.")
     max_steps: int = Field(500, ge=1, description="Training stops after this many steps.")
@@ -360,6 +374,7 @@ def cross_field_problems(spec: RLJobSpec) -> list[tuple[str, str]]:
 
 # CEL equivalents of cross_field_problems, attached to the CRD schema at these paths.
 CEL_RULES: dict[tuple[str, ...], list[dict[str, Any]]] = {
+    (): [cel("self.mode == oldSelf.mode", "mode is immutable")],
     ("actors",): [cel("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas")],
     ("learner",): [
         cel("self.accelerator == 'cpu' || has(self.topology)", "topology is required for a TPU accelerator"),

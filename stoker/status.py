@@ -60,5 +60,8 @@ class RLJobStatus(StatusModel):
     learner_duty_cycle: float | None = None
     actors: ActorsStatus | None = None
     zombies_reaped: int | None = None
+    admission_scale: float | None = Field(
+        None, description="Fraction of the buffer's own admission credit the operator allows (1 = no limit)."
+    )
     message: str | None = None
     conditions: list[Condition] = Field(default_factory=list)

@@ -82,7 +82,7 @@ def test_success_window_and_time_to_target() -> None:
 
 def test_report_is_written_from_partial_records(tmp_path: Path) -> None:
     assert "No training steps" in write_report(tmp_path).read_text()
-    with (tmp_path / "metrics.jsonl").open("w") as out:
+    with (tmp_path / "learner_metrics.jsonl").open("w") as out:
         for step in range(20):
             record = {"time": 1000.0 + step, "step": step, "policy_version": step, "success_rate": step / 19, "duty_cycle": 0.97}
             out.write(json.dumps(record) + "\n")

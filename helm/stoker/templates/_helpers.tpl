@@ -45,59 +45,77 @@ app.kubernetes.io/part-of: stoker
 {{- end -}}
 
 {{/*
-RBAC: exactly the permissions `stoker operator` uses, mirrored from operator/rbac.py (RULES).
+RBAC: exactly the permissions `stoker operator` uses, mirrored from OPERATOR_RULES in
+operator/rbac.py (the table the operator's own tests check its API calls against).
 tests/ship/test_chart.py renders both watch modes and fails if the granted set differs from that
-table in either direction, so a new API call in the operator cannot ship without its permission
-and a permission the code no longer uses cannot linger. Never add pods/exec, escalate, bind,
-impersonate or "*".
+table in either direction, so a new API call cannot ship without its permission and a permission
+the code no longer uses cannot linger. The operator runs --standalone, so kopf's peering rules
+are left out. Never add pods/exec, escalate, bind, impersonate or "*".
 */}}
 
 {{/* Rules on namespaced objects: a Role per watched namespace, or the ClusterRole cluster-wide. */}}
 {{- define "stoker.namespacedRules" -}}
-# The RLJobs themselves: kopf lists/watches them and patches finalizers and annotations.
-- apiGroups: ["stoker.dev"]
-  resources: ["rljobs"]
-  verbs: ["get", "list", "watch", "patch"]
-# Phase, conditions, staleness and actor counts are written to the status subresource.
-- apiGroups: ["stoker.dev"]
-  resources: ["rljobs/status"]
-  verbs: ["get", "patch"]
-# Actor pods and sandbox pods; zombie sandboxes are deleted.
-- apiGroups: [""]
-  resources: ["pods"]
-  verbs: ["get", "list", "watch", "create", "delete"]
-# The buffer's Service and the learner's headless Service.
-- apiGroups: [""]
-  resources: ["services"]
-  verbs: ["get", "create", "patch"]
-# The buffer's write-ahead-log volume.
-- apiGroups: [""]
-  resources: ["persistentvolumeclaims"]
-  verbs: ["get", "create"]
-# Only the bearer token the operator generates for each job's buffer (create; never list/read).
-- apiGroups: [""]
-  resources: ["secrets"]
-  verbs: ["create"]
-# The actor Deployment (scaled for autoscaling and suspend) and the buffer Deployment.
-- apiGroups: ["apps"]
-  resources: ["deployments"]
-  verbs: ["get", "list", "watch", "create", "patch"]
-# The learner on TPU: a JobSet, one child Job per slice.
-- apiGroups: ["jobset.x-k8s.io"]
-  resources: ["jobsets"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# The learner on CPU: a plain Job.
-- apiGroups: ["batch"]
-  resources: ["jobs"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# Sandbox pods may reach only their actor.
-- apiGroups: ["networking.k8s.io"]
-  resources: ["networkpolicies"]
-  verbs: ["get", "create", "patch"]
-# kopf posts reconciliation events on the RLJob.
+# Events on RLJobs (scaling, reaping, errors).
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+# Watch RLJobs; kopf's finalizer and progress annotations.
+- apiGroups: ["stoker.dev"]
+  resources: ["rljobs"]
+  verbs: ["get", "list", "patch", "watch"]
+# Phase, conditions, staleness and actor counts.
+- apiGroups: ["stoker.dev"]
+  resources: ["rljobs/status"]
+  verbs: ["get", "patch"]
+# The job file and the buffer's admission control.
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["create", "delete", "get", "patch"]
+# The buffer token the operator generates: created once, read for the buffer's Stats call.
+# No list/watch: the operator cannot enumerate a namespace's secrets.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create", "get"]
+# The buffer's Service; the learner's headless Service.
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["create", "delete", "get", "patch"]
+# The sandbox manager's ServiceAccount (actors create sandbox pods with it).
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["create", "get", "patch"]
+# The buffer's write-ahead-log volume.
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["create", "get"]
+# Index and reap sandbox pods. create/patch are never called by the operator itself: Kubernetes
+# lets it grant the actors' Role those verbs only if it holds them (it holds no escalate).
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["create", "delete", "get", "list", "patch", "watch"]
+# Actors and the buffer.
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["create", "delete", "get", "patch"]
+# The learner without JobSet (Indexed Jobs).
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["create", "delete", "get", "patch"]
+# The learner on TPU slices (JobSet).
+- apiGroups: ["jobset.x-k8s.io"]
+  resources: ["jobsets"]
+  verbs: ["create", "delete", "get", "patch"]
+# The sandbox manager's Role and RoleBinding, in the job's namespace.
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles"]
+  verbs: ["create", "get", "patch"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["rolebindings"]
+  verbs: ["create", "get", "patch"]
+# Sandbox isolation.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["create", "get", "patch"]
 {{- end -}}
 
 {{/* Cluster-scoped reads kopf needs to discover the RLJob resource. */}}
@@ -108,8 +126,9 @@ impersonate or "*".
 {{- end -}}
 
 {{/*
-Namespace observation: with a list of namespaces kopf lists and watches namespaces to notice
-them appear and disappear; cluster-wide it does not (kopf/_core/reactor/observation.py).
+Namespace discovery: given a list of namespaces kopf lists and watches namespaces to notice them
+appear and disappear; cluster-wide it never does (kopf/_core/reactor/observation.py), so only
+the namespaced install grants it.
 */}}
 {{- define "stoker.namespaceRules" -}}
 - apiGroups: [""]

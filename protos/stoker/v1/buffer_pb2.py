@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from stoker.v1 import trajectory_pb2 as stoker_dot_v1_dot_trajectory__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16stoker/v1/buffer.proto\x12\tstoker.v1\x1a\x1astoker/v1/trajectory.proto\"L\n\nPutRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12+\n\x0ctrajectories\x18\x02 \x03(\x0b\x32\x15.stoker.v1.Trajectory\"9\n\tPutResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\r\n\x05\x66ield\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"X\n\x0bPutResponse\x12%\n\x07results\x18\x01 \x03(\x0b\x32\x14.stoker.v1.PutResult\x12\x0e\n\x06stored\x18\x02 \x01(\r\x12\x12\n\nduplicates\x18\x03 \x01(\r\"2\n\x0e\x41\x63quireRequest\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\t\x12\x0e\n\x06groups\x18\x02 \x01(\r\"W\n\x0f\x41\x63quireResponse\x12\x0f\n\x07granted\x18\x01 \x01(\r\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x1b\n\x13retry_after_seconds\x18\x03 \x01(\x01\"2\n\x0eReleaseRequest\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\t\x12\x0e\n\x06groups\x18\x02 \x01(\r\"\x11\n\x0fReleaseResponse\"d\n\rSampleRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x12\n\nmax_groups\x18\x02 \x01(\r\x12\x12\n\nmin_groups\x18\x03 \x01(\r\x12\x17\n\x0ftimeout_seconds\x18\x04 \x01(\x01\"V\n\x05Group\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12+\n\x0ctrajectories\x18\x02 \x03(\x0b\x32\x15.stoker.v1.Trajectory\x12\x0e\n\x06masked\x18\x03 \x01(\x08\"\\\n\x0eSampleResponse\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12 \n\x06groups\x18\x02 \x03(\x0b\x32\x10.stoker.v1.Group\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\"!\n\rCommitRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\"0\n\x0e\x43ommitResponse\x12\x1e\n\x16\x63ommitted_trajectories\x18\x01 \x01(\r\"1\n\x17SetPolicyVersionRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"\x1a\n\x18SetPolicyVersionResponse\"\x0e\n\x0cStatsRequest\"\xe3\x05\n\x0b\x42ufferStats\x12\x10\n\x08\x63\x61pacity\x18\x01 \x01(\x04\x12\x1b\n\x13stored_trajectories\x18\x02 \x01(\x04\x12\x17\n\x0f\x63omplete_groups\x18\x03 \x01(\x04\x12\x19\n\x11incomplete_groups\x18\x04 \x01(\x04\x12\x16\n\x0eleased_batches\x18\x05 \x01(\x04\x12\x0c\n\x04\x66ill\x18\x06 \x01(\x01\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x03\x12\x18\n\x10\x61\x64mission_credit\x18\x08 \x01(\x03\x12\x18\n\x10in_flight_groups\x18\t \x01(\x04\x12\x16\n\x0e\x61\x63\x63\x65pted_total\x18\n \x01(\x04\x12\x15\n\rsampled_total\x18\x0b \x01(\x04\x12\x17\n\x0f\x63ommitted_total\x18\x0c \x01(\x04\x12\x34\n\x07\x64ropped\x18\r \x03(\x0b\x32#.stoker.v1.BufferStats.DroppedEntry\x12K\n\x13staleness_histogram\x18\x0e \x03(\x0b\x32..stoker.v1.BufferStats.StalenessHistogramEntry\x12H\n\x12per_actor_accepted\x18\x0f \x03(\x0b\x32,.stoker.v1.BufferStats.PerActorAcceptedEntry\x12\x10\n\x08put_rate\x18\x10 \x01(\x01\x12\x13\n\x0bsample_rate\x18\x11 \x01(\x01\x12\x1f\n\x17stale_incomplete_groups\x18\x12 \x01(\x04\x1a.\n\x0c\x44roppedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x39\n\x17StalenessHistogramEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x37\n\x15PerActorAcceptedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xd7\x03\n\x06\x42uffer\x12\x34\n\x03Put\x12\x15.stoker.v1.PutRequest\x1a\x16.stoker.v1.PutResponse\x12@\n\x07\x41\x63quire\x12\x19.stoker.v1.AcquireRequest\x1a\x1a.stoker.v1.AcquireResponse\x12@\n\x07Release\x12\x19.stoker.v1.ReleaseRequest\x1a\x1a.stoker.v1.ReleaseResponse\x12=\n\x06Sample\x12\x18.stoker.v1.SampleRequest\x1a\x19.stoker.v1.SampleResponse\x12=\n\x06\x43ommit\x12\x18.stoker.v1.CommitRequest\x1a\x19.stoker.v1.CommitResponse\x12[\n\x10SetPolicyVersion\x12\".stoker.v1.SetPolicyVersionRequest\x1a#.stoker.v1.SetPolicyVersionResponse\x12\x38\n\x05Stats\x12\x17.stoker.v1.StatsRequest\x1a\x16.stoker.v1.BufferStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16stoker/v1/buffer.proto\x12\tstoker.v1\x1a\x1astoker/v1/trajectory.proto\"L\n\nPutRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12+\n\x0ctrajectories\x18\x02 \x03(\x0b\x32\x15.stoker.v1.Trajectory\"9\n\tPutResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\r\n\x05\x66ield\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"X\n\x0bPutResponse\x12%\n\x07results\x18\x01 \x03(\x0b\x32\x14.stoker.v1.PutResult\x12\x0e\n\x06stored\x18\x02 \x01(\r\x12\x12\n\nduplicates\x18\x03 \x01(\r\"2\n\x0e\x41\x63quireRequest\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\t\x12\x0e\n\x06groups\x18\x02 \x01(\r\"W\n\x0f\x41\x63quireResponse\x12\x0f\n\x07granted\x18\x01 \x01(\r\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x1b\n\x13retry_after_seconds\x18\x03 \x01(\x01\"2\n\x0eReleaseRequest\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\t\x12\x0e\n\x06groups\x18\x02 \x01(\r\"\x11\n\x0fReleaseResponse\"x\n\rSampleRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x12\n\nmax_groups\x18\x02 \x01(\r\x12\x12\n\nmin_groups\x18\x03 \x01(\r\x12\x17\n\x0ftimeout_seconds\x18\x04 \x01(\x01\x12\x12\n\nsession_id\x18\x05 \x01(\t\"V\n\x05Group\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12+\n\x0ctrajectories\x18\x02 \x03(\x0b\x32\x15.stoker.v1.Trajectory\x12\x0e\n\x06masked\x18\x03 \x01(\x08\"\\\n\x0eSampleResponse\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12 \n\x06groups\x18\x02 \x03(\x0b\x32\x10.stoker.v1.Group\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\"!\n\rCommitRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\"0\n\x0e\x43ommitResponse\x12\x1e\n\x16\x63ommitted_trajectories\x18\x01 \x01(\r\"i\n\x17SetPolicyVersionRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x1f\n\x12learner_duty_cycle\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x15\n\x13_learner_duty_cycle\"\x1a\n\x18SetPolicyVersionResponse\"\x0e\n\x0cStatsRequest\"\x8d\t\n\x0b\x42ufferStats\x12\x10\n\x08\x63\x61pacity\x18\x01 \x01(\x04\x12\x1b\n\x13stored_trajectories\x18\x02 \x01(\x04\x12\x17\n\x0f\x63omplete_groups\x18\x03 \x01(\x04\x12\x19\n\x11incomplete_groups\x18\x04 \x01(\x04\x12\x16\n\x0eleased_batches\x18\x05 \x01(\x04\x12\x0c\n\x04\x66ill\x18\x06 \x01(\x01\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x03\x12\x18\n\x10\x61\x64mission_credit\x18\x08 \x01(\x03\x12\x18\n\x10in_flight_groups\x18\t \x01(\x04\x12\x16\n\x0e\x61\x63\x63\x65pted_total\x18\n \x01(\x04\x12\x15\n\rsampled_total\x18\x0b \x01(\x04\x12\x17\n\x0f\x63ommitted_total\x18\x0c \x01(\x04\x12\x34\n\x07\x64ropped\x18\r \x03(\x0b\x32#.stoker.v1.BufferStats.DroppedEntry\x12K\n\x13staleness_histogram\x18\x0e \x03(\x0b\x32..stoker.v1.BufferStats.StalenessHistogramEntry\x12H\n\x12per_actor_accepted\x18\x0f \x03(\x0b\x32,.stoker.v1.BufferStats.PerActorAcceptedEntry\x12\x10\n\x08put_rate\x18\x10 \x01(\x01\x12\x13\n\x0bsample_rate\x18\x11 \x01(\x01\x12\x1f\n\x17stale_incomplete_groups\x18\x12 \x01(\x04\x12\x36\n\x08rejected\x18\x13 \x03(\x0b\x32$.stoker.v1.BufferStats.RejectedEntry\x12\x18\n\x10\x64uplicates_total\x18\x14 \x01(\x04\x12\x1a\n\x12redelivered_groups\x18\x15 \x01(\x04\x12\x1f\n\x17masked_groups_delivered\x18\x16 \x01(\x04\x12\x1e\n\x16\x63ommitted_groups_total\x18\x17 \x01(\x04\x12\x11\n\tlog_bytes\x18\x18 \x01(\x04\x12\x14\n\x0clog_segments\x18\x19 \x01(\x04\x12\x1d\n\x15replayed_trajectories\x18\x1a \x01(\x04\x12\x19\n\x11\x63orrupt_log_tails\x18\x1b \x01(\x04\x12\x17\n\x0f\x66ull_rejections\x18\x1c \x01(\x04\x12\x14\n\x0cstored_bytes\x18\x1d \x01(\x04\x12\x1f\n\x12learner_duty_cycle\x18\x64 \x01(\x01H\x00\x88\x01\x01\x1a.\n\x0c\x44roppedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x39\n\x17StalenessHistogramEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x37\n\x15PerActorAcceptedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a/\n\rRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x42\x15\n\x13_learner_duty_cycle\"/\n\nLogConsume\x12\x11\n\tgroup_ids\x18\x01 \x03(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"{\n\rLogCheckpoint\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x18\n\x10\x63ommitted_groups\x18\x02 \x01(\x04\x12\x1c\n\x14\x63onsumed_episode_ids\x18\x03 \x03(\t\x12\x1a\n\x12\x63onsumed_group_ids\x18\x04 \x03(\t\"*\n\x10LogPolicyVersion\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x32\xd7\x03\n\x06\x42uffer\x12\x34\n\x03Put\x12\x15.stoker.v1.PutRequest\x1a\x16.stoker.v1.PutResponse\x12@\n\x07\x41\x63quire\x12\x19.stoker.v1.AcquireRequest\x1a\x1a.stoker.v1.AcquireResponse\x12@\n\x07Release\x12\x19.stoker.v1.ReleaseRequest\x1a\x1a.stoker.v1.ReleaseResponse\x12=\n\x06Sample\x12\x18.stoker.v1.SampleRequest\x1a\x19.stoker.v1.SampleResponse\x12=\n\x06\x43ommit\x12\x18.stoker.v1.CommitRequest\x1a\x19.stoker.v1.CommitResponse\x12[\n\x10SetPolicyVersion\x12\".stoker.v1.SetPolicyVersionRequest\x1a#.stoker.v1.SetPolicyVersionResponse\x12\x38\n\x05Stats\x12\x17.stoker.v1.StatsRequest\x1a\x16.stoker.v1.BufferStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,6 +38,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BUFFERSTATS_STALENESSHISTOGRAMENTRY']._serialized_options = b'8\001'
   _globals['_BUFFERSTATS_PERACTORACCEPTEDENTRY']._loaded_options = None
   _globals['_BUFFERSTATS_PERACTORACCEPTEDENTRY']._serialized_options = b'8\001'
+  _globals['_BUFFERSTATS_REJECTEDENTRY']._loaded_options = None
+  _globals['_BUFFERSTATS_REJECTEDENTRY']._serialized_options = b'8\001'
   _globals['_PUTREQUEST']._serialized_start=65
   _globals['_PUTREQUEST']._serialized_end=141
   _globals['_PUTRESULT']._serialized_start=143
@@ -53,29 +55,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASERESPONSE']._serialized_start=485
   _globals['_RELEASERESPONSE']._serialized_end=502
   _globals['_SAMPLEREQUEST']._serialized_start=504
-  _globals['_SAMPLEREQUEST']._serialized_end=604
-  _globals['_GROUP']._serialized_start=606
-  _globals['_GROUP']._serialized_end=692
-  _globals['_SAMPLERESPONSE']._serialized_start=694
-  _globals['_SAMPLERESPONSE']._serialized_end=786
-  _globals['_COMMITREQUEST']._serialized_start=788
-  _globals['_COMMITREQUEST']._serialized_end=821
-  _globals['_COMMITRESPONSE']._serialized_start=823
-  _globals['_COMMITRESPONSE']._serialized_end=871
-  _globals['_SETPOLICYVERSIONREQUEST']._serialized_start=873
-  _globals['_SETPOLICYVERSIONREQUEST']._serialized_end=922
-  _globals['_SETPOLICYVERSIONRESPONSE']._serialized_start=924
-  _globals['_SETPOLICYVERSIONRESPONSE']._serialized_end=950
-  _globals['_STATSREQUEST']._serialized_start=952
-  _globals['_STATSREQUEST']._serialized_end=966
-  _globals['_BUFFERSTATS']._serialized_start=969
-  _globals['_BUFFERSTATS']._serialized_end=1708
-  _globals['_BUFFERSTATS_DROPPEDENTRY']._serialized_start=1546
-  _globals['_BUFFERSTATS_DROPPEDENTRY']._serialized_end=1592
-  _globals['_BUFFERSTATS_STALENESSHISTOGRAMENTRY']._serialized_start=1594
-  _globals['_BUFFERSTATS_STALENESSHISTOGRAMENTRY']._serialized_end=1651
-  _globals['_BUFFERSTATS_PERACTORACCEPTEDENTRY']._serialized_start=1653
-  _globals['_BUFFERSTATS_PERACTORACCEPTEDENTRY']._serialized_end=1708
-  _globals['_BUFFER']._serialized_start=1711
-  _globals['_BUFFER']._serialized_end=2182
+  _globals['_SAMPLEREQUEST']._serialized_end=624
+  _globals['_GROUP']._serialized_start=626
+  _globals['_GROUP']._serialized_end=712
+  _globals['_SAMPLERESPONSE']._serialized_start=714
+  _globals['_SAMPLERESPONSE']._serialized_end=806
+  _globals['_COMMITREQUEST']._serialized_start=808
+  _globals['_COMMITREQUEST']._serialized_end=841
+  _globals['_COMMITRESPONSE']._serialized_start=843
+  _globals['_COMMITRESPONSE']._serialized_end=891
+  _globals['_SETPOLICYVERSIONREQUEST']._serialized_start=893
+  _globals['_SETPOLICYVERSIONREQUEST']._serialized_end=998
+  _globals['_SETPOLICYVERSIONRESPONSE']._serialized_start=1000
+  _globals['_SETPOLICYVERSIONRESPONSE']._serialized_end=1026
+  _globals['_STATSREQUEST']._serialized_start=1028
+  _globals['_STATSREQUEST']._serialized_end=1042
+  _globals['_BUFFERSTATS']._serialized_start=1045
+  _globals['_BUFFERSTATS']._serialized_end=2210
+  _globals['_BUFFERSTATS_DROPPEDENTRY']._serialized_start=1976
+  _globals['_BUFFERSTATS_DROPPEDENTRY']._serialized_end=2022
+  _globals['_BUFFERSTATS_STALENESSHISTOGRAMENTRY']._serialized_start=2024
+  _globals['_BUFFERSTATS_STALENESSHISTOGRAMENTRY']._serialized_end=2081
+  _globals['_BUFFERSTATS_PERACTORACCEPTEDENTRY']._serialized_start=2083
+  _globals['_BUFFERSTATS_PERACTORACCEPTEDENTRY']._serialized_end=2138
+  _globals['_BUFFERSTATS_REJECTEDENTRY']._serialized_start=2140
+  _globals['_BUFFERSTATS_REJECTEDENTRY']._serialized_end=2187
+  _globals['_LOGCONSUME']._serialized_start=2212
+  _globals['_LOGCONSUME']._serialized_end=2259
+  _globals['_LOGCHECKPOINT']._serialized_start=2261
+  _globals['_LOGCHECKPOINT']._serialized_end=2384
+  _globals['_LOGPOLICYVERSION']._serialized_start=2386
+  _globals['_LOGPOLICYVERSION']._serialized_end=2428
+  _globals['_BUFFER']._serialized_start=2431
+  _globals['_BUFFER']._serialized_end=2902
 # @@protoc_insertion_point(module_scope)

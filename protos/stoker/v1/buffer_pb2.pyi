@@ -66,16 +66,18 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("learner_id", "max_groups", "min_groups", "timeout_seconds")
+    __slots__ = ("learner_id", "max_groups", "min_groups", "timeout_seconds", "session_id")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_GROUPS_FIELD_NUMBER: _ClassVar[int]
     MIN_GROUPS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     max_groups: int
     min_groups: int
     timeout_seconds: float
-    def __init__(self, learner_id: _Optional[str] = ..., max_groups: _Optional[int] = ..., min_groups: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    session_id: str
+    def __init__(self, learner_id: _Optional[str] = ..., max_groups: _Optional[int] = ..., min_groups: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class Group(_message.Message):
     __slots__ = ("group_id", "trajectories", "masked")
@@ -110,10 +112,12 @@ class CommitResponse(_message.Message):
     def __init__(self, committed_trajectories: _Optional[int] = ...) -> None: ...
 
 class SetPolicyVersionRequest(_message.Message):
-    __slots__ = ("policy_version",)
+    __slots__ = ("policy_version", "learner_duty_cycle")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LEARNER_DUTY_CYCLE_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
-    def __init__(self, policy_version: _Optional[int] = ...) -> None: ...
+    learner_duty_cycle: float
+    def __init__(self, policy_version: _Optional[int] = ..., learner_duty_cycle: _Optional[float] = ...) -> None: ...
 
 class SetPolicyVersionResponse(_message.Message):
     __slots__ = ()
@@ -124,7 +128,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BufferStats(_message.Message):
-    __slots__ = ("capacity", "stored_trajectories", "complete_groups", "incomplete_groups", "leased_batches", "fill", "policy_version", "admission_credit", "in_flight_groups", "accepted_total", "sampled_total", "committed_total", "dropped", "staleness_histogram", "per_actor_accepted", "put_rate", "sample_rate", "stale_incomplete_groups")
+    __slots__ = ("capacity", "stored_trajectories", "complete_groups", "incomplete_groups", "leased_batches", "fill", "policy_version", "admission_credit", "in_flight_groups", "accepted_total", "sampled_total", "committed_total", "dropped", "staleness_histogram", "per_actor_accepted", "put_rate", "sample_rate", "stale_incomplete_groups", "rejected", "duplicates_total", "redelivered_groups", "masked_groups_delivered", "committed_groups_total", "log_bytes", "log_segments", "replayed_trajectories", "corrupt_log_tails", "full_rejections", "stored_bytes", "learner_duty_cycle")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +144,13 @@ class BufferStats(_message.Message):
         value: int
         def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     class PerActorAcceptedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class RejectedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +175,18 @@ class BufferStats(_message.Message):
     PUT_RATE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
     STALE_INCOMPLETE_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    REDELIVERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    MASKED_GROUPS_DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_GROUPS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    LOG_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOG_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_LOG_TAILS_FIELD_NUMBER: _ClassVar[int]
+    FULL_REJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEARNER_DUTY_CYCLE_FIELD_NUMBER: _ClassVar[int]
     capacity: int
     stored_trajectories: int
     complete_groups: int
@@ -182,4 +205,42 @@ class BufferStats(_message.Message):
     put_rate: float
     sample_rate: float
     stale_incomplete_groups: int
-    def __init__(self, capacity: _Optional[int] = ..., stored_trajectories: _Optional[int] = ..., complete_groups: _Optional[int] = ..., incomplete_groups: _Optional[int] = ..., leased_batches: _Optional[int] = ..., fill: _Optional[float] = ..., policy_version: _Optional[int] = ..., admission_credit: _Optional[int] = ..., in_flight_groups: _Optional[int] = ..., accepted_total: _Optional[int] = ..., sampled_total: _Optional[int] = ..., committed_total: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., per_actor_accepted: _Optional[_Mapping[str, int]] = ..., put_rate: _Optional[float] = ..., sample_rate: _Optional[float] = ..., stale_incomplete_groups: _Optional[int] = ...) -> None: ...
+    rejected: _containers.ScalarMap[str, int]
+    duplicates_total: int
+    redelivered_groups: int
+    masked_groups_delivered: int
+    committed_groups_total: int
+    log_bytes: int
+    log_segments: int
+    replayed_trajectories: int
+    corrupt_log_tails: int
+    full_rejections: int
+    stored_bytes: int
+    learner_duty_cycle: float
+    def __init__(self, capacity: _Optional[int] = ..., stored_trajectories: _Optional[int] = ..., complete_groups: _Optional[int] = ..., incomplete_groups: _Optional[int] = ..., leased_batches: _Optional[int] = ..., fill: _Optional[float] = ..., policy_version: _Optional[int] = ..., admission_credit: _Optional[int] = ..., in_flight_groups: _Optional[int] = ..., accepted_total: _Optional[int] = ..., sampled_total: _Optional[int] = ..., committed_total: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., per_actor_accepted: _Optional[_Mapping[str, int]] = ..., put_rate: _Optional[float] = ..., sample_rate: _Optional[float] = ..., stale_incomplete_groups: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., duplicates_total: _Optional[int] = ..., redelivered_groups: _Optional[int] = ..., masked_groups_delivered: _Optional[int] = ..., committed_groups_total: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_segments: _Optional[int] = ..., replayed_trajectories: _Optional[int] = ..., corrupt_log_tails: _Optional[int] = ..., full_rejections: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., learner_duty_cycle: _Optional[float] = ...) -> None: ...
+
+class LogConsume(_message.Message):
+    __slots__ = ("group_ids", "reason")
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    group_ids: _containers.RepeatedScalarFieldContainer[str]
+    reason: str
+    def __init__(self, group_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LogCheckpoint(_message.Message):
+    __slots__ = ("policy_version", "committed_groups", "consumed_episode_ids", "consumed_group_ids")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_EPISODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    committed_groups: int
+    consumed_episode_ids: _containers.RepeatedScalarFieldContainer[str]
+    consumed_group_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, policy_version: _Optional[int] = ..., committed_groups: _Optional[int] = ..., consumed_episode_ids: _Optional[_Iterable[str]] = ..., consumed_group_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LogPolicyVersion(_message.Message):
+    __slots__ = ("policy_version",)
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    def __init__(self, policy_version: _Optional[int] = ...) -> None: ...

@@ -75,7 +75,11 @@ class BufferServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Put(self, request, context):
-        """Append a batch of trajectories. Each is acknowledged only once it is durable.
+        """Append a batch of trajectories. Each is acknowledged only once it is durable. Every valid
+        trajectory is stored whatever its neighbours; if any is invalid the call ends with
+        INVALID_ARGUMENT naming the first (index, field, reason) and the full PutResponse travels in
+        the trailing metadata "stoker-put-response-bin". A full buffer answers RESOURCE_EXHAUSTED
+        (nothing stored) with the hint "stoker-retry-after-ms" in the trailing metadata.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -24,29 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17stoker/v1/sandbox.proto\x12\tstoker.v1\"X\n\x0cResetRequest\x12\x13\n\x0b\x65nvironment\x18\x01 \x01(\t\x12\x14\n\x0coptions_json\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x0c\n\x04seed\x18\x04 \x01(\x03\".\n\x0bObservation\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\tinfo_json\x18\x02 \x01(\t\"\x1d\n\x0bStepRequest\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\t\"p\n\nStepResult\x12+\n\x0bobservation\x18\x01 \x01(\x0b\x32\x16.stoker.v1.Observation\x12\x0e\n\x06reward\x18\x02 \x01(\x02\x12\x12\n\nterminated\x18\x03 \x01(\x08\x12\x11\n\ttruncated\x18\x04 \x01(\x08\"\x0e\n\x0c\x43loseRequest\"\x0f\n\rCloseResponse\"\x12\n\x10HeartbeatRequest\"+\n\x11HeartbeatResponse\x12\x16\n\x0euptime_seconds\x18\x01 \x01(\x01\x32\xfe\x01\n\x07Sandbox\x12\x38\n\x05Reset\x12\x17.stoker.v1.ResetRequest\x1a\x16.stoker.v1.Observation\x12\x35\n\x04Step\x12\x16.stoker.v1.StepRequest\x1a\x15.stoker.v1.StepResult\x12:\n\x05\x43lose\x12\x17.stoker.v1.CloseRequest\x1a\x18.stoker.v1.CloseResponse\x12\x46\n\tHeartbeat\x12\x1b.stoker.v1.HeartbeatRequest\x1a\x1c.stoker.v1.HeartbeatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17stoker/v1/sandbox.proto\x12\tstoker.v1\"\x86\x01\n\x0cResetRequest\x12\x13\n\x0b\x65nvironment\x18\x01 \x01(\t\x12\x14\n\x0coptions_json\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12,\n\x0cstep_latency\x18\x05 \x01(\x0b\x32\x16.stoker.v1.StepLatency\"4\n\x0bStepLatency\x12\x14\n\x0c\x64istribution\x18\x01 \x01(\t\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\".\n\x0bObservation\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\tinfo_json\x18\x02 \x01(\t\"\x1d\n\x0bStepRequest\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\t\"p\n\nStepResult\x12+\n\x0bobservation\x18\x01 \x01(\x0b\x32\x16.stoker.v1.Observation\x12\x0e\n\x06reward\x18\x02 \x01(\x02\x12\x12\n\nterminated\x18\x03 \x01(\x08\x12\x11\n\ttruncated\x18\x04 \x01(\x08\"\x0e\n\x0c\x43loseRequest\"\x0f\n\rCloseResponse\"\x12\n\x10HeartbeatRequest\"+\n\x11HeartbeatResponse\x12\x16\n\x0euptime_seconds\x18\x01 \x01(\x01\x32\xfe\x01\n\x07Sandbox\x12\x38\n\x05Reset\x12\x17.stoker.v1.ResetRequest\x1a\x16.stoker.v1.Observation\x12\x35\n\x04Step\x12\x16.stoker.v1.StepRequest\x1a\x15.stoker.v1.StepResult\x12:\n\x05\x43lose\x12\x17.stoker.v1.CloseRequest\x1a\x18.stoker.v1.CloseResponse\x12\x46\n\tHeartbeat\x12\x1b.stoker.v1.HeartbeatRequest\x1a\x1c.stoker.v1.HeartbeatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stoker.v1.sandbox_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RESETREQUEST']._serialized_start=38
-  _globals['_RESETREQUEST']._serialized_end=126
-  _globals['_OBSERVATION']._serialized_start=128
-  _globals['_OBSERVATION']._serialized_end=174
-  _globals['_STEPREQUEST']._serialized_start=176
-  _globals['_STEPREQUEST']._serialized_end=205
-  _globals['_STEPRESULT']._serialized_start=207
-  _globals['_STEPRESULT']._serialized_end=319
-  _globals['_CLOSEREQUEST']._serialized_start=321
-  _globals['_CLOSEREQUEST']._serialized_end=335
-  _globals['_CLOSERESPONSE']._serialized_start=337
-  _globals['_CLOSERESPONSE']._serialized_end=352
-  _globals['_HEARTBEATREQUEST']._serialized_start=354
-  _globals['_HEARTBEATREQUEST']._serialized_end=372
-  _globals['_HEARTBEATRESPONSE']._serialized_start=374
-  _globals['_HEARTBEATRESPONSE']._serialized_end=417
-  _globals['_SANDBOX']._serialized_start=420
-  _globals['_SANDBOX']._serialized_end=674
+  _globals['_RESETREQUEST']._serialized_start=39
+  _globals['_RESETREQUEST']._serialized_end=173
+  _globals['_STEPLATENCY']._serialized_start=175
+  _globals['_STEPLATENCY']._serialized_end=227
+  _globals['_OBSERVATION']._serialized_start=229
+  _globals['_OBSERVATION']._serialized_end=275
+  _globals['_STEPREQUEST']._serialized_start=277
+  _globals['_STEPREQUEST']._serialized_end=306
+  _globals['_STEPRESULT']._serialized_start=308
+  _globals['_STEPRESULT']._serialized_end=420
+  _globals['_CLOSEREQUEST']._serialized_start=422
+  _globals['_CLOSEREQUEST']._serialized_end=436
+  _globals['_CLOSERESPONSE']._serialized_start=438
+  _globals['_CLOSERESPONSE']._serialized_end=453
+  _globals['_HEARTBEATREQUEST']._serialized_start=455
+  _globals['_HEARTBEATREQUEST']._serialized_end=473
+  _globals['_HEARTBEATRESPONSE']._serialized_start=475
+  _globals['_HEARTBEATRESPONSE']._serialized_end=518
+  _globals['_SANDBOX']._serialized_start=521
+  _globals['_SANDBOX']._serialized_end=775
 # @@protoc_insertion_point(module_scope)

@@ -6,16 +6,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ResetRequest(_message.Message):
-    __slots__ = ("environment", "options_json", "task_id", "seed")
+    __slots__ = ("environment", "options_json", "task_id", "seed", "step_latency")
     ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    STEP_LATENCY_FIELD_NUMBER: _ClassVar[int]
     environment: str
     options_json: str
     task_id: str
     seed: int
-    def __init__(self, environment: _Optional[str] = ..., options_json: _Optional[str] = ..., task_id: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
+    step_latency: StepLatency
+    def __init__(self, environment: _Optional[str] = ..., options_json: _Optional[str] = ..., task_id: _Optional[str] = ..., seed: _Optional[int] = ..., step_latency: _Optional[_Union[StepLatency, _Mapping]] = ...) -> None: ...
+
+class StepLatency(_message.Message):
+    __slots__ = ("distribution", "seconds")
+    DISTRIBUTION_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    distribution: str
+    seconds: float
+    def __init__(self, distribution: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class Observation(_message.Message):
     __slots__ = ("text", "info_json")

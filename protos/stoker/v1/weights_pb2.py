@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17stoker/v1/weights.proto\x12\tstoker.v1\"\x0f\n\rLatestRequest\"I\n\x0bWeightsInfo\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"&\n\x0c\x46\x65tchRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"D\n\x0cWeightsChunk\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x32\x82\x01\n\x07Weights\x12:\n\x06Latest\x12\x18.stoker.v1.LatestRequest\x1a\x16.stoker.v1.WeightsInfo\x12;\n\x05\x46\x65tch\x12\x17.stoker.v1.FetchRequest\x1a\x17.stoker.v1.WeightsChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17stoker/v1/weights.proto\x12\tstoker.v1\"\x0f\n\rLatestRequest\"I\n\x0bWeightsInfo\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"&\n\x0c\x46\x65tchRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"h\n\x0cWeightsChunk\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t2\x82\x01\n\x07Weights\x12:\n\x06Latest\x12\x18.stoker.v1.LatestRequest\x1a\x16.stoker.v1.WeightsInfo\x12;\n\x05\x46\x65tch\x12\x17.stoker.v1.FetchRequest\x1a\x17.stoker.v1.WeightsChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,7 +38,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FETCHREQUEST']._serialized_start=130
   _globals['_FETCHREQUEST']._serialized_end=168
   _globals['_WEIGHTSCHUNK']._serialized_start=170
-  _globals['_WEIGHTSCHUNK']._serialized_end=238
-  _globals['_WEIGHTS']._serialized_start=241
-  _globals['_WEIGHTS']._serialized_end=371
+  _globals['_WEIGHTSCHUNK']._serialized_end=274
+  _globals['_WEIGHTS']._serialized_start=277
+  _globals['_WEIGHTS']._serialized_end=407
 # @@protoc_insertion_point(module_scope)

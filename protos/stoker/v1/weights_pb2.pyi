@@ -25,11 +25,15 @@ class FetchRequest(_message.Message):
     def __init__(self, policy_version: _Optional[int] = ...) -> None: ...
 
 class WeightsChunk(_message.Message):
-    __slots__ = ("policy_version", "offset", "data")
+    __slots__ = ("policy_version", "offset", "data", "size_bytes", "sha256")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     offset: int
     data: bytes
-    def __init__(self, policy_version: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    size_bytes: int
+    sha256: str
+    def __init__(self, policy_version: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...

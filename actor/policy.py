@@ -1,0 +1,254 @@
+"""The policy an episode samples from, and the adapter that batches episodes onto one Sampler.
+
+Episodes ask for one turn at a time through the small ``Policy`` protocol. ``BatchedSampler``
+implements it over the JAX ``Sampler``: requests from all concurrent episodes that arrive while the
+sampler is busy are answered by a single batched ``generate`` call (the sampler is the actor's CPU
+bottleneck, and a batch of B costs far less than B calls). Each answer carries the policy version
+its tokens were sampled with, read on the sampler's own thread in the same breath as the call, so
+a weight update between turns is recorded exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+
+@dataclass
+class Sampled:
+    """One model turn: the ids exactly as sampled, their log-probs, and the policy version."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finished: bool  # ended by sampling a stop token (else by the token limit)
+    version: int
+
+
+class Policy(Protocol):
+    async def generate(
+        self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int]
+    ) -> Sampled: ...
+
+
+class GenerationLike(Protocol):
+    token_ids: list[int]
+    logprobs: list[float]
+    finished: bool
+
+
+class SamplerLike(Protocol):
+    """The part of ``stoker.learner.sampling.Sampler`` the actor uses."""
+
+    version: int
+
+    def load_weights(self, flat: dict[str, np.ndarray], version: int) -> None: ...
+
+    def generate(
+        self, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: Sequence[int] = ()
+    ) -> Sequence[GenerationLike]: ...
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+    future: asyncio.Future[Sampled]
+
+
+@dataclass
+class BatchStats:
+    calls: int = 0
+    requests: int = 0
+    sizes: list[int] = field(default_factory=list)
+
+    @property
+    def mean_batch(self) -> float:
+        return self.requests / self.calls if self.calls else 0.0
+
+
+class BatchedSampler:
+    """A ``Policy`` over a sampler; concurrent requests share one ``generate`` call.
+
+    Every sampler call (generate and load_weights) runs on one dedicated thread, in order, so a
+    weight update never interleaves with a batch and the event loop never blocks on JAX.
+    """
+
+    def __init__(self, sampler: SamplerLike, max_batch: int = 64):
+        self.sampler = sampler
+        self.max_batch = max_batch
+        # The sampler's length buckets (if it has them): requests are batched within a bucket.
+        self._buckets: tuple[int, ...] = tuple(sorted(getattr(sampler, "buckets", ()) or ()))
+        self.stats = BatchStats()
+        self._queue: list[_Request] = []
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sampler")
+        self._worker: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def version(self) -> int:
+        return int(self.sampler.version)
+
+    async def generate(
+        self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int]
+    ) -> Sampled:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # a new event loop (e.g. one asyncio.run per training step)
+            self._loop, self._queue, self._wake, self._worker = loop, [], asyncio.Event(), None
+        future: asyncio.Future[Sampled] = loop.create_future()
+        self._queue.append(_Request(list(prompt), max_new_tokens, tuple(stop_token_ids), future))
+        self._wake.set()
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._serve())
+        return await future
+
+    async def load_weights(self, flat: dict[str, np.ndarray], version: int) -> None:
+        """Switch weights after the batch in flight (if any) finishes."""
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.sampler.load_weights, flat, version)
+
+    async def close(self) -> None:
+        if self._worker is not None and self._loop is asyncio.get_running_loop():
+            self._worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._worker
+        self._executor.shutdown(wait=True)
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                batch = self._take_batch()
+                if not batch:
+                    continue
+                first = batch[0]
+                prompts = [r.prompt for r in batch]
+                try:
+                    generations, version = await loop.run_in_executor(
+                        self._executor, self._generate, prompts, first.max_new_tokens, first.stop_token_ids
+                    )
+                except Exception as exc:  # noqa: BLE001 - forwarded to every waiting episode, not swallowed
+                    for request in batch:
+                        if not request.future.done():
+                            request.future.set_exception(exc)
+                    continue
+                self.stats.calls += 1
+                self.stats.requests += len(batch)
+                self.stats.sizes.append(len(batch))
+                for request, gen in zip(batch, generations, strict=True):
+                    if not request.future.done():  # an episode may have timed out meanwhile
+                        request.future.set_result(
+                            Sampled(list(gen.token_ids), [float(x) for x in gen.logprobs], bool(gen.finished), version)
+                        )
+
+    def _take_batch(self) -> list[_Request]:
+        """Live requests sharing the oldest one's limits and length bucket, a power of two of them.
+
+        Rows of one call are padded to the longest prompt's bucket, and every turn re-reads the
+        whole conversation, so mixing a 40-token prompt into a batch of 200-token ones would cost
+        that row a 256-token prefill; grouping by bucket keeps padding waste out of the batch.
+        """
+        live = [r for r in self._queue if not r.future.done()]
+        if not live:
+            self._queue.clear()
+            return []
+        key = self._key(live[0])
+        same = [r for r in live if self._key(r) == key]
+        # The sampler pads a batch to a power of two: 8 + 3 rows cost less than 11 padded to 16.
+        size = 1 << (min(len(same), self.max_batch).bit_length() - 1)
+        batch = same[:size]
+        taken = {id(r) for r in batch}
+        self._queue = [r for r in live if id(r) not in taken]
+        return batch
+
+    def _key(self, request: _Request) -> tuple[int, tuple[int, ...], int]:
+        length = len(request.prompt) + request.max_new_tokens
+        bucket = next((b for b in self._buckets if b >= length), length)
+        return request.max_new_tokens, request.stop_token_ids, bucket
+
+    def _generate(
+        self, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: tuple[int, ...]
+    ) -> tuple[Sequence[GenerationLike], int]:
+        version = int(self.sampler.version)  # read on the sampler thread: exact for this batch
+        generations = self.sampler.generate(prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
+        return generations, version
+
+
+class ScriptedPolicy:
+    """A policy that answers with a function of the prompt (tests, audits, benchmarks).
+
+    ``respond`` gets the whole conversation so far as ids and returns the ids to "sample"; the
+    answer is cut at ``max_new_tokens`` and just after the first stop token, as a sampler would.
+    Every id gets log-prob ``logprob`` and the current ``version``.
+    """
+
+    def __init__(self, respond: Callable[[Sequence[int]], Sequence[int]], *, logprob: float = -0.5, version: int = 0):
+        self.respond = respond
+        self.logprob = logprob
+        self.version = version
+        self.calls = 0
+
+    async def generate(
+        self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int]
+    ) -> Sampled:
+        self.calls += 1
+        ids = list(self.respond(prompt))[:max_new_tokens]
+        stops = set(stop_token_ids)
+        cut = next((i + 1 for i, t in enumerate(ids) if t in stops), None)
+        finished = cut is not None
+        ids = ids[:cut] if cut is not None else ids
+        await asyncio.sleep(0)  # yield like a real sampler call would
+        return Sampled(ids, [self.logprob] * len(ids), finished, self.version)
+
+
+class VersionGate:
+    """``weightSync: between-episodes`` over one shared sampler.
+
+    A weight swap first stops new episodes from starting, waits for the running ones to finish,
+    swaps, then lets episodes start again; every episode therefore sees exactly one version. With
+    ``between-turns`` the gate is open and swaps happen between any two sampler calls.
+    """
+
+    def __init__(self, between_episodes: bool):
+        self.between_episodes = between_episodes
+        self._active = 0
+        self._pending = False
+        self._cond = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def episode(self) -> AsyncIterator[None]:
+        if not self.between_episodes:
+            yield
+            return
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._pending)
+            self._active += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    async def swap(self, apply: Callable[[], Awaitable[Any]]) -> None:
+        if not self.between_episodes:
+            await apply()
+            return
+        async with self._cond:
+            self._pending = True
+            await self._cond.wait_for(lambda: self._active == 0)
+        try:
+            await apply()
+        finally:
+            async with self._cond:
+                self._pending = False
+                self._cond.notify_all()
+

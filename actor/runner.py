@@ -1,0 +1,251 @@
+"""The actor's main loop: admission, episode groups, submission and weight sync.
+
+Groups overlap: as soon as one group's episodes free their slots the next group's start (there is
+no barrier between episodes); at most ``concurrency`` episodes run at once. Before starting a group
+the actor asks the buffer for admission credit and waits (for the buffer's hint) while it is
+refused. A finished group is submitted whole, failed and timed-out episodes included (the buffer
+masks or discards them by policy), so no group is ever silently lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from stoker.actor.episode import run_group, summarize
+from stoker.actor.policy import Policy, VersionGate
+from stoker.actor.sandbox import EnvironmentFactory
+from stoker.actor.settings import ActorSettings
+from stoker.actor.tokenization import TextInterface
+from stoker.trajectory import Episode
+
+log = logging.getLogger("stoker.actor")
+
+MAX_RETRY_WAIT_SECONDS = 5.0
+
+
+@dataclass
+class Grant:
+    granted: int
+    retry_after_seconds: float = 0.5
+
+
+class BufferUnavailable(Exception):
+    """The buffer cannot take the call right now (down, full); retrying later may succeed."""
+
+
+class BufferPort(Protocol):
+    """The buffer as the actor sees it (async); see ``GrpcBuffer`` for the real one."""
+
+    async def acquire(self, groups: int) -> Grant: ...
+
+    async def put(self, episodes: list[Episode]) -> None: ...
+
+    async def release(self, groups: int) -> None: ...
+
+
+class WeightSource(Protocol):
+    def latest_version(self) -> int: ...
+
+    def fetch(self, version: int) -> dict[str, np.ndarray]: ...
+
+
+class LoadsWeights(Protocol):
+    version: Any
+
+    async def load_weights(self, flat: dict[str, np.ndarray], version: int) -> None: ...
+
+
+@dataclass
+class ActorStats:
+    groups_started: int = 0
+    groups_submitted: int = 0
+    episodes: int = 0
+    admission_refusals: int = 0
+    weight_updates: int = 0
+    submit_retries: int = 0
+    recent: list[Episode] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+    def record(self, episodes: list[Episode]) -> None:
+        self.groups_submitted += 1
+        self.episodes += len(episodes)
+        self.recent = (self.recent + episodes)[-256:]
+
+
+class Actor:
+    """Runs episode groups until ``max_groups`` are submitted or ``stop()`` is called."""
+
+    def __init__(
+        self,
+        settings: ActorSettings,
+        policy: Policy,
+        interface: TextInterface,
+        env_factory: EnvironmentFactory,
+        buffer: BufferPort,
+        *,
+        weights: WeightSource | None = None,
+        loader: LoadsWeights | None = None,
+        task_picker: Callable[[], str] | None = None,
+    ):
+        self.settings = settings
+        self.policy = policy
+        self.interface = interface
+        self.env_factory = env_factory
+        self.buffer = buffer
+        self.weights = weights
+        self.loader = loader
+        self.stats = ActorStats()
+        self.gate = VersionGate(between_episodes=settings.weight_sync == "between-episodes")
+        self._stopping = asyncio.Event()
+        self._fatal: BaseException | None = None
+        rng = random.Random(f"{settings.seed}/{settings.actor_id}")
+        self._pick = task_picker or (lambda: rng.choice(settings.tasks))
+        self._group_seed = rng.randrange(1 << 30)
+
+    def stop(self) -> None:
+        """Start no new groups; the running ones finish and are submitted."""
+        self._stopping.set()
+
+    async def run(self) -> ActorStats:
+        s = self.settings
+        slots = asyncio.Semaphore(s.concurrency)
+        # Enough groups in flight to keep every episode slot busy, plus one ready to fill the next.
+        max_groups_in_flight = math.ceil(s.concurrency / s.group_size) + 1
+        running: set[asyncio.Task[None]] = set()
+        sync = asyncio.create_task(self._sync_weights()) if self.weights is not None else None
+        if sync is not None:
+            sync.add_done_callback(self._sync_ended)
+        try:
+            while not self._stopping.is_set():
+                if s.max_groups is not None and self.stats.groups_started >= s.max_groups:
+                    break
+                while len(running) >= max_groups_in_flight:
+                    done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        task.result()  # a bug in a group task surfaces here
+                if not await self._admit():
+                    break
+                self.stats.groups_started += 1
+                running.add(asyncio.create_task(self._group(slots)))
+            if running:
+                for outcome in await asyncio.gather(*running, return_exceptions=True):
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                running = set()
+        finally:
+            for task in running:  # only left on an error: do not orphan the other groups
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+            if sync is not None:
+                sync.cancel()
+                await asyncio.gather(sync, return_exceptions=True)
+        self._log_progress()
+        if self._fatal is not None:
+            raise self._fatal
+        return self.stats
+
+    def _sync_ended(self, task: asyncio.Task[None]) -> None:
+        """Weight sync only ends by cancellation; anything else stops the actor, loudly."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self._fatal = task.exception()
+        log.error("weight sync failed: %r; stopping after the running groups", self._fatal)
+        self.stop()
+
+    async def _admit(self) -> bool:
+        """Wait for one group of credit; False if stopped while waiting."""
+        while not self._stopping.is_set():
+            try:
+                grant = await self.buffer.acquire(1)
+            except BufferUnavailable as exc:
+                log.warning("buffer unavailable for admission: %s", exc)
+                grant = Grant(0, 1.0)
+            if grant.granted > 0:
+                if grant.granted > 1:  # asked for one; give back any extra
+                    await self.buffer.release(grant.granted - 1)
+                return True
+            self.stats.admission_refusals += 1
+            wait = min(max(grant.retry_after_seconds, 0.05), MAX_RETRY_WAIT_SECONDS)
+            try:
+                await asyncio.wait_for(self._stopping.wait(), wait)
+            except TimeoutError:
+                continue
+        return False
+
+    async def _group(self, slots: asyncio.Semaphore) -> None:
+        s = self.settings
+        task_id = self._pick()
+        self._group_seed += 1
+        episodes = await run_group(
+            self.policy,
+            self.env_factory,
+            self.interface,
+            task_id,
+            s.group_size,
+            limits=s.limits,
+            seed=self._group_seed,
+            group_id=f"{s.actor_id}-{uuid.uuid4().hex[:12]}",
+            actor_id=s.actor_id,
+            gate=self.gate,
+            slots=slots,
+        )
+        await self._submit(episodes)
+        self.stats.record(episodes)
+        if self.stats.groups_submitted % 10 == 0:
+            self._log_progress()
+
+    async def _submit(self, episodes: list[Episode]) -> None:
+        """Put a whole group; transient failures are retried (Put is idempotent per episode id)."""
+        delay = 0.2
+        while True:
+            try:
+                await self.buffer.put(episodes)
+                return
+            except BufferUnavailable as exc:
+                self.stats.submit_retries += 1
+                log.warning("buffer put failed (%s); retrying in %.1f s", exc, delay)
+                await asyncio.sleep(delay)  # backoff before retrying a remote call
+                delay = min(delay * 2, MAX_RETRY_WAIT_SECONDS)
+
+    async def _sync_weights(self) -> None:
+        """Poll the weight channel; load a newer version between turns or between episodes."""
+        from stoker.learner.weights import WeightsError
+
+        assert self.weights is not None and self.loader is not None
+        weights, loader = self.weights, self.loader
+        while True:
+            try:
+                latest = await asyncio.to_thread(weights.latest_version)
+                if latest > int(loader.version):
+                    flat = await asyncio.to_thread(weights.fetch, latest)
+                    await self.gate.swap(lambda: loader.load_weights(flat, latest))
+                    self.stats.weight_updates += 1
+                    log.info("actor %s now samples with policy version %d", self.settings.actor_id, latest)
+            except WeightsError as exc:
+                log.warning("weight sync: %s; retrying", exc)
+            await asyncio.sleep(self.settings.weight_poll_seconds)  # the polling period
+
+    def _log_progress(self) -> None:
+        summary = summarize(self.stats.recent)
+        elapsed = time.monotonic() - self.stats.started
+        log.info(
+            "actor %s: %d groups, %d episodes (%.1f/s), policy v%s, success %.2f, reward %.3f, statuses %s",
+            self.settings.actor_id,
+            self.stats.groups_submitted,
+            self.stats.episodes,
+            self.stats.episodes / max(elapsed, 1e-9),
+            getattr(self.policy, "version", "?"),
+            summary["success_rate"],
+            summary["mean_reward"],
+            summary["statuses"],
+        )

@@ -1,0 +1,286 @@
+"""The sandbox server: one episode's environment behind the ``stoker.v1.Sandbox`` gRPC service.
+
+    python -m stoker.actor.sandbox_server --port 0 [--ready-file F] [--cpu-seconds N] [--memory-mb M]
+
+Started by the actor as a subprocess (or as a pod's container). It applies its own resource limits
+first thing: setting them here rather than in a ``preexec_fn`` of the parent is safe in a parent
+with threads (JAX, gRPC), and they bind the environment's own children (a SWE task's test run)
+too. Its working directory is the sandbox's private temp dir. Inference never runs here, and JAX
+is never imported, so a sandbox starts in a fraction of a second.
+
+When ready it prints ``SANDBOX_READY port=<port>`` on stdout (and writes the port to
+``--ready-file`` if given). It exits after Close, when its parent dies (Linux parent-death
+signal), or after ``--idle-exit-seconds`` without any call (the actor heartbeats), so a crashed
+actor leaves no sandboxes behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import random
+import resource
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("stoker.sandbox")
+
+
+def apply_limits(cpu_seconds: int, memory_mb: int) -> None:
+    """RLIMIT_CPU (SIGXCPU, then SIGKILL at the hard limit) and RLIMIT_AS for this process tree."""
+    if cpu_seconds > 0:
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
+    if memory_mb > 0:
+        limit = memory_mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL us when the parent exits (prctl PR_SET_PDEATHSIG); no-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stoker.actor.sandbox_server", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--ready-file", type=Path, help="write the bound port here when ready")
+    parser.add_argument("--cpu-seconds", type=int, default=0, help="RLIMIT_CPU (0: unlimited)")
+    parser.add_argument("--memory-mb", type=int, default=0, help="RLIMIT_AS in MiB (0: unlimited)")
+    parser.add_argument("--idle-exit-seconds", type=float, default=0.0, help="exit after this long without calls")
+    parser.add_argument("--parent-pid", type=int, default=0, help="die with this parent (Linux)")
+    parser.add_argument("--zygote", action="store_true", help="fork sandboxes on request (see zygote_main)")
+    args = parser.parse_args(argv)
+    if args.parent_pid:
+        die_with_parent(args.parent_pid)
+    if args.zygote:
+        return zygote_main()
+    apply_limits(args.cpu_seconds, args.memory_mb)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s sandbox %(levelname)s %(message)s")
+
+    def ready(port: int) -> None:
+        if args.ready_file:
+            tmp = args.ready_file.with_suffix(".tmp")
+            tmp.write_text(str(port))
+            tmp.replace(args.ready_file)  # atomic: a reader never sees a half-written port
+        print(f"SANDBOX_READY port={port}", flush=True)
+
+    return serve(args.host, args.port, args.idle_exit_seconds, ready)
+
+
+def serve(host: str, port: int, idle_exit_seconds: float, ready: Callable[[int], None]) -> int:
+    """Serve one environment until Close, SIGTERM or ``idle_exit_seconds`` without calls."""
+    import grpc
+
+    from stoker.v1 import sandbox_pb2_grpc
+
+    done = threading.Event()
+    servicer = SandboxServicer(workdir=os.getcwd(), on_close=done.set)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    sandbox_pb2_grpc.add_SandboxServicer_to_server(servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        print(f"sandbox: cannot bind {host}:{port}", file=sys.stderr)
+        return 2
+    server.start()
+    ready(bound)
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    period = min(1.0, idle_exit_seconds / 4) if idle_exit_seconds > 0 else 1.0
+    while not done.wait(timeout=period):
+        idle = time.monotonic() - servicer.last_call
+        if idle_exit_seconds and idle > idle_exit_seconds:
+            log.warning("no calls for %.0f s; exiting", idle)
+            break
+    server.stop(grace=1.0).wait()
+    servicer.close_environment()
+    return 0
+
+
+# ---------------------------------------------------------------------------------- zygote
+
+
+def zygote_main() -> int:
+    """Fork sandboxes on request, so each costs a fork instead of an interpreter start.
+
+    A fresh interpreter that imports gRPC and gymnasium costs ~0.2 s of CPU; on a small box that
+    caps an actor at a few episodes per second. The zygote pays the imports once (it creates no
+    gRPC object, so forking is safe) and forks one child per request. Each child is a full sandbox:
+    its own session (process group), its own temp dir as cwd, its own resource limits, and it dies
+    with the zygote, which dies with the actor.
+
+    Protocol, one line each. stdin: a JSON request ``{"id", "cpu_seconds", "memory_mb",
+    "idle_exit_seconds"}``. stdout: ``READY <id> <pid> <port> <workdir>`` or ``FAILED <id>
+    <reason>`` per request, and ``EXIT <pid> <wait status> <id>`` when a child ends. On stdin EOF the
+    zygote kills its children and exits.
+    """
+    import grpc  # noqa: F401 - imported once here so every fork inherits it
+
+    import stoker.actor.frozenlake  # noqa: F401
+    import stoker.actor.swe  # noqa: F401
+    from stoker.v1 import sandbox_pb2_grpc  # noqa: F401
+
+    zygote_pid = os.getpid()
+    children: dict[int, str] = {}  # pid -> request id
+    changed = threading.Condition()
+
+    def say(line: str) -> None:
+        os.write(1, (line + "\n").encode())  # one write per line: atomic on a pipe
+
+    def reap() -> None:
+        while True:
+            with changed:
+                changed.wait_for(lambda: bool(children))
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                continue
+            with changed:
+                request_id = children.pop(pid, "-")
+            say(f"EXIT {pid} {status} {request_id}")
+
+    threading.Thread(target=reap, name="reaper", daemon=True).start()
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _child(request, zygote_pid, say)  # never returns
+        with changed:
+            children[pid] = str(request["id"])
+            changed.notify_all()
+    for pid in list(children):  # the actor went away: take every sandbox with us
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    return 0
+
+
+def _child(request: dict[str, Any], zygote_pid: int, say: Callable[[str], None]) -> None:
+    code = 1
+    try:
+        os.setsid()
+        die_with_parent(zygote_pid)
+        workdir = tempfile.mkdtemp(prefix="stoker-sandbox-")
+        os.chdir(workdir)
+        os.environ["HOME"] = os.environ["TMPDIR"] = workdir
+        logfile = os.open(os.path.join(workdir, "sandbox.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(logfile, 2)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s sandbox %(levelname)s %(message)s", force=True)
+        apply_limits(int(request["cpu_seconds"]), int(request["memory_mb"]))
+
+        def ready(port: int) -> None:
+            say(f"READY {request['id']} {os.getpid()} {port} {workdir}")
+            os.dup2(logfile, 1)  # from now on stdout is this sandbox's own log
+
+        code = serve("127.0.0.1", 0, float(request["idle_exit_seconds"]), ready)
+    except BaseException as exc:  # noqa: BLE001 - a forked child must never return into the zygote
+        with contextlib.suppress(OSError):
+            say(f"FAILED {request.get('id')} {type(exc).__name__}: {exc}".replace("\n", " "))
+    finally:
+        os._exit(code)
+
+
+class SandboxServicer:
+    """Hosts one environment; calls are serialised (one episode, one conversation)."""
+
+    def __init__(self, workdir: str, on_close: Any):
+        self.workdir = workdir
+        self.on_close = on_close
+        self.started = time.monotonic()
+        self.last_call = self.started
+        self._lock = threading.Lock()
+        self._env: Any = None
+        self._latency: Any = None
+        self._rng = random.Random(0)
+
+    def _touch(self) -> None:
+        self.last_call = time.monotonic()
+
+    def Reset(self, request: Any, context: Any) -> Any:
+        import grpc
+
+        from stoker.actor.environments import EnvironmentProblem, StepLatency, make_environment
+
+        self._touch()
+        with self._lock:
+            self.close_environment()
+            try:
+                options = json.loads(request.options_json or "{}")
+                self._env = make_environment(request.environment, options, self.workdir)
+                observation = self._env.reset(request.task_id, int(request.seed))
+            except (EnvironmentProblem, ValueError) as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            self._latency = StepLatency(request.step_latency.distribution or "none", request.step_latency.seconds)
+            self._rng = random.Random(int(request.seed))
+            return _observation(observation)
+
+    def Step(self, request: Any, context: Any) -> Any:
+        import grpc
+
+        from stoker.actor.environments import EnvironmentProblem
+        from stoker.v1 import sandbox_pb2
+
+        self._touch()
+        with self._lock:
+            if self._env is None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "step before reset")
+            delay = self._latency.sample(self._rng)
+            if delay > 0:
+                time.sleep(delay)  # the injected latency is the point: a slow environment
+            try:
+                result = self._env.step(request.action)
+            except EnvironmentProblem as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            self._touch()
+            return sandbox_pb2.StepResult(
+                observation=_observation(result.observation),
+                reward=result.reward,
+                terminated=result.terminated,
+                truncated=result.truncated,
+            )
+
+    def Close(self, request: Any, context: Any) -> Any:
+        from stoker.v1 import sandbox_pb2
+
+        self._touch()
+        with self._lock:
+            self.close_environment()
+        self.on_close()
+        return sandbox_pb2.CloseResponse()
+
+    def Heartbeat(self, request: Any, context: Any) -> Any:
+        from stoker.v1 import sandbox_pb2
+
+        self._touch()
+        return sandbox_pb2.HeartbeatResponse(uptime_seconds=time.monotonic() - self.started)
+
+    def close_environment(self) -> None:
+        if self._env is not None:
+            env, self._env = self._env, None
+            env.close()
+
+
+def _observation(observation: Any) -> Any:
+    from stoker.v1 import sandbox_pb2
+
+    return sandbox_pb2.Observation(text=observation.text, info_json=json.dumps(observation.info))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Assemble a real actor from a manifest: JAX sampler, weight channel, buffer client, sandboxes.
+
+Also the in-process entry points the local runner uses (``make_policy``, ``environment_factory``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from stoker.actor.policy import BatchedSampler
+from stoker.actor.runner import Actor, ActorStats, BufferUnavailable, Grant
+from stoker.actor.sandbox import EnvironmentFactory, close_factory, inline_factory, process_factory
+from stoker.actor.settings import ActorSettings
+from stoker.actor.tokenization import text_interface
+from stoker.spec import RLJob
+from stoker.trajectory import Episode
+
+log = logging.getLogger("stoker.actor")
+
+
+class ActorSetupError(Exception):
+    """Something the user configured that keeps the actor from starting."""
+
+
+def environment_factory(settings: ActorSettings) -> EnvironmentFactory:
+    """One fresh environment per episode, in the sandbox kind the spec asks for."""
+    if settings.sandbox_kind == "inline":
+        return inline_factory(settings.sandbox)
+    if settings.sandbox_kind == "pod":
+        from stoker.actor.pods import pod_factory
+
+        assert settings.pod is not None
+        return pod_factory(settings.sandbox, settings.pod)
+    return process_factory(settings.sandbox)
+
+
+def make_sampler(settings: ActorSettings, dtype: str = "float32") -> Any:
+    """The JAX sampler with the job's initial weights (checkpoint, or the learner's version-0 init)."""
+    from stoker.learner.hf import CheckpointError, dtype_from_name, read_config, read_weights
+    from stoker.learner.sampling import Sampler
+
+    if settings.compilation_cache_dir:
+        import jax
+
+        # The sampler compiles one program per (batch, prefill, cache) shape; a restarted actor
+        # then reads them back instead of compiling again.
+        jax.config.update("jax_compilation_cache_dir", settings.compilation_cache_dir)
+    config, params = settings.model, None
+    if settings.checkpoint:
+        try:
+            config, params = read_config(settings.checkpoint), read_weights(settings.checkpoint)
+        except CheckpointError as exc:
+            raise ActorSetupError(f"spec.model.checkpoint: {exc}") from None
+    return Sampler(
+        config,
+        settings.sampling,
+        seed=settings.seed,
+        buckets=settings.sampler_buckets,
+        params=params,
+        dtype=dtype_from_name(dtype),
+    )
+
+
+def make_policy(settings: ActorSettings, dtype: str = "float32") -> BatchedSampler:
+    return BatchedSampler(make_sampler(settings, dtype), max_batch=max(settings.concurrency, 1))
+
+
+def make_weight_source(target: str, token: str | None = None) -> Any:
+    from stoker.learner.weights import WeightSubscriber
+
+    if Path(target).is_dir() or target.startswith(("/", ".", "~")):
+        return WeightSubscriber(directory=Path(target).expanduser())
+    return WeightSubscriber(address=target, auth_token=token)
+
+
+class GrpcBuffer:
+    """``BufferPort`` over ``stoker.buffer.client.BufferClient`` (its blocking calls run in threads).
+
+    The client already retries transient failures up to its deadline; what still fails becomes
+    ``BufferUnavailable`` (the actor retries later). Trajectories the buffer refuses as invalid are
+    logged and counted, not retried: sending them again cannot succeed.
+    """
+
+    def __init__(self, client: Any):
+        self.client = client
+        self.invalid = 0
+
+    async def acquire(self, groups: int) -> Grant:
+        credit = await self._call(self.client.acquire, groups)
+        return Grant(int(credit.granted), float(credit.retry_after_seconds))
+
+    async def put(self, episodes: list[Episode]) -> None:
+        from stoker.buffer.client import InvalidTrajectoryError
+
+        try:
+            await self._call(self.client.put, episodes)
+        except InvalidTrajectoryError as exc:
+            self.invalid += len(exc.rejections)
+            log.error("buffer refused trajectories: %s", exc)
+
+    async def release(self, groups: int) -> None:
+        await self._call(self.client.release, groups)
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        from stoker.buffer.client import BufferUnavailableError
+
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except BufferUnavailableError as exc:
+            raise BufferUnavailable(str(exc)) from None
+
+
+async def build_and_run(
+    job: RLJob,
+    *,
+    actor_id: str,
+    buffer_address: str,
+    token: str | None,
+    weights: str | None,
+    max_groups: int | None,
+    job_name: str,
+    install_signals: Callable[[Callable[[], None]], None] | None = None,
+) -> ActorStats:
+    from stoker.buffer.client import BufferClient
+
+    spec = job.spec
+    settings = ActorSettings.from_spec(spec, actor_id=actor_id, job=job_name, max_groups=max_groups)
+    interface = text_interface(spec)
+    policy = await asyncio.to_thread(make_policy, settings, spec.model.dtype)
+    source = make_weight_source(weights, token) if weights else None
+    buffer = GrpcBuffer(BufferClient(buffer_address, token=token, client_id=actor_id))
+    factory = environment_factory(settings)
+    actor = Actor(settings, policy, interface, factory, buffer, weights=source, loader=policy)
+    if install_signals is not None:
+        install_signals(actor.stop)
+    log.info(
+        "actor %s: %s, %d tasks, groups of %d, %d concurrent episodes, %s sandboxes, weight sync %s",
+        actor_id,
+        settings.environment,
+        len(settings.tasks),
+        settings.group_size,
+        settings.concurrency,
+        settings.sandbox_kind,
+        settings.weight_sync,
+    )
+    try:
+        return await actor.run()
+    finally:
+        await policy.close()
+        await close_factory(factory)
+

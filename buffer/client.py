@@ -1,0 +1,425 @@
+"""Client library for the trajectory buffer, used by actors and the learner.
+
+Actors::
+
+    with BufferClient("buffer:50051", token=token, client_id="actor-3") as buffer:
+        credit = buffer.acquire(2, wait=30)        # admission: may I start 2 groups?
+        ...run episodes...
+        buffer.put(episodes)                       # batched, retried, idempotent (by episode_id)
+
+The learner::
+
+    buffer = BufferClient(address, token=token, learner_id="learner")
+    batch = buffer.sample(max_groups=4, min_groups=4, timeout=30)   # None if nothing in time
+    if batch: train(batch.groups); buffer.commit(batch.batch_id)   # or commit_async(...)
+    buffer.set_policy_version(step)
+
+Errors are exceptions by cause: ``InvalidTrajectoryError`` (a trajectory was refused; its field is
+named; the valid ones were stored), ``AuthError``, ``LeaseLostError`` (commit of a batch the buffer
+no longer leases: it will be delivered again), ``BufferUnavailableError`` (retries exhausted).
+Transient failures (``UNAVAILABLE``, ``DEADLINE_EXCEEDED``, ``RESOURCE_EXHAUSTED`` = buffer full)
+are retried with exponential backoff and full jitter until ``RetryPolicy.deadline``; Put is safe to
+retry because the buffer stores each episode id once.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from stoker.buffer.wire import encode_put_request, encode_trajectory
+from stoker.trajectory import Episode, from_proto
+from stoker.v1 import buffer_pb2, trajectory_pb2
+
+SERVICE = "/stoker.v1.Buffer/"
+PUT_RESPONSE_KEY = "stoker-put-response-bin"
+RETRY_AFTER_KEY = "stoker-retry-after-ms"
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+class BufferError(Exception):
+    """Base of the client's errors."""
+
+
+class AuthError(BufferError):
+    """The buffer refused the bearer token (or none was sent)."""
+
+
+class BufferUnavailableError(BufferError):
+    """The buffer stayed unreachable or full until the retry deadline."""
+
+
+class LeaseLostError(BufferError):
+    """Commit of a batch the buffer no longer leases; its groups will be delivered again."""
+
+
+@dataclass(frozen=True)
+class Rejection:
+    index: int  # position in the list given to put()
+    episode_id: str
+    field: str  # the offending Trajectory field, e.g. "logprobs"
+    message: str
+
+    def __str__(self) -> str:
+        who = f"episode {self.episode_id!r}" if self.episode_id else f"trajectory #{self.index}"
+        return f"{who}: {self.field}: {self.message}"
+
+
+class InvalidTrajectoryError(BufferError, ValueError):
+    """One or more trajectories were refused with INVALID_ARGUMENT; every other one was stored."""
+
+    def __init__(self, rejections: list[Rejection], stored: int):
+        head = "; ".join(str(r) for r in rejections[:3])
+        more = f" (and {len(rejections) - 3} more)" if len(rejections) > 3 else ""
+        super().__init__(f"{len(rejections)} invalid trajectories: {head}{more}")
+        self.rejections = rejections
+        self.stored = stored
+
+    @property
+    def fields(self) -> list[str]:
+        return [r.field for r in self.rejections]
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with full jitter: sleep ``uniform(0, min(maximum, initial * multiplier**n))``,
+    at least the server's retry hint, until ``deadline`` seconds have passed."""
+
+    initial: float = 0.05
+    maximum: float = 2.0
+    multiplier: float = 2.0
+    deadline: float = 120.0
+
+    def delay(self, attempt: int, hint: float = 0.0) -> float:
+        ceiling = min(self.maximum, self.initial * self.multiplier**attempt)
+        return max(hint, random.uniform(0.0, ceiling))
+
+
+@dataclass(frozen=True)
+class PutSummary:
+    stored: int
+    duplicates: int  # already stored earlier (a retry): not stored twice
+
+
+@dataclass(frozen=True)
+class Credit:
+    granted: int
+    policy_version: int
+    retry_after_seconds: float
+
+
+@dataclass
+class SampledGroup:
+    group_id: str
+    masked: bool  # holds a failed/timed-out episode (status != ok/truncated): never train on those
+    episodes: list[Episode]
+
+
+@dataclass
+class SampledBatch:
+    batch_id: str
+    groups: list[SampledGroup]
+    policy_version: int
+
+    @property
+    def episodes(self) -> list[Episode]:
+        return [e for g in self.groups for e in g.episodes]
+
+
+Encodable = Episode | trajectory_pb2.Trajectory | bytes
+
+
+def _encode(item: Encodable) -> bytes:
+    if isinstance(item, Episode):
+        return encode_trajectory(item)
+    if isinstance(item, trajectory_pb2.Trajectory):
+        return item.SerializeToString()
+    return bytes(item)
+
+
+def _episode_id(item: Encodable) -> str:
+    if isinstance(item, (Episode, trajectory_pb2.Trajectory)):
+        return item.episode_id
+    return ""
+
+
+class BufferClient:
+    """Synchronous, thread-safe client of one buffer (safe to share between an actor's threads)."""
+
+    def __init__(
+        self,
+        address: str,
+        token: str | None = None,
+        *,
+        client_id: str = "",
+        learner_id: str = "learner",
+        tls_ca: str | Path | None = None,
+        retry: RetryPolicy = RetryPolicy(),
+        timeout: float = 30.0,
+        max_batch_trajectories: int = 64,
+        max_batch_bytes: int = 32 << 20,
+        max_message_bytes: int = 256 << 20,
+    ):
+        self.address = address
+        self.client_id = client_id
+        self.learner_id = learner_id
+        self.session_id = uuid.uuid4().hex  # a new client is a new learner session (see SampleRequest)
+        self.retry = retry
+        self.timeout = timeout
+        self.max_batch_trajectories = max_batch_trajectories
+        self.max_batch_bytes = max_batch_bytes
+        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        if tls_ca is not None:
+            credentials = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes())
+            self.channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            self.channel = grpc.insecure_channel(address, options=options)
+
+        def method(name: str, response: Any, request_serializer: Callable[[Any], bytes] | None = None) -> Any:
+            return self.channel.unary_unary(
+                SERVICE + name,
+                request_serializer=request_serializer or (lambda m: m.SerializeToString()),
+                response_deserializer=response.FromString,
+            )
+
+        self._put = method("Put", buffer_pb2.PutResponse, request_serializer=bytes)
+        self._acquire = method("Acquire", buffer_pb2.AcquireResponse)
+        self._release = method("Release", buffer_pb2.ReleaseResponse)
+        self._sample = method("Sample", buffer_pb2.SampleResponse)
+        self._commit = method("Commit", buffer_pb2.CommitResponse)
+        self._set_version = method("SetPolicyVersion", buffer_pb2.SetPolicyVersionResponse)
+        self._stats = method("Stats", buffer_pb2.BufferStats)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self._committer: futures.ThreadPoolExecutor | None = None
+        self._committer_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        """One RPC with retries on transient errors; auth errors raised as AuthError."""
+        started = time.monotonic()
+        attempt = 0
+        while True:
+            try:
+                return method(request, timeout=timeout or self.timeout, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    raise AuthError(exc.details()) from None
+                hint = _retry_hint(exc)
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and hint is None:
+                    # Not the buffer saying "full" (that always carries a hint) but gRPC refusing
+                    # an oversized message: retrying cannot help.
+                    raise BufferError(f"buffer at {self.address}: {exc.details()}") from None
+                if code not in RETRYABLE:
+                    raise
+                delay = self.retry.delay(attempt, hint or 0.0)
+                if time.monotonic() - started + delay > self.retry.deadline:
+                    raise BufferUnavailableError(
+                        f"buffer at {self.address}: {code.name}: {exc.details()} "
+                        f"(gave up after {time.monotonic() - started:.1f}s)"
+                    ) from None
+                time.sleep(delay)
+                attempt += 1
+
+    # ------------------------------------------------------------------ actors
+
+    def put(self, items: Iterable[Encodable]) -> PutSummary:
+        """Store trajectories durably (Episodes, wire Trajectories, or their serialized bytes).
+
+        Sent in batches of at most ``max_batch_trajectories`` / ``max_batch_bytes``; each batch is
+        retried until stored. Raises ``InvalidTrajectoryError`` after all batches are sent if any
+        trajectory was refused (the others are stored).
+        """
+        items = list(items)
+        encoded = [_encode(item) for item in items]
+        stored = duplicates = 0
+        rejections: list[Rejection] = []
+        start = 0
+        while start < len(encoded):
+            end, size = start, 0
+            while end < len(encoded) and end - start < self.max_batch_trajectories:
+                if end > start and size + len(encoded[end]) > self.max_batch_bytes:
+                    break
+                size += len(encoded[end])
+                end += 1
+            summary, bad = self.put_encoded(encoded[start:end])
+            stored += summary.stored
+            duplicates += summary.duplicates
+            rejections += [
+                Rejection(start + r.index, _episode_id(items[start + r.index]), r.field, r.message) for r in bad
+            ]
+            start = end
+        if rejections:
+            raise InvalidTrajectoryError(rejections, stored)
+        return PutSummary(stored, duplicates)
+
+    def put_encoded(self, trajectories: Sequence[bytes]) -> tuple[PutSummary, list[Rejection]]:
+        """Put one batch of serialized trajectories as a single RPC (with retries); return the
+        summary and the refused ones (their ``index`` is within this batch). Low level: ``put``
+        is the usual entry point."""
+        request = encode_put_request(self.client_id, trajectories)
+        try:
+            response = self._call(self._put, request)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                raise
+            response = _put_response_from_error(exc)
+            if response is None:  # the request as a whole was refused (malformed, or larger than the capacity)
+                raise InvalidTrajectoryError([Rejection(-1, "", "trajectories", exc.details() or "")], 0) from None
+        rejections = [
+            Rejection(index, "", result.field, result.message)
+            for index, result in enumerate(response.results)
+            if result.code != 0
+        ]
+        return PutSummary(response.stored, response.duplicates), rejections
+
+    def acquire(self, groups: int, *, actor_id: str = "", wait: float = 0.0) -> Credit:
+        """Ask for credit to start ``groups`` episode groups (admission control). With ``wait`` > 0,
+        keep asking (at the buffer's suggested pace) until something is granted or ``wait`` passes."""
+        deadline = time.monotonic() + wait
+        request = buffer_pb2.AcquireRequest(actor_id=actor_id or self.client_id, groups=groups)
+        while True:
+            response = self._call(self._acquire, request)
+            credit = Credit(response.granted, response.policy_version, response.retry_after_seconds)
+            pause = max(credit.retry_after_seconds, 0.01)
+            if credit.granted or time.monotonic() + pause > deadline:
+                return credit
+            time.sleep(pause)
+
+    def release(self, groups: int, *, actor_id: str = "") -> None:
+        """Give back credit for groups that will not be submitted after all."""
+        self._call(self._release, buffer_pb2.ReleaseRequest(actor_id=actor_id or self.client_id, groups=groups))
+
+    # ------------------------------------------------------------------ learner
+
+    def sample(self, max_groups: int, min_groups: int = 1, timeout: float = 10.0) -> SampledBatch | None:
+        """Lease up to ``max_groups`` complete groups (FIFO), waiting up to ``timeout`` seconds for
+        ``min_groups``; None if they did not arrive. Commit the batch after training on it."""
+        request = buffer_pb2.SampleRequest(
+            learner_id=self.learner_id,
+            session_id=self.session_id,
+            max_groups=max_groups,
+            min_groups=min_groups,
+            timeout_seconds=timeout,
+        )
+        response = self._call(self._sample, request, timeout=timeout + self.timeout)
+        if not response.batch_id:
+            return None
+        return SampledBatch(
+            response.batch_id,
+            [SampledGroup(g.group_id, g.masked, [from_proto(t) for t in g.trajectories]) for g in response.groups],
+            response.policy_version,
+        )
+
+    def commit(self, batch_id: str) -> int:
+        """Mark a sampled batch as trained on; returns its trajectory count. ``LeaseLostError``
+        if the buffer no longer leases it (it will deliver those groups again)."""
+        try:
+            return int(self._call(self._commit, buffer_pb2.CommitRequest(batch_id=batch_id)).committed_trajectories)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise LeaseLostError(exc.details()) from None
+            raise
+
+    def commit_async(self, batch_id: str) -> futures.Future[int]:
+        """``commit`` in the background (one at a time, in order), so the learner can fetch the
+        next batch while the log flush happens; the future raises what ``commit`` would."""
+        with self._committer_lock:
+            if self._committer is None:
+                self._committer = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="buffer-commit")
+            return self._committer.submit(self.commit, batch_id)
+
+    def set_policy_version(self, version: int) -> None:
+        self._call(self._set_version, buffer_pb2.SetPolicyVersionRequest(policy_version=version))
+
+    # ------------------------------------------------------------------ everyone
+
+    def stats(self) -> buffer_pb2.BufferStats:
+        return self._call(self._stats, buffer_pb2.StatsRequest())
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Block until the buffer's health service reports SERVING; ``BufferUnavailableError`` if not in time."""
+        deadline = time.monotonic() + timeout
+        attempt = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                response = self._health.Check(
+                    health_pb2.HealthCheckRequest(service="stoker.v1.Buffer"), timeout=max(0.1, remaining), wait_for_ready=True
+                )
+                if response.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError as exc:
+                if exc.code() not in RETRYABLE and exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+            if time.monotonic() >= deadline:
+                raise BufferUnavailableError(f"buffer at {self.address} not serving after {timeout:g}s")
+            time.sleep(min(self.retry.delay(attempt), max(0.0, deadline - time.monotonic())))
+            attempt += 1
+
+    def close(self) -> None:
+        """Finish background commits, then close the channel."""
+        with self._committer_lock:
+            if self._committer is not None:
+                self._committer.shutdown(wait=True)
+                self._committer = None
+        self.channel.close()
+
+    def __enter__(self) -> BufferClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _trailing(exc: grpc.RpcError, key: str) -> Any:
+    for k, value in exc.trailing_metadata() or ():
+        if k == key:
+            return value
+    return None
+
+
+def _retry_hint(exc: grpc.RpcError) -> float | None:
+    """The buffer's retry-after hint in seconds, None when absent."""
+    value = _trailing(exc, RETRY_AFTER_KEY)
+    if value is None:
+        return None
+    try:
+        return float(value) / 1000.0
+    except ValueError:
+        return 0.0
+
+
+def _put_response_from_error(exc: grpc.RpcError) -> buffer_pb2.PutResponse | None:
+    value = _trailing(exc, PUT_RESPONSE_KEY)
+    return buffer_pb2.PutResponse.FromString(value) if value is not None else None
+
+
+__all__ = [
+    "AuthError",
+    "BufferClient",
+    "BufferError",
+    "BufferUnavailableError",
+    "Credit",
+    "InvalidTrajectoryError",
+    "LeaseLostError",
+    "PutSummary",
+    "Rejection",
+    "RetryPolicy",
+    "SampledBatch",
+    "SampledGroup",
+]

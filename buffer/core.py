@@ -1,0 +1,918 @@
+"""The buffer's state machine, without gRPC: groups, leases, staleness, admission, durability.
+
+``BufferCore`` owns the in-memory state and the write-ahead log (``stoker.buffer.wal``). Its
+methods are what the RPCs do; the gRPC layer (``stoker.buffer.server``) only decodes requests and
+maps exceptions to status codes.
+
+Log records (types): ``PUT`` = a serialized Trajectory exactly as received; ``CONSUME`` = groups
+gone for good (committed, or dropped with a reason); ``CHECKPOINT`` = counters and recently
+consumed ids, written first in every new segment; ``VERSION`` = the learner's policy version.
+Replay applies them in order, so a trajectory is live iff its Put record is not followed by a
+consumption of its group.
+
+Admission (the AReaL rule, counted in groups)::
+
+    credit = (max_staleness + version + 1) * batch_groups - (accepted + in_flight)
+
+where ``accepted`` = groups committed so far plus complete groups waiting or leased (dropped groups
+do not count: their work must be redone), and ``in_flight`` = credit granted whose group has not
+completed yet. A group whose oldest model token has version ``v_old`` is stale, and dropped,
+once ``version - v_old > max_staleness``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from google.protobuf.message import DecodeError
+
+from stoker.buffer.settings import BufferSettings
+from stoker.buffer.validate import Invalid, TrajectoryMeta, parse_meta, validate_batch
+from stoker.buffer.wal import HEADER, Position, Wal, WalError
+from stoker.v1 import buffer_pb2
+
+log = logging.getLogger("stoker.buffer")
+
+PUT, CONSUME, CHECKPOINT, VERSION = 1, 2, 3, 4
+
+# google.rpc.Code values used in PutResult.code
+CODE_OK, CODE_INVALID_ARGUMENT = 0, 3
+
+Clock = Callable[[], float]
+
+
+class BufferFull(Exception):
+    """The batch does not fit; nothing was stored. Retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class BatchTooLarge(ValueError):
+    """A batch that could never fit, however long the client waits."""
+
+
+class UnknownBatch(KeyError):
+    """Commit of a batch the buffer does not hold a lease for (restarted, expired or committed)."""
+
+
+class Unavailable(Exception):
+    """The buffer cannot durably accept anything (closed, or its log is unusable)."""
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    meta: TrajectoryMeta
+    raw: bytes | memoryview
+    segment: int
+
+    @property
+    def record_bytes(self) -> int:
+        return HEADER.size + len(self.raw)
+
+
+@dataclass(eq=False)
+class Group:
+    group_id: str
+    size: int
+    created: float
+    entries: dict[str, Entry] = field(default_factory=dict)
+    failed: int = 0
+    oldest_version: int = -1  # over model tokens of every episode; -1 = none
+    state: str = "incomplete"  # incomplete | ready | leased
+    timeout_reported: bool = False
+
+    @property
+    def masked(self) -> bool:
+        return self.failed > 0
+
+
+@dataclass(eq=False)
+class Lease:
+    batch_id: str
+    learner_id: str
+    session_id: str
+    groups: list[Group]
+    deadline: float
+
+
+@dataclass
+class PutOutcome:
+    results: list[tuple[int, str, str]]  # per trajectory: (google.rpc code, field, message)
+    stored: int = 0
+    duplicates: int = 0
+
+    @property
+    def rejected(self) -> list[tuple[int, str, str]]:
+        return [(i, f, m) for i, (c, f, m) in enumerate(self.results) if c == CODE_INVALID_ARGUMENT]
+
+
+@dataclass(eq=False)
+class _PutTicket:
+    """One Put waiting for the log writer."""
+
+    raws: Sequence[bytes | memoryview]
+    client_id: str
+    done: threading.Event = field(default_factory=threading.Event)
+    outcome: PutOutcome | None = None
+    error: Exception | None = None
+
+
+@dataclass(eq=False)
+class _Round:
+    """Puts the log writer has handled together, waiting for the flusher."""
+
+    tickets: list[_PutTicket]
+    admitted: list[tuple[_PutTicket, int]] = field(default_factory=list)  # (ticket, its new trajectories)
+    new: list[tuple[bytes | memoryview, TrajectoryMeta]] = field(default_factory=list)
+    position: Position | None = None  # end of its records in the log
+    error: Exception | None = None
+
+
+def _fail(tickets: Sequence[_PutTicket], error: Exception) -> None:
+    for ticket in tickets:
+        if not ticket.done.is_set():
+            ticket.outcome, ticket.error = None, error
+            ticket.done.set()
+
+
+@dataclass
+class SampledBatch:
+    batch_id: str
+    groups: list[tuple[str, list[bytes | memoryview], bool]]  # (group id, raw trajectories, masked)
+    policy_version: int
+
+
+class RateWindow:
+    """Events per second over the last ``seconds``, in one-second buckets."""
+
+    def __init__(self, seconds: int = 60):
+        self.seconds = seconds
+        self._buckets: collections.deque[list[float]] = collections.deque()  # [second, count]
+
+    def add(self, now: float, count: int) -> None:
+        second = float(int(now))
+        if self._buckets and self._buckets[-1][0] == second:
+            self._buckets[-1][1] += count
+        else:
+            self._buckets.append([second, float(count)])
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._buckets and self._buckets[0][0] <= now - self.seconds:
+            self._buckets.popleft()
+
+    def rate(self, now: float, started: float) -> float:
+        self._trim(now)
+        span = min(float(self.seconds), max(now - started, 1.0))
+        return sum(c for _, c in self._buckets) / span
+
+
+class BoundedSet:
+    """Remembers the most recent ``limit`` keys (insertion order)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._keys: dict[str, None] = {}
+
+    def add(self, key: str) -> None:
+        self._keys.pop(key, None)
+        self._keys[key] = None
+        while len(self._keys) > self.limit:
+            del self._keys[next(iter(self._keys))]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+
+class BufferCore:
+    """Thread-safe buffer state over a write-ahead log in ``data_dir``; call ``open()`` first."""
+
+    def __init__(self, settings: BufferSettings, data_dir: str | Path, *, clock: Clock = time.monotonic):
+        self.settings = settings
+        self.clock = clock
+        self.wal = Wal(
+            Path(data_dir),
+            fsync=settings.sync == "batch",
+            segment_bytes=settings.segment_bytes,
+            max_record=settings.max_message_bytes,
+        )
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._groups: dict[str, Group] = {}
+        self._live: dict[str, Group] = {}  # episode id -> its group
+        # Puts queue here for the log writer thread, whose rounds queue for the flusher (see ``put``).
+        self._intake: list[_PutTicket] = []
+        self._intake_cond = threading.Condition()
+        self._writer = threading.Thread(target=self._write_loop, name="buffer-log-writer", daemon=True)
+        self._flush_queue: collections.deque[_Round | None] = collections.deque()
+        self._flush_cond = threading.Condition()
+        self._flusher = threading.Thread(target=self._flush_loop, name="buffer-log-flusher", daemon=True)
+        # Trajectories written to the log but not yet durable and in the state: they count for
+        # duplicates, group sizes and capacity already.
+        self._pending_ids: set[str] = set()
+        self._pending_groups: collections.Counter[str] = collections.Counter()
+        self._ready: collections.deque[Group] = collections.deque()
+        self._leases: dict[str, Lease] = {}
+        self._sessions: dict[str, str] = {}  # learner id -> its current session
+        self._consumed_episodes = BoundedSet(settings.dedup_memory)
+        self._consumed_groups = BoundedSet(max(1024, settings.dedup_memory // max(1, settings.group_size)))
+        self.policy_version = 0
+        self._in_flight = 0
+        self._stored = 0
+        self._stored_bytes = 0
+        self._closed = False
+        self._opened = False
+        self._started = clock()
+        # counters since start (committed_groups also survives restarts, for admission)
+        self.committed_groups = 0
+        self.accepted_total = 0
+        self.sampled_total = 0
+        self.committed_total = 0
+        self.duplicates_total = 0
+        self.redelivered_groups = 0
+        self.masked_delivered = 0
+        self.full_rejections = 0
+        self.replayed = 0
+        self.corrupt_tails = 0
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self.rejected: collections.Counter[str] = collections.Counter()
+        self.staleness: collections.Counter[int] = collections.Counter()
+        self.per_actor: collections.Counter[str] = collections.Counter()
+        self._put_rate = RateWindow()
+        self._sample_rate = RateWindow()
+
+    # ================================================================== startup, replay
+
+    def open(self) -> None:
+        """Replay the log, then start a fresh segment. Every live trajectory is back, none twice."""
+        records, report = self.wal.replay()
+        completed: list[Group] = []
+        with self._lock:
+            for record in records:
+                try:
+                    self._replay_record(record.segment, record.kind, record.payload, completed)
+                except DecodeError:
+                    # The checksum matched, so the bytes are as written; a body that does not parse
+                    # came from a different version. Skip it rather than refuse to start.
+                    log.warning("write-ahead log: unreadable record of type %d in segment %d skipped", record.kind, record.segment)
+            # Live payloads are views into whole segment files; copy them so the files' memory goes.
+            for group in self._groups.values():
+                for entry in group.entries.values():
+                    entry.raw = bytes(entry.raw)
+            self.corrupt_tails = len(report.corrupt)
+            self.replayed = self._stored
+            self.wal.start((CHECKPOINT, self._checkpoint()))
+            self._opened = True
+            self._writer.start()
+            self._flusher.start()
+            for group in completed:
+                if self._groups.get(group.group_id) is group and group.state == "incomplete":
+                    self._on_complete(group)
+        if report.segments:
+            log.info(
+                "write-ahead log replayed: %d segments, %d records, %d live trajectories in %d groups, policy version %d",
+                report.segments,
+                report.records,
+                self._stored,
+                len(self._groups),
+                self.policy_version,
+            )
+        self.compact()
+
+    def _replay_record(self, segment: int, kind: int, payload: memoryview, completed: list[Group]) -> None:
+        if kind == PUT:
+            self._replay_put(segment, payload, completed)
+        elif kind == CONSUME:
+            consume = buffer_pb2.LogConsume.FromString(bytes(payload))
+            for group_id in consume.group_ids:
+                group = self._groups.get(group_id)
+                if group is not None:
+                    self._forget(group)
+                self._consumed_groups.add(group_id)
+                if consume.reason == "commit":
+                    self.committed_groups += 1
+        elif kind == CHECKPOINT:
+            checkpoint = buffer_pb2.LogCheckpoint.FromString(bytes(payload))
+            self.policy_version = checkpoint.policy_version
+            # A checkpoint is a snapshot of the counters as of its place in the log.
+            self.committed_groups = checkpoint.committed_groups
+            for episode_id in checkpoint.consumed_episode_ids:
+                self._consumed_episodes.add(episode_id)
+            for group_id in checkpoint.consumed_group_ids:
+                self._consumed_groups.add(group_id)
+        elif kind == VERSION:
+            self.policy_version = buffer_pb2.LogPolicyVersion.FromString(bytes(payload)).policy_version
+        else:
+            log.warning("write-ahead log: unknown record type %d in segment %d skipped", kind, segment)
+
+    def _replay_put(self, segment: int, payload: memoryview, completed: list[Group]) -> None:
+        meta = parse_meta(payload)
+        group = self._live.get(meta.episode_id)
+        if group is not None:
+            # A copy made by compaction: the newest copy is the one that must be kept.
+            entry = group.entries[meta.episode_id]
+            self.wal.unpin(entry.segment, 1, entry.record_bytes)
+            entry.segment = segment
+            self.wal.pin(segment, 1, entry.record_bytes)
+            return
+        if meta.episode_id in self._consumed_episodes:
+            return
+        entry = Entry(meta, payload, segment)
+        self.wal.pin(segment, 1, entry.record_bytes)
+        group = self._insert(entry)
+        if len(group.entries) >= group.size:
+            completed.append(group)
+
+    def _checkpoint(self) -> bytes:
+        return buffer_pb2.LogCheckpoint(
+            policy_version=self.policy_version,
+            committed_groups=self.committed_groups,
+            consumed_episode_ids=self._consumed_episodes.keys(),
+            consumed_group_ids=self._consumed_groups.keys(),
+        ).SerializeToString()
+
+    def close(self) -> None:
+        """Finish the queued Puts, wake every waiting Sample, close the log."""
+        with self._intake_cond:
+            self._closed = True
+            self._intake_cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+        if self._writer.is_alive():
+            self._writer.join()  # it hands the flusher its last rounds, then an end mark
+        if self._flusher.is_alive():
+            self._flusher.join()
+        self.wal.close()
+
+    # ================================================================== Put
+
+    def put(self, raws: Sequence[bytes | memoryview], client_id: str = "") -> PutOutcome:
+        """Validate, log durably, then admit a batch. Invalid items are reported, the rest stored.
+
+        Raises ``BufferFull`` (nothing stored), ``BatchTooLarge`` or ``Unavailable``.
+
+        Two threads serve every Put, as a pipeline. The log writer takes all batches queued since
+        its last round, validates them in one pass and appends them with one write; the flusher
+        makes everything written so far durable with one flush, then admits those rounds to the
+        state and answers them. While one round is being flushed the next is validated and
+        written, and under load a round holds many batches, so the per-batch costs (array checks,
+        syscalls, flushes, thread handoffs) are shared.
+        """
+        ticket = _PutTicket(raws, client_id)
+        with self._intake_cond:
+            if self._closed or not self._opened:
+                raise Unavailable("the buffer is shutting down")
+            self._intake.append(ticket)
+            self._intake_cond.notify()
+        ticket.done.wait()
+        if ticket.error is not None:
+            raise ticket.error
+        assert ticket.outcome is not None
+        return ticket.outcome
+
+    def _write_loop(self) -> None:
+        try:
+            while True:
+                with self._intake_cond:
+                    while not self._intake and not self._closed:
+                        self._intake_cond.wait()
+                    if not self._intake:
+                        return
+                    tickets, self._intake = self._intake, []
+                try:
+                    round_ = self._write_round(tickets)
+                except Exception as exc:  # noqa: BLE001 - a dead writer would hang every later Put; logged
+                    log.exception("log writer round failed")
+                    _fail(tickets, Unavailable(f"internal error: {exc}"))
+                    continue
+                with self._flush_cond:
+                    self._flush_queue.append(round_)
+                    self._flush_cond.notify()
+        finally:
+            with self._flush_cond:
+                self._flush_queue.append(None)  # end mark for the flusher
+                self._flush_cond.notify()
+
+    def _write_round(self, tickets: list[_PutTicket]) -> _Round:
+        """Validate, admit and append one round of Puts (not yet durable)."""
+        checked = validate_batch([raw for t in tickets for raw in t.raws], self.settings)
+        round_ = _Round(tickets)
+        with self._lock:
+            in_batch: set[str] = set()
+            batch_groups: dict[str, tuple[int, int]] = {}  # group id -> (episodes in this round, size)
+            held = self._stored + len(self._pending_ids)
+            offset = 0
+            for ticket in tickets:
+                results = checked[offset : offset + len(ticket.raws)]
+                offset += len(ticket.raws)
+                outcome, ticket_new, undo = self._admit(ticket, results, in_batch, batch_groups)
+                problem: Exception | None = None
+                if len(ticket_new) > self.settings.capacity:
+                    problem = BatchTooLarge(
+                        f"trajectories: {len(ticket_new)} new trajectories in one batch; the buffer holds at most "
+                        f"{self.settings.capacity} (buffer.capacity): send smaller batches"
+                    )
+                elif held + len(ticket_new) > self.settings.capacity:
+                    self.full_rejections += 1
+                    problem = BufferFull(
+                        f"buffer full: {held} of {self.settings.capacity} trajectories held; "
+                        f"retry after {self.settings.retry_after_seconds:g}s",
+                        self.settings.retry_after_seconds,
+                    )
+                if problem is not None:
+                    undo()
+                    ticket.error = problem
+                    continue
+                for code, name, _ in outcome.results:
+                    if code == CODE_INVALID_ARGUMENT:
+                        self.rejected[name] += 1
+                self.duplicates_total += outcome.duplicates
+                held += len(ticket_new)
+                ticket.outcome = outcome
+                round_.new += ticket_new
+                round_.admitted.append((ticket, len(ticket_new)))
+            for _, meta in round_.new:
+                self._pending_ids.add(meta.episode_id)
+                self._pending_groups[meta.group_id] += 1
+        if round_.new:
+            try:
+                round_.position = self.wal.append(PUT, [raw for raw, _ in round_.new], pin=True)
+            except WalError as exc:
+                round_.error = Unavailable(str(exc))
+        return round_
+
+    def _flush_loop(self) -> None:
+        while True:
+            with self._flush_cond:
+                while not self._flush_queue:
+                    self._flush_cond.wait()
+                rounds = list(self._flush_queue)
+                self._flush_queue.clear()
+            done = rounds[-1] is None
+            batch = [r for r in rounds if r is not None]
+            try:
+                self._flush_rounds(batch)
+            except Exception as exc:  # noqa: BLE001 - a dead flusher would hang every later Put; logged
+                log.exception("log flush failed")
+                for round_ in batch:
+                    _fail(round_.tickets, Unavailable(f"internal error: {exc}"))
+            if done:
+                return
+
+    def _flush_rounds(self, rounds: list[_Round]) -> None:
+        """One flush for every round written so far; then admit them in order and answer them."""
+        positions = [r.position for r in rounds if r.position is not None and r.error is None]
+        flush_error: Exception | None = None
+        if self.wal.broken:
+            # Even a round of duplicates must not be acknowledged: their originals may be lost.
+            flush_error = Unavailable(f"write-ahead log unusable: {self.wal.broken}")
+        elif positions:
+            try:
+                self.wal.sync(max(positions))
+            except WalError as exc:
+                flush_error = Unavailable(str(exc))
+        now = self.clock()
+        with self._cond:
+            for round_ in rounds:
+                error = round_.error or flush_error
+                for raw, meta in round_.new:
+                    self._pending_ids.discard(meta.episode_id)
+                    self._pending_groups[meta.group_id] -= 1
+                    if self._pending_groups[meta.group_id] <= 0:
+                        del self._pending_groups[meta.group_id]
+                if error is not None:
+                    # Every admitted batch fails, even one whose trajectories were all duplicates of
+                    # others in this round: those were not stored either.
+                    if round_.position is not None:
+                        nbytes = sum(HEADER.size + len(raw) for raw, _ in round_.new)
+                        self.wal.unpin(round_.position[0], len(round_.new), nbytes)
+                    for ticket, _ in round_.admitted:
+                        ticket.outcome, ticket.error = None, error
+                    continue
+                metas = iter(round_.new)
+                for ticket, count in round_.admitted:
+                    for _ in range(count):
+                        raw, meta = next(metas)
+                        assert round_.position is not None
+                        group = self._insert(Entry(meta, raw, round_.position[0]))
+                        self.per_actor[meta.actor_id or ticket.client_id or "unknown"] += 1
+                        if len(group.entries) >= group.size:
+                            self._on_complete(group)
+                    assert ticket.outcome is not None
+                    ticket.outcome.stored = count
+                self.accepted_total += len(round_.new)
+                self._put_rate.add(now, len(round_.new))
+            if self.wal.active_size() > self.settings.segment_bytes:
+                self._rotate()
+        for round_ in rounds:
+            for ticket in round_.tickets:
+                ticket.done.set()
+
+    def _admit(
+        self,
+        ticket: _PutTicket,
+        checked: Sequence[TrajectoryMeta | Invalid],
+        in_batch: set[str],
+        batch_groups: dict[str, tuple[int, int]],
+    ) -> tuple[PutOutcome, list[tuple[bytes | memoryview, TrajectoryMeta]], Callable[[], None]]:
+        """Sort one batch's trajectories into new, duplicate and refused (caller holds the lock);
+        also returns how to take back its marks in ``in_batch``/``batch_groups``."""
+        outcome = PutOutcome(results=[(CODE_OK, "", "")] * len(ticket.raws))
+        new: list[tuple[bytes | memoryview, TrajectoryMeta]] = []
+        marked: list[tuple[str, str, tuple[int, int] | None]] = []
+        for index, (raw, meta) in enumerate(zip(ticket.raws, checked, strict=True)):
+            if isinstance(meta, Invalid):
+                outcome.results[index] = (CODE_INVALID_ARGUMENT, meta.field, meta.message)
+                continue
+            problem = self._admission_problem(meta, in_batch, batch_groups)
+            if problem is None:
+                previous = batch_groups.get(meta.group_id)
+                count = previous[0] if previous else 0
+                in_batch.add(meta.episode_id)
+                batch_groups[meta.group_id] = (count + 1, meta.group_size)
+                marked.append((meta.episode_id, meta.group_id, previous))
+                new.append((raw, meta))
+            elif problem[0] == CODE_OK:
+                outcome.duplicates += 1
+            else:
+                outcome.results[index] = problem
+
+        def undo() -> None:
+            for episode_id, group_id, previous in reversed(marked):
+                in_batch.discard(episode_id)
+                if previous is None:
+                    del batch_groups[group_id]
+                else:
+                    batch_groups[group_id] = previous
+
+        return outcome, new, undo
+
+    def _admission_problem(
+        self, meta: TrajectoryMeta, in_batch: set[str], batch_groups: dict[str, tuple[int, int]]
+    ) -> tuple[int, str, str] | None:
+        """None to store; (CODE_OK, ...) for a duplicate; otherwise the per-item error."""
+        episode_id, group_id = meta.episode_id, meta.group_id
+        if (
+            episode_id in self._live
+            or episode_id in self._consumed_episodes
+            or episode_id in in_batch
+            or episode_id in self._pending_ids
+        ):
+            return CODE_OK, "", "duplicate"
+        if group_id in self._consumed_groups:
+            return CODE_INVALID_ARGUMENT, "group_id", f"group {group_id!r} was already complete and consumed"
+        group = self._groups.get(group_id)
+        in_this_batch, declared = batch_groups.get(group_id, (0, meta.group_size))
+        if group is not None:
+            declared = group.size
+        if declared != meta.group_size:
+            return (
+                CODE_INVALID_ARGUMENT,
+                "group_size",
+                f"got {meta.group_size}; other episodes of group {group_id!r} declared {declared}",
+            )
+        have = (len(group.entries) if group else 0) + self._pending_groups[group_id] + in_this_batch
+        if have >= meta.group_size:
+            return CODE_INVALID_ARGUMENT, "group_id", f"group {group_id!r} already has all {meta.group_size} episodes"
+        return None
+
+    def _insert(self, entry: Entry) -> Group:
+        meta = entry.meta
+        group = self._groups.get(meta.group_id)
+        if group is None:
+            group = self._groups[meta.group_id] = Group(meta.group_id, meta.group_size, self.clock())
+        group.entries[meta.episode_id] = entry
+        self._live[meta.episode_id] = group
+        if not meta.ok:
+            group.failed += 1
+        if meta.oldest_version >= 0 and (group.oldest_version < 0 or meta.oldest_version < group.oldest_version):
+            group.oldest_version = meta.oldest_version
+        self._stored += 1
+        self._stored_bytes += len(entry.raw)
+        return group
+
+    def _is_stale(self, group: Group) -> bool:
+        return group.oldest_version >= 0 and self.policy_version - group.oldest_version > self.settings.max_staleness
+
+    def _on_complete(self, group: Group) -> None:
+        """All episodes are in: the group becomes sampleable, or is dropped by policy."""
+        self._in_flight = max(0, self._in_flight - 1)
+        if group.failed == group.size:
+            self._drop([group], "failed")  # nothing in it can train, whatever the policy
+        elif group.failed and self.settings.failed_group_policy == "discard":
+            self._drop([group], "failed")
+        elif self._is_stale(group):
+            self._drop([group], "stale")
+        else:
+            group.state = "ready"
+            self._ready.append(group)
+            self._cond.notify_all()
+
+    # ================================================================== consumption
+
+    def _forget(self, group: Group) -> None:
+        """Remove a consumed group from memory (its consumption is already logged)."""
+        del self._groups[group.group_id]
+        for episode_id, entry in group.entries.items():
+            del self._live[episode_id]
+            self._consumed_episodes.add(episode_id)
+            self.wal.unpin(entry.segment, 1, entry.record_bytes)
+            self._stored -= 1
+            self._stored_bytes -= len(entry.raw)
+        self._consumed_groups.add(group.group_id)
+
+    def _log_consume(self, groups: Sequence[Group], reason: str) -> Position:
+        payload = buffer_pb2.LogConsume(group_ids=[g.group_id for g in groups], reason=reason).SerializeToString()
+        return self.wal.append(CONSUME, [payload])
+
+    def _drop(self, groups: Sequence[Group], reason: str) -> None:
+        """Drop groups for good, counted by reason. Logged without waiting for the flush: if the
+        record is lost in a crash the groups come back and are dropped again."""
+        if not groups:
+            return
+        try:
+            self._log_consume(groups, reason)
+        except WalError as exc:
+            log.error("could not log dropped groups (%s); they stay until the next attempt", exc)
+            return
+        for group in groups:
+            if group.state == "ready":
+                self._ready.remove(group)
+            self._forget(group)
+            log.info("dropped group %s (%s): %d episodes", group.group_id, reason, len(group.entries))
+        self.dropped[reason] += len(groups)
+
+    # ================================================================== Sample, Commit
+
+    def sample(
+        self,
+        max_groups: int,
+        min_groups: int = 1,
+        timeout: float = 0.0,
+        *,
+        learner_id: str = "",
+        session_id: str = "",
+    ) -> SampledBatch | None:
+        """Lease up to ``max_groups`` complete groups, oldest first, waiting up to ``timeout``
+        seconds for at least ``min_groups``; None when fewer arrived in time."""
+        if max_groups < 1:
+            raise ValueError("max_groups: got 0; expected >= 1")
+        min_groups = max(1, min(min_groups, max_groups))
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._cond:
+            self._touch(learner_id, session_id)
+            while len(self._ready) < min_groups:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._closed:
+                    return None
+                self._cond.wait(remaining)
+            now = self.clock()
+            groups: list[Group] = []
+            # Stay under the message size limit (with room for framing); one group always goes.
+            budget = self.settings.max_message_bytes - 64 * 1024
+            while self._ready and len(groups) < max_groups:
+                size = sum(len(e.raw) + 16 for e in self._ready[0].entries.values())
+                if groups and size > budget:
+                    break
+                budget -= size
+                groups.append(self._ready.popleft())
+            batch_id = uuid.uuid4().hex
+            self._leases[batch_id] = Lease(
+                batch_id, learner_id, session_id, groups, now + self.settings.lease_timeout_seconds
+            )
+            count = 0
+            for group in groups:
+                group.state = "leased"
+                count += len(group.entries)
+                if group.oldest_version >= 0:
+                    self.staleness[max(0, self.policy_version - group.oldest_version)] += 1
+                if group.masked:
+                    self.masked_delivered += 1
+            self.sampled_total += count
+            self._sample_rate.add(now, count)
+            return SampledBatch(
+                batch_id,
+                [(g.group_id, [e.raw for e in g.entries.values()], g.masked) for g in groups],
+                self.policy_version,
+            )
+
+    def _touch(self, learner_id: str, session_id: str) -> None:
+        """A call from a learner: extend its leases; a new session means it restarted."""
+        if not learner_id:
+            return
+        previous = self._sessions.get(learner_id)
+        if session_id and previous is not None and previous != session_id:
+            orphans = [b for b, lease in self._leases.items() if lease.learner_id == learner_id and lease.session_id != session_id]
+            if orphans:
+                log.info("learner %s restarted: redelivering %d uncommitted batches", learner_id, len(orphans))
+                self._redeliver(orphans)
+        if session_id:
+            self._sessions[learner_id] = session_id
+        deadline = self.clock() + self.settings.lease_timeout_seconds
+        for lease in self._leases.values():
+            if lease.learner_id == learner_id:
+                lease.deadline = deadline
+
+    def _redeliver(self, batch_ids: Sequence[str]) -> None:
+        groups: list[Group] = []
+        for batch_id in batch_ids:
+            groups += self._leases.pop(batch_id).groups
+        stale = [g for g in groups if self._is_stale(g)]
+        fresh = [g for g in groups if not self._is_stale(g)]
+        for group in reversed(fresh):  # back at the head of the queue, in their original order
+            group.state = "ready"
+            self._ready.appendleft(group)
+        self.redelivered_groups += len(fresh)
+        self._drop(stale, "stale")
+        self._cond.notify_all()
+
+    def commit(self, batch_id: str, *, learner_id: str = "") -> int:
+        """The learner trained on ``batch_id``: its trajectories are gone for good (durably, before
+        this returns). Returns the number of trajectories; ``UnknownBatch`` if not leased."""
+        with self._lock:
+            lease = self._leases.get(batch_id)
+            if lease is None:
+                raise UnknownBatch(batch_id)
+            try:
+                position = self._log_consume(lease.groups, "commit")
+            except WalError as exc:
+                raise Unavailable(str(exc)) from exc
+            del self._leases[batch_id]
+            count = 0
+            for group in lease.groups:
+                count += len(group.entries)
+                self._forget(group)
+            self.committed_groups += len(lease.groups)
+            self.committed_total += count
+            self._touch(learner_id, "")
+        try:
+            self.wal.sync(position)
+        except WalError as exc:
+            raise Unavailable(str(exc)) from exc
+        return count
+
+    # ================================================================== version, admission
+
+    def set_policy_version(self, version: int) -> None:
+        """The learner's current version: stale ready groups are dropped now, credit grows."""
+        with self._cond:
+            if version == self.policy_version:
+                return
+            self.policy_version = version
+            try:
+                self.wal.append(VERSION, [buffer_pb2.LogPolicyVersion(policy_version=version).SerializeToString()])
+            except WalError as exc:
+                log.error("could not log policy version %d: %s", version, exc)
+            self._drop([g for g in self._ready if self._is_stale(g)], "stale")
+            self._cond.notify_all()
+
+    def _credit(self) -> int:
+        accepted = self.committed_groups + len(self._ready) + sum(len(lease.groups) for lease in self._leases.values())
+        budget = (self.settings.max_staleness + self.policy_version + 1) * self.settings.batch_groups
+        return budget - (accepted + self._in_flight)
+
+    def acquire(self, groups: int, actor_id: str = "") -> tuple[int, int, float]:
+        """Credit to start ``groups`` episode groups: ``(granted, policy version, retry hint)``."""
+        with self._lock:
+            granted = max(0, min(groups, self._credit()))
+            self._in_flight += granted
+            retry = 0.0 if granted else self.settings.retry_after_seconds
+            return granted, self.policy_version, retry
+
+    def release(self, groups: int, actor_id: str = "") -> None:
+        """Give back credit for groups that will never be submitted."""
+        with self._lock:
+            self._in_flight = max(0, self._in_flight - groups)
+
+    # ================================================================== housekeeping
+
+    def tick(self) -> None:
+        """Periodic work: expire leases, report overdue incomplete groups, compact the log."""
+        now = self.clock()
+        with self._cond:
+            expired = [b for b, lease in self._leases.items() if lease.deadline < now]
+            if expired:
+                log.warning("%d leased batches not committed in %gs: redelivering", len(expired), self.settings.lease_timeout_seconds)
+                self._redeliver(expired)
+            for group in self._groups.values():
+                if (
+                    group.state == "incomplete"
+                    and not group.timeout_reported
+                    and now - group.created > self.settings.group_timeout_seconds
+                ):
+                    group.timeout_reported = True
+                    log.warning(
+                        "group %s incomplete after %gs: %d of %d episodes arrived",
+                        group.group_id,
+                        self.settings.group_timeout_seconds,
+                        len(group.entries),
+                        group.size,
+                    )
+        self.compact()
+
+    def _rotate(self) -> None:
+        """Start a new segment (caller holds the lock) headed by a checkpoint."""
+        try:
+            self.wal.rotate((CHECKPOINT, self._checkpoint()))
+        except WalError as exc:
+            log.error("log rotation failed: %s", exc)
+
+    def compact(self) -> None:
+        """Bound the log: delete fully consumed segments (oldest first); when old segments are
+        pinned by a few long-lived trajectories, copy those forward so the segments can go.
+
+        Disk use stays below about ``2 x live bytes + 3 segments``.
+        """
+        with self._lock:
+            if not self._opened or self._closed:
+                return
+            segments = self.wal.oldest_segments()
+            disk = self.wal.disk_bytes()
+            live = sum(s.pinned_bytes for s in self.wal.segments.values())
+            budget = 2 * live + 2 * self.settings.segment_bytes
+            for segment in segments:
+                if segment.pins == 0:
+                    continue
+                if disk <= budget:
+                    break
+                entries = [e for g in self._groups.values() for e in g.entries.values() if e.segment == segment.number]
+                if len(entries) != segment.pins:
+                    break  # a Put into this segment is still being logged; try next time
+                try:
+                    position = self.wal.append(PUT, [e.raw for e in entries], pin=True)
+                except WalError as exc:
+                    log.error("log compaction failed: %s", exc)
+                    break
+                for entry in entries:
+                    self.wal.unpin(entry.segment, 1, entry.record_bytes)
+                    entry.segment = position[0]
+                disk -= segment.size
+            deletable: list[int] = []
+            for segment in self.wal.oldest_segments():
+                if segment.pins != 0:
+                    break  # strictly oldest first
+                deletable.append(segment.number)
+        if not deletable:
+            return
+        try:
+            self.wal.flush_all()  # the consumption records that free these segments must be durable first
+        except WalError as exc:
+            log.error("log compaction skipped: %s", exc)
+            return
+        for number in deletable:
+            self.wal.delete_segment(number)
+        log.debug("log compaction removed %d segments", len(deletable))
+
+    # ================================================================== stats
+
+    def stats(self) -> buffer_pb2.BufferStats:
+        now = self.clock()
+        with self._lock:
+            incomplete = [g for g in self._groups.values() if g.state == "incomplete"]
+            overdue = sum(1 for g in incomplete if now - g.created > self.settings.group_timeout_seconds)
+            return buffer_pb2.BufferStats(
+                capacity=self.settings.capacity,
+                stored_trajectories=self._stored,
+                complete_groups=len(self._ready),
+                incomplete_groups=len(incomplete),
+                leased_batches=len(self._leases),
+                fill=self._stored / self.settings.capacity,
+                policy_version=self.policy_version,
+                admission_credit=self._credit(),
+                in_flight_groups=self._in_flight,
+                accepted_total=self.accepted_total,
+                sampled_total=self.sampled_total,
+                committed_total=self.committed_total,
+                dropped=dict(self.dropped),
+                staleness_histogram=dict(self.staleness),
+                per_actor_accepted=dict(self.per_actor),
+                put_rate=self._put_rate.rate(now, self._started),
+                sample_rate=self._sample_rate.rate(now, self._started),
+                stale_incomplete_groups=overdue,
+                rejected=dict(self.rejected),
+                duplicates_total=self.duplicates_total,
+                redelivered_groups=self.redelivered_groups,
+                masked_groups_delivered=self.masked_delivered,
+                committed_groups_total=self.committed_groups,
+                log_bytes=self.wal.disk_bytes(),
+                log_segments=len(self.wal.segments),
+                replayed_trajectories=self.replayed,
+                corrupt_log_tails=self.corrupt_tails,
+                full_rejections=self.full_rejections,
+                stored_bytes=self._stored_bytes,
+            )

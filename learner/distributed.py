@@ -1,0 +1,105 @@
+"""Multi-host start: ``jax.distributed.initialize`` from the environment of a TPU pod.
+
+GKE (with JobSet) gives every TPU VM host of a slice::
+
+    TPU_WORKER_ID            this host's index within its slice (0..hosts-1)
+    TPU_WORKER_HOSTNAMES     comma-separated hostnames of the slice's hosts, in worker order
+
+and, for multislice, every host of every slice::
+
+    MEGASCALE_SLICE_ID             this slice's index
+    MEGASCALE_NUM_SLICES           number of slices
+    MEGASCALE_COORDINATOR_ADDRESS  host[:port] of the job-wide coordinator (slice 0, worker 0)
+
+Processes are numbered slice-major: ``process_id = worker_id + slice_id * hosts_per_slice``, out of
+``hosts_per_slice * num_slices``. The JAX coordinator is the megascale coordinator's host for
+multislice, else the slice's first worker, on ``COORDINATOR_PORT``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+COORDINATOR_PORT = 8482
+
+
+class DistributedEnvError(ValueError):
+    """The pod's environment describes an inconsistent topology."""
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise DistributedEnvError(f"{name}={raw!r}; expected an integer") from exc
+
+
+def _host(address: str) -> str:
+    """``host`` from ``host``, ``host:port`` or ``[v6]:port``."""
+    address = address.strip()
+    if address.startswith("["):
+        return address[: address.index("]") + 1]
+    return address.rsplit(":", 1)[0] if address.count(":") == 1 else address
+
+
+def from_environment(env: Mapping[str, str] | None = None) -> DistributedConfig | None:
+    """The distributed setup the environment describes, or None for a single process."""
+    env = os.environ if env is None else env
+    hostnames = [h.strip() for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+    hosts = max(len(hostnames), 1)
+    worker = _int(env, "TPU_WORKER_ID", 0)
+    num_slices = _int(env, "MEGASCALE_NUM_SLICES", 1)
+    slice_id = _int(env, "MEGASCALE_SLICE_ID", 0)
+    if not 0 <= worker < hosts:
+        raise DistributedEnvError(f"TPU_WORKER_ID={worker}; expected 0..{hosts - 1} for {hosts} TPU_WORKER_HOSTNAMES")
+    if num_slices < 1 or not 0 <= slice_id < num_slices:
+        raise DistributedEnvError(
+            f"MEGASCALE_SLICE_ID={slice_id}; expected 0..{num_slices - 1} for MEGASCALE_NUM_SLICES={num_slices}"
+        )
+    num_processes = hosts * num_slices
+    if num_processes == 1:
+        return None
+    if num_slices > 1:
+        coordinator = env.get("MEGASCALE_COORDINATOR_ADDRESS", "").strip()
+        if not coordinator:
+            raise DistributedEnvError("MEGASCALE_NUM_SLICES > 1 but MEGASCALE_COORDINATOR_ADDRESS is unset")
+        host = _host(coordinator)
+    else:
+        host = hostnames[0]
+    return DistributedConfig(f"{host}:{COORDINATOR_PORT}", num_processes, worker + slice_id * hosts)
+
+
+def initialize(env: Mapping[str, str] | None = None) -> DistributedConfig | None:
+    """Call ``jax.distributed.initialize`` when the environment describes several processes.
+
+    Must run before anything touches a JAX backend."""
+    config = from_environment(env)
+    if config is None:
+        return None
+    import jax
+
+    log.info(
+        "jax.distributed.initialize(coordinator=%s, processes=%d, process_id=%d)",
+        config.coordinator_address, config.num_processes, config.process_id,
+    )
+    jax.distributed.initialize(
+        coordinator_address=config.coordinator_address,
+        num_processes=config.num_processes,
+        process_id=config.process_id,
+    )
+    return config

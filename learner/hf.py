@@ -1,0 +1,288 @@
+"""Hugging Face-format checkpoints: ``config.json`` + ``*.safetensors`` <-> ``Transformer``.
+
+The NNX modules carry Hugging Face's names, so the mapping is mechanical:
+
+    NNX path                               HF name                                   layout
+    embed_tokens/embedding                 model.embed_tokens.weight                 same
+    layers/0/self_attn/q_proj/kernel       model.layers.0.self_attn.q_proj.weight    transposed
+    layers/0/self_attn/q_proj/bias         model.layers.0.self_attn.q_proj.bias      same
+    layers/0/input_layernorm/weight        model.layers.0.input_layernorm.weight     same
+    norm/weight                            model.norm.weight                         same
+    lm_head/kernel                         lm_head.weight                            transposed
+
+(``nnx.Linear`` keeps kernels as [in, out]; PyTorch's ``nn.Linear`` keeps weights as [out, in].)
+
+Supported families: ``llama``, ``mistral`` (without a sliding window), ``qwen2`` (q/k/v biases) and
+``qwen3`` (per-head q/k norms). Anything else, or rope scaling, is refused with a clear message
+rather than loaded subtly wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import SafetensorError, TensorSpec, deserialize, serialize
+
+from stoker.learner.model import Transformer
+from stoker.spec import TransformerConfig
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Present in some older Llama exports; recomputed on the fly here, so safe to skip.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+_SAFETENSORS_DTYPES: dict[str, Any] = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+_DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into (or does not match) the model."""
+
+
+# ------------------------------------------------------------------------------ safetensors
+
+
+def encode_safetensors(flat: Mapping[str, np.ndarray], metadata: dict[str, str] | None = None) -> bytes:
+    """Serialise arrays (bfloat16 included, which ``safetensors.numpy`` lacks) to safetensors bytes."""
+    contiguous = {name: np.ascontiguousarray(arr) for name, arr in flat.items()}
+    specs = {
+        name: TensorSpec(dtype=arr.dtype.name, shape=arr.shape, data_ptr=arr.ctypes.data, data_len=arr.nbytes)
+        for name, arr in contiguous.items()
+    }
+    # `contiguous` stays referenced until serialize returns, keeping every data_ptr valid.
+    return bytes(serialize(specs, metadata=metadata))
+
+
+def decode_safetensors(data: bytes) -> dict[str, np.ndarray]:
+    """Parse safetensors bytes into numpy arrays (bfloat16 as ``ml_dtypes.bfloat16``)."""
+    try:
+        entries = deserialize(data)
+    except SafetensorError as err:
+        raise CheckpointError(f"not a valid safetensors payload: {err}") from err
+    out: dict[str, np.ndarray] = {}
+    for name, entry in entries:
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"tensor {name!r} has unsupported dtype {entry['dtype']}")
+        out[name] = np.frombuffer(entry["data"], dtype=dtype).reshape(entry["shape"])
+    return out
+
+
+def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    return decode_safetensors(Path(path).read_bytes())
+
+
+# ----------------------------------------------------------------------------------- config
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> TransformerConfig:
+    """``TransformerConfig`` from a Hugging Face ``config.json`` dict."""
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
+    if hf.get("rope_scaling"):
+        raise CheckpointError(f"rope_scaling {hf['rope_scaling']!r} is not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"hidden_act {hf['hidden_act']!r} is not supported; expected silu")
+    if hf.get("use_sliding_window") or (model_type == "mistral" and hf.get("sliding_window") is not None):
+        raise CheckpointError("sliding-window attention is not supported")
+    explicit_head_dim = hf.get("head_dim")
+    heads, hidden = hf.get("num_attention_heads", 0), hf.get("hidden_size", 0)
+    if heads and explicit_head_dim == hidden // heads and hidden % heads == 0:
+        explicit_head_dim = None  # the default; keeps config round trips equal
+    try:
+        return TransformerConfig(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=hf["num_attention_heads"],
+            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=explicit_head_dim,
+            intermediate_size=hf["intermediate_size"],
+            max_seq_len=hf.get("max_position_embeddings", 2048),
+            rope_theta=hf.get("rope_theta", 10000.0),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_embeddings=hf.get("tie_word_embeddings", False),
+            attention_bias=hf.get("attention_bias", model_type == "qwen2"),
+            qk_norm=model_type == "qwen3",
+        )
+    except KeyError as err:
+        raise CheckpointError(f"config.json lacks {err.args[0]!r}") from err
+
+
+def config_to_hf(config: TransformerConfig, dtype: str = "float32") -> dict[str, Any]:
+    """A Hugging Face ``config.json`` dict that ``transformers`` (and ``config_from_hf``) load."""
+    if config.qk_norm:
+        model_type, arch = "qwen3", "Qwen3ForCausalLM"
+    elif config.attention_bias:
+        model_type, arch = "qwen2", "Qwen2ForCausalLM"
+    else:
+        model_type, arch = "llama", "LlamaForCausalLM"
+    hf: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim if config.head_dim is not None else config.hidden_size // config.num_heads,
+        "intermediate_size": config.intermediate_size,
+        "max_position_embeddings": config.max_seq_len,
+        "rope_theta": config.rope_theta,
+        "rms_norm_eps": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": dtype,
+    }
+    if model_type == "llama" or model_type == "qwen3":
+        hf["attention_bias"] = config.attention_bias
+    return hf
+
+
+# ------------------------------------------------------------------------------ name mapping
+
+
+def hf_name(path: tuple[Any, ...]) -> tuple[str, bool]:
+    """HF tensor name for an NNX parameter path, and whether the array is transposed between them."""
+    *module, leaf = (str(p) for p in path)
+    if leaf not in ("kernel", "embedding", "weight", "bias"):
+        raise ValueError(f"no Hugging Face name for parameter {'/'.join(map(str, path))}")
+    prefix = "" if module and module[0] == "lm_head" else "model."
+    suffix = "bias" if leaf == "bias" else "weight"
+    return f"{prefix}{'.'.join(module)}.{suffix}", leaf == "kernel"
+
+
+def _param_items(model: nnx.Module) -> list[tuple[tuple[Any, ...], nnx.Variable[Any]]]:
+    return list(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+
+
+def to_hf(model: nnx.Module) -> dict[str, np.ndarray]:
+    """Every parameter as a host numpy array under its HF name, in the model's dtype."""
+    items = _param_items(model)
+    values = jax.device_get([var.get_value() for _, var in items])
+    out: dict[str, np.ndarray] = {}
+    for (path, _), value in zip(items, values, strict=True):
+        name, transpose = hf_name(path)
+        arr = np.asarray(value)
+        out[name] = np.ascontiguousarray(arr.T) if transpose else arr
+    return out
+
+
+def load_hf(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
+    """Overwrite the model's parameters in place from HF-named arrays (cast to the model's dtype).
+
+    Every parameter must be present with the right shape; extra tensors are an error too, except
+    a tied model's redundant ``lm_head.weight`` and stale rotary tables."""
+    items = _param_items(model)
+    expected = {hf_name(path)[0] for path, _ in items}
+    tied = getattr(model, "lm_head", "absent") is None
+    unexpected = sorted(
+        n
+        for n in flat
+        if n not in expected and not n.endswith(_IGNORED_SUFFIXES) and not (tied and n == "lm_head.weight")
+    )
+    missing = sorted(expected - set(flat))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint does not match the model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+    for path, var in items:
+        name, transpose = hf_name(path)
+        arr = flat[name].T if transpose else flat[name]
+        current = var.get_value()
+        if tuple(arr.shape) != tuple(current.shape):
+            raise CheckpointError(f"{name}: checkpoint shape {tuple(flat[name].shape)} does not fit the model")
+        value = jnp.asarray(arr, dtype=current.dtype)
+        # Keep placement (and committed-ness: jit caches on it) as it was, so sharded models stay
+        # sharded and reloading weights never triggers a recompile.
+        if isinstance(current, jax.Array):
+            if current.committed:
+                value = jax.device_put(value, current.sharding)
+        elif isinstance(getattr(current, "sharding", None), jax.sharding.Sharding):
+            value = jax.device_put(value, current.sharding)
+        var.set_value(value)
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+def read_config(directory: str | Path) -> TransformerConfig:
+    path = Path(directory) / CONFIG_FILE
+    try:
+        hf = json.loads(path.read_text())
+    except FileNotFoundError as err:
+        raise CheckpointError(f"{path} not found; a checkpoint directory needs config.json") from err
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from err
+    return config_from_hf(hf)
+
+
+def read_weights(directory: str | Path) -> dict[str, np.ndarray]:
+    """All tensors of a checkpoint directory: ``model.safetensors`` or a sharded index."""
+    directory = Path(directory)
+    index = directory / INDEX_FILE
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = [WEIGHTS_FILE] if (directory / WEIGHTS_FILE).exists() else sorted(
+            p.name for p in directory.glob("*.safetensors")
+        )
+    if not files:
+        raise CheckpointError(f"no .safetensors weights in {directory}")
+    flat: dict[str, np.ndarray] = {}
+    for name in files:
+        flat.update(read_safetensors(directory / name))
+    return flat
+
+
+def load_checkpoint(directory: str | Path, *, dtype: jnp.dtype = jnp.float32) -> Transformer:
+    """A ``Transformer`` built from a Hugging Face-format directory (no random init is run)."""
+    config = read_config(directory)
+    flat = read_weights(directory)
+    # eval_shape leaves abstract placeholders (no init compute); load_hf replaces every one of them.
+    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype))
+    load_hf(model, flat)
+    return model
+
+
+def save_checkpoint(model: Transformer, directory: str | Path) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` so ``load_checkpoint`` (or ``transformers``)
+    reads the same weights back; returns the directory."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    dtype_name = {jnp.dtype(v): k for k, v in _DTYPE_NAMES.items()}.get(jnp.dtype(model.dtype), "float32")
+    (directory / CONFIG_FILE).write_text(json.dumps(config_to_hf(model.config, dtype_name), indent=2) + "\n")
+    (directory / WEIGHTS_FILE).write_bytes(encode_safetensors(to_hf(model), metadata={"format": "pt"}))
+    return directory
+
+
+def dtype_from_name(name: str) -> jnp.dtype:
+    """``ModelSpec.dtype`` string -> jnp dtype."""
+    try:
+        return jnp.dtype(_DTYPE_NAMES[name])
+    except KeyError as err:
+        raise CheckpointError(f"dtype {name!r} is not supported; expected one of {sorted(_DTYPE_NAMES)}") from err

@@ -1,0 +1,184 @@
+"""Learner metrics: XLA compilation counting, duty cycle, JSONL and Prometheus sinks.
+
+Duty cycle = time spent inside train steps / wall time since the loop started: the fraction of
+the run the accelerator had work. A learner waiting on the buffer (actors too slow) shows it first.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+import prometheus_client as prom
+
+# The event JAX records around every backend compilation (a persistent-cache hit included).
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+# Tracing to a jaxpr and lowering it to MLIR, which precede every compilation.
+FRONTEND_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration")
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+class CompileCounter:
+    """Counts XLA compilations process-wide through ``jax.monitoring`` listeners.
+
+    ``count`` is every backend compilation (by function name in ``by_function``), ``seconds`` their
+    total time, ``frontend_seconds`` the tracing and lowering before them, ``cache_hits`` the ones
+    served from the persistent compilation cache. One counter
+    is installed per process (``install``); listeners cannot be removed individually.
+    """
+
+    _instance: CompileCounter | None = None
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+        self.seconds = 0.0
+        self.frontend_seconds = 0.0
+        self.cache_hits = 0
+        self.by_function: Counter[str] = Counter()
+
+    @classmethod
+    def install(cls) -> CompileCounter:
+        if cls._instance is None:
+            import jax.monitoring
+
+            counter = cls()
+            jax.monitoring.register_event_duration_secs_listener(counter._on_duration)
+            jax.monitoring.register_event_listener(counter._on_event)
+            cls._instance = counter
+        return cls._instance
+
+    def _on_duration(self, event: str, duration_secs: float, **kwargs: str | int) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            with self._lock:
+                self.count += 1
+                self.seconds += duration_secs
+                self.by_function[str(kwargs.get("fun_name", "?"))] += 1
+        elif event in FRONTEND_EVENTS:
+            with self._lock:
+                self.frontend_seconds += duration_secs
+
+    def _on_event(self, event: str, **kwargs: str | int) -> None:
+        if event == CACHE_HIT_EVENT:
+            with self._lock:
+                self.cache_hits += 1
+
+
+def enable_compilation_cache(directory: str | Path | None) -> None:
+    """Turn on JAX's persistent compilation cache in ``directory`` (no-op when None).
+
+    Every program is cached however fast it compiled, so a restarted learner or actor pays no
+    compile time for shapes it has seen."""
+    if directory is None:
+        return
+    import jax
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _reset_cache()
+
+
+def disable_compilation_cache() -> None:
+    """Turn the persistent compilation cache off again (in-process callers and tests)."""
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", None)
+    _reset_cache()
+
+
+def _reset_cache() -> None:
+    # JAX opens its cache once per process at the first compilation and ignores later changes of
+    # the directory unless told to start over (the function is not public API; hence getattr).
+    from jax._src import compilation_cache
+
+    reset = getattr(compilation_cache, "reset_cache", None)
+    if reset is not None:
+        reset()
+
+
+class DutyCycle:
+    """Fraction of wall time spent inside ``busy()`` blocks since construction."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.busy_seconds = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.busy_seconds += seconds
+
+    @property
+    def value(self) -> float:
+        wall = time.perf_counter() - self.started
+        return min(self.busy_seconds / wall, 1.0) if wall > 0 else 0.0
+
+
+# Gauges exported to Prometheus: metric key -> help text. Other keys go to the JSONL log only.
+PROMETHEUS_GAUGES: dict[str, str] = {
+    "policy_version": "Policy version after the last update",
+    "step_seconds": "Wall time of the last train step",
+    "duty_cycle": "Time inside train steps / wall time",
+    "tokens_per_second": "Real (non-pad) tokens per second of train-step time",
+    "compilations": "XLA compilations so far in this process",
+    "compile_cache_hits": "Compilations served from the persistent cache",
+    "padding_waste": "Pad tokens / all tokens of the last batch",
+    "loss": "Total loss of the last batch",
+    "pg_loss": "Policy-gradient loss of the last batch",
+    "reward_mean": "Mean episode reward of the last batch",
+    "staleness_mean": "Mean policy versions behind of trained tokens",
+    "staleness_max": "Largest policy versions behind of a trained token",
+    "stale_tokens": "Tokens dropped from the last batch for exceeding maxStaleness",
+    "is_weight_mean": "Mean importance weight pi_old/mu",
+    "is_weight_max": "Largest importance weight pi_old/mu",
+    "is_clipped_fraction": "Fraction of tokens whose importance weight was truncated",
+    "tito_logprob_diff_mean": "Trainer minus sampler log-prob on same-version tokens (mean)",
+    "tito_logprob_diff_std": "Trainer minus sampler log-prob on same-version tokens (std)",
+    "grad_norm": "Global gradient norm before clipping",
+}
+
+
+class MetricsSink:
+    """Writes each step's metrics as one JSON line, and keeps Prometheus gauges current.
+
+    ``port``: serve ``/metrics`` on it (0 = do not serve; the gauges still live in ``registry``).
+    """
+
+    def __init__(self, jsonl_path: str | Path | None, *, port: int = 0, prefix: str = "stoker_learner"):
+        self.registry = prom.CollectorRegistry()
+        self.gauges = {
+            key: prom.Gauge(f"{prefix}_{key}", help_text, registry=self.registry)
+            for key, help_text in PROMETHEUS_GAUGES.items()
+        }
+        self.steps = prom.Counter(f"{prefix}_steps", "Train steps taken", registry=self.registry)
+        self._file: IO[str] | None = None
+        if jsonl_path is not None:
+            Path(jsonl_path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(jsonl_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        if port:
+            prom.start_http_server(port, registry=self.registry)
+
+    def record(self, metrics: dict[str, float]) -> None:
+        self.steps.inc()
+        for key, gauge in self.gauges.items():
+            if key in metrics:
+                gauge.set(metrics[key])
+        if self._file is not None:
+            self._file.write(json.dumps({"time": time.time(), **metrics}, sort_keys=True) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> MetricsSink:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()

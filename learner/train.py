@@ -1,0 +1,317 @@
+"""The jitted train step: forward, loss, gradients, optimizer update, on a device mesh.
+
+One optimizer update per sampled batch. The batch arrives as one or more fixed-shape micro-batches
+(``stoker.learner.packing``); ``Trainer.grad`` runs the model and the loss on one micro-batch and
+returns its gradients, which are summed over micro-batches (the loss weights are normalised over the
+whole batch, so the sum is exactly the full-batch gradient) before ``Trainer.apply`` takes one Adam
+step. ``grad`` is compiled once per bucket shape, ``apply`` and ``accumulate`` once per run.
+
+Layout (see ``stoker.learner.sharding``): parameters and optimizer state sharded by
+PartitionSpecs, batch rows over ``fsdp``. The model forward runs under ``jit`` with explicit
+shardings (XLA's SPMD partitioner places the collectives); the loss is a per-shard computation
+under ``shard_map`` — every packed sequence lies inside one row and every row inside one shard, so
+each shard reduces its own rows and one ``psum`` over ``fsdp`` combines them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
+
+from stoker.learner import algorithms, sharding
+from stoker.learner.algorithms import LossConfig
+from stoker.learner.model import Block, RMSNorm, Transformer, packed_mask, token_logprobs
+from stoker.learner.packing import MicroBatch
+from stoker.spec import TransformerConfig
+
+ALGORITHMS = ("grpo", "ppo", "gspo", "dpo")
+# Batch arrays the device needs (sequence_index stays on the host).
+DEVICE_FIELDS = (
+    "tokens", "targets", "positions", "segment_ids", "weights", "behaviour_logprobs", "behaviour_known",
+    "versions", "advantages", "rewards", "pair_slot", "pair_sign",
+)
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """What the train step computes; static (part of the compiled program)."""
+
+    algorithm: str = "grpo"
+    loss: LossConfig = LossConfig()
+    temperature: float = 1.0  # the actors' sampling temperature: mu is the tempered policy
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm {self.algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.algorithm == "dpo" or self.loss.kl_coef > 0
+
+    @property
+    def needs_value(self) -> bool:
+        return self.algorithm == "ppo"
+
+
+class ValueNetwork(nnx.Module):
+    """PPO's critic: a separate one-block transformer with a scalar head, V(prefix up to t).
+
+    Kept apart from the policy (rather than a head on its last hidden state) so the policy stays
+    exactly the published Llama/Qwen graph the actors load; one block of the policy's width is
+    enough to read the state of a packed row and costs ~1/num_layers of the policy's compute.
+    """
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32):
+        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.block = Block(config, dtype=dtype, rngs=rngs)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.head = nnx.Linear(
+            config.hidden_size, 1, dtype=dtype, param_dtype=dtype, kernel_init=nnx.initializers.zeros_init(), rngs=rngs
+        )
+
+    def __call__(self, token_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """[B, T] int32 x3 -> float32 values [B, T]."""
+        h = self.embed_tokens(token_ids)
+        x = self.block.input_layernorm(h)
+        k, v = self.block.self_attn.project_kv(x, positions)
+        h = h + self.block.self_attn(x, positions, k, v, packed_mask(segment_ids))
+        h = h + self.block.mlp(self.block.post_attention_layernorm(h))
+        return self.head(self.norm(h))[..., 0].astype(jnp.float32)
+
+
+def make_optimizer(learning_rate: float, max_grad_norm: float) -> optax.GradientTransformation:
+    """Adam after global-norm clipping (clipping first so one outlier batch cannot blow up Adam)."""
+    return optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adam(learning_rate))
+
+
+def batch_to_device(micro: MicroBatch, mesh: Mesh) -> dict[str, jax.Array]:
+    """The device arrays of a micro-batch, rows split over fsdp."""
+    spec = sharding.batch_sharding(mesh)
+    return {name: jax.device_put(micro.arrays[name], spec) for name in DEVICE_FIELDS}
+
+
+def _per_shard_loss(
+    options: StepOptions,
+    logp: jax.Array,
+    extras: dict[str, jax.Array],
+    batch: dict[str, jax.Array],
+    scalars: dict[str, jax.Array],
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Loss and summed stats of this shard's rows, then combined over fsdp (psum / pmax)."""
+    cfg = options.loss
+    weights = batch["weights"]
+    mask = (weights > 0).astype(jnp.float32)
+    rows, length = logp.shape
+    row_base = jnp.arange(rows, dtype=jnp.int32)[:, None] * length
+    # Row-local ids are unique within the shard, which is all the segment sums need.
+    sequence_ids = jnp.maximum(row_base + batch["segment_ids"] - 1, 0)
+    old = jax.lax.stop_gradient(logp)
+    ref = extras.get("ref_logprobs")
+    entropy = extras.get("entropy")
+    if options.algorithm == "grpo":
+        loss, stats = algorithms.grpo_loss(
+            logp, old, batch["behaviour_logprobs"], batch["advantages"], weights, cfg,
+            ref_logprobs=ref, entropy=entropy,
+        )
+    elif options.algorithm == "gspo":
+        loss, stats = algorithms.gspo_loss(
+            logp, old, batch["behaviour_logprobs"], batch["advantages"], weights, sequence_ids, cfg,
+            ref_logprobs=ref, entropy=entropy,
+        )
+    elif options.algorithm == "ppo":
+        values = extras["values"]
+        advantages, returns = algorithms.gae(
+            batch["rewards"], values, mask, batch["segment_ids"], cfg.gamma, cfg.gae_lambda
+        )
+        loss, stats = algorithms.ppo_loss(
+            logp, old, batch["behaviour_logprobs"], advantages, values, returns, weights, cfg,
+            ref_logprobs=ref, entropy=entropy,
+        )
+        stats["advantage_sum"] = jnp.sum(mask * advantages)
+        stats["value_sum"] = jnp.sum(mask * jax.lax.stop_gradient(values))
+    else:
+        assert ref is not None
+        pair_ids = row_base + batch["pair_slot"]
+        loss, stats = algorithms.dpo_loss(
+            logp, ref, old, batch["behaviour_logprobs"], batch["behaviour_known"], mask, pair_ids,
+            batch["pair_sign"], cfg, num_pairs=scalars["num_pairs"],
+        )
+    stats.update(
+        algorithms.sampler_trainer_logprob_stats(
+            logp, batch["behaviour_logprobs"], batch["versions"], mask * batch["behaviour_known"], scalars["version"]
+        )
+    )
+    stats["trained_tokens"] = jnp.sum(mask)
+    stats["loss"] = loss
+    combined = {
+        key: (jax.lax.pmax(value, sharding.FSDP) if key in algorithms.MAX_STATS else jax.lax.psum(value, sharding.FSDP))
+        for key, value in stats.items()
+    }
+    return combined["loss"], combined
+
+
+class Trainer:
+    """Parameters, optimizer state and the compiled step functions on one mesh.
+
+    ``params`` is a dict ``{"policy": nnx.State, "value": nnx.State}`` (value only for PPO);
+    ``reference`` the frozen initial policy when the objective needs one (KL, DPO).
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        options: StepOptions,
+        optimizer: optax.GradientTransformation,
+        mesh: Mesh,
+        *,
+        value_model: nnx.Module | None = None,
+    ):
+        self.options = options
+        self.mesh = mesh
+        self.optimizer = optimizer
+        self.policy_def, policy_state = nnx.split(model)
+        params: dict[str, Any] = {"policy": policy_state}
+        self.value_def = None
+        if options.needs_value:
+            if value_model is None:
+                raise ValueError("PPO needs a value_model")
+            self.value_def, value_state = nnx.split(value_model)
+            params["value"] = value_state
+        self.param_shardings = sharding.tree_shardings(params, mesh)
+        self.params = jax.device_put(params, self.param_shardings)
+        # A copy, not an alias: the live parameters are donated to every update.
+        self.reference = (
+            jax.tree.map(jnp.copy, self.params["policy"]) if options.needs_reference else None
+        )
+        opt_state = jax.eval_shape(optimizer.init, self.params)
+        self.opt_shardings = sharding.tree_shardings(opt_state, mesh)
+        self.opt_state = jax.jit(optimizer.init, out_shardings=self.opt_shardings)(self.params)
+        rep = sharding.replicated(mesh)
+        batch_spec = sharding.batch_sharding(mesh)
+        ref_shardings = self.param_shardings["policy"] if options.needs_reference else None
+        self._grad = jax.jit(
+            self._grad_impl,
+            in_shardings=(self.param_shardings, ref_shardings, batch_spec, rep),
+            out_shardings=(self.param_shardings, rep),
+        )
+        self._apply = jax.jit(
+            self._apply_impl,
+            in_shardings=(self.param_shardings, self.opt_shardings, self.param_shardings),
+            out_shardings=(self.param_shardings, self.opt_shardings, rep),
+            donate_argnums=(0, 1),
+        )
+        self._accumulate = jax.jit(
+            lambda a, b: jax.tree.map(jnp.add, a, b),
+            in_shardings=(self.param_shardings, self.param_shardings),
+            out_shardings=self.param_shardings,
+            donate_argnums=(0,),
+        )
+
+    # -------------------------------------------------------------------------------- device
+
+    def _forward_logprobs(self, policy: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        model = nnx.merge(self.policy_def, policy)
+        logits = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+        return logits, token_logprobs(logits, batch["targets"], temperature=self.options.temperature)
+
+    def _loss(
+        self, params: dict[str, Any], reference: Any, batch: dict[str, jax.Array], scalars: dict[str, jax.Array]
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        logits, logp = self._forward_logprobs(params["policy"], batch)
+        extras: dict[str, jax.Array] = {}
+        if self.options.loss.entropy_coef > 0:
+            z = jax.nn.log_softmax(logits.astype(jnp.float32) / self.options.temperature, axis=-1)
+            extras["entropy"] = -jnp.sum(jnp.exp(z) * z, axis=-1)
+        if reference is not None:
+            extras["ref_logprobs"] = jax.lax.stop_gradient(self._forward_logprobs(reference, batch)[1])
+        if self.value_def is not None:
+            critic = nnx.merge(self.value_def, params["value"])
+            extras["values"] = critic(batch["tokens"], batch["positions"], batch["segment_ids"])
+        row = PartitionSpec(sharding.FSDP, None)
+        per_shard = jax.shard_map(
+            partial(_per_shard_loss, self.options),
+            mesh=self.mesh,
+            in_specs=(row, {k: row for k in extras}, {k: row for k in batch}, PartitionSpec()),
+            out_specs=(PartitionSpec(), PartitionSpec()),
+        )
+        loss, stats = per_shard(logp, extras, batch, scalars)
+        return loss, stats
+
+    def _grad_impl(
+        self, params: dict[str, Any], reference: Any, batch: dict[str, jax.Array], scalars: dict[str, jax.Array]
+    ) -> tuple[Any, dict[str, jax.Array]]:
+        (_, stats), grads = jax.value_and_grad(self._loss, has_aux=True)(params, reference, batch, scalars)
+        return grads, stats
+
+    def _apply_impl(self, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any, jax.Array]:
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+
+    # ---------------------------------------------------------------------------------- host
+
+    def step(self, micros: list[MicroBatch], version: int, num_pairs: int = 0) -> dict[str, float]:
+        """One optimizer update from the micro-batches of one batch (weights already set)."""
+        if not micros:
+            raise ValueError("no micro-batches to train on")
+        scalars = {
+            "version": jnp.asarray(version, jnp.int32),
+            "num_pairs": jnp.asarray(max(num_pairs, 1), jnp.float32),
+        }
+        grads = None
+        device_stats = []
+        for micro in micros:
+            g, stats = self._grad(self.params, self.reference, batch_to_device(micro, self.mesh), scalars)
+            grads = g if grads is None else self._accumulate(grads, g)
+            device_stats.append(stats)
+        self.params, self.opt_state, grad_norm = self._apply(self.params, self.opt_state, grads)
+        total: dict[str, float] = {}
+        for stats in jax.device_get(device_stats):
+            total = algorithms.combine_stats(total, {k: float(v) for k, v in stats.items()})
+        total["grad_norm"] = float(grad_norm)
+        return total
+
+    def compiled_programs(self) -> dict[str, int]:
+        """How many programs each step function holds (one per distinct input shape)."""
+        return {
+            name: int(getattr(fn, "_cache_size")())  # noqa: B009 - private jit API, untyped
+            for name, fn in (("grad", self._grad), ("apply", self._apply), ("accumulate", self._accumulate))
+        }
+
+    def policy_model(self) -> Transformer:
+        """The current policy as an nnx module sharing the device arrays: valid until the next
+        ``step``, which donates those arrays to the update (copy or flatten what you keep)."""
+        model: Transformer = nnx.merge(self.policy_def, self.params["policy"])
+        return model
+
+
+def assign_weights(micros: list[MicroBatch], trainable: list[np.ndarray], mode: str) -> None:
+    """Set each micro-batch's ``weights`` so that the weighted sum over all of them is the batch's
+    token-mean or sequence-mean (see ``algorithms.aggregation_weights``). ``trainable`` is each
+    micro-batch's final 0/1 mask (model tokens that are not stale)."""
+    if mode == "token-mean":
+        total = max(sum(float(m.sum()) for m in trainable), 1.0)
+        for micro, m in zip(micros, trainable, strict=True):
+            micro.arrays["weights"] = (m / total).astype(np.float32)
+        return
+    if mode != "sequence-mean":
+        raise ValueError(f"aggregation {mode!r}; expected 'token-mean' or 'sequence-mean'")
+    size = 1 + max(int(micro.arrays["sequence_index"].max()) for micro in micros)
+    counts = np.zeros(size, np.float64)
+    for micro, m in zip(micros, trainable, strict=True):
+        idx = micro.arrays["sequence_index"]
+        np.add.at(counts, idx[idx >= 0], m[idx >= 0])
+    num_sequences = max(int((counts > 0).sum()), 1)
+    for micro, m in zip(micros, trainable, strict=True):
+        idx = np.maximum(micro.arrays["sequence_index"], 0)
+        per_token = np.maximum(counts[idx], 1.0)
+        micro.arrays["weights"] = np.where(m > 0, m / (per_token * num_sequences), 0.0).astype(np.float32)
+
+

@@ -1,0 +1,42 @@
+"""The whole desired state of one RLJob: which children exist, given its mode and suspension."""
+
+from __future__ import annotations
+
+from stoker.operator.learner_workload import build_learner, build_learner_run_pvc, build_weights_service
+from stoker.operator.manifests import (
+    JobContext,
+    Manifest,
+    build_actor_deployment,
+    build_buffer_control_configmap,
+    build_buffer_deployment,
+    build_buffer_pvc,
+    build_buffer_service,
+    build_sandbox_manager_account,
+    build_sandbox_network_policy,
+    build_spec_configmap,
+)
+
+
+def desired_children(ctx: JobContext) -> list[Manifest]:
+    """Every child except the generated token Secret (random, so created separately, once).
+
+    ``disaggregated``: learner, actors, buffer and the sandbox plumbing. ``colocated``: the learner
+    samples and steps environments itself, so only the learner and its sandbox plumbing.
+    A suspended job has no learner and zero actors; the buffer (and its data) and the learner's
+    run volume stay.
+    """
+    children: list[Manifest] = [build_spec_configmap(ctx), *build_sandbox_manager_account(ctx)]
+    children += build_learner_run_pvc(ctx)
+    children.append(build_sandbox_network_policy(ctx))
+    if ctx.disaggregated:
+        children += [
+            build_buffer_control_configmap(ctx),
+            build_buffer_pvc(ctx),
+            build_buffer_service(ctx),
+            build_buffer_deployment(ctx),
+            build_actor_deployment(ctx),
+            build_weights_service(ctx),
+        ]
+    if not ctx.spec.suspend:
+        children += build_learner(ctx)
+    return children

@@ -1,0 +1,154 @@
+"""Enforcement: staleness and starvation -> actor replicas and the buffer's admission scale.
+
+Pure functions over successive buffer snapshots; the timer applies the decision and posts one
+Event per action.
+
+Staleness is read from the buffer's histogram of "versions behind at sample time", which counts
+since the buffer started. The operator looks at the *window* between two observations,
+
+.. math::  h_w(v) = h_t(v) - h_{t-1}(v),
+
+so an old burst of stale data does not keep the condition raised forever.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from stoker.operator.observe import StatsSnapshot
+from stoker.operator.settings import OperatorSettings
+
+STALE_DROP_REASON = "stale"
+
+
+@dataclass(frozen=True)
+class StalenessWindow:
+    p50: int
+    max: int
+    dropped: int
+    """Groups dropped as too stale in the window."""
+    groups: int
+    """Groups sampled in the window."""
+
+
+def histogram_quantile(histogram: Mapping[int, int], q: float) -> int:
+    """Smallest staleness ``v`` with at least a fraction ``q`` of the mass at or below it (0 if empty)."""
+    total = sum(count for count in histogram.values() if count > 0)
+    if total == 0:
+        return 0
+    running = 0
+    for value in sorted(histogram):
+        running += max(histogram[value], 0)
+        if running >= q * total:
+            return value
+    return max(histogram)
+
+
+def staleness_window(previous: StatsSnapshot | None, current: StatsSnapshot) -> StalenessWindow:
+    """Staleness over the groups sampled since ``previous`` (all of them when there is none).
+
+    A counter that went down means the buffer restarted: the window is then the current counts.
+    """
+    cur_hist = dict(current.staleness_histogram)
+    cur_dropped = current.dropped.get(STALE_DROP_REASON, 0)
+    if previous is not None:
+        prev_hist = previous.staleness_histogram
+        if all(cur_hist.get(v, 0) >= c for v, c in prev_hist.items()):
+            cur_hist = {v: c - prev_hist.get(v, 0) for v, c in cur_hist.items()}
+        prev_dropped = previous.dropped.get(STALE_DROP_REASON, 0)
+        if cur_dropped >= prev_dropped:
+            cur_dropped -= prev_dropped
+    window = {v: c for v, c in cur_hist.items() if c > 0}
+    return StalenessWindow(
+        p50=histogram_quantile(window, 0.5),
+        max=max(window, default=0),
+        dropped=cur_dropped,
+        groups=sum(window.values()),
+    )
+
+
+def staleness_exceeded(window: StalenessWindow, max_staleness: int) -> bool:
+    return window.max > max_staleness or window.dropped > 0
+
+
+def learner_starved(stats: StatsSnapshot, threshold: float) -> bool | None:
+    """Buffer empty and learner mostly idle; ``None`` when the learner reports no duty cycle."""
+    if stats.learner_duty_cycle is None:
+        return None
+    return stats.complete_groups == 0 and stats.learner_duty_cycle < threshold
+
+
+@dataclass(frozen=True)
+class Action:
+    """One enforcement step, reported as an Event on the RLJob."""
+
+    reason: str
+    message: str
+    type: str = "Normal"
+
+
+@dataclass(frozen=True)
+class Decision:
+    actor_target: int
+    admission_scale: float
+    actions: tuple[Action, ...] = field(default_factory=tuple)
+
+
+def _step(current: int, fraction: float) -> int:
+    return max(1, math.ceil(current * fraction))
+
+
+def decide(
+    *,
+    actor_target: int,
+    admission_scale: float,
+    min_replicas: int,
+    max_replicas: int,
+    exceeded: bool,
+    starved: bool | None,
+    cooled_down: bool,
+    settings: OperatorSettings,
+    detail: str = "",
+) -> Decision:
+    """Next actor target and admission scale.
+
+    * staleness exceeded: fewer actors (not below ``min_replicas``) and admission halved (not
+      below ``settings.min_admission_scale``);
+    * learner starved: admission restored to 1 and more actors (not above ``max_replicas``);
+    * otherwise admission relaxes back towards 1 (doubling) while nothing is exceeded.
+
+    Replica changes wait for ``cooled_down`` so one burst does not empty or flood the pool.
+    """
+    target, scale = actor_target, admission_scale
+    actions: list[Action] = []
+    suffix = f" ({detail})" if detail else ""
+    if exceeded:
+        new_scale = max(settings.min_admission_scale, scale / 2)
+        if new_scale < scale:
+            actions.append(
+                Action("TightenedAdmission", f"buffer admission scale {scale:g} -> {new_scale:g}{suffix}", "Warning")
+            )
+            scale = new_scale
+        if cooled_down and target > min_replicas:
+            new_target = max(min_replicas, target - _step(target, settings.scale_step_fraction))
+            actions.append(Action("ScaledDownActors", f"actors {target} -> {new_target}: staleness above limit{suffix}", "Warning"))
+            target = new_target
+    elif starved:
+        if scale < 1.0:
+            actions.append(Action("RelaxedAdmission", f"buffer admission scale {scale:g} -> 1: learner starved{suffix}"))
+            scale = 1.0
+        if cooled_down and target < max_replicas:
+            new_target = min(max_replicas, target + _step(target, settings.scale_step_fraction))
+            actions.append(Action("ScaledUpActors", f"actors {target} -> {new_target}: learner starved{suffix}"))
+            target = new_target
+    elif scale < 1.0:
+        new_scale = min(1.0, scale * 2)
+        actions.append(Action("RelaxedAdmission", f"buffer admission scale {scale:g} -> {new_scale:g}: staleness back within limit"))
+        scale = new_scale
+    return Decision(actor_target=target, admission_scale=scale, actions=tuple(actions))
+
+
+def clamp_replicas(replicas: int, min_replicas: int, max_replicas: int) -> int:
+    return max(min_replicas, min(max_replicas, replicas))

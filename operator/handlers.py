@@ -1,0 +1,318 @@
+"""kopf handlers: thin glue between events/timers and the pure builders and status logic.
+
+``register(registry, settings)`` wires everything into a kopf registry, so intervals come from
+``OperatorSettings`` and tests run the real handlers against an emulated API server.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import replace
+from datetime import datetime, timezone
+from typing import Any
+
+import kopf
+
+from stoker.actor.labels import JOB_LABEL
+from stoker.operator import kube as kubeapi
+from stoker.operator.control import clamp_replicas, decide
+from stoker.operator.jobstatus import Observed, build_status, failed_status
+from stoker.operator.learner_workload import ephemeral_checkpoints
+from stoker.operator.manifests import JobContext
+from stoker.operator.reconcile import (
+    POD,
+    InvalidJob,
+    Runtime,
+    apply_admission,
+    apply_children,
+    heal_children,
+    observe_children,
+    parse_spec,
+    read_buffer,
+    remove_learner,
+    sync_actor_replicas,
+)
+from stoker.operator.settings import OperatorSettings
+from stoker.operator.zombies import PodRecord, find_zombies, pod_record
+from stoker.spec import GROUP, PLURAL, VERSION, RLJobSpec
+
+Logger = logging.Logger | logging.LoggerAdapter[Any]
+
+FINALIZER = "stoker.dev/operator"
+ANNOTATION_PREFIX = "stoker.dev"
+POD_INDEX = "stoker_pods"
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _runtime(memo: Any) -> Runtime:
+    runtime: Runtime = memo["runtime"]
+    return runtime
+
+
+def _kopf_error(exc: kubeapi.ApiError) -> Exception:
+    """Map API failures to kopf's retry semantics."""
+    if exc.retriable or exc.status in (401, 403):  # 403: RBAC may be fixed while we wait
+        return kopf.TemporaryError(str(exc), delay=30)
+    return kopf.PermanentError(str(exc))
+
+
+def _actor_target(spec: RLJobSpec, status: dict[str, Any], diff: Any) -> int:
+    """The operator's actor replica target: spec.actors.replicas unless enforcement moved it.
+
+    A spec change of ``actors.replicas`` resets the target; min/max changes clamp it.
+    """
+    actors = spec.actors
+    changed = any(tuple(path[:3]) == ("spec", "actors", "replicas") for _, path, _, _ in (diff or ()))
+    previous = (status.get("actors") or {}).get("desired")
+    if changed or previous is None:
+        return clamp_replicas(actors.replicas, actors.min_replicas, actors.max_replicas)
+    return clamp_replicas(int(previous), actors.min_replicas, actors.max_replicas)
+
+
+def _context(runtime: Runtime, name: str, namespace: str, uid: str, spec: RLJobSpec, target: int, scale: float) -> JobContext:
+    return JobContext(
+        name=name,
+        namespace=namespace,
+        uid=uid,
+        spec=spec,
+        settings=runtime.settings,
+        actor_replicas=0 if spec.suspend else target,
+        jobset_api=runtime.jobset_api(),
+        admission_scale=scale,
+    )
+
+
+# ---------------------------------------------------------------------------------- handlers
+
+
+def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+    ours: OperatorSettings = _runtime(memo).settings
+    settings.watching.server_timeout = ours.watch_server_timeout_seconds
+    settings.watching.client_timeout = ours.watch_server_timeout_seconds + 30
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    # Events are posted explicitly (scaling, reaping, errors); handler logs stay in the log.
+    settings.posting.level = logging.WARNING
+    settings.execution.max_workers = 16
+
+
+def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
+    """kopf connects with the same credentials as the operator's own API client."""
+    config = _runtime(memo).kube.api.configuration
+    # Through the prefix getter: in-cluster, it re-reads the rotated service account token.
+    header = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix("authorization")
+    scheme, token = (header.split(" ", 1) if " " in header else (None, header)) if header else (None, None)
+    return kopf.ConnectionInfo(
+        server=config.host,
+        ca_path=config.ssl_ca_cert,
+        insecure=not config.verify_ssl,
+        scheme=scheme or ("Bearer" if token else None),
+        token=token or None,
+        certificate_path=config.cert_file,
+        private_key_path=config.key_file,
+        username=config.username or None,
+        password=config.password or None,
+    )
+
+
+def reconcile(
+    body: kopf.Body,
+    spec: kopf.Spec,
+    status: kopf.Status,
+    name: str,
+    namespace: str | None,
+    uid: str,
+    meta: kopf.Meta,
+    patch: kopf.Patch,
+    memo: Any,
+    logger: Logger,
+    diff: Any = None,
+    **_: Any,
+) -> None:
+    """on create/resume/update: make the children match the spec (suspend and resume included)."""
+    runtime = _runtime(memo)
+    namespace = namespace or "default"  # RLJobs are namespaced; kopf types it optional
+    generation = meta.get("generation")
+    try:
+        parsed = parse_spec(name, spec)
+    except InvalidJob as exc:
+        patch.status.update(failed_status(str(exc), exc.reason, dict(status), _now(), generation))
+        kopf.warn(body, reason=exc.reason, message=str(exc))
+        raise kopf.PermanentError(str(exc)) from None
+    target = _actor_target(parsed, dict(status), diff)
+    scale = float(status.get("admissionScale") or 1.0)
+    try:
+        ctx = _context(runtime, name, namespace, uid, parsed, target, scale)
+        created = apply_children(runtime.kube, ctx, patch_existing=True, logger=logger)
+        if any(c.startswith(("JobSet/", "Job/")) for c in created) and ephemeral_checkpoints(ctx):
+            kopf.warn(body, reason="EphemeralCheckpoints", message=(
+                f"learner.checkpoint.dir {parsed.learner.checkpoint.dir!r} is local to each learner host and is lost "
+                "on suspend or restart; use a shared location such as gs://bucket/path"))
+        if parsed.suspend and remove_learner(runtime.kube, ctx, jobset_api=ctx.jobset_api):
+            kopf.info(body, reason="Suspending", message="actors scaled to 0; the learner checkpoints and stops")
+    except kubeapi.ApiError as exc:
+        patch.status["message"] = f"applying children: {exc}"
+        raise _kopf_error(exc) from None
+    memo["reconciled"] = True
+    patch.status["actors"] = {"desired": target, "ready": (status.get("actors") or {}).get("ready", 0),
+                              "summary": f"{(status.get('actors') or {}).get('ready', 0)}/{target}"}
+    patch.status["admissionScale"] = scale
+    patch.status["observedGeneration"] = generation
+    if not status.get("phase") or status.get("phase") == "Failed":
+        patch.status["phase"] = "Suspended" if parsed.suspend else "Pending"
+
+
+def index_pods(
+    name: str, labels: Mapping[str, str], annotations: Mapping[str, str], meta: kopf.Meta, namespace: str | None, **_: Any
+) -> Any:
+    """Pods of any Stoker job, keyed by (namespace, job): sandboxes and their possible owners."""
+    return {(namespace, labels[JOB_LABEL]): pod_record(name, labels, annotations, meta)}
+
+
+def monitor(
+    body: kopf.Body,
+    spec: kopf.Spec,
+    status: kopf.Status,
+    name: str,
+    namespace: str | None,
+    uid: str,
+    meta: kopf.Meta,
+    patch: kopf.Patch,
+    memo: Any,
+    logger: Logger,
+    **kwargs: Any,
+) -> None:
+    """The level-based loop: heal children, read the buffer, enforce, reap zombies, write status."""
+    if not memo.get("reconciled"):
+        return  # the create/resume handler has not run (or the spec is invalid)
+    runtime = _runtime(memo)
+    namespace = namespace or "default"
+    settings = runtime.settings
+    try:
+        parsed = parse_spec(name, spec)
+    except InvalidJob:
+        return
+    now = _now()
+    previous = dict(status)
+    target = _actor_target(parsed, previous, None)
+    scale = float(previous.get("admissionScale") or 1.0)
+    try:
+        ctx = _context(runtime, name, namespace, uid, parsed, target, scale)
+        children = observe_children(runtime.kube, ctx, jobset_api=ctx.jobset_api)
+        heal_children(runtime.kube, ctx, children, logger)
+        reading = read_buffer(runtime, ctx, memo.get("last_stats"))
+        if reading.stats is not None:
+            memo["last_stats"] = reading.stats
+
+        finished = children.learner.completed or children.learner.failed
+        if reading.window is not None and not parsed.suspend and not finished:
+            last = memo.get("last_scaled")
+            decision = decide(
+                actor_target=target,
+                admission_scale=scale,
+                min_replicas=parsed.actors.min_replicas,
+                max_replicas=parsed.actors.max_replicas,
+                exceeded=bool(reading.exceeded),
+                starved=reading.starved,
+                cooled_down=last is None or (now - last).total_seconds() >= settings.scale_cooldown_seconds,
+                settings=settings,
+                detail=f"max staleness {reading.window.max}, limit {parsed.buffer.max_staleness}",
+            )
+            if decision.actor_target != target:
+                memo["last_scaled"] = now
+            if decision.admission_scale != scale:
+                apply_admission(runtime.kube, replace(ctx, admission_scale=decision.admission_scale))
+            target, scale = decision.actor_target, decision.admission_scale
+            for action in decision.actions:
+                kopf.event(body, type=action.type, reason=action.reason, message=action.message)
+                runtime.metrics.action(namespace, name, action.reason)
+
+        sync_actor_replicas(runtime.kube, ctx, children.actors, 0 if parsed.suspend or finished else target)
+        reaped = reap_zombies(runtime, body, namespace, name, kwargs.get(POD_INDEX), parsed, now, logger)
+    except kubeapi.ApiError as exc:
+        raise _kopf_error(exc) from None
+
+    observed = Observed(
+        spec=parsed,
+        generation=meta.get("generation"),
+        learner=children.learner,
+        actors=children.actors,
+        actor_target=target,
+        buffer=children.buffer,
+        stats=reading.stats,
+        stats_error=reading.error,
+        window=reading.window,
+        exceeded=reading.exceeded,
+        starved=reading.starved,
+        zombies_reaped=int(previous.get("zombiesReaped") or 0) + reaped,
+        admission_scale=scale,
+    )
+    new_status = build_status(observed, previous, now)
+    runtime.metrics.observe(namespace, name, new_status)
+    if reaped:
+        runtime.metrics.reaped(namespace, name, reaped)
+    # Write only what changed: an unchanged status costs no API call and no watch event.
+    for key, value in new_status.items():
+        if previous.get(key) != value:
+            patch.status[key] = value
+
+
+def reap_zombies(
+    runtime: Runtime,
+    body: kopf.Body,
+    namespace: str,
+    name: str,
+    index: Any,
+    spec: RLJobSpec,
+    now: datetime,
+    logger: Logger,
+) -> int:
+    """Delete this job's zombie sandbox pods; one Event per sweep that reaped any."""
+    if index is None or (namespace, name) not in index:
+        return 0
+    pods: list[PodRecord] = list(index[(namespace, name)])
+    zombies = find_zombies(pods, now, spec.environment.sandbox.heartbeat_ttl_seconds)
+    reaped = []
+    for zombie in zombies:
+        try:
+            runtime.kube.delete(POD, namespace, zombie.name)
+        except kubeapi.NotFound:
+            continue  # gone already
+        reaped.append(zombie)
+    if reaped:
+        detail = "; ".join(f"{z.name}: {z.reason}" for z in reaped[:5])
+        more = f" (+{len(reaped) - 5} more)" if len(reaped) > 5 else ""
+        kopf.event(body, type="Normal", reason="ReapedZombieSandboxes", message=f"deleted {len(reaped)} sandbox pods: {detail}{more}")
+        logger.info("reaped %d zombie sandbox pods", len(reaped))
+    return len(reaped)
+
+
+def forget(name: str, namespace: str | None, spec: kopf.Spec, memo: Any, **_: Any) -> None:
+    """Deletion: children go by owner references; only drop cached tokens, channels and series."""
+    runtime = _runtime(memo)
+    namespace = namespace or "default"
+    port = int((spec.get("buffer") or {}).get("port") or RLJobSpec().buffer.port)
+    runtime.stats.forget(runtime.settings.buffer_address(name, namespace, port))
+    runtime.forget(namespace, name)
+    runtime.metrics.forget(namespace, name)
+    memo.pop("last_stats", None)
+
+
+def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> None:
+    """Wire the handlers into ``registry`` with the intervals from ``settings``."""
+    rljobs = (GROUP, VERSION, PLURAL)
+    kopf.on.startup(registry=registry, id="configure")(configure)
+    kopf.on.login(registry=registry, id="login")(login)
+    kopf.on.create(*rljobs, registry=registry, id="reconcile")(reconcile)
+    kopf.on.resume(*rljobs, registry=registry, id="reconcile")(reconcile)
+    kopf.on.update(*rljobs, registry=registry, id="reconcile")(reconcile)
+    kopf.on.delete(*rljobs, registry=registry, id="forget", optional=True)(forget)
+    kopf.index("", "v1", "pods", registry=registry, id=POD_INDEX, labels={JOB_LABEL: kopf.PRESENT})(index_pods)
+    kopf.timer(*rljobs, registry=registry, id="monitor", interval=settings.status_interval_seconds, idle=None)(monitor)

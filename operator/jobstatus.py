@@ -1,0 +1,210 @@
+"""Observed state -> the RLJob's ``status`` (phase, figures and ``metav1.Condition``s).
+
+``build_status`` is pure: the timer gathers observations, this decides what they mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from stoker.operator.control import StalenessWindow
+from stoker.operator.observe import DeploymentObservation, LearnerObservation, StatsSnapshot
+from stoker.spec import RLJobSpec
+from stoker.status import Condition, RLJobStatus
+
+
+def rfc3339(moment: datetime) -> str:
+    return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class Cond:
+    """A condition before timestamps: type, status, reason, message."""
+
+    type: str
+    status: str
+    reason: str
+    message: str = ""
+
+
+def merge_conditions(
+    previous: Sequence[Mapping[str, Any]], new: Sequence[Cond], now: datetime, generation: int | None
+) -> list[dict[str, Any]]:
+    """New conditions, keeping each one's ``lastTransitionTime`` unless its status changed."""
+    before = {c.get("type"): c for c in previous}
+    out: list[dict[str, Any]] = []
+    for cond in new:
+        old = before.get(cond.type)
+        changed = old is None or old.get("status") != cond.status or not old.get("lastTransitionTime")
+        stamp = rfc3339(now) if changed or old is None else str(old["lastTransitionTime"])
+        model = Condition(
+            type=cond.type,
+            status=cond.status,
+            reason=cond.reason,
+            message=cond.message,
+            observed_generation=generation,
+            last_transition_time=stamp,
+        )
+        out.append(model.model_dump(by_alias=True, exclude_none=True))
+    return out
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything one status computation looks at."""
+
+    spec: RLJobSpec
+    generation: int | None
+    learner: LearnerObservation
+    actors: DeploymentObservation | None
+    """None in colocated mode."""
+    actor_target: int
+    buffer: DeploymentObservation | None
+    stats: StatsSnapshot | None
+    stats_error: str | None
+    window: StalenessWindow | None
+    exceeded: bool | None
+    starved: bool | None
+    zombies_reaped: int
+    admission_scale: float
+
+
+def _learner_condition(o: Observed) -> Cond:
+    learner = o.learner
+    if o.spec.suspend:
+        if learner.exists:
+            return Cond("LearnerReady", "False", "Checkpointing", "suspending: the learner checkpoints, then stops")
+        return Cond("LearnerReady", "False", "Suspended", "the learner is removed while suspended")
+    if learner.failed:
+        return Cond("LearnerReady", "False", "Failed", learner.message)
+    if learner.completed:
+        return Cond("LearnerReady", "False", "Completed", learner.message)
+    if not learner.exists:
+        return Cond("LearnerReady", "False", "Creating", learner.message)
+    if learner.ready:
+        return Cond("LearnerReady", "True", "Running", learner.message)
+    return Cond("LearnerReady", "False", "Pending", learner.message)
+
+
+def _actors_condition(o: Observed) -> Cond:
+    if o.actors is None:
+        return Cond("ActorsAvailable", "True", "Colocated", "colocated mode: the learner runs episodes")
+    if o.spec.suspend:
+        return Cond("ActorsAvailable", "False", "Suspended", "actors are scaled to 0 while suspended")
+    message = f"{o.actors.ready}/{o.actor_target} actors ready"
+    if not o.actors.exists:
+        return Cond("ActorsAvailable", "False", "Creating", "no actor Deployment")
+    floor = max(1, min(o.actor_target, o.spec.actors.min_replicas))
+    if o.actors.ready >= floor:
+        return Cond("ActorsAvailable", "True", "MinimumReplicasAvailable", message)
+    return Cond("ActorsAvailable", "False", "MinimumReplicasUnavailable", message)
+
+
+def _buffer_condition(o: Observed) -> Cond:
+    if o.buffer is None:
+        return Cond("BufferReady", "True", "Colocated", "colocated mode: no buffer")
+    if not o.buffer.exists:
+        return Cond("BufferReady", "False", "Creating", "no buffer Deployment")
+    if o.buffer.ready < 1:
+        return Cond("BufferReady", "False", "Pending", "the buffer pod is not ready")
+    if o.stats is None:
+        return Cond("BufferReady", "False", "StatsUnavailable", o.stats_error or "no Stats from the buffer")
+    return Cond("BufferReady", "True", "Serving", f"fill {o.stats.fill:.0%}, {o.stats.complete_groups} complete groups")
+
+
+def _staleness_condition(o: Observed) -> Cond:
+    limit = o.spec.buffer.max_staleness
+    if o.exceeded is None or o.window is None:
+        return Cond("StalenessExceeded", "Unknown", "NoStats", "no staleness figures from the buffer")
+    detail = f"window max {o.window.max}, p50 {o.window.p50}, {o.window.dropped} groups dropped as stale; limit {limit}"
+    if o.exceeded:
+        return Cond("StalenessExceeded", "True", "AboveLimit", detail)
+    return Cond("StalenessExceeded", "False", "WithinLimit", detail)
+
+
+def _starved_condition(o: Observed) -> Cond:
+    if o.stats is None:
+        return Cond("LearnerStarved", "Unknown", "NoStats", "no Stats from the buffer")
+    if o.starved is None:
+        return Cond("LearnerStarved", "Unknown", "DutyCycleUnknown", "the learner has not reported its duty cycle")
+    duty = o.stats.learner_duty_cycle or 0.0
+    detail = f"{o.stats.complete_groups} complete groups buffered, learner busy {duty:.0%} of the time"
+    if o.starved:
+        return Cond("LearnerStarved", "True", "BufferEmpty", detail)
+    return Cond("LearnerStarved", "False", "Fed", detail)
+
+
+def build_status(o: Observed, previous: Mapping[str, Any], now: datetime) -> dict[str, Any]:
+    """The whole ``status`` (camelCase, as patched) for observations ``o``.
+
+    Figures the operator could not read this time keep their previous values.
+    """
+    learner_c, actors_c, buffer_c = _learner_condition(o), _actors_condition(o), _buffer_condition(o)
+    if o.spec.suspend:
+        suspended = Cond("Suspended", "True", "Suspended" if not o.learner.exists else "Suspending", "spec.suspend is true")
+    else:
+        suspended = Cond("Suspended", "False", "Running", "")
+    parts_ready = all(c.status == "True" for c in (learner_c, actors_c, buffer_c))
+    if parts_ready and not o.spec.suspend:
+        ready = Cond("Ready", "True", "AllComponentsReady", "learner, actors and buffer are ready")
+    else:
+        first = next(c for c in (suspended, learner_c, actors_c, buffer_c) if c.status != ("False" if c is suspended else "True"))
+        ready = Cond("Ready", "False", first.reason, first.message)
+
+    policy_version = o.stats.policy_version if o.stats is not None else previous.get("policyVersion")
+    if o.learner.failed:
+        phase = "Failed"
+    elif o.learner.completed:
+        phase = "Succeeded"
+    elif o.spec.suspend:
+        phase = "Suspended"
+    elif parts_ready:
+        phase = "Running"
+    elif policy_version:
+        phase = "Degraded"  # it has trained before, and a part is down now
+    else:
+        phase = "Pending"
+
+    actors_ready = o.actors.ready if o.actors is not None else 0
+    desired = o.actor_target if o.actors is not None else 0
+    status = RLJobStatus.model_validate(
+        {
+            "phase": phase,
+            "observedGeneration": o.generation,
+            "policyVersion": policy_version,
+            "staleness": (
+                {"p50": o.window.p50, "max": o.window.max, "dropped": o.window.dropped}
+                if o.window is not None
+                else previous.get("staleness")
+            ),
+            "bufferFill": round(o.stats.fill, 4) if o.stats is not None else previous.get("bufferFill"),
+            "learnerDutyCycle": (
+                round(o.stats.learner_duty_cycle, 4)
+                if o.stats is not None and o.stats.learner_duty_cycle is not None
+                else previous.get("learnerDutyCycle")
+            ),
+            "actors": {"ready": actors_ready, "desired": desired, "summary": f"{actors_ready}/{desired}"},
+            "zombiesReaped": o.zombies_reaped,
+            "admissionScale": o.admission_scale,
+            "message": ready.message if ready.status != "True" else "",
+            "conditions": merge_conditions(
+                previous.get("conditions") or [],
+                [ready, learner_c, actors_c, buffer_c, suspended, _staleness_condition(o), _starved_condition(o)],
+                now,
+                o.generation,
+            ),
+        }
+    )
+    return status.model_dump(by_alias=True, exclude_none=True)
+
+
+def failed_status(message: str, reason: str, previous: Mapping[str, Any], now: datetime, generation: int | None) -> dict[str, Any]:
+    """Status of an RLJob the operator refuses (invalid spec): phase Failed, Ready False, why."""
+    conditions = merge_conditions(previous.get("conditions") or [], [Cond("Ready", "False", reason, message)], now, generation)
+    status = RLJobStatus.model_validate(
+        {"phase": "Failed", "observedGeneration": generation, "message": message, "conditions": conditions}
+    )
+    return status.model_dump(by_alias=True, exclude_none=True)

@@ -1,0 +1,100 @@
+"""Deterministic child names and the labels every child carries.
+
+Names are derived from the RLJob's name alone, so a retried create finds the object it made before
+(409 Conflict is success) and nothing needs ``generateName``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stoker.actor.labels import JOB_LABEL, ROLE_LABEL
+
+MANAGED_BY = "stoker-operator"
+# The longest learner pod hostname is "<job>-learner-slice-<slice>-<host>"; keeping job names at
+# most this long keeps it (and every child name) a valid 63-character DNS label.
+MAX_JOB_NAME = 40
+
+ROLE_LEARNER = "learner"
+ROLE_ACTOR = "actor"
+ROLE_BUFFER = "buffer"
+
+
+@dataclass(frozen=True)
+class Names:
+    job: str
+
+    @property
+    def learner(self) -> str:
+        return f"{self.job}-learner"
+
+    def learner_slice_job(self, slice_index: int) -> str:
+        """One Indexed Job per slice in the no-JobSet fallback."""
+        return f"{self.job}-learner-{slice_index}"
+
+    @property
+    def learner_run(self) -> str:
+        """PersistentVolumeClaim of a single-host learner's run directory."""
+        return f"{self.job}-learner-run"
+
+    @property
+    def weights(self) -> str:
+        """The Service actors fetch weights from: the learner's first host."""
+        return f"{self.job}-weights"
+
+    @property
+    def actors(self) -> str:
+        return f"{self.job}-actor"
+
+    @property
+    def buffer(self) -> str:
+        return f"{self.job}-buffer"
+
+    @property
+    def buffer_token(self) -> str:
+        return f"{self.job}-buffer-token"
+
+    @property
+    def buffer_control(self) -> str:
+        return f"{self.job}-buffer-control"
+
+    @property
+    def spec_config(self) -> str:
+        return f"{self.job}-spec"
+
+    @property
+    def sandbox_manager(self) -> str:
+        """ServiceAccount, Role and RoleBinding of the pods that create sandbox pods."""
+        return f"{self.job}-sandbox-manager"
+
+    @property
+    def sandbox_policy(self) -> str:
+        return f"{self.job}-sandboxes"
+
+
+def name_problems(name: str) -> list[str]:
+    """Why an RLJob name cannot be used for child names (Services need a leading letter)."""
+    problems = []
+    if len(name) > MAX_JOB_NAME:
+        problems.append(f"name {name!r} has {len(name)} characters; expected at most {MAX_JOB_NAME}")
+    if not name[:1].isalpha():
+        problems.append(f"name {name!r} must start with a letter (it names Services)")
+    return problems
+
+
+def labels(job: str, role: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The common labels: the two Stoker keys everything selects on, plus the recommended ones."""
+    return {
+        **(extra or {}),
+        JOB_LABEL: job,
+        ROLE_LABEL: role,
+        "app.kubernetes.io/name": "stoker",
+        "app.kubernetes.io/instance": job,
+        "app.kubernetes.io/component": role,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+    }
+
+
+def selector(job: str, role: str) -> dict[str, str]:
+    """The immutable part of the labels, used in selectors."""
+    return {JOB_LABEL: job, ROLE_LABEL: role}

@@ -1,0 +1,81 @@
+"""Zombie sandbox pods: whose actor pod is gone, or whose heartbeat is older than the TTL.
+
+The operator keeps a kopf index of the pods labelled with a job (no API calls, no per-pod timer
+and so no finalizer on sandbox pods); each RLJob's timer passes its slice of the index here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from stoker.actor.labels import ACTOR_LABEL, HEARTBEAT_ANNOTATION, ROLE_LABEL, ROLE_SANDBOX, parse_rfc3339
+from stoker.operator.naming import ROLE_ACTOR, ROLE_LEARNER
+
+# Pods that may own sandboxes: actors, and the learner in colocated mode.
+SANDBOX_OWNER_ROLES = frozenset({ROLE_ACTOR, ROLE_LEARNER})
+
+
+@dataclass(frozen=True)
+class PodRecord:
+    """What the index keeps of one pod of a job."""
+
+    name: str
+    role: str
+    actor: str | None = None
+    """Sandbox pods: the pod that created it (label or annotation ``stoker.dev/actor``)."""
+    heartbeat: datetime | None = None
+    created: datetime | None = None
+    deleting: bool = False
+
+
+@dataclass(frozen=True)
+class Zombie:
+    name: str
+    reason: str
+
+
+def _time(text: Any) -> datetime | None:
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        return parse_rfc3339(text)
+    except ValueError:
+        return None
+
+
+def pod_record(name: str, labels: Mapping[str, str], annotations: Mapping[str, str], meta: Mapping[str, Any]) -> PodRecord:
+    return PodRecord(
+        name=name,
+        role=labels.get(ROLE_LABEL, ""),
+        actor=labels.get(ACTOR_LABEL) or annotations.get(ACTOR_LABEL),
+        heartbeat=_time(annotations.get(HEARTBEAT_ANNOTATION)),
+        created=_time(meta.get("creationTimestamp")),
+        deleting=bool(meta.get("deletionTimestamp")),
+    )
+
+
+def find_zombies(pods: Iterable[PodRecord], now: datetime, ttl_seconds: float) -> list[Zombie]:
+    """Sandbox pods of one job to delete, with why; pods already being deleted are skipped.
+
+    A sandbox without a heartbeat yet is judged by its creation time, so a sandbox whose actor
+    died before the first heartbeat is still reaped after the TTL.
+    """
+    pods = list(pods)
+    owners = {p.name for p in pods if p.role in SANDBOX_OWNER_ROLES and not p.deleting}
+    zombies: list[Zombie] = []
+    for pod in sorted(pods, key=lambda p: p.name):
+        if pod.role != ROLE_SANDBOX or pod.deleting:
+            continue
+        if not pod.actor:
+            zombies.append(Zombie(pod.name, "no owning actor recorded"))
+            continue
+        if pod.actor not in owners:
+            zombies.append(Zombie(pod.name, f"actor {pod.actor} is gone"))
+            continue
+        seen = pod.heartbeat or pod.created
+        if seen is not None and (now - seen).total_seconds() > ttl_seconds:
+            zombies.append(Zombie(pod.name, f"no heartbeat for {(now - seen).total_seconds():.0f}s (TTL {ttl_seconds:g}s)"))
+    return zombies

@@ -1,0 +1,110 @@
+"""``stoker run --mode sync``: the classic synchronous loop, the baseline async is measured against.
+
+Each step: the current policy plays ``learner.batchGroups`` groups of ``buffer.groupSize``
+episodes (all concurrently, in the same sandboxes the actors use), the learner trains on exactly
+those episodes, and the sampler takes the new weights before the next step. Strictly on-policy:
+every token was sampled by the version being trained, so there is no buffer and no staleness.
+The learner idles while episodes run; its duty cycle is what the decoupled mode wins back.
+
+Same model, tokenizer, environment, algorithm and metrics as the async mode (``Learner.train_on``
+and ``run_group`` are the very functions the learner and actor processes run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import signal
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stoker.local import Outcome, RunOptions
+
+log = logging.getLogger("stoker.sync")
+
+
+def run_sync(options: RunOptions) -> Outcome:
+    from stoker.local import Outcome
+
+    try:
+        return asyncio.run(_run(options))
+    except KeyboardInterrupt:
+        return Outcome(130, f"interrupted; checkpoint kept in {options.run_dir}")
+
+
+async def _run(options: RunOptions) -> Outcome:
+    from stoker.actor.episode import run_group
+    from stoker.actor.sandbox import close_factory
+    from stoker.actor.settings import ActorSettings
+    from stoker.actor.tokenization import text_interface
+    from stoker.actor.wiring import environment_factory, make_policy
+    from stoker.learner.loop import Group, Learner, LearnerSettings
+    from stoker.learner.metrics import DutyCycle, MetricsSink
+    from stoker.local import Outcome, child_env
+    from stoker.progress import Progress
+
+    spec = options.job.spec
+    cache = child_env(options)["STOKER_COMPILATION_CACHE"]
+    overrides: dict[str, object] = {"compilation_cache_dir": spec.learner.compilation_cache_dir or cache}
+    if options.max_steps is not None:
+        overrides["max_steps"] = options.max_steps
+    settings = LearnerSettings.from_spec(spec, run_dir=options.run_dir, **overrides)
+    learner = Learner(settings)
+    actor = ActorSettings.from_spec(spec, actor_id="sync", job=options.job.metadata.name)
+    interface = text_interface(spec)
+    policy = make_policy(actor)
+    envs = environment_factory(actor)
+    tasks = list(actor.tasks)
+    rng = random.Random(spec.seed * 7919 + learner.steps)
+    deadline = time.monotonic() + options.max_minutes * 60 if options.max_minutes else None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    outcome = Outcome(0, "")
+    try:
+        with Progress(options) as progress, MetricsSink(options.metrics_path) as sink:
+            await policy.load_weights(learner.flat_weights(), learner.version)
+            duty = DutyCycle()
+            learner.busy_seconds = 0.0
+            while learner.steps < settings.max_steps:
+                if stop.is_set():
+                    outcome = Outcome(130, f"interrupted; checkpoint kept in {options.run_dir} ({progress.summary()})")
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    outcome = Outcome(0, f"stopped after {options.max_minutes} minutes ({progress.summary()})")
+                    break
+                if options.target_success is not None and progress.success_rate() >= options.target_success:
+                    outcome = Outcome(0, f"done: success rate reached {options.target_success} ({progress.summary()})")
+                    break
+                chosen = [rng.choice(tasks) for _ in range(settings.batch_groups)]
+                groups = await asyncio.gather(
+                    *(
+                        run_group(
+                            policy, envs, interface, task, actor.group_size,
+                            limits=actor.limits, seed=rng.randrange(1 << 30),
+                        )
+                        for task in chosen
+                    )
+                )
+                # A group with a failed or timed-out episode is masked, as the buffer would deliver it.
+                batch = [Group(episodes, masked=not all(e.ok for e in episodes)) for episodes in groups]
+                metrics = learner.train_on(batch)
+                duty.busy_seconds = learner.busy_seconds
+                metrics["duty_cycle"] = duty.value
+                if metrics.get("trained"):
+                    await policy.load_weights(learner.flat_weights(), learner.version)
+                    if learner.steps % settings.checkpoint_interval == 0:
+                        learner.save()
+                sink.record(metrics)
+                progress.refresh()
+            else:
+                outcome = Outcome(0, f"done: {learner.steps} steps ({progress.summary()})")
+    finally:
+        learner.save(wait=True)
+        learner.close()
+        await close_factory(envs)
+        await policy.close()
+    return outcome

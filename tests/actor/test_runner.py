@@ -1,0 +1,177 @@
+"""The actor loop against a real buffer server: admission, whole groups, weight sync."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stoker.actor.episode import FAILED
+from stoker.actor.policy import BatchedSampler, ScriptedPolicy
+from stoker.actor.runner import Actor, Grant
+from stoker.actor.sandbox import inline_factory, process_factory
+from stoker.actor.settings import ActorSettings
+from stoker.actor.tokenization import TextInterface
+from stoker.actor.wiring import GrpcBuffer
+from stoker.buffer.client import BufferClient
+from stoker.buffer.server import BufferServer
+from stoker.buffer.settings import BufferSettings
+from stoker.spec import BufferSpec, RLJobSpec
+from stoker.trajectory import Episode
+
+pytestmark = pytest.mark.asyncio
+
+G = 4
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[BufferServer]:
+    # Budget (maxStaleness + version + 1) * batchGroups = 1 group at policy version 0.
+    settings = BufferSettings(group_size=G, max_staleness=0, batch_groups=1, retry_after_seconds=0.05, sync="none")
+    buffer = BufferServer(settings, tmp_path / "wal").start()
+    yield buffer
+    buffer.stop(grace=0.1)
+
+
+def settings_for(spec: RLJobSpec, **changes: object) -> ActorSettings:
+    base = ActorSettings.from_spec(spec, actor_id="actor-test", job="t")
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+
+async def wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+async def test_admission_refusal_holds_groups_until_credit(server: BufferServer, lake: TextInterface, lake_expert) -> None:  # type: ignore[no-untyped-def]
+    spec = RLJobSpec(buffer=BufferSpec(group_size=G))
+    settings = settings_for(spec, max_groups=2, concurrency=8)
+    client = BufferClient(f"127.0.0.1:{server.port}", client_id="actor-test")
+    learner = BufferClient(f"127.0.0.1:{server.port}", learner_id="learner")
+    policy = ScriptedPolicy(lake_expert)
+    actor = Actor(settings, policy, lake, inline_factory(settings.sandbox), GrpcBuffer(client))
+    running = asyncio.create_task(actor.run())
+    await wait_for(lambda: actor.stats.admission_refusals >= 3 and actor.stats.groups_submitted == 1)
+    assert actor.stats.groups_started == 1  # refused credit: the second group never started
+    # The learner trains on the first group and publishes version 1: one more group of credit.
+    first = await asyncio.to_thread(learner.sample, 1, 1, 5.0)
+    assert first is not None and len(first.groups) == 1
+    await asyncio.to_thread(learner.commit, first.batch_id)
+    policy.version = 1
+    await asyncio.to_thread(learner.set_policy_version, 1)
+    stats = await asyncio.wait_for(running, 20)
+    assert stats.groups_submitted == 2 and stats.episodes == 2 * G
+    second = await asyncio.to_thread(learner.sample, 1, 1, 5.0)
+    assert second is not None
+    for group in [*first.groups, *second.groups]:
+        assert len(group.episodes) == G and not group.masked
+        assert all(e.metrics["success"] == 1.0 for e in group.episodes)
+    client.close()
+    learner.close()
+
+
+class MemoryBuffer:
+    """An in-memory BufferPort that refuses the first ``refusals`` acquisitions."""
+
+    def __init__(self, refusals: int = 0):
+        self.refusals = refusals
+        self.groups: list[list[Episode]] = []
+
+    async def acquire(self, groups: int) -> Grant:
+        if self.refusals:
+            self.refusals -= 1
+            return Grant(0, 0.01)
+        return Grant(groups)
+
+    async def put(self, episodes: list[Episode]) -> None:
+        self.groups.append(episodes)
+
+    async def release(self, groups: int) -> None:
+        return None
+
+
+async def test_failed_sandboxes_still_submit_whole_groups(lake: TextInterface) -> None:
+    spec = RLJobSpec(buffer=BufferSpec(group_size=3))
+    settings = settings_for(spec, max_groups=2)
+    broken = dataclasses.replace(settings.sandbox, memory_mb=24)  # cannot start: every episode fails
+    buffer = MemoryBuffer(refusals=2)
+    factory = process_factory(broken)
+    actor = Actor(settings, ScriptedPolicy(lambda _: [0]), lake, factory, buffer)
+    stats = await asyncio.wait_for(actor.run(), 30)
+    await factory.aclose()
+    assert stats.admission_refusals == 2 and len(buffer.groups) == 2
+    for group in buffer.groups:
+        assert len(group) == 3 and all(e.status == FAILED and e.status_reason for e in group)
+
+
+class Weights:
+    """A weight channel whose latest version the test controls."""
+
+    def __init__(self) -> None:
+        self.latest = 0
+
+    def latest_version(self) -> int:
+        return self.latest
+
+    def fetch(self, version: int) -> dict[str, np.ndarray]:
+        return {"v": np.array([version])}
+
+
+class CountingSampler:
+    def __init__(self, move: int):
+        self.move = move
+        self.version = 0
+        self.loads: list[int] = []
+
+    def load_weights(self, flat: dict[str, np.ndarray], version: int) -> None:
+        self.loads.append(int(flat["v"][0]))
+        self.version = version
+
+    def generate(self, prompts, *, max_new_tokens, stop_token_ids=()):  # type: ignore[no-untyped-def]
+        from stoker.learner.sampling import Generation
+
+        return [Generation([self.move], [-0.3], True) for _ in prompts]
+
+
+@pytest.mark.parametrize("mode", ["between-turns", "between-episodes"])
+async def test_actor_pulls_newer_weights(mode: str, lake: TextInterface) -> None:
+    spec = RLJobSpec(buffer=BufferSpec(group_size=2))
+    settings = settings_for(spec, max_groups=40, weight_sync=mode, weight_poll_seconds=0.01)
+    sampler = CountingSampler(lake.tokenizer.get_vocab()["up"])  # "up" never reaches the goal
+    policy = BatchedSampler(sampler)
+    weights = Weights()
+    buffer = MemoryBuffer()
+    actor = Actor(settings, policy, lake, inline_factory(settings.sandbox), buffer, weights=weights, loader=policy)
+    running = asyncio.create_task(actor.run())
+    await wait_for(lambda: len(buffer.groups) >= 2)
+    weights.latest = 5
+    await wait_for(lambda: sampler.version == 5)
+    stats = await asyncio.wait_for(running, 30)
+    await policy.close()
+    assert sampler.loads == [5] and stats.weight_updates == 1
+    episodes = [e for g in buffer.groups for e in g]
+    seen = {tuple(sorted(set(e.policy_versions[e.loss_mask == 1].tolist()))) for e in episodes}
+    assert (0,) in seen and (5,) in seen
+    if mode == "between-episodes":
+        assert seen <= {(0,), (5,)}  # never two versions inside one episode
+
+
+async def test_weights_that_cannot_load_stop_the_actor_loudly(lake: TextInterface) -> None:
+    class Incompatible(CountingSampler):
+        def load_weights(self, flat: dict[str, np.ndarray], version: int) -> None:
+            raise ValueError("model.embed_tokens.weight: shape (8, 4) does not match (27, 64)")
+
+    spec = RLJobSpec(buffer=BufferSpec(group_size=2))
+    settings = settings_for(spec, max_groups=None, weight_poll_seconds=0.01)
+    policy = BatchedSampler(Incompatible(lake.tokenizer.get_vocab()["up"]))
+    weights = Weights()
+    weights.latest = 1
+    actor = Actor(settings, policy, lake, inline_factory(settings.sandbox), MemoryBuffer(), weights=weights, loader=policy)
+    with pytest.raises(ValueError, match="does not match"):
+        await asyncio.wait_for(actor.run(), 30)  # no max_groups: only the failure ends it
+    await policy.close()

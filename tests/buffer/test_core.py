@@ -1,0 +1,329 @@
+"""The buffer's state machine without gRPC: groups, masking, staleness, admission, capacity,
+leases, restarts and compaction."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from stoker.buffer.core import CODE_INVALID_ARGUMENT, CODE_OK, BufferCore, BufferFull, UnknownBatch
+from stoker.buffer.settings import BufferSettings
+from stoker.buffer.wire import encode_trajectory
+from stoker.trajectory import Episode, from_proto
+from stoker.v1 import trajectory_pb2
+
+FAILED = trajectory_pb2.EPISODE_STATUS_FAILED
+TIMEOUT = trajectory_pb2.EPISODE_STATUS_TIMEOUT
+Groups = Callable[..., list[Episode]]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def open_core(path: Path, settings: BufferSettings, clock: FakeClock | None = None) -> BufferCore:
+    core = BufferCore(settings, path, clock=clock or FakeClock())
+    core.open()
+    return core
+
+
+def put(core: BufferCore, episodes: list[Episode]) -> list[tuple[int, str, str]]:
+    return core.put([encode_trajectory(e) for e in episodes]).results
+
+
+def sampled_ids(core: BufferCore, max_groups: int = 100) -> tuple[str, list[list[str]]]:
+    batch = core.sample(max_groups, 1, 0)
+    assert batch is not None
+    return batch.batch_id, [[from_proto(trajectory_pb2.Trajectory.FromString(r)).episode_id for r in raws] for _, raws, _ in batch.groups]
+
+
+def test_a_group_is_sampleable_only_when_complete(tmp_path: Path, settings: BufferSettings, make_group: Groups) -> None:
+    core = open_core(tmp_path, settings)
+    first, second = make_group(2)
+    put(core, [first])
+    assert core.sample(1, 1, 0) is None
+    assert core.stats().incomplete_groups == 1
+    put(core, [second])
+    batch_id, groups = sampled_ids(core)
+    assert groups == [[first.episode_id, second.episode_id]]
+    assert core.commit(batch_id) == 2
+    assert core.stats().stored_trajectories == 0
+
+
+def test_groups_are_delivered_fifo_and_once(tmp_path: Path, settings: BufferSettings, make_group: Groups) -> None:
+    core = open_core(tmp_path, settings)
+    groups = [make_group(2) for _ in range(3)]
+    for group in groups:
+        put(core, group)
+    _, first = sampled_ids(core, 2)
+    _, second = sampled_ids(core, 2)
+    assert first + second == [[e.episode_id for e in g] for g in groups]
+    assert core.sample(1, 1, 0) is None
+
+
+def test_group_with_a_failed_episode_is_delivered_masked_by_default(
+    tmp_path: Path, settings: BufferSettings, make_group: Groups, make_episode: Callable[..., Episode]
+) -> None:
+    core = open_core(tmp_path, settings)
+    ok = make_episode("g-mixed")
+    failed = make_episode("g-mixed", status=TIMEOUT)
+    put(core, [ok, failed])
+    batch = core.sample(1, 1, 0)
+    assert batch is not None and batch.groups[0][2] is True  # masked
+    assert core.stats().masked_groups_delivered == 1
+
+
+def test_discard_policy_drops_and_counts_groups_with_a_failure(
+    tmp_path: Path, settings: BufferSettings, make_episode: Callable[..., Episode]
+) -> None:
+    core = open_core(tmp_path, replace(settings, failed_group_policy="discard"))
+    put(core, [make_episode("g1"), make_episode("g1", status=FAILED)])
+    assert core.sample(1, 1, 0) is None
+    assert core.stats().dropped["failed"] == 1
+    assert core.stats().stored_trajectories == 0
+
+
+def test_group_of_only_failed_episodes_is_dropped_whatever_the_policy(
+    tmp_path: Path, settings: BufferSettings, make_episode: Callable[..., Episode]
+) -> None:
+    core = open_core(tmp_path, settings)
+    put(core, [make_episode("g1", status=FAILED), make_episode("g1", status=TIMEOUT)])
+    assert core.sample(1, 1, 0) is None
+    assert core.stats().dropped["failed"] == 1
+
+
+def test_stale_groups_are_dropped_at_sample_time(tmp_path: Path, settings: BufferSettings, make_group: Groups) -> None:
+    core = open_core(tmp_path, settings)  # max_staleness = 2
+    old, fresh = make_group(2, version=1), make_group(2, version=3)
+    put(core, old)
+    put(core, fresh)
+    core.set_policy_version(4)  # old is 3 versions behind: stale; fresh is 1 behind
+    _, groups = sampled_ids(core)
+    assert groups == [[e.episode_id for e in fresh]]
+    stats = core.stats()
+    assert stats.dropped["stale"] == 1
+    assert dict(stats.staleness_histogram) == {1: 1}
+
+
+def test_a_group_already_stale_on_arrival_is_dropped(tmp_path: Path, settings: BufferSettings, make_group: Groups) -> None:
+    core = open_core(tmp_path, settings)
+    core.set_policy_version(10)
+    put(core, make_group(2, version=7))
+    assert core.sample(1, 1, 0) is None
+    assert core.stats().dropped["stale"] == 1
+
+
+def test_admission_credit_follows_the_areal_rule(tmp_path: Path, settings: BufferSettings, make_group: Groups) -> None:
+    # credit = (max_staleness + version + 1) * batch_groups - (accepted + in_flight) = (2 + 0 + 1) * 2 = 6
+    core = open_core(tmp_path, settings)
+    assert core.acquire(4) == (4, 0, 0.0)
+    granted, _, retry = core.acquire(4)
+    assert granted == 2  # only 6 - 4 left
+    assert core.acquire(1)[0] == 0 and core.acquire(1)[2] > 0  # a retry hint when nothing is granted
+    put(core, make_group(2))  # a granted group arrives: in flight -> accepted, credit unchanged
+    assert core.stats().admission_credit == 0 and core.stats().in_flight_groups == 5
+    core.release(2)  # two groups will never be started
+    assert core.stats().admission_credit == 2
+    core.set_policy_version(1)  # each new version admits batch_groups more
+    assert core.stats().admission_credit == 4
+
+
+def test_dropped_groups_give_their_credit_back(tmp_path: Path, settings: BufferSettings, make_group: Groups) -> None:
+    core = open_core(tmp_path, settings)
+    assert core.acquire(6)[0] == 6
+    put(core, make_group(2, version=0))
+    core.set_policy_version(3)  # the group is now stale and dropped: its work must be redone
+    assert core.stats().dropped["stale"] == 1
+    assert core.stats().admission_credit == (2 + 3 + 1) * 2 - 5
+
+
+def test_full_buffer_refuses_the_whole_batch_and_evicts_nothing(
+    tmp_path: Path, settings: BufferSettings, make_group: Groups
+) -> None:
+    core = open_core(tmp_path, replace(settings, capacity=4))
+    put(core, make_group(2))
+    put(core, make_group(2))
+    blocked = make_group(2)
+    with pytest.raises(BufferFull) as full:
+        put(core, blocked)
+    assert full.value.retry_after > 0
+    assert core.stats().stored_trajectories == 4 and core.stats().full_rejections == 1
+    batch_id, _ = sampled_ids(core, 1)
+    core.commit(batch_id)
+    assert put(core, blocked) == [(CODE_OK, "", "")] * 2
+
+
+def test_retried_put_is_stored_once_even_across_restart_and_consumption(
+    tmp_path: Path, settings: BufferSettings, make_group: Groups
+) -> None:
+    core = open_core(tmp_path, settings)
+    group = make_group(2)
+    raws = [encode_trajectory(e) for e in group]
+    assert core.put(raws).stored == 2
+    again = core.put(raws)
+    assert (again.stored, again.duplicates) == (0, 2)
+    batch_id, _ = sampled_ids(core)
+    core.commit(batch_id)
+    core.close()
+    core = open_core(tmp_path, settings)
+    late = core.put(raws)  # a very late retry, after the group was trained on and the buffer restarted
+    assert (late.stored, late.duplicates) == (0, 2)
+    assert core.sample(1, 1, 0) is None
+
+
+def test_group_consistency_is_enforced(tmp_path: Path, make_episode: Callable[..., Episode]) -> None:
+    core = open_core(tmp_path, BufferSettings(group_size=0, capacity=64))
+    put(core, [make_episode("g", group_size=2)])
+    mismatch = put(core, [make_episode("g", group_size=3)])
+    assert mismatch[0][:2] == (CODE_INVALID_ARGUMENT, "group_size")
+    put(core, [make_episode("g", group_size=2)])
+    extra = put(core, [make_episode("g", group_size=2)])  # a third episode of a complete group of 2
+    assert extra[0][:2] == (CODE_INVALID_ARGUMENT, "group_id")
+
+
+def test_restart_replays_every_unconsumed_trajectory_once(
+    tmp_path: Path, settings: BufferSettings, make_group: Groups, make_episode: Callable[..., Episode]
+) -> None:
+    core = open_core(tmp_path, settings)
+    committed, leased, waiting = make_group(2), make_group(2), make_group(2)
+    half = make_episode("g-half")
+    for group in (committed, leased, waiting):
+        put(core, group)
+    put(core, [half])
+    batch_id, _ = sampled_ids(core, 1)
+    core.commit(batch_id)
+    sampled_ids(core, 1)  # leased, never committed
+    core.set_policy_version(1)
+    core.close()
+
+    core = open_core(tmp_path, settings)
+    stats = core.stats()
+    assert stats.replayed_trajectories == 5 and stats.policy_version == 1
+    assert stats.committed_groups_total == 1 and stats.incomplete_groups == 1
+    _, groups = sampled_ids(core)
+    assert groups == [[e.episode_id for e in leased], [e.episode_id for e in waiting]]
+    put(core, [make_episode("g-half")])
+    _, groups = sampled_ids(core)
+    assert groups[0][0] == half.episode_id
+
+
+def test_uncommitted_batch_is_redelivered_when_its_learner_restarts(
+    tmp_path: Path, settings: BufferSettings, make_group: Groups
+) -> None:
+    core = open_core(tmp_path, settings)
+    first, second = make_group(2), make_group(2)
+    put(core, first)
+    put(core, second)
+    lost = core.sample(1, 1, 0, learner_id="learner", session_id="run-1")
+    assert lost is not None
+    again = core.sample(2, 1, 0, learner_id="learner", session_id="run-2")  # the learner restarted
+    assert again is not None and [g for g, _, _ in again.groups] == [first[0].group_id, second[0].group_id]
+    with pytest.raises(UnknownBatch):
+        core.commit(lost.batch_id)
+    assert core.stats().redelivered_groups == 1
+    assert core.commit(again.batch_id) == 4
+
+
+def test_expired_lease_is_redelivered(tmp_path: Path, settings: BufferSettings, make_group: Groups) -> None:
+    clock = FakeClock()
+    core = open_core(tmp_path, replace(settings, lease_timeout_seconds=30), clock)
+    put(core, make_group(2))
+    assert core.sample(1, 1, 0, learner_id="learner") is not None
+    clock.now += 29
+    core.tick()
+    assert core.sample(1, 1, 0) is None
+    clock.now += 2
+    core.tick()
+    assert core.sample(1, 1, 0) is not None
+
+
+def test_incomplete_group_past_its_timeout_is_reported(
+    tmp_path: Path, settings: BufferSettings, make_episode: Callable[..., Episode], caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = FakeClock()
+    core = open_core(tmp_path, replace(settings, group_timeout_seconds=60), clock)
+    put(core, [make_episode("g-slow")])
+    assert core.stats().stale_incomplete_groups == 0
+    clock.now += 61
+    with caplog.at_level(logging.WARNING, logger="stoker.buffer"):
+        core.tick()
+    assert core.stats().stale_incomplete_groups == 1
+    assert "g-slow" in caplog.text and "1 of 2 episodes" in caplog.text
+
+
+def test_log_stays_bounded_and_survives_compaction(
+    tmp_path: Path, settings: BufferSettings, make_group: Groups, make_episode: Callable[..., Episode]
+) -> None:
+    small = replace(settings, segment_bytes=8192, capacity=1000)
+    core = open_core(tmp_path, small)
+    pinned = make_episode("g-never-complete", tokens=64)
+    put(core, [pinned])  # pins the first segment until copied forward
+    for _ in range(60):
+        put(core, make_group(2, tokens=64))
+        batch_id, _ = sampled_ids(core)
+        core.commit(batch_id)
+        core.compact()
+    stats = core.stats()
+    assert stats.log_segments <= 4
+    assert stats.log_bytes <= 2 * 2 * 8192 + 2 * 8192 + 8192
+    core.close()
+    core = open_core(tmp_path, small)  # what survived compaction is exactly the live trajectory
+    assert core.stats().stored_trajectories == 1
+    put(core, [make_episode("g-never-complete", tokens=64)])
+    _, groups = sampled_ids(core)
+    assert groups[0][0] == pinned.episode_id
+
+
+def test_damaged_log_tail_is_skipped_and_counted(
+    tmp_path: Path, settings: BufferSettings, make_group: Groups, caplog: pytest.LogCaptureFixture
+) -> None:
+    core = open_core(tmp_path, settings)
+    kept, torn = make_group(2), make_group(2)
+    put(core, kept)
+    put(core, torn)
+    core.close()
+    segment = sorted(tmp_path.glob("*.wal"))[-1]
+    data = segment.read_bytes()
+    segment.write_bytes(data[:-20])  # a crash in the middle of the last record
+    with caplog.at_level(logging.WARNING):
+        core = open_core(tmp_path, settings)
+    assert core.stats().corrupt_log_tails == 1
+    assert core.stats().complete_groups == 1 and core.stats().incomplete_groups == 1
+    assert "truncated record" in caplog.text
+
+
+def test_a_sampled_batch_stays_under_the_message_size_limit(
+    tmp_path: Path, settings: BufferSettings, make_group: Groups
+) -> None:
+    core = open_core(tmp_path, replace(settings, max_message_bytes=64 * 1024 + 30_000))
+    for _ in range(3):
+        put(core, make_group(2, tokens=1000))  # ~13 KB per trajectory, ~26 KB per group
+    sizes = []
+    while (batch := core.sample(3, 1, 0)) is not None:
+        sizes.append(len(batch.groups))
+    assert sizes == [1, 1, 1]
+
+
+def test_a_record_that_does_not_parse_is_skipped_at_startup(
+    tmp_path: Path, settings: BufferSettings, make_group: Groups, caplog: pytest.LogCaptureFixture
+) -> None:
+    from stoker.buffer.core import CONSUME
+
+    core = open_core(tmp_path, settings)
+    group = make_group(2)
+    put(core, group)
+    core.wal.sync(core.wal.append(CONSUME, [b"\xff\xff not a LogConsume"]))  # e.g. written by a newer version
+    core.close()
+    with caplog.at_level(logging.WARNING):
+        core = open_core(tmp_path, settings)
+    assert "unreadable record" in caplog.text
+    _, groups = sampled_ids(core)
+    assert groups == [[e.episode_id for e in group]]

@@ -1,0 +1,166 @@
+"""The write-ahead log: records come back in order; damaged tails are skipped, not fatal; concurrent
+writers share flushes."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+
+from stoker.buffer.wal import HEADER, MAGIC, Wal
+
+
+def write_segments(directory: Path, payloads: list[bytes], segment_bytes: int = 1 << 20) -> Wal:
+    wal = Wal(directory, fsync=True, segment_bytes=segment_bytes)
+    records, _ = wal.replay()
+    assert list(records) == []
+    wal.start()
+    for payload in payloads:
+        wal.sync(wal.append(1, [payload]))
+    return wal
+
+
+def replayed(directory: Path) -> tuple[list[bytes], list[str]]:
+    wal = Wal(directory)
+    records, report = wal.replay()
+    return [bytes(r.payload) for r in records], report.corrupt
+
+
+def test_records_replay_in_order_across_segments(tmp_path: Path) -> None:
+    wal = write_segments(tmp_path, [b"a", b"bb"])
+    wal.rotate((9, b"checkpoint"))
+    wal.sync(wal.append(1, [b"ccc", b"dddd"]))
+    wal.close()
+    payloads, corrupt = replayed(tmp_path)
+    assert payloads == [b"a", b"bb", b"checkpoint", b"ccc", b"dddd"]
+    assert corrupt == []
+    # a closed segment is cut back to its used length (preallocated space given back)
+    first = sorted(tmp_path.glob("*.wal"))[0]
+    assert first.stat().st_size == len(MAGIC) + 2 * HEADER.size + 3
+
+
+def test_preallocated_zeros_after_a_crash_are_a_clean_end(tmp_path: Path) -> None:
+    wal = write_segments(tmp_path, [b"one", b"two"])
+    # no close(): like kill -9, the file keeps its preallocated zero tail
+    assert sorted(tmp_path.glob("*.wal"))[0].stat().st_size >= 1 << 20
+    payloads, corrupt = replayed(tmp_path)
+    assert payloads == [b"one", b"two"]
+    assert corrupt == []
+    del wal
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        ("truncate-mid-payload", "truncated record"),
+        ("truncate-mid-header", "truncated record header"),
+        ("flip-payload-byte", "checksum mismatch"),
+        ("garbage-length", "implausible record length"),
+    ],
+)
+def test_damaged_tail_is_skipped_with_a_warning(
+    tmp_path: Path, damage: str, expected: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    wal = write_segments(tmp_path, [b"keep-1", b"keep-2", b"lost-3" * 10])
+    wal.close()
+    path = sorted(tmp_path.glob("*.wal"))[0]
+    data = bytearray(path.read_bytes())
+    last = len(data) - (HEADER.size + 60)
+    if damage == "truncate-mid-payload":
+        data = data[: last + HEADER.size + 7]
+    elif damage == "truncate-mid-header":
+        data = data[: last + 4]
+    elif damage == "flip-payload-byte":
+        data[last + HEADER.size + 3] ^= 0xFF
+    else:
+        data[last : last + 4] = (0x7FFFFFFF).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="stoker.buffer.wal"):
+        payloads, corrupt = replayed(tmp_path)
+    assert payloads == [b"keep-1", b"keep-2"]
+    assert len(corrupt) == 1 and expected in corrupt[0]
+    assert expected in caplog.text
+
+
+def test_damage_in_one_segment_does_not_hide_later_segments(tmp_path: Path) -> None:
+    wal = write_segments(tmp_path, [b"a1", b"a2"])
+    wal.rotate()
+    wal.sync(wal.append(1, [b"b1"]))
+    wal.close()
+    first = sorted(tmp_path.glob("*.wal"))[0]
+    data = bytearray(first.read_bytes())
+    data[-1] ^= 0xFF  # damages a2
+    first.write_bytes(bytes(data))
+    payloads, corrupt = replayed(tmp_path)
+    assert payloads == [b"a1", b"b1"]
+    assert len(corrupt) == 1
+
+
+def test_a_file_that_is_not_a_segment_is_skipped(tmp_path: Path) -> None:
+    (tmp_path / "000000000001.wal").write_bytes(b"hello world, not a log")
+    payloads, corrupt = replayed(tmp_path)
+    assert payloads == [] and "bad magic" in corrupt[0]
+
+
+def test_concurrent_writers_all_become_durable(tmp_path: Path) -> None:
+    wal = Wal(tmp_path, fsync=True)
+    wal.replay()
+    wal.start()
+    threads, per_thread = 8, 25
+    start = threading.Barrier(threads)
+
+    def writer(index: int) -> None:
+        start.wait()
+        for i in range(per_thread):
+            wal.sync(wal.append(1, [f"{index}-{i}".encode()]))
+
+    workers = [threading.Thread(target=writer, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    wal.close()
+    payloads, _ = replayed(tmp_path)
+    assert sorted(payloads) == sorted(f"{i}-{j}".encode() for i in range(threads) for j in range(per_thread))
+
+
+def test_one_flush_covers_every_append_made_while_another_flush_ran(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import stoker.buffer.wal as wal_module
+
+    real = wal_module.os.fdatasync
+    entered, release = threading.Event(), threading.Event()
+    flushes: list[int] = []
+
+    def slow_disk(fd: int) -> None:
+        flushes.append(fd)
+        if len(flushes) == 1:
+            entered.set()
+            assert release.wait(10)
+        real(fd)
+
+    wal = Wal(tmp_path, fsync=True)
+    wal.replay()
+    wal.start()
+    monkeypatch.setattr(wal_module.os, "fdatasync", slow_disk)
+    first = threading.Thread(target=lambda: wal.sync(wal.append(1, [b"first"])))
+    first.start()
+    assert entered.wait(10)  # the first flush is in progress...
+    positions = [wal.append(1, [f"later-{i}".encode()]) for i in range(3)]  # ...while three more arrive
+    release.set()
+    first.join()
+    for position in positions:
+        wal.sync(position)
+    assert len(flushes) == 2  # the three later appends shared one flush
+
+
+def test_pins_keep_count_of_live_records(tmp_path: Path) -> None:
+    wal = Wal(tmp_path)
+    wal.replay()
+    wal.start()
+    segment, _ = wal.append(1, [b"x", b"yy"], pin=True)
+    assert wal.segments[segment].pins == 2
+    wal.unpin(segment, 2, 2 * HEADER.size + 3)
+    assert wal.segments[segment].pins == 0 and wal.segments[segment].pinned_bytes == 0
+    wal.close()

@@ -1,0 +1,313 @@
+"""The learner end to end on the CPU: it really learns, resumes, publishes, and compiles little."""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from stoker.learner.algorithms import LossConfig
+from stoker.learner.loop import Group, Learner, LearnerSettings, load_dpo_pairs
+from stoker.learner.model import token_logprobs
+from stoker.learner.weights import WeightSubscriber
+from stoker.spec import RLJobSpec, TransformerConfig
+from stoker.trajectory import Episode
+
+TINY = TransformerConfig(
+    vocab_size=8, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32, max_seq_len=64
+)
+PROMPT = [1, 2]
+GOOD = 3  # the bandit pays 1 for this token
+
+pytestmark = pytest.mark.usefixtures("xla_cache")  # programs shared across learners
+
+
+def settings(tmp_path: Path | None = None, **changes: object) -> LearnerSettings:
+    base = LearnerSettings(
+        architecture=TINY,
+        buckets=(8, 16),
+        microbatch_tokens=128,
+        learning_rate=0.05,
+        batch_groups=2,
+        group_size=8,
+        checkpoint_dir=str(tmp_path / "ckpt") if tmp_path else None,
+        checkpoint_interval=2,
+    )
+    return base.replace(**changes)
+
+
+def next_token_probs(learner: Learner) -> np.ndarray:
+    """pi(. | PROMPT) under the learner's current parameters."""
+    model = learner.trainer.policy_model()
+    ids = jnp.asarray([PROMPT], jnp.int32)
+    logits = model(ids, jnp.asarray([[0, 1]], jnp.int32), jnp.ones_like(ids))
+    return np.asarray(jax.nn.softmax(logits[0, -1]))
+
+
+def bandit_groups(learner: Learner, rng: np.random.Generator, groups: int = 2, size: int = 8) -> list[Group]:
+    """Episodes PROMPT + one sampled token, reward 1 for GOOD, sampled from the current policy."""
+    probs = next_token_probs(learner)
+    out = []
+    for g in range(groups):
+        episodes = []
+        for _ in range(size):
+            token = int(rng.choice(len(probs), p=probs / probs.sum()))
+            episodes.append(
+                Episode(
+                    episode_id=uuid.uuid4().hex, group_id=f"g{g}", group_size=size, task_id="bandit",
+                    token_ids=np.asarray(PROMPT + [token], np.int32),
+                    loss_mask=np.asarray([0, 0, 1], np.uint8),
+                    logprobs=np.asarray([0, 0, np.log(probs[token])], np.float32),
+                    policy_versions=np.asarray([-1, -1, learner.version], np.int32),
+                    reward=float(token == GOOD), status=1,
+                )
+            )
+        out.append(Group(episodes))
+    return out
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "gspo", "ppo", "dpo"])
+def test_training_moves_the_policy_toward_reward(algorithm: str) -> None:
+    learner = Learner(settings(algorithm=algorithm, loss=LossConfig(kl_coef=0.01 if algorithm == "grpo" else 0.0)))
+    rng = np.random.default_rng(0)
+    before = next_token_probs(learner)[GOOD]
+    updates = 0
+    for _ in range(12):
+        out = learner.train_on(bandit_groups(learner, rng))
+        if out["trained"]:  # DPO skips a batch whose groups all tie (no GOOD sampled)
+            metrics, updates = out, updates + 1
+    after = next_token_probs(learner)[GOOD]
+    assert after > before + 0.2, (algorithm, before, after)
+    assert updates >= 6 and learner.version == updates == metrics["policy_version"]
+    # Every token was sampled by the version trained on it: the sampler/trainer check is ~0.
+    assert metrics["tito_tokens"] > 0
+    assert abs(metrics["tito_logprob_diff_mean"]) < 1e-4
+    assert metrics["is_weight_max"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics["staleness_max"] == 0
+
+
+@pytest.fixture(scope="module")
+def grpo_learner() -> Learner:
+    """One GRPO learner shared by the tests that only look at a single update's metrics."""
+    return Learner(settings(max_staleness=1))
+
+
+def test_stale_tokens_never_reach_the_loss(grpo_learner: Learner) -> None:
+    learner = grpo_learner
+    rng = np.random.default_rng(1)
+    groups = bandit_groups(learner, rng)
+    learner.train_on(bandit_groups(learner, rng))  # Adam now has momentum that a 0-gradient step would apply
+    stale_groups = bandit_groups(learner, rng)
+    fresh_groups = bandit_groups(learner, rng)
+    learner.version += 5  # both batches are now 5 versions old
+    for ep in fresh_groups[1].episodes:  # ... except one group, sampled by the current version
+        ep.policy_versions = np.where(ep.loss_mask > 0, learner.version, -1).astype(np.int32)
+    version = learner.version
+    before = jax.tree.map(np.asarray, learner.trainer.params)
+    metrics = learner.train_on(stale_groups)
+    after = jax.tree.map(np.asarray, learner.trainer.params)
+    assert metrics["stale_tokens"] == 16 and metrics["trained"] == 0 and learner.version == version
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(a, b)
+    metrics = learner.train_on(fresh_groups)
+    assert metrics["stale_tokens"] == 8 and metrics["trained_tokens"] == 8
+    assert metrics["staleness_max"] == 0 and learner.version == version + 1
+
+
+def test_importance_weights_report_off_policy_data(grpo_learner: Learner) -> None:
+    learner = grpo_learner
+    groups = bandit_groups(learner, np.random.default_rng(2))
+    for group in groups:
+        for ep in group.episodes:
+            ep.logprobs = ep.logprobs + np.asarray([0, 0, -1.0], np.float32)  # the sampler was less sure
+    metrics = learner.train_on(groups)
+    # rho = pi_old / mu = e^1 > cap 2: every token truncated.
+    assert metrics["is_weight_mean"] == pytest.approx(np.e, rel=1e-3)
+    assert metrics["is_clipped_fraction"] == 1.0
+
+
+@pytest.mark.slow
+def test_200_random_batches_compile_once_per_bucket() -> None:
+    learner = Learner(settings(buckets=(8, 16, 32), microbatch_tokens=64, algorithm="grpo"))
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        episodes = []
+        for i in range(int(rng.integers(2, 9))):
+            n = int(rng.integers(3, 33))
+            mask = (rng.random(n) < 0.5).astype(np.uint8)
+            mask[-1] = 1
+            episodes.append(
+                Episode(
+                    episode_id=str(i), group_id="g", group_size=8, task_id="t",
+                    token_ids=rng.integers(0, 8, n).astype(np.int32), loss_mask=mask,
+                    logprobs=np.where(mask, -1.0, 0.0).astype(np.float32),
+                    policy_versions=np.where(mask, learner.version, -1).astype(np.int32),
+                    reward=float(rng.random()), status=1,
+                )
+            )
+        metrics = learner.train_on([Group(episodes)])
+        assert 0.0 <= metrics["padding_waste"] < 1.0
+    programs = learner.trainer.compiled_programs()
+    assert programs["grad"] <= 3
+    assert programs["apply"] == 1 and programs["accumulate"] <= 1
+
+
+def test_checkpoint_resume_continues_the_version(tmp_path: Path) -> None:
+    first = Learner(settings(tmp_path))
+    rng = np.random.default_rng(4)
+    for _ in range(3):
+        first.train_on(bandit_groups(first, rng))
+    first.save(wait=True)
+    probs = next_token_probs(first)
+    groups = bandit_groups(first, np.random.default_rng(5))
+
+    second = Learner(settings(tmp_path))
+    assert second.resumed and second.version == 3 and second.steps == 3
+    np.testing.assert_allclose(next_token_probs(second), probs, rtol=1e-6)
+    restored_params = jax.tree.map(jnp.copy, second.trainer.params)
+    # Adam's moments came back too: the next update equals the one the first learner makes ...
+    first.train_on(groups)
+    second.train_on(groups)
+    assert second.version == first.version == 4
+    expected = [np.asarray(x) for x in jax.tree.leaves(first.trainer.params)]
+    for a, b in zip(expected, jax.tree.leaves(second.trainer.params), strict=True):
+        np.testing.assert_allclose(a, np.asarray(b), rtol=1e-6, atol=1e-7)
+    # ... which the same parameters with a fresh optimizer state would not reproduce.
+    no_moments = Learner(settings())
+    no_moments.trainer.params = restored_params
+    no_moments.train_on(groups)
+    got = [np.asarray(x) for x in jax.tree.leaves(no_moments.trainer.params)]
+    assert not all(np.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(expected, got, strict=True))
+    first.close()
+    second.close()
+
+
+@dataclass
+class FakeBatch:
+    batch_id: str
+    groups: list[Group]
+
+
+@dataclass
+class ScriptedBuffer:
+    """An in-process stand-in for the buffer client, recording the learner's calls."""
+
+    learner_ref: list[Learner] = field(default_factory=list)
+    committed: list[str] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(6))
+
+    def sample(self, max_groups: int, min_groups: int, timeout: float) -> FakeBatch:
+        return FakeBatch(uuid.uuid4().hex, bandit_groups(self.learner_ref[0], self.rng, groups=max_groups))
+
+    def commit(self, batch_id: str) -> None:
+        self.committed.append(batch_id)
+
+    def set_policy_version(self, version: int) -> None:
+        self.versions.append(version)
+
+
+def test_run_loop_commits_publishes_checkpoints_and_resumes(tmp_path: Path) -> None:
+    from stoker.learner.metrics import MetricsSink
+    from stoker.learner.weights import WeightPublisher
+
+    weights_dir = tmp_path / "weights"
+    buffer = ScriptedBuffer()
+    learner = Learner(settings(tmp_path, publish_interval=2))
+    buffer.learner_ref.append(learner)
+    with WeightPublisher(directory=weights_dir, keep=2) as publisher, MetricsSink(tmp_path / "m.jsonl") as sink:
+        made = learner.run(buffer, publisher, max_steps=4, sink=sink)
+        assert sink.registry.get_sample_value("stoker_learner_policy_version") == 4
+        assert 0 < sink.registry.get_sample_value("stoker_learner_duty_cycle") <= 1  # type: ignore[operator]
+        assert sink.registry.get_sample_value("stoker_learner_steps_total") == 4
+    learner.close()
+    assert made == 4 and learner.version == 4
+    assert len(buffer.committed) == 4
+    assert buffer.versions == [0, 2, 4]
+    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [line["policy_version"] for line in lines] == [1, 2, 3, 4]
+    assert all(0 < line["duty_cycle"] <= 1 for line in lines)
+    assert {"tokens_per_second", "compilations", "padding_waste", "is_weight_mean", "reward_mean"} <= set(lines[0])
+    with WeightSubscriber(directory=weights_dir) as sub:
+        version, flat = sub.fetch_latest()  # type: ignore[misc]
+    assert version == 4
+    np.testing.assert_allclose(flat["model.norm.weight"], np.asarray(learner.trainer.params["policy"]["norm"]["weight"][...]))
+
+    # A restarted learner picks up at step 4 and keeps counting.
+    resumed = Learner(settings(tmp_path, publish_interval=2))
+    buffer.learner_ref[0] = resumed
+    with WeightPublisher(directory=weights_dir, keep=2) as publisher:
+        stop = threading.Event()
+        assert resumed.run(buffer, publisher, max_steps=6, stop=stop) == 2
+    assert resumed.version == 6
+    assert buffer.versions[3:] == [4, 6]
+    resumed.close()
+
+
+def test_a_lost_lease_is_not_fatal(grpo_learner: Learner) -> None:
+    """A batch whose lease ran out during training is redelivered by the buffer; keep going."""
+    from stoker.buffer.client import LeaseLostError
+
+    class LosingBuffer(ScriptedBuffer):
+        def commit(self, batch_id: str) -> None:
+            raise LeaseLostError(f"batch {batch_id} is not leased")
+
+    buffer = LosingBuffer()
+    buffer.learner_ref.append(grpo_learner)
+    start = grpo_learner.steps
+    assert grpo_learner.run(buffer, max_steps=start + 2) == 2
+    assert buffer.versions[-1] == grpo_learner.version
+
+
+def test_settings_from_spec_resolve_paths(tmp_path: Path) -> None:
+    spec = RLJobSpec.model_validate(
+        {"learner": {"compilationCacheDir": "cache", "checkpoint": {"dir": "ck"}}, "algorithm": {"name": "gspo"}}
+    )
+    s = LearnerSettings.from_spec(spec, run_dir=tmp_path)
+    assert s.checkpoint_dir == str(tmp_path / "ck")
+    assert s.compilation_cache_dir == str(tmp_path / "cache")
+    assert s.algorithm == "gspo" and s.microbatch_tokens == 4 * max(spec.learner.sequence_buckets)
+    assert s.loss.clip_high == spec.algorithm.clip_epsilon
+
+
+def test_dpo_dataset_pairs(tmp_path: Path) -> None:
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(
+        "\n".join(json.dumps({"prompt_ids": PROMPT, "chosen_ids": [GOOD], "rejected_ids": [t]}) for t in (0, 4, 5, 6))
+    )
+    pairs = load_dpo_pairs(path)
+    learner = Learner(settings(algorithm="dpo", dpo_dataset=str(path), batch_groups=4))
+    before = next_token_probs(learner)[GOOD]
+    assert learner.run(None, max_steps=8) == 8
+    assert next_token_probs(learner)[GOOD] > before + 0.2
+    assert len(pairs) == 4 and pairs[0][0].pair_sign == 1 and not pairs[0][0].behaviour_known
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt_ids": [1], "chosen_ids": "x", "rejected_ids": [2]}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: chosen_ids must be a list"):
+        load_dpo_pairs(bad)
+
+
+def test_logprob_alignment_matches_the_model(grpo_learner: Learner) -> None:
+    """Behaviour log-probs equal to the model's own make the TiTO difference exactly zero."""
+    learner = grpo_learner
+    ids = np.asarray([1, 2, 5, 6, 7], np.int32)
+    model = learner.trainer.policy_model()
+    logits = model(jnp.asarray(ids[None]), jnp.arange(5)[None], jnp.ones((1, 5), jnp.int32))
+    lp = np.asarray(token_logprobs(logits[:, :-1], jnp.asarray(ids[None, 1:])))[0]
+    ep = Episode(
+        episode_id="e", group_id="g", group_size=2, task_id="t", token_ids=ids,
+        loss_mask=np.asarray([0, 0, 1, 0, 1], np.uint8),
+        logprobs=np.asarray([0, 0, lp[1], 0, lp[3]], np.float32),
+        policy_versions=np.asarray([-1, -1, learner.version, -1, learner.version], np.int32), reward=1.0, status=1,
+    )
+    other = Episode(**{**ep.__dict__, "episode_id": "f", "reward": 0.0})
+    metrics = learner.train_on([Group([ep, other])])
+    assert metrics["tito_tokens"] == 4
+    assert abs(metrics["tito_logprob_diff_mean"]) < 1e-5 and metrics["tito_logprob_diff_std"] < 1e-5

@@ -1,0 +1,189 @@
+"""The actors' sampler: log-probs the trainer can reproduce, greedy/top-p/temperature, no recompiles."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from stoker.learner.hf import load_checkpoint, read_weights, save_checkpoint
+from stoker.learner.model import Transformer, init_model, token_logprobs
+from stoker.learner.sampling import PromptTooLong, Sampler, padded_batch, pick_bucket, sample_token
+from stoker.learner.tokenizer import load_tokenizer, save_tokenizer, token_id, train_word_tokenizer
+from stoker.learner.weights import flatten_params
+from stoker.spec import SamplingSpec, TransformerConfig
+
+CONFIG = TransformerConfig()
+BUCKETS = (16, 32)
+
+
+def scorer(model: Transformer, temperature: float = 1.0) -> Callable[[list[int]], np.ndarray]:
+    """Training-side log-probs of every token after the first, at one fixed [1, 32] shape."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def score(ids: jax.Array, seg: jax.Array) -> jax.Array:
+        pos = jnp.arange(ids.shape[1])[None]
+        logits = nnx.merge(graphdef, state)(ids, pos, seg)
+        return token_logprobs(logits[:, :-1], ids[:, 1:], temperature=temperature)
+
+    def run(seq: list[int]) -> np.ndarray:
+        ids = np.zeros((1, 32), np.int32)
+        ids[0, : len(seq)] = seq
+        seg = (np.arange(32) < len(seq)).astype(np.int32)[None]
+        return np.asarray(score(ids, seg))[0, : len(seq) - 1]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def sampler() -> Sampler:
+    # min_batch=4: calls of 1 to 4 prompts share one batch shape (fewer programs to compile).
+    return Sampler(CONFIG, SamplingSpec(temperature=1.0, top_p=1.0), seed=0, buckets=BUCKETS, min_batch=4)
+
+
+@pytest.fixture(scope="module")
+def score() -> Callable[[list[int]], np.ndarray]:
+    return scorer(init_model(CONFIG, seed=0))
+
+
+def test_logprobs_equal_the_training_forward(sampler: Sampler, score: Callable[[list[int]], np.ndarray]) -> None:
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
+    gens = sampler.generate(prompts, max_new_tokens=6)
+    assert [len(g.token_ids) for g in gens] == [6, 6, 6]
+    assert sampler.version == 0
+    for prompt, gen in zip(prompts, gens, strict=True):
+        recomputed = score(prompt + gen.token_ids)[len(prompt) - 1 :]
+        np.testing.assert_allclose(gen.logprobs, recomputed, atol=1e-4)
+        assert not gen.finished
+
+
+def test_no_recompile_for_other_lengths_within_a_bucket(sampler: Sampler) -> None:
+    sampler.generate([[1, 2], [3, 4, 5]], max_new_tokens=3)
+    compiled = sampler.compile_count
+    # Different prompt lengths, contents and step limits, same (batch, prefill, cache) buckets.
+    sampler.generate([[7, 8, 9, 10, 11], [12]], max_new_tokens=5)
+    sampler.generate([[1], [2, 3, 4, 5, 6, 7, 8, 9]], max_new_tokens=2, stop_token_ids=[3, 5])
+    assert sampler.compile_count == compiled
+    # A longer prompt moves to the next bucket: exactly one more program.
+    sampler.generate([list(range(1, 20)), [1]], max_new_tokens=2)
+    assert sampler.compile_count == compiled + 1
+
+
+def test_stop_tokens_end_a_row(sampler: Sampler) -> None:
+    prompts = [[1, 2, 3], [5, 6]]
+    first = sampler.generate(prompts, max_new_tokens=8)
+    stop = first[0].token_ids[0]
+    gens = sampler.generate(prompts, max_new_tokens=8, stop_token_ids=[stop])
+    for gen in gens:
+        if stop in gen.token_ids:
+            assert gen.finished and gen.token_ids[-1] == stop and gen.token_ids.index(stop) == len(gen.token_ids) - 1
+        else:
+            assert not gen.finished and len(gen.token_ids) == 8
+
+
+def test_load_weights_swaps_policy_without_recompiling(sampler: Sampler) -> None:
+    prompts = [[1, 2, 3], [4]]
+    sampler.generate(prompts, max_new_tokens=4)
+    compiled = sampler.compile_count
+    other = init_model(CONFIG, seed=11)
+    sampler.load_weights(flatten_params(other), version=3)
+    gens = sampler.generate(prompts, max_new_tokens=4)
+    assert sampler.version == 3 and sampler.compile_count == compiled
+    score = scorer(other)
+    for prompt, gen in zip(prompts, gens, strict=True):
+        np.testing.assert_allclose(gen.logprobs, score(prompt + gen.token_ids)[len(prompt) - 1 :], atol=1e-4)
+    sampler.load_weights(flatten_params(init_model(CONFIG, seed=0)), version=0)
+
+
+def test_low_temperature_and_tiny_top_p_are_greedy() -> None:
+    model = init_model(CONFIG, seed=0)
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda ids, pos, seg: nnx.merge(graphdef, state)(ids, pos, seg))
+    prompt = [3, 1, 4, 1, 5]
+    params = flatten_params(model)
+    cold = Sampler(CONFIG, SamplingSpec(temperature=1e-4), seed=1, buckets=BUCKETS, params=params)
+    nucleus = Sampler(CONFIG, SamplingSpec(temperature=1.0, top_p=1e-6), seed=2, buckets=BUCKETS, params=params)
+    greedy = cold.generate([prompt], max_new_tokens=6)[0]
+    gen = nucleus.generate([prompt], max_new_tokens=6)[0]
+    assert gen.token_ids == greedy.token_ids
+
+    seq = prompt + gen.token_ids
+    ids = np.zeros((1, 16), np.int32)
+    ids[0, : len(seq)] = seq
+    seg = (np.arange(16) < len(seq)).astype(np.int32)[None]
+    logits = np.asarray(forward(ids, np.arange(16, dtype=np.int32)[None], seg))[0]
+    # Every drawn token is the training forward's argmax given the tokens before it.
+    assert gen.token_ids == [int(np.argmax(logits[i])) for i in range(len(prompt) - 1, len(seq) - 1)]
+    # Top-p does not renormalise: the recorded log-prob is the full softmax's, not log 1 = 0.
+    full = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    want = [full[i, seq[i + 1]] for i in range(len(prompt) - 1, len(seq) - 1)]
+    np.testing.assert_allclose(gen.logprobs, want, atol=1e-4)
+    assert max(gen.logprobs) < -0.5
+    np.testing.assert_allclose(greedy.logprobs, 0.0, atol=1e-3)  # at tau -> 0 the argmax has p -> 1
+
+
+def test_sampled_frequencies_follow_temperature_and_top_p() -> None:
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = jnp.asarray(np.tile(np.log(probs), (20_000, 1)), jnp.float32)
+    key = jax.random.key(0)
+
+    def freqs(temperature: float, top_p: float | None) -> np.ndarray:
+        nucleus = None if top_p is None else jnp.float32(top_p)
+        tokens, logp = sample_token(key, logits, jnp.float32(temperature), nucleus)
+        tempered = probs ** (1 / temperature) / (probs ** (1 / temperature)).sum()
+        np.testing.assert_allclose(np.asarray(logp), np.log(tempered[np.asarray(tokens)]), atol=1e-5)
+        return np.bincount(np.asarray(tokens), minlength=4) / len(tokens)
+
+    np.testing.assert_allclose(freqs(1.0, None), probs, atol=0.015)
+    hot = probs**0.5 / (probs**0.5).sum()
+    np.testing.assert_allclose(freqs(2.0, None), hot, atol=0.015)
+    # Nucleus 0.7: {0.5, 0.3} reaches it, renormalised to 5/8, 3/8; the tail is never drawn.
+    np.testing.assert_allclose(freqs(1.0, 0.7), [5 / 8, 3 / 8, 0, 0], atol=0.015)
+    assert freqs(1.0, 0.85)[3] == 0 and freqs(1.0, 0.85)[2] > 0.1
+
+
+def test_buckets_and_batch_padding() -> None:
+    assert pick_bucket(BUCKETS, 16) == 16 and pick_bucket(BUCKETS, 17) == 32
+    with pytest.raises(PromptTooLong):
+        pick_bucket(BUCKETS, 33)
+    assert [padded_batch(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert [padded_batch(n, min_batch=8) for n in (1, 3, 8, 9)] == [8, 8, 8, 16]
+
+
+def test_too_long_or_invalid_prompts_are_refused(sampler: Sampler) -> None:
+    with pytest.raises(PromptTooLong, match="largest bucket"):
+        sampler.generate([list(range(1, 30))], max_new_tokens=4)
+    with pytest.raises(ValueError, match="vocabulary"):
+        sampler.generate([[1, 2]], max_new_tokens=4, stop_token_ids=[CONFIG.vocab_size])
+    with pytest.raises(ValueError, match=r"\[0, 64\)"):
+        sampler.generate([[1, 99]], max_new_tokens=4)
+
+
+def test_checkpoint_and_tokenizer_from_disk_drive_the_sampler(tmp_path: Path) -> None:
+    texts = ["go left", "go right", "go up", "go down", "you win", "you fell"]
+    tok = train_word_tokenizer(texts, ["<pad>", "<eos>"])
+    # Qwen-style extras (q/k/v biases, q/k norms, untied head) so the cached decode covers them too.
+    cfg = TransformerConfig(
+        vocab_size=tok.get_vocab_size(), attention_bias=True, qk_norm=True, tie_embeddings=False, num_kv_heads=1
+    )
+    save_checkpoint(init_model(cfg, seed=4), tmp_path)
+    save_tokenizer(tok, tmp_path)
+
+    loaded_tok = load_tokenizer(tmp_path)
+    model = load_checkpoint(tmp_path)
+    # A non-unit temperature: the trainer divides its logits by sampler.temperature to match.
+    spec = SamplingSpec(temperature=0.7)
+    sampler = Sampler(model.config, spec, seed=0, buckets=BUCKETS, params=read_weights(tmp_path))
+    prompt = loaded_tok.encode("go left you").ids
+    gen = sampler.generate([prompt], max_new_tokens=6, stop_token_ids=[token_id(loaded_tok, "<eos>")])[0]
+    assert all(0 <= t < tok.get_vocab_size() for t in gen.token_ids)
+    text = loaded_tok.decode(gen.token_ids, skip_special_tokens=False)
+    assert loaded_tok.encode(text).ids == gen.token_ids or "<unk>" in text
+    recomputed = scorer(model, temperature=sampler.temperature)(prompt + gen.token_ids)[len(prompt) - 1 :]
+    np.testing.assert_allclose(gen.logprobs, recomputed, atol=1e-4)

@@ -1,0 +1,109 @@
+"""Sharded training on 8 CPU devices agrees with one device; mesh and layout rules.
+
+JAX fixes its device count when it starts, and other tests in this process already started it
+with one CPU device, so the 8-device comparison runs in a subprocess with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set before jax is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from stoker.learner import sharding
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import jax, numpy as np
+    from stoker.learner import packing, sharding, train
+    from stoker.learner.algorithms import LossConfig
+    from stoker.learner.model import init_model
+    from flax import nnx
+    from stoker.spec import TransformerConfig
+
+    assert jax.device_count() == 8, jax.devices()
+    cfg = TransformerConfig(vocab_size=256, hidden_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
+                            intermediate_size=256, max_seq_len=64)
+    rng = np.random.default_rng(0)
+    seqs = []
+    for i in range(12):
+        n = int(rng.integers(4, 30))
+        ids = rng.integers(0, 256, n).astype(np.int32)
+        mask = (rng.random(n) < 0.6).astype(np.uint8)
+        seqs.append(packing.TrainSequence(ids, mask, np.where(mask, -5.0, 0).astype(np.float32),
+                                          np.where(mask, 0, -1).astype(np.int32),
+                                          advantage=float(rng.normal()), reward=float(rng.random())))
+    out = {}
+    # PPO exercises everything that could split wrongly: the value network, GAE's scan, the KL
+    # reference, the shard_map'd loss and sequence-level sums.
+    for algo in ("ppo",):
+        results = {}
+        for name, (fsdp, tp, devices) in {"single": (1, 1, jax.devices()[:1]), "fsdp4_tp2": (4, 2, None)}.items():
+            mesh = sharding.make_mesh(fsdp, tp, devices)
+            rows = packing.rows_for_buckets([32, 64], 256, sharding.data_parallel_size(mesh) * 2)
+            micros = packing.pack([[s] for s in seqs], [32, 64], rows)
+            train.assign_weights(micros, [m.arrays["mask"] for m in micros], "sequence-mean")
+            value = train.ValueNetwork(cfg, rngs=nnx.Rngs(params=1)) if algo == "ppo" else None
+            trainer = train.Trainer(init_model(cfg, 0), train.StepOptions(algo, LossConfig(kl_coef=0.05)),
+                                    train.make_optimizer(1e-2, 1.0), mesh, value_model=value)
+            stats = [trainer.step(micros, 0) for _ in range(2)]
+            leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(trainer.params)]
+            emb = trainer.params["policy"]["embed_tokens"]["embedding"][...]
+            results[name] = {"loss": [s["loss"] for s in stats], "params": [float(np.sum(x * x)) for x in leaves],
+                             "first": leaves[0].ravel()[:16].tolist(), "spec": str(emb.sharding.spec),
+                             "shards": len(emb.addressable_shards), "microbatches": len(micros)}
+        out[algo] = results
+    json.dump(out, sys.stdout)
+    """
+)
+
+@pytest.mark.slow
+def test_sharded_steps_match_single_device() -> None:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    for algo, results in out.items():
+        single = results["single"]
+        for name in ("fsdp4_tp2",):
+            other = results[name]
+            np.testing.assert_allclose(other["loss"], single["loss"], rtol=2e-4, atol=1e-6, err_msg=f"{algo} {name}")
+            np.testing.assert_allclose(other["params"], single["params"], rtol=2e-4, err_msg=f"{algo} {name}")
+            np.testing.assert_allclose(other["first"], single["first"], rtol=2e-3, atol=1e-6, err_msg=f"{algo} {name}")
+        # The parameters really were split: the embedding lives in pieces on 8 devices.
+        assert results["fsdp4_tp2"]["spec"] in ("P('fsdp', 'tp')", "PartitionSpec('fsdp', 'tp')")
+        assert results["fsdp4_tp2"]["shards"] == 8
+
+
+def test_mesh_shape_resolution() -> None:
+    assert sharding.mesh_shape(8, -1, 2) == (4, 2)
+    assert sharding.mesh_shape(8, 8, 1) == (8, 1)
+    with pytest.raises(ValueError, match="tp=3 does not divide"):
+        sharding.mesh_shape(8, -1, 3)
+    with pytest.raises(ValueError, match="fsdp=2 x tp=2 = 4"):
+        sharding.mesh_shape(8, 2, 2)
+
+
+def test_param_spec_rules() -> None:
+    devices = np.asarray(jax.devices()[:1] * 1)
+    mesh = jax.sharding.Mesh(devices.reshape(1, 1), (sharding.FSDP, sharding.TP))
+    assert sharding.param_spec((1024, 1024), mesh) == P(None, None)  # one device: nothing to split
+
+    class FakeMesh:
+        shape = {sharding.FSDP: 4, sharding.TP: 2}
+
+    fake = FakeMesh()
+    assert sharding.param_spec((256, 512), fake) == P("fsdp", "tp")  # type: ignore[arg-type]
+    assert sharding.param_spec((8192, 3), fake) == P("tp", None)  # type: ignore[arg-type]
+    assert sharding.param_spec((8192, 3, 4), fake) == P("fsdp", None, "tp")  # type: ignore[arg-type]
+    assert sharding.param_spec((512,), fake) == P(None)  # type: ignore[arg-type]
+    assert sharding.param_spec((8, 8), fake) == P(None, None)  # type: ignore[arg-type]

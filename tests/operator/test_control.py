@@ -1,0 +1,104 @@
+"""Enforcement decisions: staleness windows, quantiles, and bounded scaling."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stoker.operator.control import (
+    decide,
+    histogram_quantile,
+    learner_starved,
+    staleness_exceeded,
+    staleness_window,
+)
+from stoker.operator.observe import StatsSnapshot
+from stoker.operator.settings import OperatorSettings
+
+SETTINGS = OperatorSettings(scale_step_fraction=0.25, min_admission_scale=0.125)
+
+
+def snap(hist: dict[int, int], stale: int = 0, **kw: object) -> StatsSnapshot:
+    return StatsSnapshot(staleness_histogram=hist, dropped={"stale": stale}, **kw)  # type: ignore[arg-type]
+
+
+def test_window_is_the_difference_of_cumulative_histograms() -> None:
+    first = staleness_window(None, snap({0: 10, 3: 2}))
+    assert (first.p50, first.max, first.groups) == (0, 3, 12)
+    later = staleness_window(snap({0: 10, 3: 2}, stale=1), snap({0: 10, 3: 2, 6: 4}, stale=3))
+    assert (later.p50, later.max, later.dropped, later.groups) == (6, 6, 2, 4)
+    quiet = staleness_window(snap({0: 10}), snap({0: 10}))
+    assert (quiet.max, quiet.groups) == (0, 0) and not staleness_exceeded(quiet, 0)
+
+
+def test_buffer_restart_resets_the_window() -> None:
+    window = staleness_window(snap({0: 100, 5: 100}, stale=50), snap({1: 3}, stale=0))
+    assert (window.max, window.groups, window.dropped) == (1, 3, 0)
+
+
+def test_exceeded_by_lag_or_by_stale_drops() -> None:
+    assert staleness_exceeded(staleness_window(None, snap({5: 1})), 4)
+    assert not staleness_exceeded(staleness_window(None, snap({4: 1})), 4)
+    assert staleness_exceeded(staleness_window(None, snap({0: 1}, stale=1)), 4)
+
+
+def test_starvation_needs_a_reported_duty_cycle() -> None:
+    assert learner_starved(StatsSnapshot(complete_groups=0, learner_duty_cycle=0.2), 0.5) is True
+    assert learner_starved(StatsSnapshot(complete_groups=3, learner_duty_cycle=0.2), 0.5) is False
+    assert learner_starved(StatsSnapshot(complete_groups=0, learner_duty_cycle=0.9), 0.5) is False
+    assert learner_starved(StatsSnapshot(complete_groups=0), 0.5) is None
+
+
+@given(st.dictionaries(st.integers(0, 20), st.integers(0, 50), max_size=8), st.floats(0.01, 1.0))
+def test_quantile_matches_the_expanded_sample(hist: dict[int, int], q: float) -> None:
+    sample = sorted(v for v, c in hist.items() for _ in range(c))
+    got = histogram_quantile(hist, q)
+    if not sample:
+        assert got == 0
+        return
+    # the smallest value whose cumulative share reaches q
+    expected = next(v for i, v in enumerate(sample) if (i + 1) >= q * len(sample))
+    assert got == expected
+
+
+def test_decisions() -> None:
+    down = decide(actor_target=8, admission_scale=1.0, min_replicas=2, max_replicas=10, exceeded=True,
+                  starved=False, cooled_down=True, settings=SETTINGS)
+    assert (down.actor_target, down.admission_scale) == (6, 0.5)
+    assert [a.reason for a in down.actions] == ["TightenedAdmission", "ScaledDownActors"]
+    waiting = decide(actor_target=8, admission_scale=1.0, min_replicas=2, max_replicas=10, exceeded=True,
+                     starved=False, cooled_down=False, settings=SETTINGS)
+    assert waiting.actor_target == 8 and waiting.admission_scale == 0.5  # admission acts at once
+    up = decide(actor_target=3, admission_scale=0.25, min_replicas=2, max_replicas=10, exceeded=False,
+                starved=True, cooled_down=True, settings=SETTINGS)
+    assert (up.actor_target, up.admission_scale) == (4, 1.0)
+    calm = decide(actor_target=3, admission_scale=0.25, min_replicas=2, max_replicas=10, exceeded=False,
+                  starved=None, cooled_down=True, settings=SETTINGS)
+    assert (calm.actor_target, calm.admission_scale) == (3, 0.5)
+    idle = decide(actor_target=3, admission_scale=1.0, min_replicas=2, max_replicas=10, exceeded=False,
+                  starved=False, cooled_down=True, settings=SETTINGS)
+    assert idle.actions == ()
+
+
+@settings(max_examples=300)
+@given(
+    bounds=st.tuples(st.integers(0, 20), st.integers(1, 40)).filter(lambda b: b[0] <= b[1]),
+    target=st.integers(0, 40),
+    scale=st.sampled_from([0.125, 0.25, 0.5, 1.0]),
+    exceeded=st.booleans(),
+    starved=st.none() | st.booleans(),
+    cooled=st.booleans(),
+)
+def test_decisions_stay_within_bounds(bounds: tuple[int, int], target: int, scale: float, exceeded: bool,
+                                      starved: bool | None, cooled: bool) -> None:
+    low, high = bounds
+    target = max(low, min(high, target))
+    d = decide(actor_target=target, admission_scale=scale, min_replicas=low, max_replicas=high, exceeded=exceeded,
+               starved=starved, cooled_down=cooled, settings=SETTINGS)
+    assert low <= d.actor_target <= high
+    assert SETTINGS.min_admission_scale <= d.admission_scale <= 1.0
+    if exceeded:
+        assert d.actor_target <= target and d.admission_scale <= scale
+    if not cooled:
+        assert d.actor_target == target
+    assert len(d.actions) == (d.actor_target != target) + (d.admission_scale != scale)

@@ -1,0 +1,267 @@
+"""spec -> desired manifests: every manifest validates against the real Kubernetes schemas
+(kubernetes-validate, strict); JobSets, which it does not know, get their embedded Job and Pod
+templates validated and their own structure checked here."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stoker.operator.children import desired_children
+from stoker.operator.learner_workload import (
+    EXCLUSIVE_TOPOLOGY_ANNOTATION,
+    KUEUE_QUEUE_LABEL,
+    build_learner_indexed_jobs,
+    build_learner_jobset,
+)
+from stoker.operator.manifests import JobContext, build_buffer_token_secret, config_hash, ACTOR_HASH_IGNORES
+from stoker.operator.settings import OperatorSettings
+from stoker.operator.tpu import ACCELERATOR_LABEL, TOPOLOGY_LABEL, TPU_RESOURCE
+from stoker.spec import RLJob, RLJobSpec
+
+K8S_VERSION = "1.37.0"
+TPU_CASES = [
+    ("cpu", None, 1, 1),
+    ("tpu-v4-podslice", "2x2x4", 1, 4),
+    ("tpu-v5p-slice", "2x2x2", 2, 2),
+    ("tpu-v5-lite-podslice", "2x4", 1, 1),
+    ("tpu-v6e-slice", "4x4", 3, 4),
+]
+
+
+def make_ctx(*, jobset_api: bool = True, replicas: int = 2, **spec: Any) -> JobContext:
+    return JobContext("lake", "research", "uid-1", RLJobSpec.model_validate(spec), OperatorSettings(),
+                      actor_replicas=replicas, jobset_api=jobset_api)
+
+
+def validate(manifest: dict[str, Any]) -> None:
+    """Strict schema validation, as the API server would (unknown fields are errors)."""
+    kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+
+
+def check_jobset(jobset: dict[str, Any]) -> None:
+    """The JobSet fields the operator relies on, and its Job template as a real batch/v1 Job."""
+    assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and jobset["kind"] == "JobSet"
+    assert set(jobset) == {"apiVersion", "kind", "metadata", "spec"}
+    spec = jobset["spec"]
+    assert set(spec) <= {"replicatedJobs", "network", "successPolicy", "startupPolicy", "suspend",
+                         "failurePolicy", "ttlSecondsAfterFinished", "managedBy", "coordinator"}
+    assert isinstance(spec["failurePolicy"]["maxRestarts"], int) and spec["failurePolicy"]["maxRestarts"] >= 0
+    assert spec["network"]["enableDNSHostnames"] is True
+    assert spec["successPolicy"]["operator"] in ("All", "Any")
+    names = [r["name"] for r in spec["replicatedJobs"]]
+    assert len(names) == len(set(names)) and set(spec["successPolicy"]["targetReplicatedJobs"]) <= set(names)
+    for replicated in spec["replicatedJobs"]:
+        assert set(replicated) == {"name", "replicas", "template"}
+        assert isinstance(replicated["replicas"], int) and replicated["replicas"] >= 1
+        job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"{jobset['metadata']['name']}-x"},
+               **replicated["template"]}
+        validate(job)
+    validate({"apiVersion": "v1", "kind": "ConfigMap", "metadata": jobset["metadata"]})  # its ObjectMeta
+
+
+def check_all(children: list[dict[str, Any]]) -> None:
+    for child in children:
+        if child["kind"] == "JobSet":
+            check_jobset(child)
+        else:
+            validate(child)
+
+
+@pytest.mark.parametrize(("accelerator", "topology", "slices", "hosts"), TPU_CASES)
+@pytest.mark.parametrize("jobset_api", [True, False])
+def test_children_validate_for_each_accelerator(accelerator: str, topology: str | None, slices: int, hosts: int,
+                                                jobset_api: bool) -> None:
+    learner: dict[str, Any] = {"accelerator": accelerator, "numSlices": slices, "maxRestarts": 5, "queueName": "team-a"}
+    if topology:
+        learner["topology"] = topology
+    children = desired_children(make_ctx(jobset_api=jobset_api, learner=learner))
+    check_all(children)
+    for child in children:  # every child is owned by the RLJob and carries the common labels
+        meta = child["metadata"]
+        assert meta["namespace"] == "research"
+        assert meta["ownerReferences"][0]["uid"] == "uid-1" and meta["ownerReferences"][0]["controller"] is True
+        assert meta["labels"]["stoker.dev/job"] == "lake" and meta["labels"]["stoker.dev/role"]
+    kinds = sorted(c["kind"] for c in children)
+    assert kinds.count("Deployment") == 2
+    learners = [c for c in children if c["metadata"]["labels"]["stoker.dev/role"] == "learner"]
+    if jobset_api:
+        (jobset,) = [c for c in learners if c["kind"] == "JobSet"]
+        replicated = jobset["spec"]["replicatedJobs"][0]
+        assert replicated["replicas"] == slices
+        assert jobset["spec"]["failurePolicy"]["maxRestarts"] == 5
+        assert jobset["metadata"]["labels"][KUEUE_QUEUE_LABEL] == "team-a"
+        job_spec = replicated["template"]["spec"]
+    else:
+        jobs = [c for c in learners if c["kind"] == "Job"]
+        assert len(jobs) == slices and all(j["metadata"]["labels"][KUEUE_QUEUE_LABEL] == "team-a" for j in jobs)
+        job_spec = jobs[0]["spec"]
+    assert job_spec["parallelism"] == job_spec["completions"] == hosts
+    assert job_spec["completionMode"] == "Indexed" and job_spec["backoffLimit"] == 0
+    pod = job_spec["template"]["spec"]
+    container = pod["containers"][0]
+    if accelerator == "cpu":
+        assert "nodeSelector" not in pod and TPU_RESOURCE not in container["resources"].get("limits", {})
+    else:
+        assert pod["nodeSelector"] == {ACCELERATOR_LABEL: accelerator, TOPOLOGY_LABEL: topology}
+        per_host = container["resources"]["limits"][TPU_RESOURCE]
+        assert int(per_host) * hosts == math.prod(int(s) for s in topology.split("x"))  # chips
+        assert {"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+        if jobset_api:
+            assert jobset["metadata"]["annotations"][EXCLUSIVE_TOPOLOGY_ANNOTATION] == "cloud.google.com/gke-nodepool"
+
+
+def test_fallback_sets_the_variables_jax_reads() -> None:
+    ctx = make_ctx(jobset_api=False, learner={"accelerator": "tpu-v5p-slice", "topology": "2x2x4", "numSlices": 2})
+    jobs = build_learner_indexed_jobs(ctx)
+    env = {e["name"]: e for e in jobs[1]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["TPU_WORKER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    )
+    assert env["TPU_WORKER_HOSTNAMES"]["value"].split(",") == [f"lake-learner-1-{i}.lake-learner" for i in range(4)]
+    assert env["MEGASCALE_NUM_SLICES"]["value"] == "2" and env["MEGASCALE_SLICE_ID"]["value"] == "1"
+    assert env["MEGASCALE_COORDINATOR_ADDRESS"]["value"] == "lake-learner-0-0.lake-learner:8482"
+    assert jobs[1]["spec"]["template"]["spec"]["subdomain"] == "lake-learner"
+
+
+def test_jobset_multislice_variables() -> None:
+    jobset = build_learner_jobset(make_ctx(learner={"accelerator": "tpu-v6e-slice", "topology": "4x4", "numSlices": 2}))
+    pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert env["MEGASCALE_COORDINATOR_ADDRESS"]["value"] == "lake-learner-slice-0-0.lake-learner:8482"
+    assert "jobset.sigs.k8s.io/job-index" in env["MEGASCALE_SLICE_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
+    single = build_learner_jobset(make_ctx(learner={"accelerator": "tpu-v6e-slice", "topology": "4x4"}))
+    single_env = {e["name"] for e in single["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert "MEGASCALE_NUM_SLICES" not in single_env  # GKE injects TPU_WORKER_* for JobSet's Jobs
+
+
+def test_modes_and_suspension() -> None:
+    kinds = lambda children: sorted(f"{c['kind']}/{c['metadata']['name']}" for c in children)  # noqa: E731
+    colocated = kinds(desired_children(make_ctx(mode="colocated")))
+    assert colocated == ["ConfigMap/lake-spec", "JobSet/lake-learner", "NetworkPolicy/lake-sandboxes",
+                         "PersistentVolumeClaim/lake-learner-run", "Role/lake-sandbox-manager",
+                         "RoleBinding/lake-sandbox-manager", "ServiceAccount/lake-sandbox-manager"]
+    suspended = desired_children(make_ctx(suspend=True, replicas=0))
+    assert not [c for c in suspended if c["kind"] == "JobSet"]
+    actors = next(c for c in suspended if c["metadata"]["name"] == "lake-actor")
+    assert actors["spec"]["replicas"] == 0
+    assert "Deployment/lake-buffer" in kinds(suspended) and "PersistentVolumeClaim/lake-buffer" in kinds(suspended)
+    assert "PersistentVolumeClaim/lake-learner-run" in kinds(suspended)  # checkpoints survive the suspension
+
+
+def test_learner_run_volume() -> None:
+    from stoker.operator.learner_workload import ephemeral_checkpoints
+
+    def run_volume(ctx: JobContext) -> dict[str, Any]:
+        jobset = next(c for c in desired_children(ctx) if c["kind"] == "JobSet")
+        pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+        return next(v for v in pod["volumes"] if v["name"] == "run")
+
+    single = make_ctx(learner={"accelerator": "tpu-v6e-slice", "topology": "2x4"})
+    assert run_volume(single) == {"name": "run", "persistentVolumeClaim": {"claimName": "lake-learner-run"}}
+    assert not ephemeral_checkpoints(single)
+    multi = make_ctx(learner={"accelerator": "tpu-v6e-slice", "topology": "4x4"})
+    assert run_volume(multi) == {"name": "run", "emptyDir": {}}
+    assert not [c for c in desired_children(multi) if c["metadata"]["name"] == "lake-learner-run"]
+    assert ephemeral_checkpoints(multi)
+    durable = make_ctx(learner={"accelerator": "tpu-v6e-slice", "topology": "4x4", "checkpoint": {"dir": "gs://b/c"}})
+    assert not ephemeral_checkpoints(durable)
+
+
+def test_token_secret_and_mounts() -> None:
+    ctx = make_ctx()
+    validate(build_buffer_token_secret(ctx, "abc"))
+    children = {f"{c['kind']}/{c['metadata']['name']}": c for c in desired_children(ctx)}
+    for name in ("Deployment/lake-actor", "Deployment/lake-buffer"):
+        pod = children[name]["spec"]["template"]["spec"]
+        assert {"name": "buffer-token", "secret": {"secretName": "lake-buffer-token",
+                                                   "items": [{"key": "token", "path": "token"}]}} in pod["volumes"]
+    jobset_pod = children["JobSet/lake-learner"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert any(v["name"] == "buffer-token" for v in jobset_pod["volumes"])
+    user = make_ctx(buffer={"authSecretRef": {"name": "mine", "key": "k"}})
+    buffer = next(c for c in desired_children(user) if c["kind"] == "Deployment" and c["metadata"]["name"] == "lake-buffer")
+    pod = buffer["spec"]["template"]["spec"]
+    assert {"name": "buffer-token", "secret": {"secretName": "mine", "items": [{"key": "k", "path": "k"}]}} in pod["volumes"]
+
+
+def test_job_file_round_trips() -> None:
+    spec = {"actors": {"replicas": 3}, "learner": {"accelerator": "tpu-v5p-slice", "topology": "2x2x1"}}
+    configmap = desired_children(make_ctx(**spec))[0]
+    job = RLJob.model_validate(yaml.safe_load(configmap["data"]["job.yaml"]))
+    assert job.spec == RLJobSpec.model_validate(spec) and job.metadata.name == "lake"
+
+
+def test_scaling_does_not_roll_pods() -> None:
+    base = RLJobSpec()
+    scaled = RLJobSpec.model_validate({"actors": {"replicas": 7, "maxReplicas": 9}, "suspend": True})
+    changed = RLJobSpec.model_validate({"actors": {"sampling": {"temperature": 0.5}}})
+    assert config_hash(base, ignore=ACTOR_HASH_IGNORES) == config_hash(scaled, ignore=ACTOR_HASH_IGNORES)
+    assert config_hash(base, ignore=ACTOR_HASH_IGNORES) != config_hash(changed, ignore=ACTOR_HASH_IGNORES)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    case=st.sampled_from(TPU_CASES),
+    replicas=st.integers(0, 50),
+    mode=st.sampled_from(["disaggregated", "colocated"]),
+    suspend=st.booleans(),
+    jobset_api=st.booleans(),
+    cpu=st.sampled_from(["250m", "1", "2.5"]),
+)
+def test_any_spec_gives_valid_children(case: tuple[str, str | None, int, int], replicas: int, mode: str,
+                                       suspend: bool, jobset_api: bool, cpu: str) -> None:
+    accelerator, topology, slices, _ = case
+    learner: dict[str, Any] = {"accelerator": accelerator, "numSlices": slices}
+    if topology:
+        learner["topology"] = topology
+    ctx = make_ctx(jobset_api=jobset_api, replicas=0 if suspend else replicas, mode=mode, suspend=suspend,
+                   learner=learner, actors={"resources": {"requests": {"cpu": cpu}, "limits": {"cpu": cpu}}})
+    children = desired_children(ctx)
+    check_all(children)
+    names = [(c["kind"], c["metadata"]["name"]) for c in children]
+    assert len(names) == len(set(names))  # deterministic, distinct names
+    assert all(len(n) <= 63 for _, n in names)
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_component_command_lines_parse_with_the_real_clis(mode: str) -> None:
+    """The args the operator gives each container are accepted by that component's parser."""
+    from stoker.cli import build_parser
+
+    children = desired_children(make_ctx(mode=mode, learner={"accelerator": "tpu-v5p-slice", "topology": "2x2x2"}))
+    seen = set()
+    for child in children:
+        if child["kind"] == "Deployment":
+            pod = child["spec"]["template"]["spec"]
+        elif child["kind"] == "JobSet":
+            pod = child["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+        else:
+            continue
+        container = pod["containers"][0]
+        assert container["command"] == ["stoker"]
+        args = build_parser(container["args"]).parse_args(container["args"])
+        seen.add(args.command)
+        if args.command in ("actor", "learner") and mode == "disaggregated":
+            assert args.buffer == "lake-buffer:50051" and args.token_file == "/var/run/stoker/buffer-token/token"
+    assert seen == ({"buffer", "actor", "learner"} if mode == "disaggregated" else {"learner"})
+
+
+def test_weights_service_selects_the_learners_first_host() -> None:
+    from stoker.operator.learner_workload import build_weights_service
+
+    jobset = build_weights_service(make_ctx())
+    validate(jobset)
+    assert jobset["spec"]["selector"] == {"stoker.dev/job": "lake", "stoker.dev/role": "learner",
+                                          "batch.kubernetes.io/job-completion-index": "0",
+                                          "jobset.sigs.k8s.io/job-index": "0"}
+    fallback = build_weights_service(make_ctx(jobset_api=False))
+    assert fallback["spec"]["selector"]["batch.kubernetes.io/job-name"] == "lake-learner-0"
+    actors = next(c for c in desired_children(make_ctx()) if c["metadata"]["name"] == "lake-actor")
+    args = actors["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--weights") + 1] == "lake-weights:50052"

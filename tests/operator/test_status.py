@@ -1,0 +1,184 @@
+"""observed state -> status: phase, figures and metav1.Condition semantics."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stoker.operator.control import StalenessWindow
+from stoker.operator.jobstatus import Cond, Observed, build_status, failed_status, merge_conditions
+from stoker.operator.observe import (
+    DeploymentObservation,
+    LearnerObservation,
+    StatsSnapshot,
+    observe_deployment,
+    observe_indexed_jobs,
+    observe_jobset,
+    snapshot_from_proto,
+)
+from stoker.spec import RLJobSpec
+from stoker.status import CONDITION_TYPES, RLJobStatus
+from stoker.v1 import buffer_pb2
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def observed(**kw: Any) -> Observed:
+    base: dict[str, Any] = dict(
+        spec=RLJobSpec(),
+        generation=3,
+        learner=LearnerObservation(exists=True, ready=True, message="1/1 slices ready"),
+        actors=DeploymentObservation(exists=True, ready=2, replicas=2),
+        actor_target=2,
+        buffer=DeploymentObservation(exists=True, ready=1, replicas=1),
+        stats=StatsSnapshot(policy_version=12, fill=0.25, complete_groups=4, learner_duty_cycle=0.8),
+        stats_error=None,
+        window=StalenessWindow(p50=1, max=3, dropped=0, groups=10),
+        exceeded=False,
+        starved=False,
+        zombies_reaped=5,
+        admission_scale=1.0,
+    )
+    base.update(kw)
+    return Observed(**base)
+
+
+def conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def test_running_job() -> None:
+    status = build_status(observed(), {}, T0)
+    RLJobStatus.model_validate(status)  # the CRD's status schema accepts it
+    assert status["phase"] == "Running"
+    assert status["policyVersion"] == 12 and status["bufferFill"] == 0.25 and status["learnerDutyCycle"] == 0.8
+    assert status["staleness"] == {"p50": 1, "max": 3, "dropped": 0}
+    assert status["actors"] == {"ready": 2, "desired": 2, "summary": "2/2"}
+    assert status["observedGeneration"] == 3 and status["zombiesReaped"] == 5
+    conds = conditions(status)
+    assert set(conds) == set(CONDITION_TYPES)
+    assert conds["Ready"]["status"] == "True" and conds["Ready"]["observedGeneration"] == 3
+    assert conds["StalenessExceeded"]["status"] == "False" and conds["LearnerStarved"]["reason"] == "Fed"
+
+
+def test_unready_parts_and_phases() -> None:
+    buffer_down = build_status(observed(stats=None, stats_error="Stats from b:1: UNAVAILABLE", window=None,
+                                        exceeded=None, starved=None), {"policyVersion": 9}, T0)
+    conds = conditions(buffer_down)
+    assert conds["BufferReady"]["reason"] == "StatsUnavailable" and "UNAVAILABLE" in conds["BufferReady"]["message"]
+    assert conds["Ready"]["reason"] == "StatsUnavailable"
+    assert buffer_down["phase"] == "Degraded" and buffer_down["policyVersion"] == 9  # last known value kept
+    assert conds["StalenessExceeded"]["status"] == "Unknown"
+    fresh = build_status(observed(stats=None, window=None, exceeded=None, starved=None,
+                                  learner=LearnerObservation(exists=False)), {}, T0)
+    assert fresh["phase"] == "Pending"
+    failed = build_status(observed(learner=LearnerObservation(exists=True, failed=True, message="restarts exhausted")), {}, T0)
+    assert failed["phase"] == "Failed" and conditions(failed)["LearnerReady"]["message"] == "restarts exhausted"
+    done = build_status(observed(learner=LearnerObservation(exists=True, completed=True)), {}, T0)
+    assert done["phase"] == "Succeeded"
+    starved = build_status(observed(starved=True, exceeded=True), {}, T0)
+    assert conditions(starved)["LearnerStarved"]["status"] == "True"
+    assert conditions(starved)["StalenessExceeded"]["reason"] == "AboveLimit"
+
+
+def test_suspension_and_colocated() -> None:
+    suspended_spec = RLJobSpec(suspend=True)
+    going = build_status(observed(spec=suspended_spec, learner=LearnerObservation(exists=True)), {}, T0)
+    assert conditions(going)["Suspended"]["reason"] == "Suspending"
+    assert conditions(going)["LearnerReady"]["reason"] == "Checkpointing"
+    gone = build_status(observed(spec=suspended_spec, learner=LearnerObservation(exists=False)), {}, T0)
+    assert gone["phase"] == "Suspended" and conditions(gone)["Ready"]["reason"] == "Suspended"
+    colocated = build_status(observed(spec=RLJobSpec(mode="colocated"), actors=None, buffer=None, stats=None,
+                                      window=None, exceeded=None, starved=None), {}, T0)
+    assert colocated["phase"] == "Running" and conditions(colocated)["BufferReady"]["reason"] == "Colocated"
+
+
+def test_transition_time_moves_only_on_status_change() -> None:
+    first = build_status(observed(), {}, T0)
+    later = build_status(observed(), first, T0 + timedelta(minutes=5))
+    assert conditions(later)["Ready"]["lastTransitionTime"] == "2026-01-01T00:00:00Z"
+    broken = build_status(observed(actors=DeploymentObservation(exists=True, ready=0, replicas=2)), later,
+                          T0 + timedelta(minutes=6))
+    assert conditions(broken)["Ready"]["lastTransitionTime"] == "2026-01-01T00:06:00Z"
+    assert conditions(broken)["BufferReady"]["lastTransitionTime"] == "2026-01-01T00:00:00Z"
+
+
+statuses = st.sampled_from(["True", "False", "Unknown"])
+
+
+@given(st.lists(st.tuples(st.sampled_from(CONDITION_TYPES), statuses), unique_by=lambda x: x[0]),
+       st.lists(st.tuples(st.sampled_from(CONDITION_TYPES), statuses), unique_by=lambda x: x[0]))
+def test_merge_conditions_properties(before: list[tuple[str, str]], after: list[tuple[str, str]]) -> None:
+    old = merge_conditions([], [Cond(t, s, "Old") for t, s in before], T0, 1)
+    new = merge_conditions(old, [Cond(t, s, "New") for t, s in after], T0 + timedelta(hours=1), 2)
+    previous = {c["type"]: c for c in old}
+    assert [c["type"] for c in new] == [t for t, _ in after]
+    for cond in new:
+        kept = cond["type"] in previous and previous[cond["type"]]["status"] == cond["status"]
+        assert cond["lastTransitionTime"] == ("2026-01-01T00:00:00Z" if kept else "2026-01-01T01:00:00Z")
+        assert cond["observedGeneration"] == 2 and cond["reason"] == "New"
+
+
+def test_failed_status() -> None:
+    status = failed_status("spec.learner.topology: bad", "InvalidTopology", {}, T0, 1)
+    assert status["phase"] == "Failed" and status["conditions"][0]["reason"] == "InvalidTopology"
+
+
+def test_observers() -> None:
+    assert observe_deployment(None) == DeploymentObservation(exists=False)
+    assert observe_deployment({"spec": {"replicas": 3}, "status": {"readyReplicas": 2}}) == DeploymentObservation(True, 2, 3)
+    jobset = {"metadata": {}, "status": {"restarts": 1, "replicatedJobsStatus": [{"name": "slice", "ready": 2}]}}
+    assert observe_jobset(jobset, 2).ready and "1 restarts" in observe_jobset(jobset, 2).message
+    assert not observe_jobset(jobset, 3).ready
+    failed = {"metadata": {}, "status": {"conditions": [{"type": "Failed", "status": "True", "message": "boom"}]}}
+    assert observe_jobset(failed, 1).failed and observe_jobset(failed, 1).message == "boom"
+    deleting = {"metadata": {"deletionTimestamp": "x"}, "status": {"replicatedJobsStatus": [{"ready": 1}]}}
+    assert observe_jobset(deleting, 1).deleting and not observe_jobset(deleting, 1).ready
+    jobs = [{"metadata": {"name": "a"}, "status": {"ready": 4}}, {"metadata": {"name": "b"}, "status": {"ready": 3}}]
+    assert not observe_indexed_jobs(jobs, 4).ready and observe_indexed_jobs(jobs[:1], 4).ready
+    assert observe_indexed_jobs([None, None], 4).exists is False
+    complete = [{"metadata": {"name": "a"}, "status": {"conditions": [{"type": "Complete", "status": "True"}]}}]
+    assert observe_indexed_jobs(complete, 1).completed
+
+
+def test_snapshot_from_proto() -> None:
+    stats = buffer_pb2.BufferStats(policy_version=4, fill=0.5, complete_groups=2, staleness_histogram={0: 1, 2: 3},
+                                   dropped={"stale": 1})
+    snap = snapshot_from_proto(stats)
+    assert snap.learner_duty_cycle is None and snap.staleness_histogram == {0: 1, 2: 3}
+    stats.learner_duty_cycle = 0.0
+    assert snapshot_from_proto(stats).learner_duty_cycle == 0.0  # reported zero is not "unknown"
+
+
+learners = st.builds(LearnerObservation, exists=st.booleans(), ready=st.booleans(), completed=st.booleans(),
+                     failed=st.booleans(), deleting=st.booleans(), message=st.text(max_size=20))
+deployments = st.none() | st.builds(DeploymentObservation, exists=st.booleans(), ready=st.integers(0, 5),
+                                    replicas=st.integers(0, 5))
+snapshots = st.none() | st.builds(StatsSnapshot, policy_version=st.integers(0, 100), fill=st.floats(0, 1),
+                                  complete_groups=st.integers(0, 5),
+                                  learner_duty_cycle=st.none() | st.floats(0, 1))
+
+
+@given(learner=learners, actors=deployments, buffer=deployments, stats=snapshots, suspend=st.booleans(),
+       exceeded=st.none() | st.booleans(), starved=st.none() | st.booleans(), target=st.integers(0, 5))
+def test_any_observation_gives_a_valid_consistent_status(learner: LearnerObservation, actors: Any, buffer: Any,
+                                                         stats: Any, suspend: bool, exceeded: Any, starved: Any,
+                                                         target: int) -> None:
+    window = StalenessWindow(0, 1, 0, 1) if stats is not None else None
+    o = observed(spec=RLJobSpec(suspend=suspend), learner=learner, actors=actors, buffer=buffer, stats=stats,
+                 window=window, exceeded=exceeded if stats else None, starved=starved if stats else None,
+                 actor_target=target)
+    status = build_status(o, {}, T0)
+    RLJobStatus.model_validate(status)
+    conds = conditions(status)
+    assert set(conds) == set(CONDITION_TYPES)
+    parts = [conds[t]["status"] == "True" for t in ("LearnerReady", "ActorsAvailable", "BufferReady")]
+    assert (conds["Ready"]["status"] == "True") == (all(parts) and not suspend)
+    assert conds["Suspended"]["status"] == ("True" if suspend else "False")
+    if conds["Ready"]["status"] == "True":
+        assert status["phase"] == "Running"
+    if learner.failed:
+        assert status["phase"] == "Failed"

@@ -1,0 +1,87 @@
+"""pods -> zombie list: orphaned or silent sandbox pods, never anything else."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stoker.operator.zombies import PodRecord, find_zombies, pod_record
+
+NOW = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
+TTL = 120.0
+
+
+def ago(seconds: float) -> datetime:
+    return NOW - timedelta(seconds=seconds)
+
+
+def test_cases() -> None:
+    pods = [
+        PodRecord("actor-a", "actor"),
+        PodRecord("learner-0", "learner"),
+        PodRecord("sb-fresh", "sandbox", actor="actor-a", heartbeat=ago(10)),
+        PodRecord("sb-colocated", "sandbox", actor="learner-0", heartbeat=ago(10)),
+        PodRecord("sb-orphan", "sandbox", actor="actor-gone", heartbeat=ago(1)),
+        PodRecord("sb-silent", "sandbox", actor="actor-a", heartbeat=ago(TTL + 1)),
+        PodRecord("sb-new", "sandbox", actor="actor-a", created=ago(5)),
+        PodRecord("sb-never-beat", "sandbox", actor="actor-a", created=ago(TTL + 60)),
+        PodRecord("sb-anonymous", "sandbox"),
+        PodRecord("sb-going", "sandbox", actor="actor-gone", deleting=True),
+    ]
+    zombies = {z.name: z.reason for z in find_zombies(pods, NOW, TTL)}
+    assert set(zombies) == {"sb-orphan", "sb-silent", "sb-never-beat", "sb-anonymous"}
+    assert "actor-gone is gone" in zombies["sb-orphan"]
+    assert "no heartbeat for 121s" in zombies["sb-silent"]
+
+
+def test_actor_being_deleted_orphans_its_sandboxes() -> None:
+    pods = [PodRecord("actor-a", "actor", deleting=True), PodRecord("sb", "sandbox", actor="actor-a", heartbeat=NOW)]
+    assert [z.name for z in find_zombies(pods, NOW, TTL)] == ["sb"]
+
+
+def test_pod_record_reads_labels_and_annotations() -> None:
+    record = pod_record(
+        "sb",
+        {"stoker.dev/role": "sandbox", "stoker.dev/job": "j"},
+        {"stoker.dev/actor": "actor-a", "stoker.dev/heartbeat": "2026-01-01T11:59:00.000000Z"},
+        {"creationTimestamp": "2026-01-01T11:00:00Z"},
+    )
+    assert record.actor == "actor-a" and record.role == "sandbox"
+    assert record.heartbeat == ago(60) and record.created == ago(3600)
+    garbled = pod_record("sb", {"stoker.dev/role": "sandbox"}, {"stoker.dev/heartbeat": "yesterday"}, {})
+    assert garbled.heartbeat is None  # unparsable heartbeats count as absent, not as a crash
+
+
+names = st.sampled_from([f"p{i}" for i in range(8)])
+records = st.builds(
+    PodRecord,
+    name=names,
+    role=st.sampled_from(["actor", "learner", "sandbox", "buffer", ""]),
+    actor=st.none() | names,
+    heartbeat=st.none() | st.floats(0, 1000).map(ago),
+    created=st.none() | st.floats(0, 1000).map(ago),
+    deleting=st.booleans(),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(records, max_size=12, unique_by=lambda p: p.name), st.floats(1, 500))
+def test_only_reapable_sandboxes_are_reaped(pods: list[PodRecord], ttl: float) -> None:
+    zombies = {z.name for z in find_zombies(pods, NOW, ttl)}
+    by_name = {p.name: p for p in pods}
+    owners = {p.name for p in pods if p.role in ("actor", "learner") and not p.deleting}
+    for pod in pods:
+        healthy = (
+            pod.actor in owners
+            and (seen := pod.heartbeat or pod.created) is not None
+            and (NOW - seen).total_seconds() <= ttl
+        )
+        if pod.role != "sandbox" or pod.deleting:
+            assert pod.name not in zombies
+        elif healthy:
+            assert pod.name not in zombies
+        elif pod.actor not in owners:
+            assert pod.name in zombies
+    assert all(by_name[name].role == "sandbox" for name in zombies)
