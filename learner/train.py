@@ -178,18 +178,22 @@ class Trainer:
         self.mesh = mesh
         self.optimizer = optimizer
         self.policy_def, policy_state = nnx.split(model)
-        params: dict[str, Any] = {"policy": policy_state}
+        # Mixed precision: the model computes in its own dtype (bfloat16, say) but the optimizer
+        # keeps float32 master weights; an Adam step of lr ~1e-6 is below bfloat16's resolution
+        # (8 mantissa bits) and would otherwise round away.
+        self.compute_dtype = _float_dtype(policy_state)
+        params: dict[str, Any] = {"policy": _cast(policy_state, jnp.float32)}
         self.value_def = None
         if options.needs_value:
             if value_model is None:
                 raise ValueError("PPO needs a value_model")
             self.value_def, value_state = nnx.split(value_model)
-            params["value"] = value_state
+            params["value"] = _cast(value_state, jnp.float32)
         self.param_shardings = sharding.tree_shardings(params, mesh)
         self.params = jax.device_put(params, self.param_shardings)
-        # A copy, not an alias: the live parameters are donated to every update.
+        # A copy in the compute dtype, not an alias: the live parameters are donated to updates.
         self.reference = (
-            jax.tree.map(jnp.copy, self.params["policy"]) if options.needs_reference else None
+            jax.tree.map(jnp.copy, _cast(self.params["policy"], self.compute_dtype)) if options.needs_reference else None
         )
         opt_state = jax.eval_shape(optimizer.init, self.params)
         self.opt_shardings = sharding.tree_shardings(opt_state, mesh)
@@ -218,7 +222,7 @@ class Trainer:
     # -------------------------------------------------------------------------------- device
 
     def _forward_logprobs(self, policy: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        model = nnx.merge(self.policy_def, policy)
+        model = nnx.merge(self.policy_def, _cast(policy, self.compute_dtype))
         logits = model(batch["tokens"], batch["positions"], batch["segment_ids"])
         return logits, token_logprobs(logits, batch["targets"], temperature=self.options.temperature)
 
@@ -233,7 +237,7 @@ class Trainer:
         if reference is not None:
             extras["ref_logprobs"] = jax.lax.stop_gradient(self._forward_logprobs(reference, batch)[1])
         if self.value_def is not None:
-            critic = nnx.merge(self.value_def, params["value"])
+            critic = nnx.merge(self.value_def, _cast(params["value"], self.compute_dtype))
             extras["values"] = critic(batch["tokens"], batch["positions"], batch["segment_ids"])
         row = PartitionSpec(sharding.FSDP, None)
         per_shard = jax.shard_map(
@@ -288,8 +292,21 @@ class Trainer:
     def policy_model(self) -> Transformer:
         """The current policy as an nnx module sharing the device arrays: valid until the next
         ``step``, which donates those arrays to the update (copy or flatten what you keep)."""
-        model: Transformer = nnx.merge(self.policy_def, self.params["policy"])
+        model: Transformer = nnx.merge(self.policy_def, _cast(self.params["policy"], self.compute_dtype))
         return model
+
+
+def _float_dtype(tree: Any) -> Any:
+    """The dtype of the first floating-point leaf (the model's compute dtype)."""
+    for leaf in jax.tree.leaves(tree):
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            return leaf.dtype
+    return jnp.float32
+
+
+def _cast(tree: Any, dtype: Any) -> Any:
+    """Floating-point leaves as ``dtype`` (a no-op for leaves already in it)."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
 def assign_weights(micros: list[MicroBatch], trainable: list[np.ndarray], mode: str) -> None:

@@ -1,15 +1,187 @@
-"""``stoker audit``: latency audit and actor-pool sizing."""
+"""``stoker audit FILE``: measure this machine, then size the actor pool that keeps the learner fed.
+
+Measures, with the job's own model, environment, sandboxes and learner:
+
+1. environment step latency (injected delay included) and episode length, from real episodes;
+2. the sampler's latency per model turn at the actor's batch size (``actors.concurrency``);
+3. the learner's train-step time on a batch of ``batchGroups x groupSize`` of those episodes.
+
+and prints the arithmetic: an episode takes ``turns x (sample turn + env step)`` seconds, an actor
+running ``concurrency`` episodes at once delivers ``concurrency / episode_seconds`` episodes/s, and
+the learner consumes ``batchGroups x groupSize / step_seconds`` episodes/s. Enough actors make the
+supply at least the demand (with headroom for variance).
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
 
-from stoker.cli import NotReady
+from stoker.manifest import load_job
+from stoker.spec import RLJobSpec
+
+# Supply above demand so a slow episode or a compile does not starve the learner.
+HEADROOM = 1.25
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE", help="RLJob manifest")
+    parser.add_argument("--groups", type=int, default=2, help="episode groups to measure (default 2)")
+    parser.add_argument("--train-steps", type=int, default=3, help="timed learner steps after a warm-up (default 3)")
+
+
+@dataclass
+class Audit:
+    env_step_seconds: list[float]
+    turns: list[int]
+    tokens: list[int]
+    sample_turn_seconds: float  # one model turn at the actor's batch size
+    sampler_batch: int
+    train_step_seconds: float
+    compile_seconds: float
+
+    def sizing(self, spec: RLJobSpec) -> dict[str, float]:
+        env_step = statistics.mean(self.env_step_seconds) if self.env_step_seconds else 0.0
+        turns = statistics.mean(self.turns) if self.turns else float(spec.environment.max_turns)
+        episode_seconds = turns * (self.sample_turn_seconds + env_step)
+        concurrency = spec.actors.concurrency
+        per_actor = concurrency / episode_seconds if episode_seconds > 0 else math.inf
+        demand = spec.learner.batch_groups * spec.buffer.group_size / self.train_step_seconds
+        actors = max(1, math.ceil(HEADROOM * demand / per_actor)) if per_actor < math.inf else 1
+        # Concurrency that hides the environment: while one batch of turns samples, the others wait
+        # on their sandboxes; beyond this the sampler itself is the bottleneck.
+        hide_env = max(1, math.ceil(concurrency * (1 + env_step / max(self.sample_turn_seconds, 1e-9))))
+        return {
+            "env_step": env_step,
+            "turns": turns,
+            "episode_seconds": episode_seconds,
+            "per_actor": per_actor,
+            "demand": demand,
+            "actors": float(actors),
+            "concurrency_to_hide_env": float(hide_env),
+        }
+
+
+async def _episodes(spec: RLJobSpec, groups: int) -> tuple[list[Any], list[float], float, int]:
+    from stoker.actor.episode import run_group
+    from stoker.actor.sandbox import close_factory
+    from stoker.actor.settings import ActorSettings
+    from stoker.actor.tokenization import text_interface
+    from stoker.actor.wiring import environment_factory, make_policy
+
+    actor = ActorSettings.from_spec(spec, actor_id="audit")
+    interface = text_interface(spec)
+    policy = make_policy(actor)
+    base = environment_factory(actor)
+    step_seconds: list[float] = []
+
+    async def timed_factory() -> Any:
+        env = await base()
+        original = env.step
+
+        async def step(action: str) -> Any:
+            started = time.perf_counter()
+            try:
+                return await original(action)
+            finally:
+                step_seconds.append(time.perf_counter() - started)
+
+        env.step = step
+        return env
+
+    episodes: list[Any] = []
+    try:
+        # Warm-up group: pays the sampler's compilations, not counted.
+        await run_group(policy, base, interface, actor.tasks[0], actor.group_size, limits=actor.limits, seed=0)
+        for index in range(groups):
+            task = actor.tasks[index % len(actor.tasks)]
+            episodes += await run_group(
+                policy, timed_factory, interface, task, actor.group_size, limits=actor.limits, seed=index + 1
+            )
+        # Sampler latency at the actor's batch: one turn of `concurrency` conversations at once.
+        prompts = [list(e.token_ids[: max(1, e.num_tokens // 2)]) for e in episodes[: actor.concurrency]]
+        prompts += [prompts[0]] * (actor.concurrency - len(prompts))
+        sampler = policy.sampler
+        sampler.generate(prompts, max_new_tokens=actor.sampling.max_new_tokens)  # compile this shape
+        started = time.perf_counter()
+        repeats = 5
+        for _ in range(repeats):
+            sampler.generate(prompts, max_new_tokens=actor.sampling.max_new_tokens)
+        sample_turn = (time.perf_counter() - started) / repeats
+    finally:
+        await close_factory(base)
+        await policy.close()
+    return episodes, step_seconds, sample_turn, len(prompts)
+
+
+def measure(spec: RLJobSpec, groups: int, train_steps: int) -> Audit:
+    from stoker.learner.loop import Group, Learner, LearnerSettings
+
+    episodes, step_seconds, sample_turn, batch = asyncio.run(_episodes(spec, groups))
+    settings = LearnerSettings.from_spec(spec).replace(checkpoint_dir=None)
+    learner = Learner(settings, resume=False)
+    size = spec.buffer.group_size
+    groups_of = [episodes[i : i + size] for i in range(0, len(episodes), size)]
+    batch_groups = [Group(groups_of[i % len(groups_of)]) for i in range(spec.learner.batch_groups)]
+    learner.train_on(batch_groups)  # compiles
+    compile_seconds = learner.compiles.seconds
+    times = []
+    for _ in range(train_steps):
+        started = time.perf_counter()
+        learner.train_on(batch_groups)
+        times.append(time.perf_counter() - started)
+    learner.close()
+    return Audit(
+        env_step_seconds=step_seconds,
+        turns=[e.num_turns for e in episodes],
+        tokens=[e.num_tokens for e in episodes],
+        sample_turn_seconds=sample_turn,
+        sampler_batch=batch,
+        train_step_seconds=statistics.median(times),
+        compile_seconds=compile_seconds,
+    )
+
+
+def render(audit: Audit, spec: RLJobSpec) -> str:
+    s = audit.sizing(spec)
+    p90 = sorted(audit.env_step_seconds)[int(0.9 * (len(audit.env_step_seconds) - 1))] if audit.env_step_seconds else 0.0
+    concurrency = spec.actors.concurrency
+    per_step = spec.learner.batch_groups * spec.buffer.group_size
+    lines = [
+        "measured on this machine",
+        f"  environment step      {s['env_step'] * 1000:8.1f} ms mean, {p90 * 1000:.1f} ms p90 "
+        f"({len(audit.env_step_seconds)} steps, injected latency included)",
+        f"  episode length        {s['turns']:8.1f} turns, {statistics.mean(audit.tokens):.0f} tokens mean",
+        f"  sampler, one turn     {audit.sample_turn_seconds * 1000:8.1f} ms at batch {audit.sampler_batch}",
+        f"  learner step          {audit.train_step_seconds * 1000:8.1f} ms for {per_step} episodes "
+        f"(after {audit.compile_seconds:.1f} s of compilation)",
+        "",
+        "arithmetic",
+        f"  episode time   = turns x (sample turn + env step) = {s['turns']:.1f} x "
+        f"({audit.sample_turn_seconds:.3f} + {s['env_step']:.3f}) s = {s['episode_seconds']:.2f} s",
+        f"  one actor      = concurrency / episode time = {concurrency} / {s['episode_seconds']:.2f} s "
+        f"= {s['per_actor']:.1f} episodes/s",
+        f"  learner needs  = batchGroups x groupSize / step time = {per_step} / {audit.train_step_seconds:.3f} s "
+        f"= {s['demand']:.1f} episodes/s",
+        f"  actors         = ceil({HEADROOM} x {s['demand']:.1f} / {s['per_actor']:.1f}) = {int(s['actors'])}",
+        "",
+        f"recommendation: actors.replicas >= {int(s['actors'])} with actors.concurrency = {concurrency}"
+        f" (now {spec.actors.replicas}); concurrency up to {int(s['concurrency_to_hide_env'])} per actor hides the"
+        " environment's latency behind sampling, fewer actors then suffice while the actor's CPU keeps up.",
+    ]
+    return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
-    raise NotReady("not available yet in this version")
+    job = load_job(args.file)
+    if args.groups < 1 or args.train_steps < 1:
+        print("stoker audit: --groups and --train-steps must be >= 1")
+        return 2
+    audit = measure(job.spec, args.groups, args.train_steps)
+    print(render(audit, job.spec))
+    return 0

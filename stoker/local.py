@@ -246,6 +246,7 @@ class AsyncRun:
             _stoker(
                 "buffer",
                 "--manifest", manifest,
+                "--host", "127.0.0.1",
                 "--port", "0",
                 "--data-dir", str(o.run_dir / "buffer"),
                 "--ready-file", str(ready),
@@ -253,7 +254,7 @@ class AsyncRun:
             o.logs_dir / "buffer.log",
         )
         self.buffer.start(env)
-        address = wait_for_ready_file(ready, self.buffer)
+        address = f"127.0.0.1:{wait_for_ready_file(ready, self.buffer)}"  # the file holds the bound port
         learner_argv = _stoker(
             "learner",
             "--manifest", manifest,
@@ -297,11 +298,22 @@ class AsyncRun:
         return None
 
 
+# Where compiled XLA programs persist between local runs when the spec names no cache: the second
+# run of a job (and every actor after the first) then skips compilation.
+DEFAULT_COMPILATION_CACHE = Path.home() / ".cache" / "stoker" / "jax"
+
+
+def compilation_cache_dir(options: RunOptions) -> str:
+    return options.job.spec.learner.compilation_cache_dir or str(DEFAULT_COMPILATION_CACHE)
+
+
 def child_env(options: RunOptions) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    cache = options.job.spec.learner.compilation_cache_dir or str(options.run_dir / "jax-cache")
-    env.setdefault("STOKER_COMPILATION_CACHE", cache)
+    # JAX reads these itself, so the learner, the actors and their samplers all share the cache.
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", compilation_cache_dir(options))
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
     return env
 
 

@@ -42,12 +42,11 @@ async def _run(options: RunOptions) -> Outcome:
     from stoker.actor.wiring import environment_factory, make_policy
     from stoker.learner.loop import Group, Learner, LearnerSettings
     from stoker.learner.metrics import DutyCycle, MetricsSink
-    from stoker.local import Outcome, child_env
+    from stoker.local import Outcome, compilation_cache_dir
     from stoker.progress import Progress
 
     spec = options.job.spec
-    cache = child_env(options)["STOKER_COMPILATION_CACHE"]
-    overrides: dict[str, object] = {"compilation_cache_dir": spec.learner.compilation_cache_dir or cache}
+    overrides: dict[str, object] = {"compilation_cache_dir": compilation_cache_dir(options)}
     if options.max_steps is not None:
         overrides["max_steps"] = options.max_steps
     settings = LearnerSettings.from_spec(spec, run_dir=options.run_dir, **overrides)

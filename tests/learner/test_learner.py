@@ -84,7 +84,7 @@ def test_training_moves_the_policy_toward_reward(algorithm: str) -> None:
         if out["trained"]:  # DPO skips a batch whose groups all tie (no GOOD sampled)
             metrics, updates = out, updates + 1
     after = next_token_probs(learner)[GOOD]
-    assert after > before + 0.2, (algorithm, before, after)
+    assert before < 0.2 and after > 0.8, (algorithm, before, after)  # seeds 0-2 all reach >= 0.997
     assert updates >= 6 and learner.version == updates == metrics["policy_version"]
     # Every token was sampled by the version trained on it: the sampler/trainer check is ~0.
     assert metrics["tito_tokens"] > 0
@@ -266,6 +266,23 @@ def test_a_lost_lease_is_not_fatal(grpo_learner: Learner) -> None:
     assert buffer.versions[-1] == grpo_learner.version
 
 
+@pytest.mark.slow
+def test_bfloat16_model_keeps_float32_master_weights() -> None:
+    learner = Learner(settings(dtype="bfloat16", learning_rate=1e-5))
+    leaves = jax.tree.leaves(learner.trainer.params)
+    assert all(x.dtype == jnp.float32 for x in leaves)
+    before = [np.asarray(x) for x in leaves]
+    learner.train_on(bandit_groups(learner, np.random.default_rng(7)))
+    after = [np.asarray(x) for x in jax.tree.leaves(learner.trainer.params)]
+    moved = [np.abs(a - b).max() for a, b in zip(before, after, strict=True)]
+    # Adam moves each weight by ~lr = 1e-5, far below bfloat16's spacing near 1 (2^-7): kept in
+    # bfloat16 the update would round away; the float32 master weights keep it.
+    assert 0 < max(moved) < 1e-4
+    embedding = learner.trainer.policy_model().embed_tokens.embedding[...]
+    assert embedding.dtype == jnp.bfloat16
+    assert learner.flat_weights()["model.embed_tokens.weight"].dtype.name == "bfloat16"
+
+
 def test_settings_from_spec_resolve_paths(tmp_path: Path) -> None:
     spec = RLJobSpec.model_validate(
         {"learner": {"compilationCacheDir": "cache", "checkpoint": {"dir": "ck"}}, "algorithm": {"name": "gspo"}}
@@ -286,7 +303,7 @@ def test_dpo_dataset_pairs(tmp_path: Path) -> None:
     learner = Learner(settings(algorithm="dpo", dpo_dataset=str(path), batch_groups=4))
     before = next_token_probs(learner)[GOOD]
     assert learner.run(None, max_steps=8) == 8
-    assert next_token_probs(learner)[GOOD] > before + 0.2
+    assert next_token_probs(learner)[GOOD] > max(before + 0.2, 0.5)
     assert len(pairs) == 4 and pairs[0][0].pair_sign == 1 and not pairs[0][0].behaviour_known
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt_ids": [1], "chosen_ids": "x", "rejected_ids": [2]}\n')

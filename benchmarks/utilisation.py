@@ -1,0 +1,100 @@
+"""Learner utilisation: the FrozenLake job with slow environments, asynchronous vs synchronous.
+
+Every environment step gets an injected delay (default 0.5 s, as a sandboxed tool call would
+take). Both modes run the same manifest one after the other in this process's run, each until the
+rolling success rate reaches the target or the time budget ends:
+
+    .venv/bin/python benchmarks/utilisation.py [--manifest examples/frozenlake.yaml] [--latency 0.5]
+                                     [--minutes 10] [--target 0.9] [--out runs/bench-utilisation]
+
+Reported per mode: learner duty cycle (time inside train steps / wall time, averaged over the
+run's last record), wall-clock seconds to the target success rate, and for async the
+sampler-vs-trainer log-prob difference on same-version tokens and the staleness distribution.
+The ratio async/sync is the figure; absolute times depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from stoker.report import read_jsonl, time_to_reach
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def with_latency(manifest: Path, latency: float, out: Path) -> Path:
+    doc = yaml.safe_load(manifest.read_text())
+    environment = doc.setdefault("spec", {}).setdefault("environment", {})
+    environment["stepLatency"] = {"distribution": "fixed", "seconds": latency}
+    path = out / "job.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def run_mode(manifest: Path, mode: str, run_dir: Path, minutes: float, target: float) -> dict[str, Any]:
+    command = [
+        sys.executable, "-m", "stoker.cli", "run", str(manifest), "--mode", mode, "--run-dir", str(run_dir),
+        "--max-minutes", str(minutes), "--target-success", str(target), "--no-progress",
+    ]
+    print(f"$ {' '.join(command)}", file=sys.stderr, flush=True)
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{mode} run failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    metrics = read_jsonl(run_dir / "learner_metrics.jsonl")
+    buffer = read_jsonl(run_dir / "buffer_stats.jsonl")
+    runs = read_jsonl(run_dir / "runs.jsonl")
+    started = runs[-1]["started_unix"] if runs else metrics[0]["time"]
+    reach = time_to_reach([{"time": started}, *metrics], "success_rate", target)
+    tito = [m["tito_logprob_diff_mean"] for m in metrics if m.get("tito_tokens")]
+    tito_std = [m["tito_logprob_diff_std"] for m in metrics if m.get("tito_tokens")]
+    return {
+        "mode": mode,
+        "steps": metrics[-1]["step"] if metrics else 0,
+        "wall_seconds": (metrics[-1]["time"] - started) if metrics else None,
+        "duty_cycle": metrics[-1].get("duty_cycle") if metrics else None,
+        "seconds_to_target": reach,
+        "final_success": sum(m.get("success_rate", 0.0) for m in metrics[-10:]) / max(len(metrics[-10:]), 1),
+        "tito_logprob_diff_mean": sum(tito) / len(tito) if tito else None,
+        "tito_logprob_diff_std": sum(tito_std) / len(tito_std) if tito_std else None,
+        "staleness_histogram": buffer[-1].get("staleness_histogram") if buffer else None,
+        "dropped": buffer[-1].get("dropped") if buffer else None,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--manifest", type=Path, default=REPO / "examples" / "frozenlake.yaml")
+    parser.add_argument("--latency", type=float, default=0.5, help="seconds injected per environment step")
+    parser.add_argument("--minutes", type=float, default=10.0, help="budget per mode")
+    parser.add_argument("--target", type=float, default=0.9, help="rolling success rate to reach")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench-utilisation")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    manifest = with_latency(args.manifest, args.latency, args.out)
+    results = {}
+    for mode in ("async", "sync"):
+        run_dir = args.out / mode
+        if run_dir.exists():
+            subprocess.run(["rm", "-rf", str(run_dir)], check=True)  # a fresh start, not a resume
+        results[mode] = run_mode(manifest, mode, run_dir, args.minutes, args.target)
+        print(json.dumps(results[mode]), flush=True)
+    a, s = results["async"], results["sync"]
+    print(f"duty cycle: async {a['duty_cycle']:.3f}, sync {s['duty_cycle']:.3f}")
+    if a["seconds_to_target"] and s["seconds_to_target"]:
+        print(f"time to {args.target}: async {a['seconds_to_target']:.0f} s, sync {s['seconds_to_target']:.0f} s, "
+              f"speed-up {s['seconds_to_target'] / a['seconds_to_target']:.2f}x")
+    else:
+        print(f"time to {args.target}: async {a['seconds_to_target']}, sync {s['seconds_to_target']} (None = not reached)")
+    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
