@@ -265,10 +265,11 @@ async def _close(env: EpisodeEnvironment) -> None:
 
 def summarize(episodes: Sequence[Episode]) -> dict[str, Any]:
     """Mean reward, success rate and status counts of some episodes (logs, the local runner)."""
-    names = {OK: "ok", TRUNCATED: "truncated", FAILED: "failed", TIMEOUT: "timeout"}
+    names: dict[int, str] = {OK: "ok", TRUNCATED: "truncated", FAILED: "failed", TIMEOUT: "timeout"}
     counts: dict[str, int] = {}
     for e in episodes:
-        counts[names.get(e.status, str(e.status))] = counts.get(names.get(e.status, str(e.status)), 0) + 1
+        name = names.get(int(e.status), str(e.status))
+        counts[name] = counts.get(name, 0) + 1
     n = max(len(episodes), 1)
     return {
         "episodes": len(episodes),

@@ -15,7 +15,7 @@ import math
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -60,7 +60,8 @@ class WeightSource(Protocol):
 
 
 class LoadsWeights(Protocol):
-    version: Any
+    @property
+    def version(self) -> Any: ...
 
     async def load_weights(self, flat: dict[str, np.ndarray], version: int) -> None: ...
 
@@ -80,6 +81,23 @@ class ActorStats:
         self.groups_submitted += 1
         self.episodes += len(episodes)
         self.recent = (self.recent + episodes)[-256:]
+
+
+def task_cycle(tasks: Sequence[str], rng: random.Random) -> Callable[[], str]:
+    """Every task once per cycle, each cycle in a fresh random order (stratified sampling).
+
+    Uniform sampling can leave a task out of many consecutive batches; meanwhile the other tasks'
+    gradients may push the shared policy somewhere that task punishes, until it has no reward
+    variance left to recover from. Cycling keeps every task in every few batches."""
+    order: list[str] = []
+
+    def pick() -> str:
+        if not order:
+            order.extend(tasks)
+            rng.shuffle(order)
+        return order.pop()
+
+    return pick
 
 
 class Actor:
@@ -109,7 +127,7 @@ class Actor:
         self._stopping = asyncio.Event()
         self._fatal: BaseException | None = None
         rng = random.Random(f"{settings.seed}/{settings.actor_id}")
-        self._pick = task_picker or (lambda: rng.choice(settings.tasks))
+        self._pick = task_picker or task_cycle(settings.tasks, rng)
         self._group_seed = rng.randrange(1 << 30)
 
     def stop(self) -> None:

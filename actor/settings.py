@@ -10,6 +10,7 @@ from stoker.actor.environments import StepLatency, options_json
 from stoker.actor.episode import EpisodeLimits
 from stoker.actor.labels import SANDBOX_POD_PORT
 from stoker.actor.sandbox import SandboxConfig
+from stoker.actor.tokenization import allowed_token_ids
 from stoker.spec import RLJobSpec, SamplingSpec, TransformerConfig
 
 
@@ -47,6 +48,7 @@ class ActorSettings:
     pod: PodSandboxSettings | None = None
     checkpoint: str | None = None
     compilation_cache_dir: str | None = None  # JAX persistent cache: the sampler compiles once per shape
+    allowed_token_ids: tuple[int, ...] | None = None  # constrained decoding (sampling.allowedTokens)
 
     @classmethod
     def from_spec(
@@ -116,6 +118,7 @@ class ActorSettings:
             pod=pod,
             checkpoint=spec.model.checkpoint,
             compilation_cache_dir=spec.learner.compilation_cache_dir,
+            allowed_token_ids=allowed_token_ids(spec),
         )
 
 

@@ -112,3 +112,19 @@ def text_interface(spec: RLJobSpec) -> TextInterface:
             f"the {spec.environment.name} tokenizer's vocabulary"
         )
     return interface
+
+
+def allowed_token_ids(spec: RLJobSpec) -> tuple[int, ...] | None:
+    """``spec.actors.sampling.allowedTokens`` as ids of the job's tokenizer (None: unconstrained).
+
+    The learner calls this too, so the sampler and the trainer restrict the same tokens."""
+    words = spec.actors.sampling.allowed_tokens
+    if words is None:
+        return None
+    vocab = environment_tokenizer(spec).get_vocab(with_added_tokens=True)
+    unknown = [w for w in words if w not in vocab]
+    if unknown:
+        raise TokenizerProblem(
+            f"spec.actors.sampling.allowedTokens: {unknown} are not tokens of the job's tokenizer"
+        )
+    return tuple(sorted({vocab[w] for w in words}))

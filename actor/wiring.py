@@ -62,6 +62,7 @@ def make_sampler(settings: ActorSettings, dtype: str = "float32") -> Any:
         buckets=settings.sampler_buckets,
         params=params,
         dtype=dtype_from_name(dtype),
+        allowed_token_ids=settings.allowed_token_ids,
     )
 
 

@@ -72,6 +72,7 @@ class LearnerSettings:
     compilation_cache_dir: str | None = None
     run_dir: str | None = None
     sample_timeout_s: float = 5.0
+    allowed_token_ids: tuple[int, ...] | None = None  # constrained decoding, as the actors sample
 
     @classmethod
     def from_spec(cls, spec: RLJobSpec, *, run_dir: str | Path | None = None, **overrides: Any) -> LearnerSettings:
@@ -121,6 +122,7 @@ class LearnerSettings:
             max_steps=learner.max_steps,
             compilation_cache_dir=resolve(learner.compilation_cache_dir),
             run_dir=str(base),
+            allowed_token_ids=_allowed_token_ids(spec),
         )
         return settings.replace(**overrides) if overrides else settings
 
@@ -128,6 +130,16 @@ class LearnerSettings:
         import dataclasses
 
         return dataclasses.replace(self, **changes)
+
+
+def _allowed_token_ids(spec: RLJobSpec) -> tuple[int, ...] | None:
+    """The constrained-decoding token ids, resolved with the job's tokenizer as the actors do."""
+    if spec.actors.sampling.allowed_tokens is None:
+        return None
+    # The tokenizer is the environment's (the actor owns it); only this one function is shared.
+    from stoker.actor.tokenization import allowed_token_ids
+
+    return allowed_token_ids(spec)
 
 
 # ---------------------------------------------------------------------------------- data in
@@ -330,7 +342,9 @@ class Learner:
             model = hf.load_checkpoint(settings.model_checkpoint, dtype=dtype)
         else:
             model = init_model(settings.architecture, settings.seed, dtype)
-        options = train.StepOptions(settings.algorithm, settings.loss, settings.temperature)
+        options = train.StepOptions(
+            settings.algorithm, settings.loss, settings.temperature, allowed_token_ids=settings.allowed_token_ids
+        )
         value_model = None
         if options.needs_value:
             value_model = train.ValueNetwork(model.config, rngs=nnx.Rngs(params=settings.seed + 1), dtype=dtype)

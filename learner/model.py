@@ -270,6 +270,18 @@ def init_model(config: TransformerConfig, seed: int, dtype: jnp.dtype = jnp.floa
     return Transformer(config, rngs=nnx.Rngs(params=seed), dtype=dtype)
 
 
+def restrict_logits(logits: jax.Array, allowed_token_ids: tuple[int, ...] | None) -> jax.Array:
+    """Logits with every token outside ``allowed_token_ids`` made impossible (constrained decoding).
+
+    The sampler and the trainer both call this, so the distribution tokens are sampled from and
+    the one the trainer scores them under are the same. ``None`` allows every token."""
+    if allowed_token_ids is None:
+        return logits
+    allowed = jnp.zeros((logits.shape[-1],), jnp.bool_).at[jnp.asarray(allowed_token_ids)].set(True)
+    # A large finite value rather than -inf keeps softmax and its gradient free of NaNs.
+    return jnp.where(allowed, logits, jnp.asarray(-1e9, logits.dtype))
+
+
 def token_logprobs(logits: jax.Array, targets: jax.Array, *, temperature: float = 1.0) -> jax.Array:
     """log softmax(logits / temperature) gathered at ``targets``: [B, T, V], [B, T] -> [B, T] float32.
 

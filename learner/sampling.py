@@ -107,6 +107,7 @@ def _generate(
     active: jax.Array,  # [B] false for batch padding
     max_new_tokens: jax.Array,
     is_stop: jax.Array,  # [V] bool
+    allowed: jax.Array,  # [V] bool: constrained decoding (all true when unconstrained)
     temperature: jax.Array,
     top_p: jax.Array,
     key: jax.Array,
@@ -129,7 +130,8 @@ def _generate(
 
     def body(s: _Loop) -> _Loop:
         key, draw = jax.random.split(s.key)
-        token, logprob = sample_token(draw, s.logits, temperature, top_p if use_top_p else None)
+        logits = jnp.where(allowed, s.logits, jnp.asarray(-1e9, s.logits.dtype))  # as restrict_logits
+        token, logprob = sample_token(draw, logits, temperature, top_p if use_top_p else None)
         slot = prompt_lens + s.step  # where this token goes
         live = ~s.done
         tokens = s.tokens.at[rows, slot].set(jnp.where(live, token, s.tokens[rows, slot]))
@@ -183,6 +185,7 @@ class Sampler:
         params: Mapping[str, np.ndarray] | None = None,
         dtype: Any = jnp.float32,
         min_batch: int = 1,
+        allowed_token_ids: Sequence[int] | None = None,
     ):
         if not buckets or list(buckets) != sorted(set(buckets)):
             raise ValueError(f"buckets must be strictly ascending, got {list(buckets)}")
@@ -191,6 +194,13 @@ class Sampler:
         self.buckets = tuple(int(b) for b in buckets)
         # Padding every call to at least this many rows trades idle rows for fewer programs.
         self.min_batch = min_batch
+        self.allowed = np.ones((config.vocab_size,), np.bool_)
+        if allowed_token_ids is not None:
+            ids = list(allowed_token_ids)
+            if not ids or min(ids) < 0 or max(ids) >= config.vocab_size:
+                raise ValueError(f"allowed token ids must be a non-empty subset of [0, {config.vocab_size}), got {ids}")
+            self.allowed[:] = False
+            self.allowed[ids] = True
         self.version = 0
         if params is None:
             self._model = init_model(config, seed, dtype)
@@ -269,6 +279,7 @@ class Sampler:
             active,
             np.int32(max_new_tokens),
             is_stop,
+            self.allowed,
             np.float32(self.sampling.temperature),
             np.float32(self.sampling.top_p),
             key,

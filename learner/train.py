@@ -28,7 +28,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from stoker.learner import algorithms, sharding
 from stoker.learner.algorithms import LossConfig
-from stoker.learner.model import Block, RMSNorm, Transformer, packed_mask, token_logprobs
+from stoker.learner.model import Block, RMSNorm, Transformer, packed_mask, restrict_logits, token_logprobs
 from stoker.learner.packing import MicroBatch
 from stoker.spec import TransformerConfig
 
@@ -47,6 +47,9 @@ class StepOptions:
     algorithm: str = "grpo"
     loss: LossConfig = LossConfig()
     temperature: float = 1.0  # the actors' sampling temperature: mu is the tempered policy
+    # Constrained decoding (spec.actors.sampling.allowedTokens): the policy is the model restricted
+    # to these tokens, exactly as the sampler restricts it.
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -223,7 +226,9 @@ class Trainer:
 
     def _forward_logprobs(self, policy: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         model = nnx.merge(self.policy_def, _cast(policy, self.compute_dtype))
-        logits = model(batch["tokens"], batch["positions"], batch["segment_ids"])
+        logits = restrict_logits(
+            model(batch["tokens"], batch["positions"], batch["segment_ids"]), self.options.allowed_token_ids
+        )
         return logits, token_logprobs(logits, batch["targets"], temperature=self.options.temperature)
 
     def _loss(

@@ -67,6 +67,27 @@ class Audit:
         }
 
 
+@dataclass
+class TimedEnvironment:
+    """An episode environment that records how long each step takes."""
+
+    inner: Any
+    step_seconds: list[float]
+
+    async def reset(self, task_id: str, seed: int) -> Any:
+        return await self.inner.reset(task_id, seed)
+
+    async def step(self, action: str) -> Any:
+        started = time.perf_counter()
+        try:
+            return await self.inner.step(action)
+        finally:
+            self.step_seconds.append(time.perf_counter() - started)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
 async def _episodes(spec: RLJobSpec, groups: int) -> tuple[list[Any], list[float], float, int]:
     from stoker.actor.episode import run_group
     from stoker.actor.sandbox import close_factory
@@ -81,18 +102,7 @@ async def _episodes(spec: RLJobSpec, groups: int) -> tuple[list[Any], list[float
     step_seconds: list[float] = []
 
     async def timed_factory() -> Any:
-        env = await base()
-        original = env.step
-
-        async def step(action: str) -> Any:
-            started = time.perf_counter()
-            try:
-                return await original(action)
-            finally:
-                step_seconds.append(time.perf_counter() - started)
-
-        env.step = step
-        return env
+        return TimedEnvironment(await base(), step_seconds)
 
     episodes: list[Any] = []
     try:

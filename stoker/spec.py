@@ -197,6 +197,15 @@ class SamplingSpec(SpecModel):
     temperature: float = Field(1.0, gt=0, description="Softmax temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     max_new_tokens: int = Field(4, ge=1, description="Token limit per model turn.")
+    allowed_tokens: list[str] | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "Constrained decoding: model turns may only produce these tokens (e.g. an environment's "
+            "action words). The learner applies the same restriction, so trained and sampled "
+            "log-probs agree. All tokens when unset."
+        ),
+    )
 
 
 class ActorsSpec(SpecModel):

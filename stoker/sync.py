@@ -36,6 +36,7 @@ def run_sync(options: RunOptions) -> Outcome:
 
 async def _run(options: RunOptions) -> Outcome:
     from stoker.actor.episode import run_group
+    from stoker.actor.runner import task_cycle
     from stoker.actor.sandbox import close_factory
     from stoker.actor.settings import ActorSettings
     from stoker.actor.tokenization import text_interface
@@ -55,8 +56,8 @@ async def _run(options: RunOptions) -> Outcome:
     interface = text_interface(spec)
     policy = make_policy(actor)
     envs = environment_factory(actor)
-    tasks = list(actor.tasks)
     rng = random.Random(spec.seed * 7919 + learner.steps)
+    pick_task = task_cycle(actor.tasks, rng)
     deadline = time.monotonic() + options.max_minutes * 60 if options.max_minutes else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -78,7 +79,7 @@ async def _run(options: RunOptions) -> Outcome:
                 if options.target_success is not None and progress.success_rate() >= options.target_success:
                     outcome = Outcome(0, f"done: success rate reached {options.target_success} ({progress.summary()})")
                     break
-                chosen = [rng.choice(tasks) for _ in range(settings.batch_groups)]
+                chosen = [pick_task() for _ in range(settings.batch_groups)]
                 groups = await asyncio.gather(
                     *(
                         run_group(

@@ -327,3 +327,33 @@ def test_a_record_that_does_not_parse_is_skipped_at_startup(
     assert "unreadable record" in caplog.text
     _, groups = sampled_ids(core)
     assert groups == [[e.episode_id for e in group]]
+
+
+def test_concurrent_overlapping_puts_store_each_episode_once(
+    tmp_path: Path, settings: BufferSettings, make_group: Groups
+) -> None:
+    import threading
+
+    core = open_core(tmp_path, replace(settings, capacity=1000))
+    groups = [make_group(2) for _ in range(40)]
+    raws = [encode_trajectory(e) for g in groups for e in g]
+    start = threading.Barrier(6)
+    outcomes = []
+
+    def client(offset: int) -> None:
+        start.wait()
+        for i in range(0, len(raws), 4):  # every client sends everything, in a different order
+            chunk = raws[(i + offset * 4) % len(raws) : (i + offset * 4) % len(raws) + 4]
+            outcomes.append(core.put(chunk))
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sum(o.stored for o in outcomes) == len(raws)
+    assert sum(o.stored + o.duplicates for o in outcomes) == 6 * len(raws)
+    delivered: list[str] = []
+    while (batch := core.sample(100, 1, 0)) is not None:
+        delivered += [trajectory_pb2.Trajectory.FromString(bytes(r)).episode_id for _, rs, _ in batch.groups for r in rs]
+    assert sorted(delivered) == sorted(e.episode_id for g in groups for e in g)
