@@ -12,7 +12,7 @@ The learner::
     buffer = BufferClient(address, token=token, learner_id="learner")
     batch = buffer.sample(max_groups=4, min_groups=4, timeout=30)   # None if nothing in time
     if batch: train(batch.groups); buffer.commit(batch.batch_id)   # or commit_async(...)
-    buffer.set_policy_version(step)
+    buffer.set_policy_version(step, duty_cycle=0.93)
 
 Errors are exceptions by cause: ``InvalidTrajectoryError`` (a trajectory was refused; its field is
 named; the valid ones were stored), ``AuthError``, ``LeaseLostError`` (commit of a batch the buffer
@@ -343,8 +343,13 @@ class BufferClient:
                 self._committer = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="buffer-commit")
             return self._committer.submit(self.commit, batch_id)
 
-    def set_policy_version(self, version: int) -> None:
-        self._call(self._set_version, buffer_pb2.SetPolicyVersionRequest(policy_version=version))
+    def set_policy_version(self, version: int, duty_cycle: float | None = None) -> None:
+        """Report the published policy version and, when known, the learner's duty cycle (the
+        fraction of wall time it spent training, 0..1) for the operator's starvation check."""
+        request = buffer_pb2.SetPolicyVersionRequest(policy_version=version)
+        if duty_cycle is not None:
+            request.learner_duty_cycle = duty_cycle
+        self._call(self._set_version, request)
 
     # ------------------------------------------------------------------ everyone
 

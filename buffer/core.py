@@ -18,12 +18,26 @@ where ``accepted`` = groups committed so far plus complete groups waiting or lea
 do not count: their work must be redone), and ``in_flight`` = credit granted whose group has not
 completed yet. A group whose oldest model token has version ``v_old`` is stale, and dropped,
 once ``version - v_old > max_staleness``.
+
+The operator can tighten admission with a scale ``s`` in (0, 1] (``AdmissionScale``, a file it
+writes). It scales the rule's allowance of untrained groups, not what is left of it::
+
+    allowance   = (max_staleness + version + 1) * batch_groups - committed
+    outstanding = ready + leased + in_flight
+    credit      = floor(s * allowance) - outstanding
+
+With ``s = 1`` this is the rule above. Scaling the remainder instead would let repeated small
+Acquires creep back to nearly the full allowance (each gets a fraction of what is left), so the
+operator's halving would barely reduce how far actors run ahead of the learner.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import logging
+import math
+import os
 import threading
 import time
 import uuid
@@ -151,6 +165,91 @@ class SampledBatch:
     policy_version: int
 
 
+ADMISSION_SCALE_KEY = "admissionScale"
+
+
+def parse_admission_scale(text: str) -> float:
+    """``{"admissionScale": x}`` -> x; ``ValueError`` naming the problem unless 0 < x <= 1."""
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(document, dict) or ADMISSION_SCALE_KEY not in document:
+        raise ValueError(f'expected an object {{"{ADMISSION_SCALE_KEY}": x}} with 0 < x <= 1')
+    value = document[ADMISSION_SCALE_KEY]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:  # NaN fails too
+        raise ValueError(f"{ADMISSION_SCALE_KEY}: got {value!r}; expected a number in (0, 1]")
+    return float(value)
+
+
+class AdmissionScale:
+    """The operator's admission scale, re-read from its JSON file whenever the file changes.
+
+    The file is a mounted ConfigMap, which Kubernetes replaces by swapping a symlink, so a change
+    shows as a new (mtime, inode, size) of the file the path resolves to; ``maybe_reload`` looks at
+    most once per ``interval`` seconds of ``clock``. A missing, unreadable or malformed file means
+    scale 1 (the buffer's own rule, untightened), logged once per distinct problem: the operator's
+    control is advisory and must never stop the buffer or starve the actors.
+    """
+
+    def __init__(self, path: str | Path | None, *, clock: Clock = time.monotonic, interval: float = 1.0):
+        self.path = Path(path) if path else None
+        self.clock = clock
+        self.interval = interval
+        self.value = 1.0
+        self._stamp: tuple[int, int, int] | None = None
+        self._problem: str | None = None
+        self._next_check = -math.inf
+        self._lock = threading.Lock()
+
+    def maybe_reload(self) -> float:
+        """The scale, after re-reading the file if ``interval`` has passed and it changed."""
+        if self.path is None or self.clock() < self._next_check:
+            return self.value
+        if not self._lock.acquire(blocking=False):
+            return self.value  # another thread is looking at the file right now
+        try:
+            self._check()
+        finally:
+            self._lock.release()
+        return self.value
+
+    def reload(self) -> float:
+        """Look at the file now, whatever the interval; returns the scale in use."""
+        if self.path is not None:
+            with self._lock:
+                self._check()
+        return self.value
+
+    def _check(self) -> None:
+        assert self.path is not None
+        self._next_check = self.clock() + self.interval
+        try:
+            info = os.stat(self.path)
+            stamp = (info.st_mtime_ns, info.st_ino, info.st_size)
+            if stamp == self._stamp:
+                return
+            text = self.path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            self._stamp = None  # look again next time
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            self._use(1.0, f"cannot read ({reason})")
+            return
+        self._stamp = stamp
+        try:
+            self._use(parse_admission_scale(text), None)
+        except ValueError as exc:
+            self._use(1.0, str(exc))
+
+    def _use(self, scale: float, problem: str | None) -> None:
+        if problem is not None:
+            if problem != self._problem:
+                log.warning("admission file %s: %s; using admission scale 1", self.path, problem)
+        elif scale != self.value or self._problem is not None:
+            log.info("admission scale %g -> %g (from %s)", self.value, scale, self.path)
+        self.value, self._problem = scale, problem
+
+
 class RateWindow:
     """Events per second over the last ``seconds``, in one-second buckets."""
 
@@ -255,11 +354,14 @@ class BufferCore:
         self.per_actor: collections.Counter[str] = collections.Counter()
         self._put_rate = RateWindow()
         self._sample_rate = RateWindow()
+        self.admission = AdmissionScale(settings.admission_file, clock=clock, interval=settings.admission_check_seconds)
+        self.learner_duty_cycle: float | None = None  # the learner's last report; None until it sends one
 
     # ================================================================== startup, replay
 
     def open(self) -> None:
         """Replay the log, then start a fresh segment. Every live trajectory is back, none twice."""
+        self.admission.reload()
         records, report = self.wal.replay()
         completed: list[Group] = []
         with self._lock:
@@ -768,9 +870,15 @@ class BufferCore:
 
     # ================================================================== version, admission
 
-    def set_policy_version(self, version: int) -> None:
-        """The learner's current version: stale ready groups are dropped now, credit grows."""
+    def set_policy_version(self, version: int, duty_cycle: float | None = None) -> None:
+        """The learner's current version: stale ready groups are dropped now, credit grows.
+
+        ``duty_cycle`` (when given) is kept for Stats only: the operator's starvation check."""
+        if duty_cycle is not None and not 0.0 <= duty_cycle <= 1.0:  # NaN fails too
+            raise ValueError(f"learner_duty_cycle: got {duty_cycle}; expected 0..1")
         with self._cond:
+            if duty_cycle is not None:
+                self.learner_duty_cycle = duty_cycle
             if version == self.policy_version:
                 return
             self.policy_version = version
@@ -782,12 +890,14 @@ class BufferCore:
             self._cond.notify_all()
 
     def _credit(self) -> int:
-        accepted = self.committed_groups + len(self._ready) + sum(len(lease.groups) for lease in self._leases.values())
-        budget = (self.settings.max_staleness + self.policy_version + 1) * self.settings.batch_groups
-        return budget - (accepted + self._in_flight)
+        """``floor(s * allowance) - outstanding`` (module docstring); may be negative."""
+        allowance = (self.settings.max_staleness + self.policy_version + 1) * self.settings.batch_groups - self.committed_groups
+        outstanding = len(self._ready) + sum(len(lease.groups) for lease in self._leases.values()) + self._in_flight
+        return math.floor(self.admission.value * allowance) - outstanding
 
     def acquire(self, groups: int, actor_id: str = "") -> tuple[int, int, float]:
         """Credit to start ``groups`` episode groups: ``(granted, policy version, retry hint)``."""
+        self.admission.maybe_reload()  # outside the lock: a slow file system must not stall the buffer
         with self._lock:
             granted = max(0, min(groups, self._credit()))
             self._in_flight += granted
@@ -802,7 +912,9 @@ class BufferCore:
     # ================================================================== housekeeping
 
     def tick(self) -> None:
-        """Periodic work: expire leases, report overdue incomplete groups, compact the log."""
+        """Periodic work: expire leases, report overdue incomplete groups, re-read the admission
+        file (so Stats shows a new scale even while no actor asks for credit), compact the log."""
+        self.admission.maybe_reload()
         now = self.clock()
         with self._cond:
             expired = [b for b, lease in self._leases.items() if lease.deadline < now]
@@ -915,4 +1027,6 @@ class BufferCore:
                 corrupt_log_tails=self.corrupt_tails,
                 full_rejections=self.full_rejections,
                 stored_bytes=self._stored_bytes,
+                admission_scale=self.admission.value,
+                learner_duty_cycle=self.learner_duty_cycle,
             )

@@ -154,7 +154,11 @@ class BufferService:
     def set_policy_version(
         self, request: buffer_pb2.SetPolicyVersionRequest, context: grpc.ServicerContext
     ) -> buffer_pb2.SetPolicyVersionResponse:
-        self.core.set_policy_version(request.policy_version)
+        duty = request.learner_duty_cycle if request.HasField("learner_duty_cycle") else None
+        try:
+            self.core.set_policy_version(request.policy_version, duty)
+        except ValueError as exc:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return buffer_pb2.SetPolicyVersionResponse()
 
     def stats(self, request: buffer_pb2.StatsRequest, context: grpc.ServicerContext) -> buffer_pb2.BufferStats:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -9,6 +11,10 @@ from stoker.spec import RLJobSpec
 
 SyncPolicy = Literal["batch", "none"]
 FailedGroupPolicy = Literal["mask", "discard"]
+
+# Set by the operator on the buffer's container: the mounted ConfigMap file holding
+# ``{"admissionScale": x}`` (see ``stoker.operator.manifests.ADMISSION_FILE``).
+ADMISSION_FILE_ENV = "STOKER_ADMISSION_FILE"
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,10 @@ class BufferSettings:
     dedup_memory: int = 1 << 17
     # Hint sent with RESOURCE_EXHAUSTED (buffer full) and with a zero Acquire grant.
     retry_after_seconds: float = 0.05
+    # The operator's admission control file (JSON ``{"admissionScale": x}``, 0 < x <= 1); None = scale 1.
+    admission_file: str | None = None
+    # How often, at most, the file's mtime is checked (Kubernetes refreshes ConfigMaps in ~1 min).
+    admission_check_seconds: float = 1.0
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [
@@ -56,14 +66,20 @@ class BufferSettings:
             (self.max_trajectory_tokens >= 1, "max_trajectory_tokens: expected >= 1"),
             (self.segment_bytes >= 4096, "segment_bytes: expected >= 4096"),
             (self.max_message_bytes >= 1024, "max_message_bytes: expected >= 1024"),
+            (self.admission_check_seconds >= 0, "admission_check_seconds: expected >= 0"),
         ]
         problems = [message for ok, message in checks if not ok]
         if problems:
             raise ValueError("; ".join(problems))
 
     @classmethod
-    def from_spec(cls, spec: RLJobSpec, **overrides: Any) -> BufferSettings:
-        """Settings for the job's buffer; ``overrides`` replace individual fields (tests, CLI)."""
+    def from_spec(cls, spec: RLJobSpec, *, environ: Mapping[str, str] | None = None, **overrides: Any) -> BufferSettings:
+        """Settings for the job's buffer; ``overrides`` replace individual fields (tests, CLI).
+
+        The admission file is deployment plumbing rather than job configuration, so it comes from
+        ``$STOKER_ADMISSION_FILE`` in ``environ`` (the process environment when None).
+        """
+        env = os.environ if environ is None else environ
         b = spec.buffer
         settings = cls(
             capacity=b.capacity,
@@ -73,5 +89,6 @@ class BufferSettings:
             sync=b.sync,
             failed_group_policy=b.failed_group_policy,
             group_timeout_seconds=b.group_timeout_seconds,
+            admission_file=env.get(ADMISSION_FILE_ENV) or None,
         )
         return replace(settings, **overrides) if overrides else settings

@@ -315,7 +315,7 @@ class BatchSource(Protocol):
 
     def commit(self, batch_id: str) -> Any: ...
 
-    def set_policy_version(self, version: int) -> Any: ...
+    def set_policy_version(self, version: int, duty_cycle: float | None = None) -> Any: ...
 
 
 class Publisher(Protocol):
@@ -540,6 +540,9 @@ class Learner:
                     raise ValueError("no buffer to sample from (and no DPO dataset)")
                 batch = source.sample(max_groups=s.batch_groups, min_groups=s.batch_groups, timeout=s.sample_timeout_s)
                 if batch is None or not getattr(batch, "batch_id", "") or not batch.groups:
+                    if made:
+                        duty.busy_seconds = self.busy_seconds
+                        self._report_idle(source, duty.value)
                     continue
                 batch_id = batch.batch_id
                 metrics = self.train_on(batch.groups)
@@ -551,7 +554,7 @@ class Learner:
             duty.busy_seconds = self.busy_seconds
             metrics["duty_cycle"] = duty.value
             if self.steps % s.publish_interval == 0:
-                self._publish(publisher, source)
+                self._publish(publisher, source, metrics["duty_cycle"])
             if self.steps % s.checkpoint_interval == 0:
                 self.save()
             if sink is not None:
@@ -562,7 +565,8 @@ class Learner:
                 metrics["tokens_per_second"], metrics["duty_cycle"],
             )
         if made:
-            self._publish(publisher, source)
+            duty.busy_seconds = self.busy_seconds
+            self._publish(publisher, source, duty.value)
             self.save()
         if self.checkpointer is not None:
             self.checkpointer.wait()
@@ -596,10 +600,22 @@ class Learner:
             # The lease ran out while we trained; the buffer will hand those groups out again.
             log.warning("commit of batch %s refused (%s); its groups will be delivered again", batch_id, exc)
 
-    def _publish(self, publisher: Publisher | None, source: BatchSource | None) -> None:
-        """Publish the current version's weights (once per version) and report it to the buffer."""
+    def _report_idle(self, source: BatchSource, duty_cycle: float) -> None:
+        """Waiting for data: send the falling duty cycle with the version already reported (never
+        an unpublished one), or the operator's starvation check would keep seeing the value from
+        the last step for as long as the learner is starved."""
+        if self._reported_version >= 0:
+            source.set_policy_version(self._reported_version, duty_cycle=duty_cycle)
+
+    def _publish(self, publisher: Publisher | None, source: BatchSource | None, duty_cycle: float | None = None) -> None:
+        """Publish the current version's weights (once per version) and report it to the buffer,
+        with the duty cycle when there is one (not before the first step: the operator would read
+        a learner that has not started as a starved one)."""
         if publisher is not None and getattr(publisher, "latest_version", -1) < self.version:
             publisher.publish(self.version, self.flat_weights())
         if source is not None and self._reported_version != self.version:
-            source.set_policy_version(self.version)
+            if duty_cycle is None:
+                source.set_policy_version(self.version)
+            else:
+                source.set_policy_version(self.version, duty_cycle=duty_cycle)
             self._reported_version = self.version

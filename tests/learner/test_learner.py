@@ -210,7 +210,7 @@ class ScriptedBuffer:
     def commit(self, batch_id: str) -> None:
         self.committed.append(batch_id)
 
-    def set_policy_version(self, version: int) -> None:
+    def set_policy_version(self, version: int, duty_cycle: float | None = None) -> None:
         self.versions.append(version)
 
 
