@@ -9,7 +9,7 @@ Defaults make a minimal manifest work: ``spec: {}`` is a valid local FrozenLake 
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -91,7 +91,9 @@ class ModelSpec(SpecModel):
 # ----------------------------------------------------------------------------------- algorithm
 
 
-class AlgorithmName(str, Enum):
+class AlgorithmName(StrEnum):
+    """str(AlgorithmName.GRPO) == "grpo", so the default and a parsed value read the same."""
+
     GRPO = "grpo"
     PPO = "ppo"
     DPO = "dpo"

@@ -60,3 +60,14 @@ def test_sandbox_admission_policy_is_valid_and_names_the_managers() -> None:
     account = build_sandbox_manager_account(ctx())[0]
     assert account["metadata"]["name"] == "job-sandbox-manager"
     assert "'-sandbox-manager'" in str(policy["spec"])  # type: ignore[index]
+
+
+def test_patch_is_granted_only_on_children_the_operator_patches() -> None:
+    """Nothing more than used: a child kind gets `patch` exactly when reconcile patches it."""
+    from stoker.operator.reconcile import PATCHABLE_FIELDS
+
+    kinds = {(m["apiVersion"], m["kind"]) for m in desired_children(ctx())}
+    kinds |= {(m["apiVersion"], m["kind"]) for m in desired_children(ctx(learner={"numSlices": 1}))}
+    for api_version, kind in kinds:
+        res = RESOURCES[(api_version, kind)]
+        assert rbac.allows(res.group, res.plural, "patch") == bool(PATCHABLE_FIELDS[kind]), kind

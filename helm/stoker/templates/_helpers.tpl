@@ -83,7 +83,7 @@ are left out. Never add pods/exec, escalate, bind, impersonate or "*".
 # The sandbox manager's ServiceAccount (actors create sandbox pods with it).
 - apiGroups: [""]
   resources: ["serviceaccounts"]
-  verbs: ["create", "get", "patch"]
+  verbs: ["create", "get"]
 # The buffer's write-ahead-log volume.
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
@@ -100,11 +100,11 @@ are left out. Never add pods/exec, escalate, bind, impersonate or "*".
 # The learner without JobSet (Indexed Jobs).
 - apiGroups: ["batch"]
   resources: ["jobs"]
-  verbs: ["create", "delete", "get", "patch"]
+  verbs: ["create", "delete", "get"]
 # The learner on TPU slices (JobSet).
 - apiGroups: ["jobset.x-k8s.io"]
   resources: ["jobsets"]
-  verbs: ["create", "delete", "get", "patch"]
+  verbs: ["create", "delete", "get"]
 # The sandbox manager's Role and RoleBinding, in the job's namespace.
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles"]
