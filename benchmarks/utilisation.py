@@ -29,10 +29,14 @@ from stoker.report import read_jsonl, time_to_reach
 REPO = Path(__file__).resolve().parent.parent
 
 
-def with_latency(manifest: Path, latency: float, out: Path) -> Path:
+def with_latency(manifest: Path, latency: float, concurrency: int | None, out: Path) -> Path:
     doc = yaml.safe_load(manifest.read_text())
     environment = doc.setdefault("spec", {}).setdefault("environment", {})
     environment["stepLatency"] = {"distribution": "fixed", "seconds": latency}
+    if concurrency is not None:
+        # Slow environments need more episodes in flight (docs/sizing.md); sync mode always runs a
+        # whole batch at once, so this only changes what the actors may overlap.
+        doc["spec"].setdefault("actors", {})["concurrency"] = concurrency
     path = out / "job.yaml"
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     return path
@@ -74,10 +78,11 @@ def main() -> int:
     parser.add_argument("--latency", type=float, default=0.5, help="seconds injected per environment step")
     parser.add_argument("--minutes", type=float, default=10.0, help="budget per mode")
     parser.add_argument("--target", type=float, default=0.9, help="rolling success rate to reach")
+    parser.add_argument("--concurrency", type=int, help="episodes per actor (default: the manifest's)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench-utilisation")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    manifest = with_latency(args.manifest, args.latency, args.out)
+    manifest = with_latency(args.manifest, args.latency, args.concurrency, args.out)
     results = {}
     for mode in ("async", "sync"):
         run_dir = args.out / mode
