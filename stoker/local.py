@@ -214,16 +214,26 @@ def wait_for_ready_file(path: Path, child: Child, timeout: float = READY_TIMEOUT
 
 @contextmanager
 def _terminate_on_signals() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt so both stop the run the same orderly way."""
+    """Turn the first SIGINT or SIGTERM into KeyboardInterrupt; ignore the ones after it.
+
+    Both stop the run the same orderly way. A second signal (an impatient Ctrl-C, or a supervisor
+    that signals the whole process tree) must not interrupt that stop halfway, which would leave
+    the remaining children running."""
+    stopping = False
 
     def interrupt(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        if stopping:
+            return
+        stopping = True
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @dataclass

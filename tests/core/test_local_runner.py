@@ -95,3 +95,22 @@ def test_report_is_written_from_partial_records(tmp_path: Path) -> None:
     assert "time to 0.9 success:" in report
     for plot in ("success", "duty_cycle", "buffer_fill", "staleness"):
         assert (tmp_path / "plots" / f"{plot}.png").stat().st_size > 1000
+
+
+def test_a_second_signal_does_not_cut_the_orderly_stop_short() -> None:
+    import signal as signals
+
+    from stoker.local import _terminate_on_signals
+
+    stopped = []
+    with _terminate_on_signals():
+        try:
+            signals.raise_signal(signals.SIGTERM)
+            raise AssertionError("the first signal must interrupt the run")
+        except KeyboardInterrupt:
+            # Stopping the children: an impatient second Ctrl-C (or SIGTERM) is ignored.
+            signals.raise_signal(signals.SIGINT)
+            signals.raise_signal(signals.SIGTERM)
+            stopped.append(True)
+    assert stopped == [True]
+    assert signals.getsignal(signals.SIGINT) is signals.default_int_handler
