@@ -13,16 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-import yaml
-
-from stoker.report import read_jsonl, time_to_reach
-
-REPO = Path(__file__).resolve().parent.parent
+from local_runs import REPO, fresh_run, manifest_variant
 
 
 def main() -> int:
@@ -37,28 +32,18 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
     for seed in args.seeds:
-        doc = yaml.safe_load(args.manifest.read_text())
-        doc["spec"]["seed"] = seed
-        manifest = args.out / f"seed-{seed}.yaml"
-        manifest.write_text(yaml.safe_dump(doc, sort_keys=False))
-        run_dir = args.out / f"seed-{seed}"
-        if run_dir.exists():
-            shutil.rmtree(run_dir)
-        command = [
-            sys.executable, "-m", "stoker.cli", "run", str(manifest), "--mode", args.mode, "--run-dir", str(run_dir),
-            "--max-minutes", str(args.minutes), "--target-success", str(args.target), "--no-progress",
-        ]
-        print(f"$ {' '.join(command)}", file=sys.stderr, flush=True)
-        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise SystemExit(f"seed {seed} failed ({result.returncode}):\n{result.stderr[-3000:]}")
-        metrics = read_jsonl(run_dir / "learner_metrics.jsonl")
-        started = read_jsonl(run_dir / "runs.jsonl")[-1]["started_unix"]
-        reach = time_to_reach([{"time": started}, *metrics], "success_rate", args.target)
+        def with_seed(doc: dict[str, Any], seed: int = seed) -> None:
+            doc["spec"]["seed"] = seed
+
+        manifest = manifest_variant(args.manifest, args.out / f"seed-{seed}.yaml", with_seed)
+        run = fresh_run(
+            manifest, args.out / f"seed-{seed}", "--mode", args.mode,
+            "--max-minutes", str(args.minutes), "--target-success", str(args.target),
+        )
         results[seed] = {
-            "seconds_to_target": reach,
-            "steps": metrics[-1]["step"] if metrics else 0,
-            "final_rolling_success": sum(m.get("success_rate", 0.0) for m in metrics[-10:]) / max(len(metrics[-10:]), 1),
+            "seconds_to_target": run.seconds_to(args.target),
+            "steps": run.steps,
+            "final_rolling_success": run.final_success(),
         }
         print(f"seed {seed}: {json.dumps(results[seed])}", flush=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2))

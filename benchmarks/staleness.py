@@ -18,17 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
+from local_runs import REPO, fresh_run, manifest_variant
 
-from stoker.report import read_jsonl
-
-REPO = Path(__file__).resolve().parent.parent
 CONFIGS = {
     "on-policy (maxStaleness 0)": {"maxStaleness": 0, "importanceCorrection": True},
     "maxStaleness 4, IS correction": {"maxStaleness": 4, "importanceCorrection": True},
@@ -37,30 +32,18 @@ CONFIGS = {
 
 
 def variant(manifest: Path, settings: dict[str, Any], path: Path) -> Path:
-    doc = yaml.safe_load(manifest.read_text())
-    spec = doc.setdefault("spec", {})
-    spec.setdefault("buffer", {})["maxStaleness"] = settings["maxStaleness"]
-    spec.setdefault("algorithm", {})["importanceCorrection"] = settings["importanceCorrection"]
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return path
+    def edit(doc: dict[str, Any]) -> None:
+        doc["spec"].setdefault("buffer", {})["maxStaleness"] = settings["maxStaleness"]
+        doc["spec"].setdefault("algorithm", {})["importanceCorrection"] = settings["importanceCorrection"]
+
+    return manifest_variant(manifest, path, edit)
 
 
 def run(manifest: Path, run_dir: Path, steps: int) -> dict[str, Any]:
-    if run_dir.exists():
-        shutil.rmtree(run_dir)  # a fresh start, not a resume
-    command = [
-        sys.executable, "-m", "stoker.cli", "run", str(manifest), "--run-dir", str(run_dir),
-        "--max-steps", str(steps), "--no-progress",
-    ]
-    print(f"$ {' '.join(command)}", file=sys.stderr, flush=True)
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"run failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    metrics = read_jsonl(run_dir / "learner_metrics.jsonl")
-    last = metrics[-10:]
+    metrics = fresh_run(manifest, run_dir, "--max-steps", str(steps)).metrics
     return {
         "steps": metrics[-1]["step"],
-        "final_success": sum(m.get("success_rate", 0.0) for m in last) / len(last),
+        "final_success": sum(m.get("success_rate", 0.0) for m in metrics[-10:]) / len(metrics[-10:]),
         "staleness_mean": sum(m.get("staleness_mean", 0.0) for m in metrics) / len(metrics),
         "staleness_max": max(m.get("staleness_max", 0.0) for m in metrics),
         "wall_seconds": metrics[-1]["time"] - metrics[0]["time"],

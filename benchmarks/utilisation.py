@@ -17,58 +17,41 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from stoker.report import read_jsonl, time_to_reach
-
-REPO = Path(__file__).resolve().parent.parent
+from local_runs import REPO, fresh_run, manifest_variant
 
 
 def with_latency(manifest: Path, latency: float, concurrency: int | None, out: Path) -> Path:
-    doc = yaml.safe_load(manifest.read_text())
-    environment = doc.setdefault("spec", {}).setdefault("environment", {})
-    environment["stepLatency"] = {"distribution": "fixed", "seconds": latency}
-    if concurrency is not None:
-        # Slow environments need more episodes in flight (docs/sizing.md); sync mode always runs a
-        # whole batch at once, so this only changes what the actors may overlap.
-        doc["spec"].setdefault("actors", {})["concurrency"] = concurrency
-    path = out / "job.yaml"
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return path
+    def edit(doc: dict[str, Any]) -> None:
+        doc["spec"].setdefault("environment", {})["stepLatency"] = {"distribution": "fixed", "seconds": latency}
+        if concurrency is not None:
+            # Slow environments need more episodes in flight (docs/sizing.md); sync mode always runs a
+            # whole batch at once, so this only changes what the actors may overlap.
+            doc["spec"].setdefault("actors", {})["concurrency"] = concurrency
+
+    return manifest_variant(manifest, out / "job.yaml", edit)
 
 
 def run_mode(manifest: Path, mode: str, run_dir: Path, minutes: float, target: float) -> dict[str, Any]:
-    command = [
-        sys.executable, "-m", "stoker.cli", "run", str(manifest), "--mode", mode, "--run-dir", str(run_dir),
-        "--max-minutes", str(minutes), "--target-success", str(target), "--no-progress",
-    ]
-    print(f"$ {' '.join(command)}", file=sys.stderr, flush=True)
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"{mode} run failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    metrics = read_jsonl(run_dir / "learner_metrics.jsonl")
-    buffer = read_jsonl(run_dir / "buffer_stats.jsonl")
-    runs = read_jsonl(run_dir / "runs.jsonl")
-    started = runs[-1]["started_unix"] if runs else metrics[0]["time"]
-    reach = time_to_reach([{"time": started}, *metrics], "success_rate", target)
-    tito = [m["tito_logprob_diff_mean"] for m in metrics if m.get("tito_tokens")]
-    tito_std = [m["tito_logprob_diff_std"] for m in metrics if m.get("tito_tokens")]
+    run = fresh_run(
+        manifest, run_dir, "--mode", mode, "--max-minutes", str(minutes), "--target-success", str(target)
+    )
+    tito = [m["tito_logprob_diff_mean"] for m in run.metrics if m.get("tito_tokens")]
+    tito_std = [m["tito_logprob_diff_std"] for m in run.metrics if m.get("tito_tokens")]
     return {
         "mode": mode,
-        "steps": metrics[-1]["step"] if metrics else 0,
-        "wall_seconds": (metrics[-1]["time"] - started) if metrics else None,
-        "duty_cycle": metrics[-1].get("duty_cycle") if metrics else None,
-        "seconds_to_target": reach,
-        "final_success": sum(m.get("success_rate", 0.0) for m in metrics[-10:]) / max(len(metrics[-10:]), 1),
+        "steps": run.steps,
+        "wall_seconds": run.wall_seconds,
+        "duty_cycle": run.metrics[-1].get("duty_cycle") if run.metrics else None,
+        "seconds_to_target": run.seconds_to(target),
+        "final_success": run.final_success(),
         "tito_logprob_diff_mean": sum(tito) / len(tito) if tito else None,
         "tito_logprob_diff_std": sum(tito_std) / len(tito_std) if tito_std else None,
-        "staleness_histogram": buffer[-1].get("staleness_histogram") if buffer else None,
-        "dropped": buffer[-1].get("dropped") if buffer else None,
+        "staleness_histogram": run.buffer[-1].get("staleness_histogram") if run.buffer else None,
+        "dropped": run.buffer[-1].get("dropped") if run.buffer else None,
     }
 
 
@@ -85,10 +68,7 @@ def main() -> int:
     manifest = with_latency(args.manifest, args.latency, args.concurrency, args.out)
     results = {}
     for mode in ("async", "sync"):
-        run_dir = args.out / mode
-        if run_dir.exists():
-            subprocess.run(["rm", "-rf", str(run_dir)], check=True)  # a fresh start, not a resume
-        results[mode] = run_mode(manifest, mode, run_dir, args.minutes, args.target)
+        results[mode] = run_mode(manifest, mode, args.out / mode, args.minutes, args.target)
         print(json.dumps(results[mode]), flush=True)
     a, s = results["async"], results["sync"]
     print(f"duty cycle: async {a['duty_cycle']:.3f}, sync {s['duty_cycle']:.3f}")

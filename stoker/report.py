@@ -50,13 +50,16 @@ def rolling_mean(values: list[float], window: int) -> list[float]:
     return out
 
 
-def time_to_reach(records: list[dict[str, Any]], key: str, target: float, window: int = 10) -> float | None:
-    """Seconds from the first record until the rolling mean of ``key`` first reaches ``target``."""
+def time_to_reach(
+    records: list[dict[str, Any]], key: str, target: float, window: int = 10, start: float | None = None
+) -> float | None:
+    """Seconds from ``start`` (default: the first record) until the rolling mean of ``key`` first
+    reaches ``target``."""
     points = [(r["time"], float(r[key])) for r in records if key in r and "time" in r]
     if not points:
         return None
     smoothed = rolling_mean([v for _, v in points], window)
-    t0 = records[0]["time"]
+    t0 = records[0]["time"] if start is None else start
     for (moment, _), value in zip(points, smoothed):
         if value >= target:
             return moment - t0
