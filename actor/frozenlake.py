@@ -13,19 +13,23 @@ exactly one sampled token.
 Reward: 1 on reaching the goal, else 0, reported as ``metrics["success"]``. With shaping on, each
 step also earns the potential difference (Ng, Harada & Russell 1999), undiscounted (gamma = 1):
 
-    F(s, s') = Phi(s') - Phi(s),   Phi(s) = -min(d(s), 2n) / (2n),   Phi(hole) = -1,
+    F(s, s') = Phi(s') - Phi(s),   Phi(s) = -min(d(s), 2n) / (2n),
 
-where d(s) is the shortest-path length from s to the goal over non-hole cells and n the map side;
-Phi(goal) = 0. The shaped return telescopes: G = R + Phi(s_T) - Phi(s_0), with R in {0, 1} the
-true reward and s_T the last state. Every Phi is <= 0 with equality only at the goal, and R = 1
-only at the goal, so G <= 1 - Phi(s_0) with equality exactly when the goal is reached: the policies
-that reach the goal remain exactly the optimal ones (the guarantee that matters for the default,
-deterministic lake), while ending closer to the goal is worth more than wandering and a hole is
-worst, which gives a learning signal before the first success. Ng et al.'s "never changes the
-optimal policy" needs equal potentials at all terminal states; holes get the lowest potential
-instead, so on a *slippery* lake, where no policy is sure to succeed, the shaping adds a penalty
-for falling in and may favour a safer path over a likelier one. Within a GRPO group (same map, same
-s_0) the -Phi(s_0) term is shared and cancels in the advantages.
+where n is the map side and d(s) the shortest-path length from s to the goal over non-hole cells;
+a hole counts ``HOLE_STEPS`` (2) steps further than its nearest safe neighbour, so Phi(goal) = 0
+and falling in is always worse than the best safe step from beside the hole. The shaped return
+telescopes: G = R + Phi(s_T) - Phi(s_0), with R in {0, 1} the true reward and s_T the last state.
+Every Phi is <= 0 with equality only at the goal, and R = 1 only at the goal, so G <= 1 - Phi(s_0)
+with equality exactly when the goal is reached: the policies that reach the goal remain exactly
+the optimal ones on the default, deterministic lake (tested by enumerating move sequences). Among
+failures, ending closer to the goal is worth more -- including falling into a hole after some
+progress, which is what gives a map a learning signal while the policy still falls in on it: with
+every hole at one flat, lowest potential, a policy that fell in early on a map could only improve
+by standing still against an edge, and that map stayed unsolved. Ng et al.'s "never changes the
+optimal policy" needs equal potentials at all terminal states, so on a *slippery* lake, where no
+policy is sure to succeed, the shaping may favour a path that gets closer before it risks a hole.
+Within a GRPO group (same map, same s_0) the -Phi(s_0) term is shared and cancels in the
+advantages.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ ACTIONS = ("left", "down", "right", "up")  # gymnasium's action order 0..3
 INSTRUCTION = "reach G and avoid H . you are P . answer with one move : left down right up ."
 INVALID = "invalid move ."
 ROW_END = "|"
+# A hole is shaped as this many steps further from the goal than its nearest safe neighbour.
+HOLE_STEPS = 2
 # Every word an observation can contain; the tokenizer's vocabulary is built from this.
 WORDS: tuple[str, ...] = tuple(
     dict.fromkeys([*INSTRUCTION.split(), *INVALID.split(), ROW_END, "S", "F", "H", "G", "P", *ACTIONS])
@@ -83,12 +89,19 @@ def goal_distances(desc: list[str]) -> np.ndarray:
 def potentials(desc: list[str]) -> np.ndarray:
     """Phi per cell (see the module docstring), flattened in gymnasium's state order."""
     size = len(desc)
-    dist = goal_distances(desc).astype(np.float64)
-    cap = 2.0 * size
-    phi = np.where(dist < 0, -1.0, -np.minimum(dist, cap) / cap)
-    holes = np.array([[cell == "H" for cell in row] for row in desc])
-    phi[holes] = -1.0
-    return phi.reshape(-1)
+    cap = 2 * size
+    dist = goal_distances(desc)
+    steps = np.where(dist < 0, cap, dist)
+    for r, row in enumerate(desc):
+        for c, cell in enumerate(row):
+            if cell == "H":
+                safe = [
+                    dist[r + dr, c + dc]
+                    for dr, dc in ((0, -1), (1, 0), (0, 1), (-1, 0))
+                    if 0 <= r + dr < size and 0 <= c + dc < size and dist[r + dr, c + dc] >= 0
+                ]
+                steps[r, c] = min(safe) + HOLE_STEPS if safe else cap
+    return (-np.minimum(steps, cap) / cap).reshape(-1).astype(np.float64)
 
 
 def render(desc: list[str], state: int) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from stoker.actor.frozenlake import (
@@ -63,13 +65,54 @@ def test_expert_path_succeeds_and_shaped_return_telescopes() -> None:
     assert all(r > 0 for r in rewards)  # every step of a shortest path gets closer
 
 
-def test_hole_is_worst_and_goal_best_under_shaping() -> None:
-    desc = make_map(4, 0.2, 1)
-    phi = potentials(desc)
-    flat = "".join(desc)
-    assert phi[flat.index("G")] == 0.0
-    assert all(phi[i] == -1.0 for i, cell in enumerate(flat) if cell == "H")
-    assert all(-1.0 <= p <= 0.0 for p in phi)
+def test_potentials_are_bounded_and_a_hole_is_below_its_safe_neighbours() -> None:
+    for seed in range(4):
+        desc = make_map(4, 0.2, seed)
+        phi = potentials(desc).reshape(4, 4)
+        assert phi[3, 3] == 0.0 and desc[3][3] == "G"
+        assert ((-1.0 <= phi) & (phi <= 0.0)).all()
+        for r, c in itertools.product(range(4), range(4)):
+            if desc[r][c] != "H":
+                continue
+            safe = [phi[r + dr, c + dc] for dr, dc in ((0, -1), (1, 0), (0, 1), (-1, 0))
+                    if 0 <= r + dr < 4 and 0 <= c + dc < 4 and desc[r + dr][c + dc] != "H"]
+            assert phi[r, c] < max(safe)  # stepping into the hole never beats the best safe step
+
+
+def _shaped_return(seed: int, moves: tuple[str, ...]) -> tuple[float, bool]:
+    env = FrozenLake(FrozenLakeConfig(reward_shaping=True))
+    env.reset(str(seed), seed=0)
+    total, success = 0.0, False
+    for move in moves:
+        result = env.step(move)
+        total += result.reward
+        success = result.observation.info["metrics"]["success"] == 1.0
+        if result.terminated:
+            break
+    return total, success
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_shaping_keeps_the_optimum_exactly_the_goal_reaching_move_sequences(seed: int) -> None:
+    # Every 6-move sequence (a shortest path is 6 moves on these maps): the best shaped return is
+    # reached by exactly the sequences that reach the goal.
+    outcomes = [_shaped_return(seed, moves) for moves in itertools.product(ACTIONS, repeat=6)]
+    best = max(total for total, _ in outcomes)
+    assert any(success for _, success in outcomes)
+    for total, success in outcomes:
+        assert success == (total == pytest.approx(best))
+
+
+def test_progress_before_falling_in_is_worth_more_than_falling_in_at_once() -> None:
+    # Map 0 (SFFF/HHFF/FHHF/HFFG) opens with `right`; the other example maps open with `down`. A
+    # policy that gets two steps right on map 0 before it falls in must score above one that falls
+    # in at once, or that map's GRPO group has no signal (what kept it unsolved before).
+    assert make_map(4, 0.2, 0) == ["SFFF", "HHFF", "FHHF", "HFFG"]
+    fell_at_once, _ = _shaped_return(0, ("down",))
+    fell_later, _ = _shaped_return(0, ("right", "right", "down", "down"))
+    assert fell_later > fell_at_once
+    stalled, _ = _shaped_return(0, ("up",) * 8)  # bumping into the edge for the whole episode
+    assert fell_later > stalled
 
 
 def test_falling_into_a_hole_ends_unsuccessfully() -> None:
