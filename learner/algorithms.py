@@ -8,17 +8,32 @@ predicted from inputs ``<= t``). Conventions shared by all of them:
 ``logprobs``
     log pi_theta(y_t | y_<t) under the parameters being differentiated.
 ``old_logprobs``
-    log pi_old, the proximal policy the clipped ratio is taken against. The learner makes one
-    optimizer update per sampled batch, so it passes ``stop_gradient(logprobs)``: the ratio is 1 at
-    the point where the gradient is taken and clipping only matters to callers that take several
-    steps on one batch. The functions do not assume it.
+    log pi_old, the policy the clipped ratio is taken against, chosen by ``LossConfig.off_policy``:
+
+    "clip" (the default)
+        pi_old = mu, the behaviour policy: the standard PPO surrogate on the sampled data, so the
+        ratio ``pi_theta / mu`` is itself the importance weight, and clipping it is a trust region
+        around the policy that generated the tokens, however many versions ago that was. Tokens the
+        policy has already moved far enough toward (A > 0, ratio > 1 + eps) or away from (A < 0,
+        ratio < 1 - eps) give no gradient, so stale data cannot push a move past where its
+        evidence holds -- the overshoot that makes stale GRPO oscillate. Negative-advantage tokens
+        whose ratio grew beyond ``dual_clip`` are bounded by dual clipping (Ye et al. 2020). The
+        separate weight below is then ``min(mu / mu, cap) = 1``.
+    "decoupled"
+        pi_old = the parameters being trained, held fixed (``stop_gradient(logprobs)``), times the
+        truncated weight below: the *decoupled* objective of Hilton et al. 2021 ("Batch
+        size-invariance for policy optimization") as used by AReaL (Fu et al. 2025). The learner
+        makes one optimizer update per batch, so the ratio is 1 where the gradient is taken, the
+        clip never binds, and nothing limits how far stale data moves the policy (measured: worse
+        than "clip" on stale FrozenLake data, benchmarks/README.md).
+    "none"
+        pi_old = the parameters being trained and no weight: plain policy gradient on stale data.
 ``behaviour_logprobs``
     log mu, what the actor's sampler reported when it generated the token (possibly several policy
-    versions ago). The off-policy correction is the *decoupled* objective of Hilton et al. 2021
-    ("Batch size-invariance for policy optimization") as used by AReaL (Fu et al. 2025): the
-    clipped surrogate against pi_old is multiplied by a truncated importance weight
-    ``w = min(pi_old / mu, cap)`` (Espeholt et al. 2018, IMPALA's truncation), with no gradient
-    through ``w``.
+    versions ago). The separate truncated importance weight is ``w = min(pi_old / mu, cap)``
+    (IMPALA's truncation, Espeholt et al. 2018), with no gradient through ``w``. DPO has no ratio to
+    clip, so the trainer always passes pi_old = the current parameters to it and the weight applies
+    unless ``off_policy`` is "none".
 ``weights``
     per-token aggregation weights; zero on environment/template tokens, padding and stale tokens,
     so those never train. ``aggregation_weights`` builds them for "token-mean" and
@@ -43,6 +58,7 @@ import numpy as np
 
 Array = Any  # a jax.Array or np.ndarray; both are accepted everywhere
 Aggregation = Literal["token-mean", "sequence-mean"]
+OffPolicy = Literal["clip", "decoupled", "none"]
 
 
 @dataclass(frozen=True)
@@ -51,14 +67,24 @@ class LossConfig:
 
     clip_low: float = 0.2
     clip_high: float = 0.2
-    importance_correction: bool = True
+    off_policy: OffPolicy = "clip"
     importance_cap: float = 2.0
+    dual_clip: float = 3.0
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
     value_coef: float = 0.5
     gamma: float = 1.0
     gae_lambda: float = 0.95
     dpo_beta: float = 0.1
+
+    @property
+    def importance_correction(self) -> bool:
+        """Whether ``w = min(pi_old / mu, cap)`` multiplies the loss (every mode but "none")."""
+        return self.off_policy != "none"
+
+    def clips_against_behaviour(self, algorithm: str) -> bool:
+        """Whether the trainer passes mu as ``old_logprobs`` (see the module docstring)."""
+        return self.off_policy == "clip" and algorithm != "dpo"
 
 
 # ----------------------------------------------------------------------------------- helpers
@@ -208,9 +234,17 @@ def stale_tokens(versions: Array, mask: Array, current_version: int, max_stalene
 # ------------------------------------------------------------------------------------- losses
 
 
-def _clipped_surrogate(ratio: jax.Array, advantages: jax.Array, clip_low: float, clip_high: float) -> jax.Array:
-    """min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) (Schulman et al. 2017, eq. 7)."""
-    return jnp.minimum(ratio * advantages, jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages)
+def _clipped_surrogate(ratio: jax.Array, advantages: jax.Array, config: LossConfig) -> jax.Array:
+    """min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) (Schulman et al. 2017, eq. 7), dual-clipped.
+
+    For A < 0 the surrogate is also bounded below by ``dual_clip * A`` (Ye et al. 2020, "Mastering
+    complex control in MOBA games"), so a token the policy now strongly prefers but the data says
+    was bad contributes at most ``dual_clip`` times its advantage instead of an unbounded ratio.
+    """
+    surrogate = jnp.minimum(
+        ratio * advantages, jnp.clip(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high) * advantages
+    )
+    return jnp.where(advantages < 0, jnp.maximum(surrogate, config.dual_clip * advantages), surrogate)
 
 
 def kl_k3(logprobs: Array, ref_logprobs: Array) -> jax.Array:
@@ -255,7 +289,7 @@ def grpo_loss(
     )
     ratio = jnp.exp(jnp.asarray(logprobs) - jax.lax.stop_gradient(jnp.asarray(old_logprobs)))
     adv = jnp.asarray(advantages)
-    per_token = -is_w * _clipped_surrogate(ratio, adv, config.clip_low, config.clip_high)
+    per_token = -is_w * _clipped_surrogate(ratio, adv, config)
     stats["pg_loss"] = jnp.sum(weights * per_token)
     clipped = mask & ((ratio < 1.0 - config.clip_low) | (ratio > 1.0 + config.clip_high))
     stats["ratio_clipped"] = jnp.sum(clipped.astype(jnp.float32))
@@ -330,7 +364,7 @@ def gspo_loss(
     rho = _gather(jnp.exp(mean_log_rho), ids)
     is_w = jnp.minimum(rho, config.importance_cap) if config.importance_correction else jnp.ones_like(rho)
     on = mask > 0
-    per_token = -is_w * _clipped_surrogate(seq_ratio, jnp.asarray(advantages), config.clip_low, config.clip_high)
+    per_token = -is_w * _clipped_surrogate(seq_ratio, jnp.asarray(advantages), config)
     stats: dict[str, jax.Array] = {
         "is_weight_sum": jnp.sum(jnp.where(on, rho, 0.0)),
         "is_weight_max": jnp.max(jnp.where(on, rho, 0.0)),

@@ -94,8 +94,9 @@ class LearnerSettings:
             loss=LossConfig(
                 clip_low=algorithm.clip_epsilon,
                 clip_high=algorithm.clip_epsilon_high or algorithm.clip_epsilon,
-                importance_correction=algorithm.importance_correction,
+                off_policy=algorithm.off_policy_correction,
                 importance_cap=algorithm.importance_cap,
+                dual_clip=algorithm.dual_clip,
                 kl_coef=algorithm.kl_coef,
                 entropy_coef=algorithm.entropy_coef,
                 value_coef=algorithm.value_coef,

@@ -116,7 +116,7 @@ def _per_shard_loss(
     row_base = jnp.arange(rows, dtype=jnp.int32)[:, None] * length
     # Row-local ids are unique within the shard, which is all the segment sums need.
     sequence_ids = jnp.maximum(row_base + batch["segment_ids"] - 1, 0)
-    old = jax.lax.stop_gradient(logp)
+    old = batch["behaviour_logprobs"] if cfg.clips_against_behaviour(options.algorithm) else jax.lax.stop_gradient(logp)
     ref = extras.get("ref_logprobs")
     entropy = extras.get("entropy")
     if options.algorithm == "grpo":

@@ -109,10 +109,19 @@ class AlgorithmSpec(SpecModel):
     clip_epsilon_high: float | None = Field(None, gt=0, description="Upper ratio clip; clipEpsilon when unset.")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference policy (0 disables it).")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus.")
-    importance_correction: bool = Field(
-        True, description="Truncated importance sampling against the behaviour policy's log-probs."
+    off_policy_correction: Literal["clip", "decoupled", "none"] = Field(
+        "clip",
+        description=(
+            "How stale tokens are corrected. clip: PPO's clipped ratio against the sampler's own "
+            "log-probs (a trust region around the policy that generated them); decoupled: AReaL's "
+            "truncated weight min(pi/mu, importanceCap) with the clip around the current policy; "
+            "none: no correction."
+        ),
     )
-    importance_cap: float = Field(2.0, ge=1, description="Truncation cap of the importance weight.")
+    importance_cap: float = Field(2.0, ge=1, description="Truncation cap of the decoupled importance weight (and DPO's).")
+    dual_clip: float = Field(
+        3.0, gt=1, description="Bound on a negative-advantage token's ratio term (dual-clip PPO)."
+    )
     loss_aggregation: Literal["token-mean", "sequence-mean"] = Field(
         "token-mean", description="How per-token losses are averaged."
     )

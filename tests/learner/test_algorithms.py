@@ -84,6 +84,44 @@ def test_grpo_gradient_is_weighted_policy_gradient(maybe_jit: Any) -> None:
     np.testing.assert_allclose(grad, [[-0.5 * 2 * 1.0, -0.5 * 1 * 2.0]], rtol=1e-6)
 
 
+def test_clip_against_behaviour_stops_pushing_a_token_past_the_trust_region(maybe_jit: Any) -> None:
+    """off_policy="clip": old = mu, so the ratio to the sampler's policy is the IS weight, clipped.
+
+    Token 1 (A > 0) was sampled at mu = 0.25 and the policy already moved it to 0.5: ratio 2 > 1.2,
+    so stale data gives it no further push. Token 2 (A > 0, ratio 1.1) still gets r A d log pi.
+    """
+    cfg = LossConfig(off_policy="clip")
+    assert cfg.clips_against_behaviour("grpo") and not cfg.clips_against_behaviour("dpo")
+    logp = a([math.log(0.5), math.log(0.55)])
+    mu = a([math.log(0.25), math.log(0.5)])
+    adv = a([1.0, 1.0])
+    weights = a([0.5, 0.5])
+    grad = maybe_jit(jax.grad(lambda lp: alg.grpo_loss(lp, mu, mu, adv, weights, cfg)[0]))(logp)
+    np.testing.assert_allclose(grad, [[0.0, -0.5 * 1.1 * 1.0]], rtol=1e-5)
+
+
+def test_dual_clip_bounds_a_negative_advantage_token_with_a_large_ratio(maybe_jit: Any) -> None:
+    # A = -1 and ratio 5: plain PPO's term is -min(-5, -1.2) = 5 with gradient 5 d log pi; dual
+    # clipping at 3 bounds it to 3 with no gradient.
+    logp = a([math.log(0.5)])
+    mu = a([math.log(0.1)])
+    adv = a([-1.0])
+    loss_fn = lambda lp, cfg: alg.grpo_loss(lp, mu, mu, adv, jnp.ones_like(lp), cfg)[0]  # noqa: E731
+    assert float(maybe_jit(lambda lp: loss_fn(lp, LossConfig(dual_clip=3.0)))(logp)) == pytest.approx(3.0, rel=1e-5)
+    assert float(maybe_jit(lambda lp: loss_fn(lp, LossConfig(dual_clip=100.0)))(logp)) == pytest.approx(5.0, rel=1e-5)
+    grad = maybe_jit(jax.grad(lambda lp: loss_fn(lp, LossConfig(dual_clip=3.0))))(logp)
+    np.testing.assert_allclose(grad, [[0.0]], atol=1e-7)
+
+
+def test_off_policy_none_applies_no_importance_weight(maybe_jit: Any) -> None:
+    cfg = LossConfig(off_policy="none")
+    assert not cfg.importance_correction and not cfg.clips_against_behaviour("grpo")
+    lp = a([math.log(0.5)])
+    mu = a([math.log(0.1)])  # rho = 5 would be capped at 2 by the decoupled weight
+    grad = maybe_jit(jax.grad(lambda x: alg.grpo_loss(x, jax.lax.stop_gradient(x), mu, a([1.0]), a([1.0]), cfg)[0]))(lp)
+    np.testing.assert_allclose(grad, [[-1.0]], rtol=1e-6)
+
+
 def test_grpo_kl_k3_and_entropy(maybe_jit: Any) -> None:
     logp = a([math.log(0.5)])
     ref = a([math.log(0.25)])

@@ -121,16 +121,27 @@ def test_stale_tokens_never_reach_the_loss(grpo_learner: Learner) -> None:
     assert metrics["staleness_max"] == 0 and learner.version == version + 1
 
 
-def test_importance_weights_report_off_policy_data(grpo_learner: Learner) -> None:
-    learner = grpo_learner
-    groups = bandit_groups(learner, np.random.default_rng(2))
+def _sampler_was_less_sure(groups: list[Group]) -> list[Group]:
     for group in groups:
         for ep in group.episodes:
-            ep.logprobs = ep.logprobs + np.asarray([0, 0, -1.0], np.float32)  # the sampler was less sure
-    metrics = learner.train_on(groups)
+            ep.logprobs = ep.logprobs + np.asarray([0, 0, -1.0], np.float32)
+    return groups
+
+
+def test_decoupled_importance_weights_report_off_policy_data() -> None:
+    learner = Learner(settings(loss=LossConfig(off_policy="decoupled")))
+    metrics = learner.train_on(_sampler_was_less_sure(bandit_groups(learner, np.random.default_rng(2))))
     # rho = pi_old / mu = e^1 > cap 2: every token truncated.
     assert metrics["is_weight_mean"] == pytest.approx(np.e, rel=1e-3)
     assert metrics["is_clipped_fraction"] == 1.0
+
+
+def test_clip_correction_takes_the_ratio_against_the_sampler(grpo_learner: Learner) -> None:
+    learner = grpo_learner  # the default offPolicyCorrection: clip
+    metrics = learner.train_on(_sampler_was_less_sure(bandit_groups(learner, np.random.default_rng(2))))
+    # pi_theta / mu = e^1 is outside [0.8, 1.2] on every token; the separate weight is mu / mu = 1.
+    assert metrics["ratio_clipped_fraction"] == 1.0
+    assert metrics["is_weight_mean"] == pytest.approx(1.0, rel=1e-6)
 
 
 @pytest.mark.slow
