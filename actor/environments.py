@@ -58,6 +58,11 @@ def make_environment(name: str, options: dict[str, Any], workdir: str) -> Enviro
     raise EnvironmentProblem(f"unknown environment {name!r}; expected frozenlake or swe")
 
 
+def uses_workdir(name: str) -> bool:
+    """Whether the named environment touches files, and so needs a private directory per episode."""
+    return name == "swe"
+
+
 def options_json(options: Any) -> str:
     """Spec options (a pydantic model) as the JSON a sandbox Reset carries."""
     return json.dumps(options.model_dump(mode="json", by_alias=True))

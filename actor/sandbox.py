@@ -115,25 +115,30 @@ class InlineEnvironment:
 
 
 def inline_factory(config: SandboxConfig) -> EnvironmentFactory:
-    """Episodes get an in-process environment (see ``InlineEnvironment``)."""
-    from stoker.actor.environments import make_environment
+    """Episodes get an in-process environment (see ``InlineEnvironment``).
+
+    Only environments that touch files get a private directory: creating and removing one per
+    episode was a fifth of an actor's CPU on FrozenLake at high concurrency.
+    """
+    from stoker.actor.environments import make_environment, uses_workdir
 
     async def make() -> EpisodeEnvironment:
-        workdir = tempfile.mkdtemp(prefix="stoker-inline-")
-        env = make_environment(config.environment, json.loads(config.options_json), workdir)
+        workdir = tempfile.mkdtemp(prefix="stoker-inline-") if uses_workdir(config.environment) else None
+        env = make_environment(config.environment, json.loads(config.options_json), workdir or "")
         return _CleanupInline(env, config.step_latency, workdir)
 
     return make
 
 
 class _CleanupInline(InlineEnvironment):
-    def __init__(self, env: Environment, latency: StepLatency, workdir: str):
+    def __init__(self, env: Environment, latency: StepLatency, workdir: str | None):
         super().__init__(env, latency)
         self.workdir = workdir
 
     async def close(self) -> None:
         await super().close()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------- sandboxes

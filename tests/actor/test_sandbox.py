@@ -24,6 +24,7 @@ from stoker.actor.sandbox import (
     SandboxEnvironment,
     SandboxFailed,
     Zygote,
+    inline_factory,
 )
 from stoker.actor.swe import bundled_tasks
 from stoker.actor.tokenization import TextInterface
@@ -144,6 +145,19 @@ async def test_sandbox_exits_when_closed_and_removes_its_directory(lake_config: 
     assert "reach G" in observation.text
     await env.close()
     assert sandbox.returncode is not None and not sandbox.workdir.exists()
+
+
+async def test_inline_environment_gets_a_private_directory_only_when_it_touches_files(
+    lake_config: SandboxConfig, swe_config: SandboxConfig
+) -> None:
+    lake_env = await inline_factory(lake_config)()
+    assert getattr(lake_env, "workdir") is None  # FrozenLake: nothing to create and remove per episode
+    await lake_env.close()
+    swe_env = await inline_factory(swe_config)()
+    workdir = Path(getattr(swe_env, "workdir"))
+    assert workdir.is_dir()
+    await swe_env.close()
+    assert not workdir.exists()
 
 
 def _gone(pid: int) -> bool:
