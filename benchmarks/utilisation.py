@@ -6,9 +6,10 @@ rolling success rate reaches the target or the time budget ends:
 
     .venv/bin/python benchmarks/utilisation.py [--manifest examples/frozenlake.yaml] [--latency 0.5]
                                      [--minutes 10] [--target 0.9] [--out runs/bench-utilisation]
+                                     [--concurrency N] [--staleness S] [--sandbox inline]
 
-Reported per mode: learner duty cycle (time inside train steps / wall time, averaged over the
-run's last record), wall-clock seconds to the target success rate, and for async the
+Reported per mode: learner duty cycle (time inside train steps / wall time: the learner's own
+figure since it started, and the steady state from its first step on), wall-clock seconds to the target success rate, and for async the
 sampler-vs-trainer log-prob difference on same-version tokens and the staleness distribution.
 The ratio async/sync is the figure; absolute times depend on the machine.
 """
@@ -24,15 +25,34 @@ from typing import Any
 from local_runs import REPO, fresh_run, manifest_variant
 
 
-def with_latency(manifest: Path, latency: float, concurrency: int | None, out: Path) -> Path:
+def with_latency(manifest: Path, args: argparse.Namespace) -> Path:
     def edit(doc: dict[str, Any]) -> None:
-        doc["spec"].setdefault("environment", {})["stepLatency"] = {"distribution": "fixed", "seconds": latency}
-        if concurrency is not None:
-            # Slow environments need more episodes in flight (docs/sizing.md); sync mode always runs a
-            # whole batch at once, so this only changes what the actors may overlap.
-            doc["spec"].setdefault("actors", {})["concurrency"] = concurrency
+        spec = doc["spec"]
+        spec.setdefault("environment", {})["stepLatency"] = {"distribution": "fixed", "seconds": args.latency}
+        # Slow environments need more episodes in flight (docs/sizing.md, `stoker audit`), and more
+        # in flight means more policy versions between sampling and training. Sync mode always runs
+        # one batch at a time, on-policy, so these only change what the actors may overlap.
+        if args.concurrency is not None:
+            spec.setdefault("actors", {})["concurrency"] = args.concurrency
+        if args.staleness is not None:
+            spec.setdefault("buffer", {})["maxStaleness"] = args.staleness
+        if args.sandbox is not None:
+            spec["environment"]["sandbox"] = {**spec["environment"].get("sandbox", {}), "kind": args.sandbox}
 
-    return manifest_variant(manifest, out / "job.yaml", edit)
+    return manifest_variant(manifest, args.out / "job.yaml", edit)
+
+
+def steady_duty_cycle(metrics: list[dict[str, Any]]) -> float | None:
+    """Time inside train steps / wall time from the start of the first step to the end of the last.
+
+    The learner's own ``duty_cycle`` counts from its start, so it also charges the wait for the
+    very first batch (actors starting, the first episodes running); this is the steady state.
+    """
+    steps = [m for m in metrics if m.get("trained")]
+    if len(steps) < 2:
+        return None
+    start = steps[0]["time"] - steps[0]["step_seconds"]
+    return sum(m["step_seconds"] for m in steps) / (steps[-1]["time"] - start)
 
 
 def run_mode(manifest: Path, mode: str, run_dir: Path, minutes: float, target: float) -> dict[str, Any]:
@@ -46,6 +66,7 @@ def run_mode(manifest: Path, mode: str, run_dir: Path, minutes: float, target: f
         "steps": run.steps,
         "wall_seconds": run.wall_seconds,
         "duty_cycle": run.metrics[-1].get("duty_cycle") if run.metrics else None,
+        "steady_duty_cycle": steady_duty_cycle(run.metrics),
         "seconds_to_target": run.seconds_to(target),
         "final_success": run.final_success(),
         "tito_logprob_diff_mean": sum(tito) / len(tito) if tito else None,
@@ -62,16 +83,22 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=10.0, help="budget per mode")
     parser.add_argument("--target", type=float, default=0.9, help="rolling success rate to reach")
     parser.add_argument("--concurrency", type=int, help="episodes per actor (default: the manifest's)")
+    parser.add_argument("--staleness", type=int, help="buffer.maxStaleness (default: the manifest's)")
+    parser.add_argument(
+        "--sandbox", choices=("process", "inline"),
+        help="environment.sandbox.kind (default: the manifest's); inline spares a process per episode",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench-utilisation")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    manifest = with_latency(args.manifest, args.latency, args.concurrency, args.out)
+    manifest = with_latency(args.manifest, args)
     results = {}
     for mode in ("async", "sync"):
         results[mode] = run_mode(manifest, mode, args.out / mode, args.minutes, args.target)
         print(json.dumps(results[mode]), flush=True)
     a, s = results["async"], results["sync"]
-    print(f"duty cycle: async {a['duty_cycle']:.3f}, sync {s['duty_cycle']:.3f}")
+    print(f"duty cycle: async {a['duty_cycle']:.3f}, sync {s['duty_cycle']:.3f} "
+          f"(steady state from the first step: async {a['steady_duty_cycle']:.3f}, sync {s['steady_duty_cycle']:.3f})")
     if a["seconds_to_target"] and s["seconds_to_target"]:
         print(f"time to {args.target}: async {a['seconds_to_target']:.0f} s, sync {s['seconds_to_target']:.0f} s, "
               f"speed-up {s['seconds_to_target'] / a['seconds_to_target']:.2f}x")

@@ -15,10 +15,18 @@ continues monotonically after a kill.
 Host-side preparation of one update: episodes -> advantages (GRPO/GSPO group-relative; PPO's GAE
 runs on the device) or DPO pairs -> first-fit-decreasing packing into bucket shapes -> tokens past
 ``buffer.maxStaleness`` masked out -> aggregation weights over the whole batch -> ``Trainer.step``.
+
+A GRPO/GSPO group whose episodes all scored the same carries no policy gradient and is left out
+(DAPO's dynamic-sampling filter, Yu et al. 2025), and a batch of nothing but such groups makes no
+update at all. Training on them anyway gives a step made of the entropy bonus and numerical noise
+that Adam scales up to a full learning-rate step: on FrozenLake a policy that had solved every map
+then drifted off two of them, deterministically, and never came back (groups that all fail the
+same way carry no signal either).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -33,6 +41,7 @@ import numpy as np
 from stoker.learner import algorithms, packing
 from stoker.learner.algorithms import LossConfig
 from stoker.learner.packing import TrainSequence
+from stoker.learner.prefetch import Prefetcher
 from stoker.spec import RLJobSpec, TransformerConfig
 from stoker.trajectory import Episode
 
@@ -188,7 +197,7 @@ class Prepared:
     rewards: list[float]
     episodes: int
     skipped_episodes: int  # failed/empty episodes that never train
-    zero_signal_groups: int = 0  # groups whose rewards were all equal (no GRPO signal)
+    zero_signal_groups: int = 0  # groups whose rewards were all equal (no GRPO signal): left out
     masked_groups: int = 0  # groups holding a failed episode (its ok members still train)
     num_pairs: int = 0
     episode_metrics: dict[str, float] = field(default_factory=dict)
@@ -235,8 +244,11 @@ def prepare_groups(groups: Sequence[GroupLike], algorithm: str) -> Prepared:
             valid[i, : len(episodes)] = 1.0
         advantages = algorithms.group_advantages(dense, valid)
         for i, episodes in enumerate(trainable):
-            if len(episodes) >= 2 and np.ptp(dense[i, : len(episodes)]) == 0:
+            if not episodes:
+                continue
+            if len(episodes) < 2 or np.ptp(dense[i, : len(episodes)]) == 0:
                 prepared.zero_signal_groups += 1
+                continue
             prepared.items.extend([_sequence(e, advantage=float(advantages[i, j]))] for j, e in enumerate(episodes))
     elif algorithm == "ppo":
         prepared.items.extend([_sequence(e)] for episodes in trainable for e in episodes)
@@ -406,7 +418,7 @@ class Learner:
                 "batch had nothing to train on: %d episodes, %d failed or empty, %d groups without reward spread",
                 prepared.episodes, prepared.skipped_episodes, prepared.zero_signal_groups,
             )
-            return {**base, "policy_version": self.version, "trained": 0.0}
+            return {**base, "policy_version": self.version, "step": self.steps, "trained": 0.0}
         micros = packing.pack(items, s.buckets, self.rows)
         trainable, lags, stale = [], [], 0
         for micro in micros:
@@ -420,7 +432,7 @@ class Learner:
         if not any(m.any() for m in trainable):
             # Not even a zero-gradient step: Adam's momentum would still move the parameters.
             log.warning("batch skipped: all %d model tokens are past maxStaleness=%d", stale, s.max_staleness)
-            return {**base, "policy_version": self.version, "trained": 0.0, "stale_tokens": stale}
+            return {**base, "policy_version": self.version, "step": self.steps, "trained": 0.0, "stale_tokens": stale}
         from stoker.learner.train import assign_weights
 
         assign_weights(micros, trainable, s.loss_aggregation)
@@ -531,16 +543,45 @@ class Learner:
         self._skip_reported_versions(source)
         self._publish(publisher, source)
         dataset = self._dataset_batches() if s.algorithm == "dpo" and s.dpo_dataset else None
+        if dataset is None and source is None:
+            raise ValueError("no buffer to sample from (and no DPO dataset)")
+        with contextlib.ExitStack() as cleanup:
+            prefetcher = None
+            if dataset is None:
+                assert source is not None
+                prefetcher = cleanup.enter_context(
+                    Prefetcher(source, max_groups=s.batch_groups, min_groups=s.batch_groups, timeout=s.sample_timeout_s)
+                )
+            made = self._run_steps(source, publisher, dataset, prefetcher, limit, stop, duty, sink)
+        if made:
+            duty.busy_seconds = self.busy_seconds
+            self._publish(publisher, source, duty.value)
+            self.save()
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+        return made
+
+    def _run_steps(
+        self,
+        source: BatchSource | None,
+        publisher: Publisher | None,
+        dataset: Iterator[list[list[TrainSequence]]] | None,
+        prefetcher: Prefetcher | None,
+        limit: int,
+        stop: threading.Event,
+        duty: Any,
+        sink: Any,
+    ) -> int:
+        s = self.settings
         made = 0
         while self.steps < limit and not stop.is_set():
             batch_id = None
             if dataset is not None:
                 metrics = self.train_on_pairs(next(dataset))
             else:
-                if source is None:
-                    raise ValueError("no buffer to sample from (and no DPO dataset)")
-                batch = source.sample(max_groups=s.batch_groups, min_groups=s.batch_groups, timeout=s.sample_timeout_s)
-                if batch is None or not getattr(batch, "batch_id", "") or not batch.groups:
+                assert prefetcher is not None and source is not None
+                batch = prefetcher.get()
+                if batch is None:
                     if made:
                         duty.busy_seconds = self.busy_seconds
                         self._report_idle(source, duty.value)
@@ -550,6 +591,8 @@ class Learner:
             if batch_id is not None and source is not None:
                 self._commit(source, batch_id)
             if not metrics.get("trained"):
+                if sink is not None:
+                    sink.record(metrics)  # its episodes still count toward the success rate
                 continue
             made += 1
             duty.busy_seconds = self.busy_seconds
@@ -565,12 +608,6 @@ class Learner:
                 self.steps, self.version, metrics.get("loss", 0.0), metrics.get("reward_mean", 0.0),
                 metrics["tokens_per_second"], metrics["duty_cycle"],
             )
-        if made:
-            duty.busy_seconds = self.busy_seconds
-            self._publish(publisher, source, duty.value)
-            self.save()
-        if self.checkpointer is not None:
-            self.checkpointer.wait()
         return made
 
     def _skip_reported_versions(self, source: BatchSource | None) -> None:

@@ -39,10 +39,10 @@ def learner() -> Learner:
 
 
 def bandit_group(rng: np.random.Generator, version: int) -> list[Episode]:
-    """Prompt [1, 2] + one token drawn uniformly; reward 1 for token 3."""
+    """Prompt [1, 2] + one token drawn uniformly; rewards alternate 1/0, so every group trains."""
     group_id = uuid.uuid4().hex
     episodes = []
-    for _ in range(GROUP_SIZE):
+    for index in range(GROUP_SIZE):
         token = int(rng.integers(0, 8))
         episodes.append(
             Episode(
@@ -50,7 +50,7 @@ def bandit_group(rng: np.random.Generator, version: int) -> list[Episode]:
                 token_ids=np.asarray([1, 2, token], np.int32), loss_mask=np.asarray([0, 0, 1], np.uint8),
                 logprobs=np.asarray([0, 0, -np.log(8)], np.float32),
                 policy_versions=np.asarray([-1, -1, version], np.int32),
-                reward=float(token == 3), status=1,
+                reward=float(index % 2 == 0), status=1,
             )
         )
     return episodes

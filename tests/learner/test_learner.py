@@ -51,9 +51,12 @@ def next_token_probs(learner: Learner) -> np.ndarray:
     return np.asarray(jax.nn.softmax(logits[0, -1]))
 
 
-def bandit_groups(learner: Learner, rng: np.random.Generator, groups: int = 2, size: int = 8) -> list[Group]:
-    """Episodes PROMPT + one sampled token, reward 1 for GOOD, sampled from the current policy."""
-    probs = next_token_probs(learner)
+def bandit_groups(
+    learner: Learner, rng: np.random.Generator, groups: int = 2, size: int = 8, probs: np.ndarray | None = None
+) -> list[Group]:
+    """Episodes PROMPT + one sampled token, reward 1 for GOOD, sampled from ``probs`` (the current
+    policy when None)."""
+    probs = next_token_probs(learner) if probs is None else probs
     out = []
     for g in range(groups):
         episodes = []
@@ -99,13 +102,20 @@ def grpo_learner() -> Learner:
     return Learner(settings(max_staleness=1))
 
 
+def with_reward_spread(groups: list[Group]) -> list[Group]:
+    """Alternate rewards 0/1 in every group, so that no group is left out for lack of signal."""
+    for group in groups:
+        for j, ep in enumerate(group.episodes):
+            ep.reward = float(j % 2)
+    return groups
+
+
 def test_stale_tokens_never_reach_the_loss(grpo_learner: Learner) -> None:
     learner = grpo_learner
     rng = np.random.default_rng(1)
-    groups = bandit_groups(learner, rng)
-    learner.train_on(bandit_groups(learner, rng))  # Adam now has momentum that a 0-gradient step would apply
-    stale_groups = bandit_groups(learner, rng)
-    fresh_groups = bandit_groups(learner, rng)
+    learner.train_on(with_reward_spread(bandit_groups(learner, rng)))  # Adam now has momentum that a 0-gradient step would apply
+    stale_groups = with_reward_spread(bandit_groups(learner, rng))
+    fresh_groups = with_reward_spread(bandit_groups(learner, rng))
     learner.version += 5  # both batches are now 5 versions old
     for ep in fresh_groups[1].episodes:  # ... except one group, sampled by the current version
         ep.policy_versions = np.where(ep.loss_mask > 0, learner.version, -1).astype(np.int32)
@@ -121,6 +131,31 @@ def test_stale_tokens_never_reach_the_loss(grpo_learner: Learner) -> None:
     assert metrics["staleness_max"] == 0 and learner.version == version + 1
 
 
+def test_groups_without_reward_spread_are_left_out_of_the_update(grpo_learner: Learner) -> None:
+    learner = grpo_learner
+    rng = np.random.default_rng(4)
+    groups = bandit_groups(learner, rng)
+    for group in groups:
+        for ep in group.episodes:
+            ep.reward = 1.0  # every episode solved: nothing to prefer
+    version = learner.version
+    before = jax.tree.map(np.asarray, learner.trainer.params)
+    metrics = learner.train_on(groups)
+    # No step at all: an update made of the entropy bonus and noise, scaled up by Adam, is what
+    # drifted a solved FrozenLake policy off its maps.
+    assert metrics["trained"] == 0 and metrics["zero_signal_groups"] == 2
+    assert learner.version == version and metrics["step"] == learner.steps
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(learner.trainer.params), strict=True):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    groups = bandit_groups(learner, rng)
+    with_reward_spread(groups[:1])  # trains
+    for ep in groups[1].episodes:
+        ep.reward = 0.0  # all failed alike: left out
+    metrics = learner.train_on(groups)
+    assert metrics["trained"] == 1 and metrics["zero_signal_groups"] == 1
+    assert metrics["trained_tokens"] == 8  # one model token per episode of the first group only
+
+
 def _sampler_was_less_sure(groups: list[Group]) -> list[Group]:
     for group in groups:
         for ep in group.episodes:
@@ -130,7 +165,7 @@ def _sampler_was_less_sure(groups: list[Group]) -> list[Group]:
 
 def test_decoupled_importance_weights_report_off_policy_data() -> None:
     learner = Learner(settings(loss=LossConfig(off_policy="decoupled")))
-    metrics = learner.train_on(_sampler_was_less_sure(bandit_groups(learner, np.random.default_rng(2))))
+    metrics = learner.train_on(_sampler_was_less_sure(with_reward_spread(bandit_groups(learner, np.random.default_rng(2)))))
     # rho = pi_old / mu = e^1 > cap 2: every token truncated.
     assert metrics["is_weight_mean"] == pytest.approx(np.e, rel=1e-3)
     assert metrics["is_clipped_fraction"] == 1.0
@@ -138,7 +173,7 @@ def test_decoupled_importance_weights_report_off_policy_data() -> None:
 
 def test_clip_correction_takes_the_ratio_against_the_sampler(grpo_learner: Learner) -> None:
     learner = grpo_learner  # the default offPolicyCorrection: clip
-    metrics = learner.train_on(_sampler_was_less_sure(bandit_groups(learner, np.random.default_rng(2))))
+    metrics = learner.train_on(_sampler_was_less_sure(with_reward_spread(bandit_groups(learner, np.random.default_rng(2)))))
     # pi_theta / mu = e^1 is outside [0.8, 1.2] on every token; the separate weight is mu / mu = 1.
     assert metrics["ratio_clipped_fraction"] == 1.0
     assert metrics["is_weight_mean"] == pytest.approx(1.0, rel=1e-6)
@@ -174,10 +209,10 @@ def test_checkpoint_resume_continues_the_version(tmp_path: Path) -> None:
     first = Learner(settings(tmp_path))
     rng = np.random.default_rng(4)
     for _ in range(3):
-        first.train_on(bandit_groups(first, rng))
+        first.train_on(with_reward_spread(bandit_groups(first, rng)))
     first.save(wait=True)
     probs = next_token_probs(first)
-    groups = bandit_groups(first, np.random.default_rng(5))
+    groups = with_reward_spread(bandit_groups(first, np.random.default_rng(5)))
 
     second = Learner(settings(tmp_path))
     assert second.resumed and second.version == 3 and second.steps == 3
@@ -216,7 +251,11 @@ class ScriptedBuffer:
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(6))
 
     def sample(self, max_groups: int, min_groups: int, timeout: float) -> FakeBatch:
-        return FakeBatch(uuid.uuid4().hex, bandit_groups(self.learner_ref[0], self.rng, groups=max_groups))
+        # Called from the learner's prefetch thread while it trains, so it must not run the model
+        # (a real buffer is another process): a fixed sampling policy stands in for the actors'.
+        uniform = np.full(TINY.vocab_size, 1.0 / TINY.vocab_size)
+        groups = bandit_groups(self.learner_ref[0], self.rng, groups=max_groups, probs=uniform)
+        return FakeBatch(uuid.uuid4().hex, with_reward_spread(groups))
 
     def commit(self, batch_id: str) -> None:
         self.committed.append(batch_id)
@@ -283,7 +322,7 @@ def test_bfloat16_model_keeps_float32_master_weights() -> None:
     leaves = jax.tree.leaves(learner.trainer.params)
     assert all(x.dtype == jnp.float32 for x in leaves)
     before = [np.asarray(x) for x in leaves]
-    learner.train_on(bandit_groups(learner, np.random.default_rng(7)))
+    learner.train_on(with_reward_spread(bandit_groups(learner, np.random.default_rng(7))))
     after = [np.asarray(x) for x in jax.tree.leaves(learner.trainer.params)]
     moved = [np.abs(a - b).max() for a, b in zip(before, after, strict=True)]
     # Adam moves each weight by ~lr = 1e-5, far below bfloat16's spacing near 1 (2^-7): kept in
