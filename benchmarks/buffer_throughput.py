@@ -248,10 +248,12 @@ class CaseResult:
     read_trajectories_per_s: float
     server_cpu_us_per_trajectory: float
     server_system_cpu_us_per_trajectory: float
+    server_switches_per_trajectory: float  # context switches (thread handoffs, blocking calls)
     clients_cpu_us_per_trajectory: float  # writers + reader (the same code for both targets)
     groups_per_sample: float
     stored: int
     read: int
+    full_rejections: int  # Puts the buffer refused as full (each one a wasted transfer); 0 for echo
 
 
 @dataclass
@@ -261,9 +263,22 @@ class Round:
     seconds: float
     server_cpu: float
     server_system_cpu: float  # kernel time: socket I/O, log writes and flushes
+    server_switches: int  # context switches of all the server's threads
     clients_cpu: float
     latencies: list[float]
     groups_per_sample: list[float]
+
+
+def context_switches(pid: int) -> int:
+    """Voluntary and involuntary context switches of every thread of a process, from /proc."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            lines = (task / "status").read_text().splitlines()
+        except OSError:  # the thread ended meanwhile
+            continue
+        total += sum(int(line.split()[1]) for line in lines if "ctxt_switches:" in line)
+    return total
 
 
 def cpu_seconds(pid: int) -> tuple[float, float]:
@@ -375,15 +390,18 @@ class Workers:
             queue.put((address, tag, seconds))
         self.barrier.wait(timeout=READY_TIMEOUT)  # every worker connected: the clock starts
         user_before, system_before = cpu_seconds(pid)
+        switches_before = context_switches(pid)
         collected = [self.results.get(timeout=seconds + 120) for _ in self.processes]
         elapsed = seconds  # each worker counts only what completed inside its window
         user, system = cpu_seconds(pid)
+        switches = context_switches(pid) - switches_before
         return Round(
             stored=sum(n for role, n, _, _ in collected if role == "writer"),
             read=sum(n for role, n, _, _ in collected if role == "reader"),
             seconds=elapsed,
             server_cpu=user - user_before + system - system_before,
             server_system_cpu=system - system_before,
+            server_switches=switches,
             clients_cpu=sum(cpu for _, _, _, cpu in collected),
             latencies=[x for role, _, lat, _ in collected if role == "writer" for x in lat],
             groups_per_sample=[x for role, _, lat, _ in collected if role == "reader" for x in lat],
@@ -398,7 +416,7 @@ class Workers:
                 process.kill()
 
 
-def summarize(target: str, tokens: int, rounds: list[Round]) -> CaseResult:
+def summarize(target: str, tokens: int, rounds: list[Round], full_rejections: int = 0) -> CaseResult:
     stored = sum(r.stored for r in rounds)
     read = sum(r.read for r in rounds)
     elapsed = sum(r.seconds for r in rounds)
@@ -415,10 +433,12 @@ def summarize(target: str, tokens: int, rounds: list[Round]) -> CaseResult:
         read_trajectories_per_s=read / elapsed,
         server_cpu_us_per_trajectory=sum(r.server_cpu for r in rounds) / max(stored, 1) * 1e6,
         server_system_cpu_us_per_trajectory=sum(r.server_system_cpu for r in rounds) / max(stored, 1) * 1e6,
+        server_switches_per_trajectory=sum(r.server_switches for r in rounds) / max(stored, 1),
         clients_cpu_us_per_trajectory=sum(r.clients_cpu for r in rounds) / max(stored, 1) * 1e6,
         groups_per_sample=float(np.mean([x for r in rounds for x in r.groups_per_sample] or [0.0])),
         stored=stored,
         read=read,
+        full_rejections=full_rejections,
     )
 
 
@@ -434,12 +454,23 @@ def run_size(tokens: int, args: argparse.Namespace, work: Path) -> list[CaseResu
             for target in order:
                 process, address = servers[target]
                 rounds[target].append(workers.run_round(address, process.pid, f"r{index}", args.seconds / args.rounds))
+        rejections = {target: full_rejections(target, address) for target, (_, address) in servers.items()}
     finally:
         workers.close()
         for process, _ in servers.values():
             process.terminate()
             process.wait(timeout=30)
-    return [summarize(target, tokens, rounds[target]) for target in args.targets]
+    return [summarize(target, tokens, rounds[target], rejections[target]) for target in args.targets]
+
+
+def full_rejections(target: str, address: str) -> int:
+    """Put batches the buffer refused as full over all rounds (the echo server waits instead)."""
+    if target != "buffer":
+        return 0
+    from stoker.buffer.client import BufferClient
+
+    with BufferClient(address) as client:
+        return int(client.stats().full_rejections)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -482,8 +513,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{result.target:>6} {tokens:>6} tokens: {result.put_trajectories_per_s:9.0f} traj/s "
                     f"{result.put_mb_per_s:8.1f} MB/s  put p50 {result.put_p50_ms:6.2f} ms p99 {result.put_p99_ms:6.2f} ms  "
                     f"read {result.read_trajectories_per_s:9.0f} traj/s  CPU us/traj: server {result.server_cpu_us_per_trajectory:7.1f} "
-                    f"(kernel {result.server_system_cpu_us_per_trajectory:6.1f}) "
-                    f"clients {result.clients_cpu_us_per_trajectory:7.1f}  groups/Sample {result.groups_per_sample:4.1f}",
+                    f"(kernel {result.server_system_cpu_us_per_trajectory:6.1f}, {result.server_switches_per_trajectory:4.2f} switches) "
+                    f"clients {result.clients_cpu_us_per_trajectory:7.1f}  groups/Sample {result.groups_per_sample:4.1f}  "
+                    f"full {result.full_rejections}",
                     flush=True,
                 )
     by_case = {(r.target, r.tokens): r for r in results}

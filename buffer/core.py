@@ -22,9 +22,12 @@ once ``version - v_old > max_staleness``.
 The operator can tighten admission with a scale ``s`` in (0, 1] (``AdmissionScale``, a file it
 writes). It scales the rule's allowance of untrained groups, not what is left of it::
 
-    allowance   = (max_staleness + version + 1) * batch_groups - committed
+    allowance   = (max_staleness + version + 1) * batch_groups - min(committed, version * batch_groups)
     outstanding = ready + leased + in_flight
     credit      = floor(s * allowance) - outstanding
+
+(``min``: a batch the learner commits without making an update leaves the version where it was, so
+its groups must not use up credit; ``version * batch_groups`` is what the updates so far consumed.)
 
 With ``s = 1`` this is the rule above. Scaling the remainder instead would let repeated small
 Acquires creep back to nearly the full allowance (each gets a fraction of what is left), so the
@@ -127,35 +130,6 @@ class PutOutcome:
     @property
     def rejected(self) -> list[tuple[int, str, str]]:
         return [(i, f, m) for i, (c, f, m) in enumerate(self.results) if c == CODE_INVALID_ARGUMENT]
-
-
-@dataclass(eq=False)
-class _PutTicket:
-    """One Put waiting for the log writer."""
-
-    raws: Sequence[bytes | memoryview]
-    client_id: str
-    done: threading.Event = field(default_factory=threading.Event)
-    outcome: PutOutcome | None = None
-    error: Exception | None = None
-
-
-@dataclass(eq=False)
-class _Round:
-    """Puts the log writer has handled together, waiting for the flusher."""
-
-    tickets: list[_PutTicket]
-    admitted: list[tuple[_PutTicket, int]] = field(default_factory=list)  # (ticket, its new trajectories)
-    new: list[tuple[bytes | memoryview, TrajectoryMeta]] = field(default_factory=list)
-    position: Position | None = None  # end of its records in the log
-    error: Exception | None = None
-
-
-def _fail(tickets: Sequence[_PutTicket], error: Exception) -> None:
-    for ticket in tickets:
-        if not ticket.done.is_set():
-            ticket.outcome, ticket.error = None, error
-            ticket.done.set()
 
 
 @dataclass
@@ -314,18 +288,12 @@ class BufferCore:
         self._cond = threading.Condition(self._lock)
         self._groups: dict[str, Group] = {}
         self._live: dict[str, Group] = {}  # episode id -> its group
-        # Puts queue here for the log writer thread, whose rounds queue for the flusher (see ``put``).
-        self._intake: list[_PutTicket] = []
-        self._intake_cond = threading.Condition()
-        self._writer = threading.Thread(target=self._write_loop, name="buffer-log-writer", daemon=True)
-        self._flush_queue: collections.deque[_Round | None] = collections.deque()
-        self._flush_cond = threading.Condition()
-        self._flusher = threading.Thread(target=self._flush_loop, name="buffer-log-flusher", daemon=True)
         # Trajectories written to the log but not yet durable and in the state: they count for
         # duplicates, group sizes and capacity already.
         self._pending_ids: set[str] = set()
         self._pending_groups: collections.Counter[str] = collections.Counter()
         self._ready: collections.deque[Group] = collections.deque()
+        self._sample_waiters: collections.Counter[int] = collections.Counter()  # min_groups -> Samples waiting
         self._leases: dict[str, Lease] = {}
         self._sessions: dict[str, str] = {}  # learner id -> its current session
         self._consumed_episodes = BoundedSet(settings.dedup_memory)
@@ -336,6 +304,7 @@ class BufferCore:
         self._stored_bytes = 0
         self._closed = False
         self._opened = False
+        self._puts_running = 0  # Puts between their admission and their answer; close() waits for them
         self._started = clock()
         # counters since start (committed_groups also survives restarts, for admission)
         self.committed_groups = 0
@@ -380,8 +349,6 @@ class BufferCore:
             self.replayed = self._stored
             self.wal.start((CHECKPOINT, self._checkpoint()))
             self._opened = True
-            self._writer.start()
-            self._flusher.start()
             for group in completed:
                 if self._groups.get(group.group_id) is group and group.state == "incomplete":
                     self._on_complete(group)
@@ -449,16 +416,12 @@ class BufferCore:
         ).SerializeToString()
 
     def close(self) -> None:
-        """Finish the queued Puts, wake every waiting Sample, close the log."""
-        with self._intake_cond:
-            self._closed = True
-            self._intake_cond.notify_all()
+        """Let running Puts finish, wake every waiting Sample, close the log."""
         with self._cond:
+            self._closed = True
             self._cond.notify_all()
-        if self._writer.is_alive():
-            self._writer.join()  # it hands the flusher its last rounds, then an end mark
-        if self._flusher.is_alive():
-            self._flusher.join()
+            while self._puts_running:
+                self._cond.wait()
         self.wal.close()
 
     # ================================================================== Put
@@ -468,201 +431,120 @@ class BufferCore:
 
         Raises ``BufferFull`` (nothing stored), ``BatchTooLarge`` or ``Unavailable``.
 
-        Two threads serve every Put, as a pipeline. The log writer takes all batches queued since
-        its last round, validates them in one pass and appends them with one write; the flusher
-        makes everything written so far durable with one flush, then admits those rounds to the
-        state and answers them. While one round is being flushed the next is validated and
-        written, and under load a round holds many batches, so the per-batch costs (array checks,
-        syscalls, flushes, thread handoffs) are shared.
+        The calling (RPC) thread does all the work itself, so a Put needs no handoff to other
+        threads (each is a wait in the run queue on a busy machine). Concurrent Puts still share
+        flushes: each waits for the first ``fdatasync`` that covers its bytes (group commit in
+        ``Wal.sync``), and validation runs outside the lock while another Put's flush is under way.
+        Between the log write and the flush its trajectories are "pending": they count for
+        duplicates, group sizes and capacity, but are not sampleable yet.
         """
-        ticket = _PutTicket(raws, client_id)
-        with self._intake_cond:
+        checked = validate_batch(raws, self.settings)  # outside the lock: the expensive part
+        with self._cond:
             if self._closed or not self._opened:
                 raise Unavailable("the buffer is shutting down")
-            self._intake.append(ticket)
-            self._intake_cond.notify()
-        ticket.done.wait()
-        if ticket.error is not None:
-            raise ticket.error
-        assert ticket.outcome is not None
-        return ticket.outcome
-
-    def _write_loop(self) -> None:
+            outcome, new = self._admit_batch(raws, checked)
+            outcome.stored = len(new)
+            self._mark_pending(new, +1)
+            self._puts_running += 1
+        logged: Position | None = None  # where its records are, until they are stored
         try:
-            while True:
-                with self._intake_cond:
-                    while not self._intake and not self._closed:
-                        self._intake_cond.wait()
-                    if not self._intake:
-                        return
-                    tickets, self._intake = self._intake, []
-                try:
-                    round_ = self._write_round(tickets)
-                except Exception as exc:  # noqa: BLE001 - a dead writer would hang every later Put; logged
-                    log.exception("log writer round failed")
-                    _fail(tickets, Unavailable(f"internal error: {exc}"))
-                    continue
-                with self._flush_cond:
-                    self._flush_queue.append(round_)
-                    self._flush_cond.notify()
+            try:
+                if new:
+                    logged = self.wal.append(PUT, [raw for raw, _ in new], pin=True)
+                # Even a batch of duplicates waits for a flush: their originals may still be pending.
+                self.wal.sync(logged or self.wal.written)
+            except WalError as exc:
+                raise Unavailable(str(exc)) from exc
+            with self._cond:
+                self._mark_pending(new, -1)
+                durable, segment = new, logged[0] if logged else 0
+                new, logged = [], None  # no longer pending: nothing for _end_put to take back
+                self._store(durable, segment, client_id)
+                if self.wal.active_size() > self.settings.segment_bytes:
+                    self._rotate()
+            return outcome
         finally:
-            with self._flush_cond:
-                self._flush_queue.append(None)  # end mark for the flusher
-                self._flush_cond.notify()
+            self._end_put(new, logged)
 
-    def _write_round(self, tickets: list[_PutTicket]) -> _Round:
-        """Validate, admit and append one round of Puts (not yet durable)."""
-        checked = validate_batch([raw for t in tickets for raw in t.raws], self.settings)
-        round_ = _Round(tickets)
-        with self._lock:
-            in_batch: set[str] = set()
-            batch_groups: dict[str, tuple[int, int]] = {}  # group id -> (episodes in this round, size)
-            held = self._stored + len(self._pending_ids)
-            offset = 0
-            for ticket in tickets:
-                results = checked[offset : offset + len(ticket.raws)]
-                offset += len(ticket.raws)
-                outcome, ticket_new, undo = self._admit(ticket, results, in_batch, batch_groups)
-                problem: Exception | None = None
-                if len(ticket_new) > self.settings.capacity:
-                    problem = BatchTooLarge(
-                        f"trajectories: {len(ticket_new)} new trajectories in one batch; the buffer holds at most "
-                        f"{self.settings.capacity} (buffer.capacity): send smaller batches"
-                    )
-                elif held + len(ticket_new) > self.settings.capacity:
-                    self.full_rejections += 1
-                    problem = BufferFull(
-                        f"buffer full: {held} of {self.settings.capacity} trajectories held; "
-                        f"retry after {self.settings.retry_after_seconds:g}s",
-                        self.settings.retry_after_seconds,
-                    )
-                if problem is not None:
-                    undo()
-                    ticket.error = problem
-                    continue
-                for code, name, _ in outcome.results:
-                    if code == CODE_INVALID_ARGUMENT:
-                        self.rejected[name] += 1
-                self.duplicates_total += outcome.duplicates
-                held += len(ticket_new)
-                ticket.outcome = outcome
-                round_.new += ticket_new
-                round_.admitted.append((ticket, len(ticket_new)))
-            for _, meta in round_.new:
+    def _end_put(self, unstored: Sequence[tuple[bytes | memoryview, TrajectoryMeta]], logged: Position | None) -> None:
+        """Take back what a Put admitted but never stored (it failed), and let ``close`` go on."""
+        with self._cond:
+            self._mark_pending(unstored, -1)
+            if logged is not None:
+                self.wal.unpin(logged[0], len(unstored), sum(HEADER.size + len(raw) for raw, _ in unstored))
+            self._puts_running -= 1
+            if self._closed and not self._puts_running:
+                self._cond.notify_all()
+
+    def _admit_batch(
+        self, raws: Sequence[bytes | memoryview], checked: Sequence[TrajectoryMeta | Invalid]
+    ) -> tuple[PutOutcome, list[tuple[bytes | memoryview, TrajectoryMeta]]]:
+        """Sort a batch into new, duplicate and invalid, and check it fits (caller holds the lock)."""
+        outcome, new = self._admit(raws, checked)
+        if len(new) > self.settings.capacity:
+            raise BatchTooLarge(
+                f"trajectories: {len(new)} new trajectories in one batch; the buffer holds at most "
+                f"{self.settings.capacity} (buffer.capacity): send smaller batches"
+            )
+        held = self._stored + len(self._pending_ids)
+        if held + len(new) > self.settings.capacity:
+            self.full_rejections += 1
+            raise BufferFull(
+                f"buffer full: {held} of {self.settings.capacity} trajectories held; "
+                f"retry after {self.settings.retry_after_seconds:g}s",
+                self.settings.retry_after_seconds,
+            )
+        for code, name, _ in outcome.results:
+            if code == CODE_INVALID_ARGUMENT:
+                self.rejected[name] += 1
+        self.duplicates_total += outcome.duplicates
+        return outcome, new
+
+    def _mark_pending(self, new: Sequence[tuple[bytes | memoryview, TrajectoryMeta]], step: int) -> None:
+        """Count (``+1``) or uncount (``-1``) trajectories written but not yet durable."""
+        for _, meta in new:
+            if step > 0:
                 self._pending_ids.add(meta.episode_id)
                 self._pending_groups[meta.group_id] += 1
-        if round_.new:
-            try:
-                round_.position = self.wal.append(PUT, [raw for raw, _ in round_.new], pin=True)
-            except WalError as exc:
-                round_.error = Unavailable(str(exc))
-        return round_
+            else:
+                self._pending_ids.discard(meta.episode_id)
+                self._pending_groups[meta.group_id] -= 1
+                if self._pending_groups[meta.group_id] <= 0:
+                    del self._pending_groups[meta.group_id]
 
-    def _flush_loop(self) -> None:
-        while True:
-            with self._flush_cond:
-                while not self._flush_queue:
-                    self._flush_cond.wait()
-                rounds = list(self._flush_queue)
-                self._flush_queue.clear()
-            done = rounds[-1] is None
-            batch = [r for r in rounds if r is not None]
-            try:
-                self._flush_rounds(batch)
-            except Exception as exc:  # noqa: BLE001 - a dead flusher would hang every later Put; logged
-                log.exception("log flush failed")
-                for round_ in batch:
-                    _fail(round_.tickets, Unavailable(f"internal error: {exc}"))
-            if done:
-                return
-
-    def _flush_rounds(self, rounds: list[_Round]) -> None:
-        """One flush for every round written so far; then admit them in order and answer them."""
-        positions = [r.position for r in rounds if r.position is not None and r.error is None]
-        flush_error: Exception | None = None
-        if self.wal.broken:
-            # Even a round of duplicates must not be acknowledged: their originals may be lost.
-            flush_error = Unavailable(f"write-ahead log unusable: {self.wal.broken}")
-        elif positions:
-            try:
-                self.wal.sync(max(positions))
-            except WalError as exc:
-                flush_error = Unavailable(str(exc))
-        now = self.clock()
-        with self._cond:
-            for round_ in rounds:
-                error = round_.error or flush_error
-                for raw, meta in round_.new:
-                    self._pending_ids.discard(meta.episode_id)
-                    self._pending_groups[meta.group_id] -= 1
-                    if self._pending_groups[meta.group_id] <= 0:
-                        del self._pending_groups[meta.group_id]
-                if error is not None:
-                    # Every admitted batch fails, even one whose trajectories were all duplicates of
-                    # others in this round: those were not stored either.
-                    if round_.position is not None:
-                        nbytes = sum(HEADER.size + len(raw) for raw, _ in round_.new)
-                        self.wal.unpin(round_.position[0], len(round_.new), nbytes)
-                    for ticket, _ in round_.admitted:
-                        ticket.outcome, ticket.error = None, error
-                    continue
-                metas = iter(round_.new)
-                for ticket, count in round_.admitted:
-                    for _ in range(count):
-                        raw, meta = next(metas)
-                        assert round_.position is not None
-                        group = self._insert(Entry(meta, raw, round_.position[0]))
-                        self.per_actor[meta.actor_id or ticket.client_id or "unknown"] += 1
-                        if len(group.entries) >= group.size:
-                            self._on_complete(group)
-                    assert ticket.outcome is not None
-                    ticket.outcome.stored = count
-                self.accepted_total += len(round_.new)
-                self._put_rate.add(now, len(round_.new))
-            if self.wal.active_size() > self.settings.segment_bytes:
-                self._rotate()
-        for round_ in rounds:
-            for ticket in round_.tickets:
-                ticket.done.set()
+    def _store(self, new: Sequence[tuple[bytes | memoryview, TrajectoryMeta]], segment: int, client_id: str) -> None:
+        """Durable trajectories join their groups (caller holds the lock)."""
+        for raw, meta in new:
+            group = self._insert(Entry(meta, raw, segment))
+            self.per_actor[meta.actor_id or client_id or "unknown"] += 1
+            if len(group.entries) >= group.size:
+                self._on_complete(group)
+        self.accepted_total += len(new)
+        self._put_rate.add(self.clock(), len(new))
 
     def _admit(
-        self,
-        ticket: _PutTicket,
-        checked: Sequence[TrajectoryMeta | Invalid],
-        in_batch: set[str],
-        batch_groups: dict[str, tuple[int, int]],
-    ) -> tuple[PutOutcome, list[tuple[bytes | memoryview, TrajectoryMeta]], Callable[[], None]]:
-        """Sort one batch's trajectories into new, duplicate and refused (caller holds the lock);
-        also returns how to take back its marks in ``in_batch``/``batch_groups``."""
-        outcome = PutOutcome(results=[(CODE_OK, "", "")] * len(ticket.raws))
+        self, raws: Sequence[bytes | memoryview], checked: Sequence[TrajectoryMeta | Invalid]
+    ) -> tuple[PutOutcome, list[tuple[bytes | memoryview, TrajectoryMeta]]]:
+        """Sort one batch's trajectories into new, duplicate and refused (caller holds the lock)."""
+        outcome = PutOutcome(results=[(CODE_OK, "", "")] * len(raws))
         new: list[tuple[bytes | memoryview, TrajectoryMeta]] = []
-        marked: list[tuple[str, str, tuple[int, int] | None]] = []
-        for index, (raw, meta) in enumerate(zip(ticket.raws, checked, strict=True)):
+        in_batch: set[str] = set()
+        batch_groups: dict[str, tuple[int, int]] = {}  # group id -> (episodes earlier in this batch, size)
+        for index, (raw, meta) in enumerate(zip(raws, checked, strict=True)):
             if isinstance(meta, Invalid):
                 outcome.results[index] = (CODE_INVALID_ARGUMENT, meta.field, meta.message)
                 continue
             problem = self._admission_problem(meta, in_batch, batch_groups)
             if problem is None:
-                previous = batch_groups.get(meta.group_id)
-                count = previous[0] if previous else 0
+                count = batch_groups.get(meta.group_id, (0, 0))[0]
                 in_batch.add(meta.episode_id)
                 batch_groups[meta.group_id] = (count + 1, meta.group_size)
-                marked.append((meta.episode_id, meta.group_id, previous))
                 new.append((raw, meta))
             elif problem[0] == CODE_OK:
                 outcome.duplicates += 1
             else:
                 outcome.results[index] = problem
-
-        def undo() -> None:
-            for episode_id, group_id, previous in reversed(marked):
-                in_batch.discard(episode_id)
-                if previous is None:
-                    del batch_groups[group_id]
-                else:
-                    batch_groups[group_id] = previous
-
-        return outcome, new, undo
+        return outcome, new
 
     def _admission_problem(
         self, meta: TrajectoryMeta, in_batch: set[str], batch_groups: dict[str, tuple[int, int]]
@@ -723,19 +605,27 @@ class BufferCore:
         else:
             group.state = "ready"
             self._ready.append(group)
-            self._cond.notify_all()
+            # Wake Samples only once one of them can return: waking a learner that wants 8 groups
+            # for each of them costs two thread switches per group for nothing.
+            if self._sample_waiters and len(self._ready) >= min(self._sample_waiters):
+                self._cond.notify_all()
 
     # ================================================================== consumption
 
     def _forget(self, group: Group) -> None:
         """Remove a consumed group from memory (its consumption is already logged)."""
         del self._groups[group.group_id]
+        released: collections.Counter[int] = collections.Counter()  # segment -> record bytes
+        counts: collections.Counter[int] = collections.Counter()  # segment -> records
         for episode_id, entry in group.entries.items():
             del self._live[episode_id]
             self._consumed_episodes.add(episode_id)
-            self.wal.unpin(entry.segment, 1, entry.record_bytes)
-            self._stored -= 1
+            released[entry.segment] += entry.record_bytes
+            counts[entry.segment] += 1
             self._stored_bytes -= len(entry.raw)
+        self._stored -= len(group.entries)
+        for segment, nbytes in released.items():  # one log call per segment, not per trajectory
+            self.wal.unpin(segment, counts[segment], nbytes)
         self._consumed_groups.add(group.group_id)
 
     def _log_consume(self, groups: Sequence[Group], reason: str) -> Position:
@@ -778,11 +668,8 @@ class BufferCore:
         deadline = time.monotonic() + max(0.0, timeout)
         with self._cond:
             self._touch(learner_id, session_id)
-            while len(self._ready) < min_groups:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._closed:
-                    return None
-                self._cond.wait(remaining)
+            if not self._wait_ready(min_groups, deadline):
+                return None
             now = self.clock()
             groups: list[Group] = []
             # Stay under the message size limit (with room for framing); one group always goes.
@@ -812,6 +699,21 @@ class BufferCore:
                 [(g.group_id, [e.raw for e in g.entries.values()], g.masked) for g in groups],
                 self.policy_version,
             )
+
+    def _wait_ready(self, count: int, deadline: float) -> bool:
+        """Wait (holding ``_cond``) until ``count`` groups are ready; False at the deadline or close."""
+        self._sample_waiters[count] += 1
+        try:
+            while len(self._ready) < count:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._closed:
+                    return False
+                self._cond.wait(remaining)
+            return True
+        finally:
+            self._sample_waiters[count] -= 1
+            if not self._sample_waiters[count]:
+                del self._sample_waiters[count]
 
     def _touch(self, learner_id: str, session_id: str) -> None:
         """A call from a learner: extend its leases; a new session means it restarted."""
@@ -891,7 +793,13 @@ class BufferCore:
 
     def _credit(self) -> int:
         """``floor(s * allowance) - outstanding`` (module docstring); may be negative."""
-        allowance = (self.settings.max_staleness + self.policy_version + 1) * self.settings.batch_groups - self.committed_groups
+        b = self.settings.batch_groups
+        # Only groups of batches that moved the learner count: a batch it committed without an
+        # update (every group already solved, every token past maxStaleness) did not advance the
+        # version, and counting it would shrink the credit for good -- the actors would stop while
+        # the learner waits for data, each for the other.
+        trained = min(self.committed_groups, self.policy_version * b)
+        allowance = (self.settings.max_staleness + self.policy_version + 1) * b - trained
         outstanding = len(self._ready) + sum(len(lease.groups) for lease in self._leases.values()) + self._in_flight
         return math.floor(self.admission.value * allowance) - outstanding
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import cast
+from typing import NamedTuple, cast
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -24,15 +23,16 @@ def parse(raw: bytes | memoryview) -> trajectory_pb2.Trajectory:
 # Trajectories at least this long are validated without copying their arrays (see validate_batch).
 LONG_TOKENS = 4096
 _BYTES_PER_TOKEN = sum(dtype.itemsize for _, dtype in TOKEN_ARRAYS)
+_ID_SIZE = dict(TOKEN_ARRAYS)["token_ids"].itemsize
 _ARRAY_FIELDS = frozenset({7, 8, 9, 10})  # token_ids, loss_mask, logprobs, policy_versions
 
 OK_STATUSES = (trajectory_pb2.EPISODE_STATUS_OK, trajectory_pb2.EPISODE_STATUS_TRUNCATED)
 FAILED_STATUSES = (trajectory_pb2.EPISODE_STATUS_FAILED, trajectory_pb2.EPISODE_STATUS_TIMEOUT)
 
 
-@dataclass(frozen=True, slots=True)
-class TrajectoryMeta:
-    """What the buffer keeps in memory besides the raw bytes."""
+class TrajectoryMeta(NamedTuple):
+    """What the buffer keeps in memory besides the raw bytes (a tuple: built once per trajectory
+    on the Put path, where a frozen dataclass's ``__init__`` costs several times as much)."""
 
     episode_id: str
     group_id: str
@@ -132,6 +132,28 @@ def _scalar_problem(message: trajectory_pb2.Trajectory, settings: BufferSettings
     return None
 
 
+def _scalars_plainly_ok(m: trajectory_pb2.Trajectory, settings: BufferSettings) -> bool:
+    """True when ``_check_scalars`` would pass, checked in one expression (the batch path's common
+    case; any False goes to the per-item checks, which name the field)."""
+    limit = settings.max_id_length
+    return bool(
+        m.episode_id
+        and m.group_id
+        and len(m.episode_id) <= limit
+        and len(m.group_id) <= limit
+        and len(m.task_id) <= limit
+        and len(m.actor_id) <= limit
+        and len(m.status_reason) <= settings.max_text_length
+        and m.group_size >= 1
+        and (not settings.group_size or m.group_size == settings.group_size)
+        and m.num_tokens <= settings.max_trajectory_tokens
+        and len(m.turn_rewards) <= settings.max_trajectory_tokens
+        and len(m.metrics) <= settings.max_metrics
+        and math.isfinite(m.reward)
+        and (not m.turn_rewards or bool(np.isfinite(np.asarray(m.turn_rewards, LOGPROB_DTYPE)).all()))
+    )
+
+
 def validate_batch(raws: Sequence[bytes | memoryview], settings: BufferSettings) -> list[TrajectoryMeta | Invalid]:
     """``validate`` for a whole Put batch: the same answer for every item, but the array checks run
     once over the batch's concatenated arrays instead of once per trajectory, which is most of the
@@ -144,37 +166,49 @@ def validate_batch(raws: Sequence[bytes | memoryview], settings: BufferSettings)
     if raws and sum(len(raw) for raw in raws) >= LONG_TOKENS * _BYTES_PER_TOKEN * len(raws):
         return [_validate_long(raw, settings) for raw in raws]
     messages: list[trajectory_pb2.Trajectory] = []
+    masks: list[bytes] = []
+    logprobs: list[bytes] = []
+    versions: list[bytes] = []
     for raw in raws:
         try:
             message = parse(raw)
         except DecodeError:
             return [_validate_or_invalid(raw, settings) for raw in raws]
+        n = message.num_tokens
+        # Each array is read once: every read of a bytes field makes a new copy.
+        mask, logprob, version = message.loss_mask, message.logprobs, message.policy_versions
         if (
             message.status == trajectory_pb2.EPISODE_STATUS_UNSPECIFIED
-            or not message.num_tokens
-            or _scalar_problem(message, settings) is not None
-            or not _lengths_ok(message)
+            or not n
+            or not _scalars_plainly_ok(message, settings)
+            or len(message.token_ids) != n * _ID_SIZE
+            or len(mask) != n * MASK_DTYPE.itemsize
+            or len(logprob) != n * LOGPROB_DTYPE.itemsize
+            or len(version) != n * VERSION_DTYPE.itemsize
         ):
             return [_validate_or_invalid(raw, settings) for raw in raws]
         messages.append(message)
+        masks.append(mask)
+        logprobs.append(logprob)
+        versions.append(version)
     if not messages:
         return []
     sizes = np.fromiter((m.num_tokens for m in messages), np.int64, len(messages))
     starts = np.zeros(len(messages), np.int64)
     np.cumsum(sizes[:-1], out=starts[1:])
-    mask = np.frombuffer(b"".join([m.loss_mask for m in messages]), MASK_DTYPE)
-    logprobs = np.frombuffer(b"".join([m.logprobs for m in messages]), LOGPROB_DTYPE)
-    versions = np.frombuffer(b"".join([m.policy_versions for m in messages]), VERSION_DTYPE)
-    sampled = mask.view(bool)
-    model_tokens = np.add.reduceat(mask, starts, dtype=np.int64)
+    mask_all = np.frombuffer(b"".join(masks), MASK_DTYPE)
+    logprobs_all = np.frombuffer(b"".join(logprobs), LOGPROB_DTYPE)
+    versions_all = np.frombuffer(b"".join(versions), VERSION_DTYPE)
+    sampled = mask_all.view(bool)
+    model_tokens = np.add.reduceat(mask_all, starts, dtype=np.int64)
     failed = np.fromiter((m.status in FAILED_STATUSES for m in messages), bool, len(messages))
     ok = (
-        mask.max() <= 1
+        mask_all.max() <= 1
         and bool((model_tokens > 0)[~failed].all())
-        and bool(np.isfinite(logprobs).all())
-        and not bool((logprobs[sampled] > 0).any())
+        and bool(np.isfinite(logprobs_all).all())
+        and not bool((logprobs_all[sampled] > 0).any())
     )
-    oldest = np.minimum.reduceat(np.where(sampled, versions, np.iinfo(np.int32).max), starts)
+    oldest = np.minimum.reduceat(np.where(sampled, versions_all, np.iinfo(np.int32).max), starts)
     if not ok or bool((oldest < 0).any()):
         return [_validate_or_invalid(raw, settings) for raw in raws]
     return [
@@ -215,11 +249,6 @@ def _validate_long(raw: bytes | memoryview, settings: BufferSettings) -> Traject
     if oldest is not None and oldest < 0:
         return _validate_or_invalid(raw, settings)
     return _meta(message, oldest)
-
-
-def _lengths_ok(message: trajectory_pb2.Trajectory) -> bool:
-    n = message.num_tokens
-    return all(len(getattr(message, name)) == n * dtype.itemsize for name, dtype in TOKEN_ARRAYS)
 
 
 def _validate_or_invalid(raw: bytes | memoryview, settings: BufferSettings) -> TrajectoryMeta | Invalid:

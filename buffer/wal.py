@@ -286,6 +286,12 @@ class Wal:
         self.sync(position)
 
     @property
+    def written(self) -> Position:
+        """The end of everything appended so far (durable once ``sync`` of it returns)."""
+        with self._lock:
+            return self._written
+
+    @property
     def broken(self) -> str | None:
         """Why the log refuses writes (after a failed flush), or None."""
         return self._broken

@@ -28,6 +28,8 @@ class WireError(ValueError):
 
 def encode_varint(value: int) -> bytes:
     """Base-128 varint; negative numbers as 64-bit two's complement (protobuf int64)."""
+    if 0 <= value < 0x4000:  # most lengths and tags: one or two bytes, without the loop
+        return bytes((value,)) if value < 0x80 else bytes((value & 0x7F | 0x80, value >> 7))
     if value < 0:
         value += 1 << 64
     out = bytearray()
@@ -115,7 +117,11 @@ def len_fields(data: bytes | memoryview, numbers: frozenset[int]) -> dict[int, m
 
 def len_field(number: int, payload: bytes | memoryview) -> list[bytes | memoryview]:
     """The chunks of one length-delimited field (join them; the payload is not copied here)."""
-    return [encode_varint(number << 3 | LEN) + encode_varint(len(payload)), payload]
+    tag = _TAGS[number] if number < len(_TAGS) else encode_varint(number << 3 | LEN)
+    return [tag + encode_varint(len(payload)), payload]
+
+
+_TAGS = [encode_varint(number << 3 | LEN) for number in range(16)]  # tags of fields 0-15 are one byte
 
 
 def encode_group(group_id: str, trajectories: Sequence[bytes | memoryview], masked: bool) -> list[bytes | memoryview]:

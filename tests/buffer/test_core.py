@@ -357,3 +357,47 @@ def test_concurrent_overlapping_puts_store_each_episode_once(
     while (batch := core.sample(100, 1, 0)) is not None:
         delivered += [trajectory_pb2.Trajectory.FromString(bytes(r)).episode_id for _, rs, _ in batch.groups for r in rs]
     assert sorted(delivered) == sorted(e.episode_id for g in groups for e in g)
+
+
+def test_a_put_whose_flush_fails_is_refused_and_leaves_nothing_behind(
+    tmp_path: Path, settings: BufferSettings, make_group: Groups, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import stoker.buffer.wal as wal_module
+    from stoker.buffer.core import Unavailable
+
+    core = open_core(tmp_path, settings)
+    group = make_group(2)
+
+    def failing_disk(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(wal_module.os, "fdatasync", failing_disk)
+    with pytest.raises(Unavailable, match="flush failed"):
+        put(core, group)
+    # Not stored, not pending: the episodes are neither sampleable nor taken for duplicates, and
+    # the log refuses further writes rather than acknowledge anything after a failed flush.
+    stats = core.stats()
+    assert stats.stored_trajectories == 0 and stats.complete_groups == 0
+    with pytest.raises(Unavailable, match="unusable"):
+        put(core, group)
+    assert not core._pending_ids and not core._pending_groups and core._puts_running == 0
+    core.close()  # returns: no Put is left running
+
+
+def test_a_waiting_sample_returns_as_soon_as_enough_groups_are_complete(
+    tmp_path: Path, settings: BufferSettings, make_group: Groups
+) -> None:
+    import threading
+
+    core = open_core(tmp_path, settings)
+    result: list[object] = []
+    waiting = threading.Thread(target=lambda: result.append(core.sample(3, 3, timeout=30)))
+    waiting.start()
+    for _ in range(3):
+        put(core, make_group(2))
+    waiting.join(timeout=30)
+    assert not waiting.is_alive(), "the Sample was not woken when its third group completed"
+    batch = result[0]
+    assert batch is not None and len(batch.groups) == 3  # type: ignore[attr-defined]
+    core.close()
+
