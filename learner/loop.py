@@ -21,7 +21,9 @@ A GRPO/GSPO group whose episodes all scored the same carries no policy gradient 
 update at all. Training on them anyway gives a step made of the entropy bonus and numerical noise
 that Adam scales up to a full learning-rate step: on FrozenLake a policy that had solved every map
 then drifted off two of them, deterministically, and never came back (groups that all fail the
-same way carry no signal either).
+same way carry no signal either). Such a batch still counts as a step (``steps`` counts batches
+consumed, ``version`` counts updates), so ``maxSteps`` ends a run whose policy has nothing left
+to learn.
 """
 
 from __future__ import annotations
@@ -418,6 +420,7 @@ class Learner:
                 "batch had nothing to train on: %d episodes, %d failed or empty, %d groups without reward spread",
                 prepared.episodes, prepared.skipped_episodes, prepared.zero_signal_groups,
             )
+            self.steps += 1  # a step is a batch consumed; the version counts updates
             return {**base, "policy_version": self.version, "step": self.steps, "trained": 0.0}
         micros = packing.pack(items, s.buckets, self.rows)
         trainable, lags, stale = [], [], 0
@@ -432,6 +435,7 @@ class Learner:
         if not any(m.any() for m in trainable):
             # Not even a zero-gradient step: Adam's momentum would still move the parameters.
             log.warning("batch skipped: all %d model tokens are past maxStaleness=%d", stale, s.max_staleness)
+            self.steps += 1
             return {**base, "policy_version": self.version, "step": self.steps, "trained": 0.0, "stale_tokens": stale}
         from stoker.learner.train import assign_weights
 

@@ -306,7 +306,9 @@ class LearnerSpec(SpecModel):
     )
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     publish_interval_steps: int = Field(1, ge=1, description="Publish weights to actors every k steps.")
-    max_steps: int = Field(500, ge=1, description="Training stops after this many steps.")
+    max_steps: int = Field(
+        500, ge=1, description="Training stops after this many steps (batches consumed, updates or not)."
+    )
     compilation_cache_dir: str | None = Field(None, description="JAX persistent compilation cache.")
     max_restarts: int = Field(3, ge=0, description="JobSet failurePolicy.maxRestarts.")
     queue_name: str | None = Field(None, description="Kueue LocalQueue (label kueue.x-k8s.io/queue-name).")
