@@ -16,14 +16,16 @@ Host-side preparation of one update: episodes -> advantages (GRPO/GSPO group-rel
 runs on the device) or DPO pairs -> first-fit-decreasing packing into bucket shapes -> tokens past
 ``buffer.maxStaleness`` masked out -> aggregation weights over the whole batch -> ``Trainer.step``.
 
-A GRPO/GSPO group whose episodes all scored the same carries no policy gradient and is left out
-(DAPO's dynamic-sampling filter, Yu et al. 2025), and a batch of nothing but such groups makes no
-update at all. Training on them anyway gives a step made of the entropy bonus and numerical noise
-that Adam scales up to a full learning-rate step: on FrozenLake a policy that had solved every map
-then drifted off two of them, deterministically, and never came back (groups that all fail the
-same way carry no signal either). Such a batch still counts as a step (``steps`` counts batches
-consumed, ``version`` counts updates), so ``maxSteps`` ends a run whose policy has nothing left
-to learn.
+A batch in which every GRPO/GSPO group scored alike (no reward spread in any group) carries no
+policy gradient and makes no update at all (as DAPO's dynamic-sampling filter, Yu et al. 2025,
+would leave it out). Training on it anyway gives a step made of the entropy bonus and numerical
+noise that Adam scales up to a full learning-rate step, and shrinks Adam's second moment so that
+the next real gradient makes an outsized step: on FrozenLake a policy that had solved every map
+then drifted off two of them and never came back. A zero-spread group in a batch that does have
+signal still trains (advantage 0: only its entropy and KL terms act), because that entropy bonus
+is what keeps a map the policy fails on in the same way every time from staying failed. A batch
+without signal still counts as a step (``steps`` counts batches consumed, ``version`` counts
+updates), so ``maxSteps`` ends a run whose policy has nothing left to learn.
 """
 
 from __future__ import annotations
@@ -199,7 +201,7 @@ class Prepared:
     rewards: list[float]
     episodes: int
     skipped_episodes: int  # failed/empty episodes that never train
-    zero_signal_groups: int = 0  # groups whose rewards were all equal (no GRPO signal): left out
+    zero_signal_groups: int = 0  # groups whose rewards were all equal (no GRPO signal)
     masked_groups: int = 0  # groups holding a failed episode (its ok members still train)
     num_pairs: int = 0
     episode_metrics: dict[str, float] = field(default_factory=dict)
@@ -245,12 +247,11 @@ def prepare_groups(groups: Sequence[GroupLike], algorithm: str) -> Prepared:
             dense[i, : len(episodes)] = [e.reward for e in episodes]
             valid[i, : len(episodes)] = 1.0
         advantages = algorithms.group_advantages(dense, valid)
+        flat = [len(t) < 2 or bool(np.ptp(dense[i, : len(t)]) == 0) for i, t in enumerate(trainable) if t]
+        prepared.zero_signal_groups = sum(flat)
+        if all(flat):
+            return prepared  # nothing to learn from: no update at all (module docstring)
         for i, episodes in enumerate(trainable):
-            if not episodes:
-                continue
-            if len(episodes) < 2 or np.ptp(dense[i, : len(episodes)]) == 0:
-                prepared.zero_signal_groups += 1
-                continue
             prepared.items.extend([_sequence(e, advantage=float(advantages[i, j]))] for j, e in enumerate(episodes))
     elif algorithm == "ppo":
         prepared.items.extend([_sequence(e)] for episodes in trainable for e in episodes)

@@ -131,29 +131,30 @@ def test_stale_tokens_never_reach_the_loss(grpo_learner: Learner) -> None:
     assert metrics["staleness_max"] == 0 and learner.version == version + 1
 
 
-def test_groups_without_reward_spread_are_left_out_of_the_update(grpo_learner: Learner) -> None:
+def test_a_batch_without_reward_spread_makes_no_update(grpo_learner: Learner) -> None:
     learner = grpo_learner
     rng = np.random.default_rng(4)
     groups = bandit_groups(learner, rng)
     for group in groups:
         for ep in group.episodes:
             ep.reward = 1.0  # every episode solved: nothing to prefer
-    version = learner.version
+    version, steps = learner.version, learner.steps
     before = jax.tree.map(np.asarray, learner.trainer.params)
     metrics = learner.train_on(groups)
-    # No step at all: an update made of the entropy bonus and noise, scaled up by Adam, is what
-    # drifted a solved FrozenLake policy off its maps.
+    # No update at all: one made of the entropy bonus and noise, scaled up by Adam, is what
+    # drifted a solved FrozenLake policy off its maps. It still counts as a step (a batch consumed).
     assert metrics["trained"] == 0 and metrics["zero_signal_groups"] == 2
-    assert learner.version == version and metrics["step"] == learner.steps
+    assert learner.version == version and learner.steps == metrics["step"] == steps + 1
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(learner.trainer.params), strict=True):
         np.testing.assert_array_equal(a, np.asarray(b))
     groups = bandit_groups(learner, rng)
-    with_reward_spread(groups[:1])  # trains
+    with_reward_spread(groups[:1])
     for ep in groups[1].episodes:
-        ep.reward = 0.0  # all failed alike: left out
+        ep.reward = 0.0  # all failed alike: no signal of its own ...
     metrics = learner.train_on(groups)
+    # ... but in a batch with signal it trains too (its entropy bonus keeps it exploring).
     assert metrics["trained"] == 1 and metrics["zero_signal_groups"] == 1
-    assert metrics["trained_tokens"] == 8  # one model token per episode of the first group only
+    assert metrics["trained_tokens"] == 16 and learner.version == version + 1
 
 
 def _sampler_was_less_sure(groups: list[Group]) -> list[Group]:
