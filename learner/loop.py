@@ -16,16 +16,17 @@ Host-side preparation of one update: episodes -> advantages (GRPO/GSPO group-rel
 runs on the device) or DPO pairs -> first-fit-decreasing packing into bucket shapes -> tokens past
 ``buffer.maxStaleness`` masked out -> aggregation weights over the whole batch -> ``Trainer.step``.
 
-A batch in which every GRPO/GSPO group scored alike (no reward spread in any group) carries no
-policy gradient and makes no update at all (as DAPO's dynamic-sampling filter, Yu et al. 2025,
-would leave it out). Training on it anyway gives a step made of the entropy bonus and numerical
-noise that Adam scales up to a full learning-rate step, and shrinks Adam's second moment so that
-the next real gradient makes an outsized step: on FrozenLake a policy that had solved every map
-then drifted off two of them and never came back. A zero-spread group in a batch that does have
-signal still trains (advantage 0: only its entropy and KL terms act), because that entropy bonus
-is what keeps a map the policy fails on in the same way every time from staying failed. A batch
-without signal still counts as a step (``steps`` counts batches consumed, ``version`` counts
-updates), so ``maxSteps`` ends a run whose policy has nothing left to learn.
+GRPO/GSPO groups whose episodes all scored alike carry no policy gradient. A flat group at its
+task's best reward so far is *solved* and is left out (DAPO's dynamic-sampling filter, Yu et al.
+2025); a batch of nothing else makes no update at all. Training on them anyway gives a step made of
+the entropy bonus and numerical noise that Adam scales up to a full learning-rate step, and
+shrinks Adam's second moment so that the next real gradient makes an outsized step: on FrozenLake
+a policy that had solved every map then drifted off two of them and never came back. A flat group
+*below* its task's best reward is *stuck* -- the policy fails there the same way every time -- and
+does train, with advantage 0, so that its entropy bonus makes the policy explore there again
+(without it a map turned deterministic-and-failing stayed failed). A batch without any update
+still counts as a step (``steps`` counts batches consumed, ``version`` counts updates), so
+``maxSteps`` ends a run whose policy has nothing left to learn.
 """
 
 from __future__ import annotations
@@ -224,11 +225,18 @@ def episode_metric_means(episodes: Sequence[Episode]) -> dict[str, float]:
     return out
 
 
-def prepare_groups(groups: Sequence[GroupLike], algorithm: str) -> Prepared:
+REWARD_TOLERANCE = 1e-6  # relative: group rewards closer than this count as equal
+
+
+def prepare_groups(
+    groups: Sequence[GroupLike], algorithm: str, best_rewards: dict[str, float] | None = None
+) -> Prepared:
     """Episodes of the groups -> items to pack, per algorithm (see the module docstring).
 
     Failed or empty episodes never train; GRPO/GSPO advantages are normalised over a group's
-    trainable episodes only (a masked group's failed member is left out, not scored 0)."""
+    trainable episodes only (a masked group's failed member is left out, not scored 0).
+    ``best_rewards`` (task id -> best group reward so far) tells solved flat groups from stuck ones
+    (module docstring) and is updated in place."""
     trainable = [[e for e in g.episodes if _trainable(e)] for g in groups]
     total = sum(len(g.episodes) for g in groups)
     kept = sum(len(t) for t in trainable)
@@ -247,12 +255,27 @@ def prepare_groups(groups: Sequence[GroupLike], algorithm: str) -> Prepared:
             dense[i, : len(episodes)] = [e.reward for e in episodes]
             valid[i, : len(episodes)] = 1.0
         advantages = algorithms.group_advantages(dense, valid)
-        flat = [len(t) < 2 or bool(np.ptp(dense[i, : len(t)]) == 0) for i, t in enumerate(trainable) if t]
-        prepared.zero_signal_groups = sum(flat)
-        if all(flat):
-            return prepared  # nothing to learn from: no update at all (module docstring)
+        best = {} if best_rewards is None else best_rewards
+        keep: list[tuple[int, bool]] = []  # (group index, flat)
         for i, episodes in enumerate(trainable):
-            prepared.items.extend([_sequence(e, advantage=float(advantages[i, j]))] for j, e in enumerate(episodes))
+            if not episodes:
+                continue
+            task, top = episodes[0].task_id, float(dense[i, : len(episodes)].max())
+            # Rewards summed over different paths differ in the last bits; that is not a spread.
+            tolerance = REWARD_TOLERANCE * (1.0 + abs(top))
+            flat = len(episodes) < 2 or bool(np.ptp(dense[i, : len(episodes)]) <= tolerance)
+            prepared.zero_signal_groups += flat
+            # A flat group below the task's best reward so far is stuck, not solved: it trains (with
+            # advantage 0, so only its entropy bonus acts) to make the policy explore there again.
+            if not flat or top < best.get(task, top) - tolerance:
+                keep.append((i, flat))
+            best[task] = max(best.get(task, top), top)
+        if not keep:
+            return prepared  # nothing to learn from: no update at all (module docstring)
+        for i, flat in keep:
+            prepared.items.extend(
+                [_sequence(e, advantage=0.0 if flat else float(advantages[i, j]))] for j, e in enumerate(trainable[i])
+            )
     elif algorithm == "ppo":
         prepared.items.extend([_sequence(e)] for episodes in trainable for e in episodes)
     elif algorithm == "dpo":
@@ -375,6 +398,7 @@ class Learner:
         self.steps = 0
         self.rng = np.asarray(jax.random.key_data(jax.random.key(settings.seed)), np.uint32)
         self.busy_seconds = 0.0
+        self._best_rewards: dict[str, float] = {}  # task id -> best group reward seen (prepare_groups)
         self.checkpointer = (
             Checkpointer(settings.checkpoint_dir, keep=settings.checkpoint_keep) if settings.checkpoint_dir else None
         )
@@ -386,7 +410,7 @@ class Learner:
 
     def train_on(self, groups: Sequence[GroupLike]) -> dict[str, float]:
         """One update from a batch of groups; returns its metrics (version is then bumped)."""
-        prepared = prepare_groups(groups, self.settings.algorithm)
+        prepared = prepare_groups(groups, self.settings.algorithm, self._best_rewards)
         return self._train_items(prepared)
 
     def train_on_pairs(self, pairs: Sequence[list[TrainSequence]]) -> dict[str, float]:

@@ -150,11 +150,17 @@ def test_a_batch_without_reward_spread_makes_no_update(grpo_learner: Learner) ->
     groups = bandit_groups(learner, rng)
     with_reward_spread(groups[:1])
     for ep in groups[1].episodes:
-        ep.reward = 0.0  # all failed alike: no signal of its own ...
+        ep.reward = 0.0  # all failed alike, below the task's best (1.0): stuck, not solved ...
     metrics = learner.train_on(groups)
-    # ... but in a batch with signal it trains too (its entropy bonus keeps it exploring).
+    # ... so it trains too, with advantage 0: its entropy bonus makes the policy explore again.
     assert metrics["trained"] == 1 and metrics["zero_signal_groups"] == 1
     assert metrics["trained_tokens"] == 16 and learner.version == version + 1
+    groups = bandit_groups(learner, rng)
+    for group in groups:
+        for ep in group.episodes:
+            ep.reward = 0.0
+    metrics = learner.train_on(groups)  # only stuck groups: still an update
+    assert metrics["trained"] == 1 and metrics["zero_signal_groups"] == 2 and learner.version == version + 2
 
 
 def _sampler_was_less_sure(groups: list[Group]) -> list[Group]:
