@@ -567,6 +567,7 @@ class Learner:
         s = self.settings
         limit = s.max_steps if max_steps is None else max_steps
         stop = stop or threading.Event()
+        started_at_step = self.steps
         duty = DutyCycle()
         self.busy_seconds = 0.0
         self._skip_reported_versions(source)
@@ -585,6 +586,7 @@ class Learner:
         if made:
             duty.busy_seconds = self.busy_seconds
             self._publish(publisher, source, duty.value)
+        if self.steps > started_at_step:  # batches without an update are steps too: resume after them
             self.save()
         if self.checkpointer is not None:
             self.checkpointer.wait()

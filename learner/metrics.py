@@ -137,6 +137,7 @@ PROMETHEUS_GAUGES: dict[str, str] = {
     "is_weight_mean": "Mean importance weight pi_old/mu",
     "is_weight_max": "Largest importance weight pi_old/mu",
     "is_clipped_fraction": "Fraction of tokens whose importance weight was truncated",
+    "ratio_clipped_fraction": "Fraction of trained tokens whose PPO ratio was outside the clip range",
     "tito_logprob_diff_mean": "Trainer minus sampler log-prob on same-version tokens (mean)",
     "tito_logprob_diff_std": "Trainer minus sampler log-prob on same-version tokens (std)",
     "grad_norm": "Global gradient norm before clipping",

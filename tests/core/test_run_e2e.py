@@ -61,9 +61,10 @@ def test_run_trains_reports_and_resumes(job: tuple[Path, dict[str, str]], tmp_pa
     second = _run(manifest, tmp_path, env, "--mode", mode, "--max-steps", "3")
     assert second.returncode == 0, second.stderr[-3000:]
     resumed = _steps(tmp_path)[2:]
-    # Resumed from the step-2 checkpoint: one more step, the version continues from 2.
+    # Resumed from the step-2 checkpoint: one more step, and the version continues from where it
+    # was (a step whose batch had no reward spread makes no update: steps count batches).
     assert [s["step"] for s in resumed] == [3]
-    assert resumed[0]["policy_version"] == 3
+    assert resumed[0]["policy_version"] == steps[-1]["policy_version"] + int(resumed[0]["trained"])
 
 
 def _descendants(pid: int) -> set[int]:

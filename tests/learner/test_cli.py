@@ -49,14 +49,14 @@ MANIFEST = {
 
 def episodes(rng: np.random.Generator, group: str) -> list[Episode]:
     out = []
-    for _ in range(GROUP_SIZE):
+    for index in range(GROUP_SIZE):
         token = int(rng.integers(0, 8))
         out.append(
             Episode(
                 episode_id=uuid.uuid4().hex, group_id=group, group_size=GROUP_SIZE, task_id="bandit",
                 token_ids=np.asarray([1, 2, token], np.int32), loss_mask=np.asarray([0, 0, 1], np.uint8),
                 logprobs=np.asarray([0, 0, np.log(1 / 8)], np.float32),
-                policy_versions=np.asarray([-1, -1, 0], np.int32), reward=float(token == 3), status=1,
+                policy_versions=np.asarray([-1, -1, 0], np.int32), reward=float(index % 2), status=1,
             )
         )
     return out
