@@ -43,6 +43,15 @@ def write_scale(path: Path, text: str, mtime_ns: int) -> None:
 # settings fixture: max_staleness=2, batch_groups=2 -> credit (2 + 0 + 1) * 2 = 6 at version 0
 
 
+def open_scaled_core(tmp_path: Path, settings: BufferSettings, scale: str, clock: FakeClock) -> tuple[BufferCore, Path]:
+    """An open core whose admission file (written with ``scale`` first) is ``tmp_path/admission.json``."""
+    scale_file = tmp_path / "admission.json"
+    write_scale(scale_file, scale, 1_000_000_000)
+    core = BufferCore(replace(settings, admission_file=str(scale_file)), tmp_path / "data", clock=clock)
+    core.open()
+    return core, scale_file
+
+
 def test_duty_cycle_is_absent_until_the_learner_reports_one(server_factory: ServerFactory, settings: BufferSettings) -> None:
     server = server_factory(settings)
     with BufferClient(f"127.0.0.1:{server.port}", learner_id="learner") as client:
@@ -80,11 +89,8 @@ def test_an_impossible_duty_cycle_is_refused_and_changes_nothing(
 
 
 def test_admission_scale_halves_the_credit_and_recovers(tmp_path: Path, settings: BufferSettings) -> None:
-    scale_file = tmp_path / "admission.json"
-    write_scale(scale_file, '{"admissionScale": 1.0}', 1_000_000_000)
     clock = FakeClock()
-    core = BufferCore(replace(settings, admission_file=str(scale_file)), tmp_path / "data", clock=clock)
-    core.open()
+    core, scale_file = open_scaled_core(tmp_path, settings, '{"admissionScale": 1.0}', clock)
     try:
         stats = core.stats()
         assert stats.admission_credit == 6 and stats.admission_scale == 1.0
@@ -113,10 +119,7 @@ def test_admission_scale_halves_the_credit_and_recovers(tmp_path: Path, settings
 
 
 def test_scale_floors_and_never_goes_below_zero(tmp_path: Path, settings: BufferSettings) -> None:
-    scale_file = tmp_path / "admission.json"
-    write_scale(scale_file, '{"admissionScale": 0.125}', 1_000_000_000)
-    core = BufferCore(replace(settings, admission_file=str(scale_file)), tmp_path / "data", clock=FakeClock())
-    core.open()
+    core, _ = open_scaled_core(tmp_path, settings, '{"admissionScale": 0.125}', FakeClock())
     try:
         assert core.stats().admission_credit == 0  # floor(0.125 * 6) = 0
         assert core.acquire(1) == (0, 0, settings.retry_after_seconds)
@@ -133,11 +136,8 @@ def test_scale_floors_and_never_goes_below_zero(tmp_path: Path, settings: Buffer
 def test_a_malformed_file_means_scale_one_with_one_warning(
     tmp_path: Path, settings: BufferSettings, content: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    scale_file = tmp_path / "admission.json"
-    write_scale(scale_file, '{"admissionScale": 0.5}', 1_000_000_000)
     clock = FakeClock()
-    core = BufferCore(replace(settings, admission_file=str(scale_file)), tmp_path / "data", clock=clock)
-    core.open()
+    core, scale_file = open_scaled_core(tmp_path, settings, '{"admissionScale": 0.5}', clock)
     try:
         assert core.stats().admission_scale == 0.5
         write_scale(scale_file, content, 2_000_000_000)
