@@ -32,6 +32,7 @@ still counts as a step (``steps`` counts batches consumed, ``version`` counts up
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import threading
@@ -46,6 +47,7 @@ import numpy as np
 from stoker.learner import algorithms, packing
 from stoker.learner.algorithms import LossConfig
 from stoker.learner.packing import TrainSequence
+from stoker.learner.outbox import Outbox
 from stoker.learner.prefetch import Prefetcher
 from stoker.spec import RLJobSpec, TransformerConfig
 from stoker.trajectory import Episode
@@ -403,7 +405,9 @@ class Learner:
             Checkpointer(settings.checkpoint_dir, keep=settings.checkpoint_keep) if settings.checkpoint_dir else None
         )
         self._saved_step = -1
-        self._reported_version = -1
+        self._reported_version = -1  # written by the outbox's thread only, once running
+        self._copied_version = -1
+        self._unpublished: tuple[int, Any] | None = None  # (version, parameters copied for publishing)
         self.resumed = bool(resume and self.restore())
 
     # ----------------------------------------------------------------------------- training
@@ -571,21 +575,24 @@ class Learner:
         duty = DutyCycle()
         self.busy_seconds = 0.0
         self._skip_reported_versions(source)
-        self._publish(publisher, source)
         dataset = self._dataset_batches() if s.algorithm == "dpo" and s.dpo_dataset else None
         if dataset is None and source is None:
             raise ValueError("no buffer to sample from (and no DPO dataset)")
         with contextlib.ExitStack() as cleanup:
+            # Entered first, so it closes last: every commit and the final weights are sent
+            # before run() returns, after the prefetcher has stopped.
+            outbox = cleanup.enter_context(Outbox())
+            self._publish(outbox, publisher, source)
             prefetcher = None
             if dataset is None:
                 assert source is not None
                 prefetcher = cleanup.enter_context(
                     Prefetcher(source, max_groups=s.batch_groups, min_groups=s.batch_groups, timeout=s.sample_timeout_s)
                 )
-            made = self._run_steps(source, publisher, dataset, prefetcher, limit, stop, duty, sink)
-        if made:
-            duty.busy_seconds = self.busy_seconds
-            self._publish(publisher, source, duty.value)
+            made = self._run_steps(source, publisher, dataset, prefetcher, outbox, limit, stop, duty, sink)
+            if made:
+                duty.busy_seconds = self.busy_seconds
+                self._publish(outbox, publisher, source, duty.value)
         if self.steps > started_at_step:  # batches without an update are steps too: resume after them
             self.save()
         if self.checkpointer is not None:
@@ -598,6 +605,7 @@ class Learner:
         publisher: Publisher | None,
         dataset: Iterator[list[list[TrainSequence]]] | None,
         prefetcher: Prefetcher | None,
+        outbox: Outbox,
         limit: int,
         stop: threading.Event,
         duty: Any,
@@ -615,12 +623,12 @@ class Learner:
                 if batch is None:
                     if made:
                         duty.busy_seconds = self.busy_seconds
-                        self._report_idle(source, duty.value)
+                        outbox.send(functools.partial(self._report_idle, source, duty.value))
                     continue
                 batch_id = batch.batch_id
                 metrics = self.train_on(batch.groups)
             if batch_id is not None and source is not None:
-                self._commit(source, batch_id)
+                outbox.send(functools.partial(self._commit, source, batch_id))
             if not metrics.get("trained"):
                 if sink is not None:
                     sink.record(metrics)  # its episodes still count toward the success rate
@@ -629,7 +637,7 @@ class Learner:
             duty.busy_seconds = self.busy_seconds
             metrics["duty_cycle"] = duty.value
             if self.steps % s.publish_interval == 0:
-                self._publish(publisher, source, metrics["duty_cycle"])
+                self._publish(outbox, publisher, source, metrics["duty_cycle"])
             if self.steps % s.checkpoint_interval == 0:
                 self.save()
             if sink is not None:
@@ -676,15 +684,35 @@ class Learner:
         if self._reported_version >= 0:
             source.set_policy_version(self._reported_version, duty_cycle=duty_cycle)
 
-    def _publish(self, publisher: Publisher | None, source: BatchSource | None, duty_cycle: float | None = None) -> None:
-        """Publish the current version's weights (once per version) and report it to the buffer,
-        with the duty cycle when there is one (not before the first step: the operator would read
-        a learner that has not started as a starved one)."""
-        if publisher is not None and getattr(publisher, "latest_version", -1) < self.version:
-            publisher.publish(self.version, self.flat_weights())
-        if source is not None and self._reported_version != self.version:
-            if duty_cycle is None:
-                source.set_policy_version(self.version)
-            else:
-                source.set_policy_version(self.version, duty_cycle=duty_cycle)
-            self._reported_version = self.version
+    def _publish(
+        self, outbox: Outbox, publisher: Publisher | None, source: BatchSource | None, duty_cycle: float | None = None
+    ) -> None:
+        """Publish the current version's weights (once per version) and then report it to the
+        buffer, with the duty cycle when there is one (not before the first step: the operator would
+        read a learner that has not started as a starved one).
+
+        Only the copy of the parameters happens here (the next step donates them); converting,
+        writing and reporting run on the outbox's thread, newest version wins."""
+        version = self.version
+        if publisher is not None and self._copied_version < version:
+            self._unpublished, self._copied_version = (version, self.trainer.policy_copy()), version
+
+        def publish_and_report() -> None:
+            from stoker.learner.weights import flatten_params
+
+            # The newest copy, not necessarily this call's: if publishing fell behind training,
+            # actors get the latest weights rather than a backlog of older ones.
+            unpublished = self._unpublished
+            if unpublished is not None and getattr(publisher, "latest_version", -1) < unpublished[0]:
+                assert publisher is not None
+                publisher.publish(unpublished[0], flatten_params(self.trainer.policy_model(unpublished[1])))
+            if self._unpublished is unpublished:
+                self._unpublished = None  # do not hold a second copy of the weights once published
+            if source is not None and self._reported_version != version:
+                if duty_cycle is None:
+                    source.set_policy_version(version)
+                else:
+                    source.set_policy_version(version, duty_cycle=duty_cycle)
+                self._reported_version = version
+
+        outbox.send(publish_and_report)

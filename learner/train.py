@@ -294,11 +294,23 @@ class Trainer:
             for name, fn in (("grad", self._grad), ("apply", self._apply), ("accumulate", self._accumulate))
         }
 
-    def policy_model(self) -> Transformer:
-        """The current policy as an nnx module sharing the device arrays: valid until the next
-        ``step``, which donates those arrays to the update (copy or flatten what you keep)."""
-        model: Transformer = nnx.merge(self.policy_def, _cast(self.params["policy"], self.compute_dtype))
+    def policy_model(self, params: Any = None) -> Transformer:
+        """The policy as an nnx module over ``params`` (a ``policy_copy``), or over the current
+        device arrays: those are valid only until the next ``step``, which donates them."""
+        state = _cast(self.params["policy"], self.compute_dtype) if params is None else params
+        model: Transformer = nnx.merge(self.policy_def, state)
         return model
+
+    def policy_copy(self) -> Any:
+        """The policy's parameters in the compute dtype, in buffers the next ``step`` leaves alone
+        (for another thread to read while training goes on). Dispatched, not waited for."""
+
+        def copy(x: jax.Array) -> jax.Array:
+            if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != self.compute_dtype:
+                return x.astype(self.compute_dtype)  # a new buffer already
+            return jnp.copy(x)
+
+        return jax.tree.map(copy, self.params["policy"])
 
 
 def _float_dtype(tree: Any) -> Any:
