@@ -408,6 +408,7 @@ class Learner:
         self._reported_version = -1  # written by the outbox's thread only, once running
         self._copied_version = -1
         self._unpublished: tuple[int, Any] | None = None  # (version, parameters copied for publishing)
+        self._unpublished_lock = threading.Lock()
         self.resumed = bool(resume and self.restore())
 
     # ----------------------------------------------------------------------------- training
@@ -695,7 +696,9 @@ class Learner:
         writing and reporting run on the outbox's thread, newest version wins."""
         version = self.version
         if publisher is not None and self._copied_version < version:
-            self._unpublished, self._copied_version = (version, self.trainer.policy_copy()), version
+            copy = self.trainer.policy_copy()
+            with self._unpublished_lock:
+                self._unpublished, self._copied_version = (version, copy), version
 
         def publish_and_report() -> None:
             from stoker.learner.weights import flatten_params
@@ -706,8 +709,9 @@ class Learner:
             if unpublished is not None and getattr(publisher, "latest_version", -1) < unpublished[0]:
                 assert publisher is not None
                 publisher.publish(unpublished[0], flatten_params(self.trainer.policy_model(unpublished[1])))
-            if self._unpublished is unpublished:
-                self._unpublished = None  # do not hold a second copy of the weights once published
+            with self._unpublished_lock:  # unless a newer copy arrived meanwhile
+                if self._unpublished is unpublished:
+                    self._unpublished = None  # do not hold a second copy of the weights once published
             if source is not None and self._reported_version != version:
                 if duty_cycle is None:
                     source.set_policy_version(version)

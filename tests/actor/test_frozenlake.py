@@ -55,6 +55,19 @@ def test_invalid_answer_costs_the_turn_without_moving() -> None:
     assert result.observation.info["metrics"]["invalid_actions"] == 1.0
 
 
+def test_episodes_on_the_same_map_do_not_share_a_position() -> None:
+    """Concurrent episodes of one map share its (read-only) transition table, never its state."""
+    first, second = FrozenLake(FrozenLakeConfig()), FrozenLake(FrozenLakeConfig())
+    first.reset("1", seed=0)
+    second.reset("1", seed=1)
+    for move in first.shortest_path():
+        first.step(move)
+    assert first._state != 0 and second._state == 0
+    assert second.step(second.shortest_path()[0]).observation.info["state"] != 0
+    first.reset("1", seed=2)
+    assert first._state == 0
+
+
 def test_expert_path_succeeds_and_shaped_return_telescopes() -> None:
     env = FrozenLake(FrozenLakeConfig(reward_shaping=True))
     env.reset("1", seed=0)
