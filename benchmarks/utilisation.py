@@ -7,6 +7,7 @@ rolling success rate reaches the target or the time budget ends:
     .venv/bin/python benchmarks/utilisation.py [--manifest examples/frozenlake.yaml] [--latency 0.5]
                                      [--minutes 10] [--target 0.9] [--out runs/bench-utilisation]
                                      [--concurrency N] [--staleness S] [--sandbox inline]
+                                     [--repeats R]
 
 Reported per mode: learner duty cycle (time inside train steps / wall time: the learner's own
 figure since it started, and the steady state from its first step on), wall-clock seconds to the target success rate, and for async the
@@ -88,23 +89,40 @@ def main() -> int:
         "--sandbox", choices=("process", "inline"),
         help="environment.sandbox.kind (default: the manifest's); inline spares a process per episode",
     )
+    parser.add_argument(
+        "--repeats", type=int, default=1,
+        help="async/sync pairs to run, alternating (single runs' step counts vary by ~20 %%)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench-utilisation")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     manifest = with_latency(args.manifest, args)
-    results = {}
-    for mode in ("async", "sync"):
-        results[mode] = run_mode(manifest, mode, args.out / mode, args.minutes, args.target)
-        print(json.dumps(results[mode]), flush=True)
-    a, s = results["async"], results["sync"]
-    print(f"duty cycle: async {a['duty_cycle']:.3f}, sync {s['duty_cycle']:.3f} "
-          f"(steady state from the first step: async {a['steady_duty_cycle']:.3f}, sync {s['steady_duty_cycle']:.3f})")
-    if a["seconds_to_target"] and s["seconds_to_target"]:
-        print(f"time to {args.target}: async {a['seconds_to_target']:.0f} s, sync {s['seconds_to_target']:.0f} s, "
-              f"speed-up {s['seconds_to_target'] / a['seconds_to_target']:.2f}x")
-    else:
-        print(f"time to {args.target}: async {a['seconds_to_target']}, sync {s['seconds_to_target']} (None = not reached)")
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    pairs = []
+    for repeat in range(args.repeats):
+        results: dict[str, Any] = {}
+        for mode in ("async", "sync"):
+            run_dir = args.out / (mode if args.repeats == 1 else f"{mode}-{repeat}")
+            results[mode] = run_mode(manifest, mode, run_dir, args.minutes, args.target)
+            print(json.dumps(results[mode]), flush=True)
+        a, s = results["async"], results["sync"]
+        print(f"duty cycle: async {a['duty_cycle']:.3f}, sync {s['duty_cycle']:.3f} "
+              f"(steady state from the first step: async {a['steady_duty_cycle']:.3f}, sync {s['steady_duty_cycle']:.3f})")
+        if a["seconds_to_target"] and s["seconds_to_target"]:
+            results["speed_up"] = s["seconds_to_target"] / a["seconds_to_target"]
+            print(f"time to {args.target}: async {a['seconds_to_target']:.0f} s, sync {s['seconds_to_target']:.0f} s, "
+                  f"speed-up {results['speed_up']:.2f}x")
+        else:
+            print(f"time to {args.target}: async {a['seconds_to_target']}, sync {s['seconds_to_target']} (None = not reached)")
+        pairs.append(results)
+        (args.out / "results.json").write_text(json.dumps(pairs[0] if args.repeats == 1 else pairs, indent=2))
+    if args.repeats > 1:
+        speed_ups = sorted(p["speed_up"] for p in pairs if "speed_up" in p)
+        duties = sorted(p["async"]["steady_duty_cycle"] for p in pairs if p["async"]["steady_duty_cycle"])
+        if speed_ups:
+            print(f"speed-up over {len(speed_ups)} pairs: median {speed_ups[len(speed_ups) // 2]:.2f}x, "
+                  f"range {speed_ups[0]:.2f}-{speed_ups[-1]:.2f}x")
+        if duties:
+            print(f"async steady duty cycle: median {duties[len(duties) // 2]:.3f}, range {duties[0]:.3f}-{duties[-1]:.3f}")
     return 0
 
 
