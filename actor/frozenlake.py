@@ -171,8 +171,8 @@ class FrozenLake:
             raise EnvironmentProblem(f"frozenlake task id {task_id!r}; expected an integer map seed") from None
         lake = _lake(self.config.size, self.config.hole_probability, map_seed, self.config.slippery)
         self._desc, self._phi = lake.desc, lake.potentials
-        # gymnasium builds the map's transition table in __init__ (a fifth of reset's cost, 5 % of
-        # an actor's CPU at 2 x 256 episodes); it is read-only, so episodes share one per map.
+        # gymnasium builds the map's transition table in __init__ (5 % of an actor's CPU under
+        # py-spy at 2 x 256 episodes); it is read-only, so episodes share one per map.
         self._env = copy.copy(lake.env)
         state, _ = self._env.reset(seed=seed)
         self._state = int(state)

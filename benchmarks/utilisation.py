@@ -113,14 +113,18 @@ def main() -> int:
                   f"speed-up {results['speed_up']:.2f}x")
         else:
             print(f"time to {args.target}: async {a['seconds_to_target']}, sync {s['seconds_to_target']} (None = not reached)")
+            if a["seconds_to_target"]:  # sync ran out of budget: the speed-up is at least this
+                results["speed_up_at_least"] = args.minutes * 60 / a["seconds_to_target"]
         pairs.append(results)
         (args.out / "results.json").write_text(json.dumps(pairs[0] if args.repeats == 1 else pairs, indent=2))
     if args.repeats > 1:
-        speed_ups = sorted(p["speed_up"] for p in pairs if "speed_up" in p)
+        # A pair whose sync run missed the budget counts with its lower bound (conservative).
+        bounds = [p.get("speed_up", p.get("speed_up_at_least")) for p in pairs]
+        speed_ups = sorted(float(b) for b in bounds if b is not None)
         duties = sorted(p["async"]["steady_duty_cycle"] for p in pairs if p["async"]["steady_duty_cycle"])
         if speed_ups:
-            print(f"speed-up over {len(speed_ups)} pairs: median {speed_ups[len(speed_ups) // 2]:.2f}x, "
-                  f"range {speed_ups[0]:.2f}-{speed_ups[-1]:.2f}x")
+            print(f"speed-up over {len(speed_ups)} pairs (a sync run out of budget counted at its bound): "
+                  f"median {speed_ups[len(speed_ups) // 2]:.2f}x, range {speed_ups[0]:.2f}-{speed_ups[-1]:.2f}x")
         if duties:
             print(f"async steady duty cycle: median {duties[len(duties) // 2]:.3f}, range {duties[0]:.3f}-{duties[-1]:.3f}")
     return 0
