@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from buffer_throughput import wait_ready_file
 from local_runs import REPO
 
 TOKENS, TURNS, VOCAB_MOVES = 150, 7, 4
@@ -101,11 +102,7 @@ def main() -> int:
     stop = multiprocessing.Event()
     filler = None
     try:
-        while not ready.exists() or not ready.read_text().strip():
-            if buffer.poll() is not None:
-                raise RuntimeError("buffer exited before it was ready")
-            time.sleep(0.05)  # polling for the child's ready file
-        address = f"127.0.0.1:{ready.read_text().strip()}"
+        address = f"127.0.0.1:{wait_ready_file(ready, buffer, timeout=60)}"
         filler = multiprocessing.Process(
             target=fill, args=(address, settings.group_size, settings.architecture.vocab_size, stop), daemon=True
         )
