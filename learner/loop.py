@@ -499,11 +499,12 @@ class Learner:
         }
         return out
 
-    def flat_weights(self) -> dict[str, np.ndarray]:
-        """The policy's parameters as Hugging Face-named host arrays (what actors load)."""
+    def flat_weights(self, params: Any = None) -> dict[str, np.ndarray]:
+        """The policy's parameters -- the current ones, or a ``Trainer.policy_copy`` -- as Hugging
+        Face-named host arrays (what actors load)."""
         from stoker.learner.weights import flatten_params
 
-        return flatten_params(self.trainer.policy_model())
+        return flatten_params(self.trainer.policy_model(params))
 
     # ---------------------------------------------------------------------------- checkpoints
 
@@ -701,14 +702,12 @@ class Learner:
                 self._unpublished, self._copied_version = (version, copy), version
 
         def publish_and_report() -> None:
-            from stoker.learner.weights import flatten_params
-
             # The newest copy, not necessarily this call's: if publishing fell behind training,
             # actors get the latest weights rather than a backlog of older ones.
             unpublished = self._unpublished
             if unpublished is not None and getattr(publisher, "latest_version", -1) < unpublished[0]:
                 assert publisher is not None
-                publisher.publish(unpublished[0], flatten_params(self.trainer.policy_model(unpublished[1])))
+                publisher.publish(unpublished[0], self.flat_weights(unpublished[1]))
             with self._unpublished_lock:  # unless a newer copy arrived meanwhile
                 if self._unpublished is unpublished:
                     self._unpublished = None  # do not hold a second copy of the weights once published
