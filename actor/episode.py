@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from stoker.actor.environments import Observation
-from stoker.actor.policy import Policy, Sampled, VersionGate
+from stoker.actor.policy import Policy, Sampled
 from stoker.actor.sandbox import EnvironmentFactory, EpisodeEnvironment, SandboxFailed, SandboxTimeout
 from stoker.actor.tokenization import TextInterface
 from stoker.trajectory import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, Episode
@@ -102,7 +102,10 @@ async def run_episode(
     episode_id: str | None = None,
     actor_id: str = "",
 ) -> Episode:
-    """Play one episode to the end; never raises for environment trouble (it becomes the status)."""
+    """Play one episode to the end; never raises for environment trouble (it becomes the status).
+
+    The episode is one conversation (``session``) of the policy from its first turn to the end."""
+    episode_id = episode_id or uuid.uuid4().hex
     builder = TrajectoryBuilder()
     builder.add_context(interface.bos_ids)
     turn_rewards: list[float] = []
@@ -127,6 +130,7 @@ async def run_episode(
                     list(builder.token_ids),
                     max_new_tokens=limits.max_new_tokens,
                     stop_token_ids=interface.stop_token_ids,
+                    session=episode_id,
                 )
                 sample_s += time.perf_counter() - t0
                 builder.add_sampled(sampled)
@@ -148,11 +152,13 @@ async def run_episode(
         status, reason = TIMEOUT, str(exc)
     except SandboxFailed as exc:
         status, reason = FAILED, str(exc)
+    finally:
+        await policy.end_session(episode_id)
     if status in (OK, TRUNCATED) and not any(builder.loss_mask):
         status, reason = FAILED, f"no model turn fit: {reason}"
     ids, mask, logprobs, versions = builder.arrays()
     return Episode(
-        episode_id=episode_id or uuid.uuid4().hex,
+        episode_id=episode_id,
         group_id=group_id,
         group_size=group_size,
         task_id=task_id,
@@ -208,17 +214,15 @@ async def run_group(
     seed: int = 0,
     group_id: str | None = None,
     actor_id: str = "",
-    gate: VersionGate | None = None,
     slots: asyncio.Semaphore | None = None,
 ) -> list[Episode]:
     """``group_size`` episodes of one task, concurrently; always returns exactly that many.
 
     Each episode gets its own environment from ``env_factory`` (its own sandbox) and the seed
     ``seed * 1000 + index`` (so slippery lakes differ within a group). ``slots`` bounds how many
-    episodes run at once across groups; ``gate`` implements between-episode weight sync.
+    episodes run at once across groups.
     """
     group_id = group_id or uuid.uuid4().hex
-    gate = gate or VersionGate(between_episodes=False)
 
     async def one(index: int) -> Episode:
         if slots is None:
@@ -227,27 +231,26 @@ async def run_group(
             return await start(index)
 
     async def start(index: int) -> Episode:
-        async with gate.episode():
-            try:
-                env = await env_factory()
-            except SandboxTimeout as exc:
-                return failed_episode(task_id, str(exc), status=TIMEOUT, group_id=group_id, group_size=group_size)
-            except SandboxFailed as exc:
-                return failed_episode(task_id, str(exc), group_id=group_id, group_size=group_size)
-            try:
-                return await run_episode(
-                    policy,
-                    env,
-                    interface,
-                    task_id,
-                    seed=seed * 1000 + index,
-                    limits=limits,
-                    group_id=group_id,
-                    group_size=group_size,
-                    actor_id=actor_id,
-                )
-            finally:
-                await _close(env)
+        try:
+            env = await env_factory()
+        except SandboxTimeout as exc:
+            return failed_episode(task_id, str(exc), status=TIMEOUT, group_id=group_id, group_size=group_size)
+        except SandboxFailed as exc:
+            return failed_episode(task_id, str(exc), group_id=group_id, group_size=group_size)
+        try:
+            return await run_episode(
+                policy,
+                env,
+                interface,
+                task_id,
+                seed=seed * 1000 + index,
+                limits=limits,
+                group_id=group_id,
+                group_size=group_size,
+                actor_id=actor_id,
+            )
+        finally:
+            await _close(env)
 
     episodes = await asyncio.gather(*(one(i) for i in range(group_size)))
     for episode in episodes:

@@ -4,15 +4,21 @@ Episodes ask for one turn at a time through the small ``Policy`` protocol. ``Bat
 implements it over the JAX ``Sampler``: requests from all concurrent episodes that arrive while the
 sampler is busy are answered by a single batched ``generate`` call (the sampler is the actor's CPU
 bottleneck, and a batch of B costs far less than B calls). Each answer carries the policy version
-its tokens were sampled with, read on the sampler's own thread in the same breath as the call, so
-a weight update between turns is recorded exactly.
+its tokens were sampled with, as the sampler reports it for that very call, so a weight update
+between turns is recorded exactly.
+
+An episode names its conversation (``session``) on every turn and ends it when done; a sampler
+that keeps conversations (``keeps_sessions``) then prefills only each turn's new tokens, and with
+``weightSync: between-episodes`` keeps every episode on the weights it started with (see
+``stoker.learner.sampling``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import functools
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -32,26 +38,40 @@ class Sampled:
 
 class Policy(Protocol):
     async def generate(
-        self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int]
+        self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int], session: Hashable = None
     ) -> Sampled: ...
+
+    async def end_session(self, session: Hashable) -> None:
+        """The conversation ``session`` is over (no more turns)."""
 
 
 class GenerationLike(Protocol):
     token_ids: list[int]
     logprobs: list[float]
     finished: bool
+    version: int
 
 
 class SamplerLike(Protocol):
     """The part of ``stoker.learner.sampling.Sampler`` the actor uses."""
 
     version: int
+    keeps_sessions: bool
 
     def load_weights(self, flat: dict[str, np.ndarray], version: int) -> None: ...
 
     def generate(
-        self, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: Sequence[int] = ()
+        self,
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int] = (),
+        sessions: Sequence[Hashable] | None = None,
     ) -> Sequence[GenerationLike]: ...
+
+    def prefill_bucket(self, session: Hashable, prompt: Sequence[int]) -> int: ...
+
+    def end_session(self, session: Hashable) -> None: ...
 
 
 @dataclass
@@ -59,6 +79,8 @@ class _Request:
     prompt: list[int]
     max_new_tokens: int
     stop_token_ids: tuple[int, ...]
+    session: Hashable
+    bucket: int  # the prefill length class it batches with (see _take_batch)
     future: asyncio.Future[Sampled]
 
 
@@ -97,17 +119,30 @@ class BatchedSampler:
         return int(self.sampler.version)
 
     async def generate(
-        self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int]
+        self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int], session: Hashable = None
     ) -> Sampled:
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # a new event loop (e.g. one asyncio.run per training step)
             self._loop, self._queue, self._wake, self._worker = loop, [], asyncio.Event(), None
         future: asyncio.Future[Sampled] = loop.create_future()
-        self._queue.append(_Request(list(prompt), max_new_tokens, tuple(stop_token_ids), future))
+        prompt = list(prompt)
+        if self.sampler.keeps_sessions and session is not None:
+            # Asked once, on the event loop while the sampler thread may be updating its cache: a
+            # stale answer only makes a less tidy batch, the sampler decides what to prefill.
+            bucket = self.sampler.prefill_bucket(session, prompt)
+        else:
+            session = None
+            length = len(prompt) + max_new_tokens
+            bucket = next((b for b in self._buckets if b >= length), length)
+        self._queue.append(_Request(prompt, max_new_tokens, tuple(stop_token_ids), session, bucket, future))
         self._wake.set()
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._serve())
         return await future
+
+    async def end_session(self, session: Hashable) -> None:
+        if self.sampler.keeps_sessions:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.sampler.end_session, session)
 
     async def load_weights(self, flat: dict[str, np.ndarray], version: int) -> None:
         """Switch weights after the batch in flight (if any) finishes."""
@@ -131,9 +166,17 @@ class BatchedSampler:
                     continue
                 first = batch[0]
                 prompts = [r.prompt for r in batch]
+                sessions = [r.session for r in batch] if first.session is not None else None
                 try:
-                    generations, version = await loop.run_in_executor(
-                        self._executor, self._generate, prompts, first.max_new_tokens, first.stop_token_ids
+                    generations = await loop.run_in_executor(
+                        self._executor,
+                        functools.partial(
+                            self.sampler.generate,
+                            prompts,
+                            max_new_tokens=first.max_new_tokens,
+                            stop_token_ids=first.stop_token_ids,
+                            sessions=sessions,
+                        ),
                     )
                 except Exception as exc:  # noqa: BLE001 - forwarded to every waiting episode, not swallowed
                     for request in batch:
@@ -146,15 +189,16 @@ class BatchedSampler:
                 for request, gen in zip(batch, generations, strict=True):
                     if not request.future.done():  # an episode may have timed out meanwhile
                         request.future.set_result(
-                            Sampled(list(gen.token_ids), [float(x) for x in gen.logprobs], bool(gen.finished), version)
+                            Sampled(list(gen.token_ids), [float(x) for x in gen.logprobs], bool(gen.finished), gen.version)
                         )
 
     def _take_batch(self) -> list[_Request]:
         """Live requests sharing the oldest one's limits and length bucket, a power of two of them.
 
-        Rows of one call are padded to the longest prompt's bucket, and every turn re-reads the
-        whole conversation, so mixing a 40-token prompt into a batch of 200-token ones would cost
-        that row a 256-token prefill; grouping by bucket keeps padding waste out of the batch.
+        Rows of one call are padded to the longest prefill's bucket -- the whole prompt, or with
+        sessions the part the sampler has not cached -- so mixing a 40-token prefill into a batch of
+        200-token ones would cost that row a 256-token prefill; grouping by bucket keeps padding
+        waste out of the batch.
         """
         live = [r for r in self._queue if not r.future.done()]
         if not live:
@@ -169,17 +213,8 @@ class BatchedSampler:
         self._queue = [r for r in live if id(r) not in taken]
         return batch
 
-    def _key(self, request: _Request) -> tuple[int, tuple[int, ...], int]:
-        length = len(request.prompt) + request.max_new_tokens
-        bucket = next((b for b in self._buckets if b >= length), length)
-        return request.max_new_tokens, request.stop_token_ids, bucket
-
-    def _generate(
-        self, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: tuple[int, ...]
-    ) -> tuple[Sequence[GenerationLike], int]:
-        version = int(self.sampler.version)  # read on the sampler thread: exact for this batch
-        generations = self.sampler.generate(prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
-        return generations, version
+    def _key(self, request: _Request) -> tuple[int, tuple[int, ...], int, bool]:
+        return request.max_new_tokens, request.stop_token_ids, request.bucket, request.session is None
 
 
 class ScriptedPolicy:
@@ -197,7 +232,7 @@ class ScriptedPolicy:
         self.calls = 0
 
     async def generate(
-        self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int]
+        self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int], session: Hashable = None
     ) -> Sampled:
         self.calls += 1
         ids = list(self.respond(prompt))[:max_new_tokens]
@@ -208,47 +243,5 @@ class ScriptedPolicy:
         await asyncio.sleep(0)  # yield like a real sampler call would
         return Sampled(ids, [self.logprob] * len(ids), finished, self.version)
 
-
-class VersionGate:
-    """``weightSync: between-episodes`` over one shared sampler.
-
-    A weight swap first stops new episodes from starting, waits for the running ones to finish,
-    swaps, then lets episodes start again; every episode therefore sees exactly one version. With
-    ``between-turns`` the gate is open and swaps happen between any two sampler calls.
-    """
-
-    def __init__(self, between_episodes: bool):
-        self.between_episodes = between_episodes
-        self._active = 0
-        self._pending = False
-        self._cond = asyncio.Condition()
-
-    @contextlib.asynccontextmanager
-    async def episode(self) -> AsyncIterator[None]:
-        if not self.between_episodes:
-            yield
-            return
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._pending)
-            self._active += 1
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._active -= 1
-                self._cond.notify_all()
-
-    async def swap(self, apply: Callable[[], Awaitable[Any]]) -> None:
-        if not self.between_episodes:
-            await apply()
-            return
-        async with self._cond:
-            self._pending = True
-            await self._cond.wait_for(lambda: self._active == 0)
-        try:
-            await apply()
-        finally:
-            async with self._cond:
-                self._pending = False
-                self._cond.notify_all()
-
+    async def end_session(self, session: Hashable) -> None:
+        pass

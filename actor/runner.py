@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from stoker.actor.episode import run_group, summarize
-from stoker.actor.policy import Policy, VersionGate
+from stoker.actor.policy import Policy
 from stoker.actor.sandbox import EnvironmentFactory
 from stoker.actor.settings import ActorSettings
 from stoker.actor.tokenization import TextInterface
@@ -123,7 +123,6 @@ class Actor:
         self.weights = weights
         self.loader = loader
         self.stats = ActorStats()
-        self.gate = VersionGate(between_episodes=settings.weight_sync == "between-episodes")
         self._stopping = asyncio.Event()
         self._fatal: BaseException | None = None
         rng = random.Random(f"{settings.seed}/{settings.actor_id}")
@@ -214,7 +213,6 @@ class Actor:
             seed=self._group_seed,
             group_id=f"{s.actor_id}-{uuid.uuid4().hex[:12]}",
             actor_id=s.actor_id,
-            gate=self.gate,
             slots=slots,
         )
         await self._submit(episodes)
@@ -236,7 +234,8 @@ class Actor:
                 delay = min(delay * 2, MAX_RETRY_WAIT_SECONDS)
 
     async def _sync_weights(self) -> None:
-        """Poll the weight channel; load a newer version between turns or between episodes."""
+        """Poll the weight channel and load each newer version into the policy (with
+        ``between-episodes`` the policy keeps running episodes on the weights they started with)."""
         from stoker.learner.weights import WeightsError
 
         assert self.weights is not None and self.loader is not None
@@ -246,7 +245,7 @@ class Actor:
                 latest = await asyncio.to_thread(weights.latest_version)
                 if latest > int(loader.version):
                     flat = await asyncio.to_thread(weights.fetch, latest)
-                    await self.gate.swap(lambda: loader.load_weights(flat, latest))
+                    await loader.load_weights(flat, latest)
                     self.stats.weight_updates += 1
                     log.info("actor %s now samples with policy version %d", self.settings.actor_id, latest)
             except WeightsError as exc:

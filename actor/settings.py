@@ -49,6 +49,7 @@ class ActorSettings:
     checkpoint: str | None = None
     compilation_cache_dir: str | None = None  # JAX persistent cache: the sampler compiles once per shape
     allowed_token_ids: tuple[int, ...] | None = None  # constrained decoding (sampling.allowedTokens)
+    conversation_cache_mib: int = 0
 
     @classmethod
     def from_spec(
@@ -119,6 +120,7 @@ class ActorSettings:
             checkpoint=spec.model.checkpoint,
             compilation_cache_dir=spec.learner.compilation_cache_dir,
             allowed_token_ids=allowed_token_ids(spec),
+            conversation_cache_mib=spec.actors.conversation_cache_mib,
         )
 
 

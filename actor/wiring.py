@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from stoker.actor.policy import BatchedSampler
 from stoker.actor.runner import Actor, ActorStats, BufferUnavailable, Grant
 from stoker.actor.sandbox import EnvironmentFactory, close_factory, inline_factory, process_factory
@@ -20,6 +22,8 @@ from stoker.spec import RLJob
 from stoker.trajectory import Episode
 
 log = logging.getLogger("stoker.actor")
+
+MIN_SAMPLER_BATCH = 8
 
 
 class ActorSetupError(Exception):
@@ -63,7 +67,33 @@ def make_sampler(settings: ActorSettings, dtype: str = "float32") -> Any:
         params=params,
         dtype=dtype_from_name(dtype),
         allowed_token_ids=settings.allowed_token_ids,
+        # Every distinct batch size is a program to compile (seconds each, at every actor start
+        # without a compilation cache); padding small batches to 8 rows costs little.
+        min_batch=min(settings.concurrency, MIN_SAMPLER_BATCH),
+        session_rows=conversation_rows(settings, config, dtype),
+        pin_sessions=settings.weight_sync == "between-episodes",
     )
+
+
+def conversation_rows(settings: ActorSettings, config: Any, dtype: str) -> int:
+    """Rows of the sampler's conversation cache: one per concurrent episode, as many as
+    ``conversationCacheMiB`` holds (fewer rows only means some turns prefill their whole
+    conversation again)."""
+    from stoker.learner.hf import dtype_from_name
+    from stoker.learner.model import head_dim
+
+    longest = max((b for b in settings.sampler_buckets if b <= config.max_seq_len), default=0)
+    itemsize = np.dtype(dtype_from_name(dtype)).itemsize
+    per_row = 2 * config.num_layers * longest * config.num_kv_heads * head_dim(config) * itemsize
+    if per_row == 0:
+        return 0
+    rows = min(settings.concurrency, settings.conversation_cache_mib * 2**20 // per_row)
+    if 0 < rows < settings.concurrency:
+        log.warning(
+            "conversationCacheMiB %d holds %d of %d concurrent conversations (%.1f MiB each)",
+            settings.conversation_cache_mib, rows, settings.concurrency, per_row / 2**20,
+        )
+    return rows
 
 
 def make_policy(settings: ActorSettings, dtype: str = "float32") -> BatchedSampler:

@@ -240,6 +240,38 @@ class Transformer(nnx.Module):
         segments = jnp.pad(segment_ids, ((0, 0), (0, cache_len - segment_ids.shape[1])))
         return logits, KVCache(tuple(layer_caches), segments)
 
+    def extend(
+        self, token_ids: jax.Array, positions: jax.Array, valid: jax.Array, cache: KVCache, *, logits_at: jax.Array
+    ) -> tuple[jax.Array, KVCache]:
+        """Append a chunk of tokens to cached sequences (the sampler's prefill when a
+        conversation's earlier turns are already cached).
+
+        ``token_ids``, ``positions`` and ``valid`` are [B, C]: row b's chunk continues its cached
+        sequence at slots ``positions[b]`` (consecutive, starting where the cached prefix ends);
+        invalid entries (chunk padding) are computed but never written. Each token attends to
+        every slot up to its own position, i.e. the cached prefix and the chunk before it.
+        Returns logits [B, V] at chunk index ``logits_at[b]`` and the cache with the chunk's
+        keys and values written."""
+        batch, num_slots = cache.segment_ids.shape
+        slots = jnp.arange(num_slots)
+        rows = jnp.arange(batch)[:, None]
+        write = jnp.where(valid, positions, num_slots)  # out of range: dropped by the scatter
+        filled = jnp.max(jnp.where(valid, positions + 1, 0), axis=1)
+        mask = slots[None, None, :] <= positions[:, :, None]  # [B, C, S]
+        h = self.embed_tokens(token_ids)
+        new_layers: list[LayerCache] = []
+        for block, layer in zip(self.layers, cache.layers, strict=True):
+            x = block.input_layernorm(h)
+            k, v = block.self_attn.project_kv(x, positions)
+            keys = layer.keys.at[rows, write].set(k, mode="drop")
+            values = layer.values.at[rows, write].set(v, mode="drop")
+            new_layers.append(LayerCache(keys, values))
+            h = h + block.self_attn(x, positions, keys, values, mask)
+            h = h + block.mlp(block.post_attention_layernorm(h))
+        logits = self._logits(jnp.take_along_axis(h, logits_at[:, None, None], axis=1))[:, 0]
+        segments = (slots[None, :] < filled[:, None]).astype(jnp.int32)
+        return logits, KVCache(tuple(new_layers), segments)
+
     def decode(self, token_ids: jax.Array, positions: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """One cached step: token [B] at position [B] (= its cache slot) -> logits [B, V].
 

@@ -11,6 +11,18 @@ Shapes come only from three small sets, so steady-state calls never recompile:
 Prompts are right-padded, so row b's token at position p sits in cache slot p, and the step
 limit ``max_new_tokens``, the stop tokens, the temperature and top-p are runtime values.
 
+Conversations (``sessions``). A multi-turn episode sends its whole conversation every turn, and
+re-reading it costs quadratically more each turn. Calls that name a session keep that
+conversation's keys and values in a persistent cache row (one row per live session, rows
+recycled least-recently-used) and prefill only what the cache does not hold yet -- the last
+sampled token and the environment's reply -- as a chunk padded to a small power-of-two bucket.
+Cached keys/values are only ever reused under the weights that computed them, so the log-probs
+stay exactly the trainer's: with ``pin_sessions=False`` a session whose weights were replaced is
+re-prefilled from the start under the new ones; with ``pin_sessions=True`` a session keeps
+sampling with the weights it started with until ``end_session`` (the sampler keeps every version
+a live session still uses), so its cache is never invalidated and every token of the episode
+carries one policy version.
+
 Log-probs. For a sampled token y the sampler records
 
     log pi(y) = z_y / tau - logsumexp(z / tau)
@@ -27,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import jax
@@ -36,7 +48,7 @@ import numpy as np
 from flax import nnx
 
 from stoker.learner.hf import load_hf
-from stoker.learner.model import KVCache, Transformer, init_model
+from stoker.learner.model import KVCache, LayerCache, Transformer, head_dim, init_model
 from stoker.spec import SamplingSpec, TransformerConfig
 
 
@@ -51,6 +63,7 @@ class Generation:
     token_ids: list[int]
     logprobs: list[float]
     finished: bool  # ended on a stop token (which is included in token_ids)
+    version: int = 0  # policy version of the weights that sampled it
 
 
 def pick_bucket(buckets: Sequence[int], length: int) -> int:
@@ -92,11 +105,78 @@ class _Loop(NamedTuple):
     step: jax.Array  # tokens drawn so far, shared by all rows
     logits: jax.Array  # [B, V] next-token logits
     cache: KVCache
-    tokens: jax.Array  # [B, S] prompt + generated ids
-    logprobs: jax.Array  # [B, S] log-prob of each generated token
+    tokens: jax.Array  # [B, W] generated ids, by step
+    logprobs: jax.Array  # [B, W] log-prob of each generated token
     done: jax.Array  # [B] row has hit a stop token (or is batch padding)
     generated: jax.Array  # [B] tokens generated per row
     key: jax.Array
+
+
+class _Limits(NamedTuple):
+    """The runtime sampling settings of one call."""
+
+    max_new_tokens: jax.Array
+    is_stop: jax.Array  # [V] bool
+    allowed: jax.Array  # [V] bool: constrained decoding (all true when unconstrained)
+    temperature: jax.Array
+    top_p: jax.Array
+
+
+def _sample(
+    model: Transformer,
+    logits: jax.Array,  # [B, V] after the prompt's last token
+    cache: KVCache,
+    first_slot: jax.Array,  # [B] where the first generated token goes
+    active: jax.Array,  # [B] false for batch padding
+    limits: _Limits,
+    key: jax.Array,
+    *,
+    width: int,
+    use_top_p: bool,
+) -> tuple[KVCache, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Draw up to ``limits.max_new_tokens`` (<= ``width``) tokens per row, one cached decode step
+    each; returns (cache, tokens [B, width], logprobs [B, width], generated [B], finished [B])."""
+    batch = logits.shape[0]
+    rows = jnp.arange(batch)
+
+    def cond(s: _Loop) -> jax.Array:
+        return (s.step < limits.max_new_tokens) & ~jnp.all(s.done)
+
+    def body(s: _Loop) -> _Loop:
+        key, draw = jax.random.split(s.key)
+        masked = jnp.where(limits.allowed, s.logits, jnp.asarray(-1e9, s.logits.dtype))  # as restrict_logits
+        token, logprob = sample_token(draw, masked, limits.temperature, limits.top_p if use_top_p else None)
+        live = ~s.done
+        tokens = s.tokens.at[rows, s.step].set(jnp.where(live, token, 0))
+        logprobs = s.logprobs.at[rows, s.step].set(jnp.where(live, logprob, 0.0))
+        generated = s.generated + live.astype(jnp.int32)
+        done = s.done | limits.is_stop[token]
+        step = s.step + 1
+
+        def advance(c: KVCache) -> tuple[jax.Array, KVCache]:
+            return model.decode(token, first_slot + s.step, c)
+
+        def stay(c: KVCache) -> tuple[jax.Array, KVCache]:
+            return s.logits, c
+
+        # The final draw needs no further forward pass.
+        more = (step < limits.max_new_tokens) & ~jnp.all(done)
+        next_logits, next_cache = jax.lax.cond(more, advance, stay, s.cache)
+        return _Loop(step, next_logits, next_cache, tokens, logprobs, done, generated, key)
+
+    init = _Loop(
+        step=jnp.zeros((), jnp.int32),
+        logits=logits,
+        cache=cache,
+        tokens=jnp.zeros((batch, width), jnp.int32),
+        logprobs=jnp.zeros((batch, width), jnp.float32),
+        done=~active,
+        generated=jnp.zeros((batch,), jnp.int32),
+        key=key,
+    )
+    out = jax.lax.while_loop(cond, body, init)
+    finished = out.done & active & (out.generated > 0)
+    return out.cache, out.tokens, out.logprobs, out.generated, finished
 
 
 def _generate(
@@ -105,65 +185,88 @@ def _generate(
     prompt_ids: jax.Array,  # [B, P] right-padded
     prompt_lens: jax.Array,  # [B]
     active: jax.Array,  # [B] false for batch padding
-    max_new_tokens: jax.Array,
-    is_stop: jax.Array,  # [V] bool
-    allowed: jax.Array,  # [V] bool: constrained decoding (all true when unconstrained)
-    temperature: jax.Array,
-    top_p: jax.Array,
+    limits: _Limits,
     key: jax.Array,
     *,
     cache_len: int,
     use_top_p: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Stateless: prefill whole prompts into a fresh cache, then sample."""
     model = nnx.merge(graphdef, state)
-    batch, prefill_len = prompt_ids.shape
-    idx = jnp.arange(prefill_len)[None, :]
+    idx = jnp.arange(prompt_ids.shape[1])[None, :]
     segments = (idx < prompt_lens[:, None]).astype(jnp.int32)
     positions = jnp.broadcast_to(idx, prompt_ids.shape).astype(jnp.int32)
     last, cache = model.prefill(prompt_ids, positions, segments, cache_len=cache_len, logits_at=prompt_lens - 1)
     assert cache is not None
-    tokens = jnp.zeros((batch, cache_len), jnp.int32).at[:, :prefill_len].set(prompt_ids)
-    rows = jnp.arange(batch)
-
-    def cond(s: _Loop) -> jax.Array:
-        return (s.step < max_new_tokens) & ~jnp.all(s.done)
-
-    def body(s: _Loop) -> _Loop:
-        key, draw = jax.random.split(s.key)
-        logits = jnp.where(allowed, s.logits, jnp.asarray(-1e9, s.logits.dtype))  # as restrict_logits
-        token, logprob = sample_token(draw, logits, temperature, top_p if use_top_p else None)
-        slot = prompt_lens + s.step  # where this token goes
-        live = ~s.done
-        tokens = s.tokens.at[rows, slot].set(jnp.where(live, token, s.tokens[rows, slot]))
-        logprobs = s.logprobs.at[rows, slot].set(jnp.where(live, logprob, 0.0))
-        generated = s.generated + live.astype(jnp.int32)
-        done = s.done | is_stop[token]
-        step = s.step + 1
-
-        def advance(c: KVCache) -> tuple[jax.Array, KVCache]:
-            return model.decode(token, slot, c)
-
-        def stay(c: KVCache) -> tuple[jax.Array, KVCache]:
-            return s.logits, c
-
-        # The final draw needs no further forward pass.
-        more = (step < max_new_tokens) & ~jnp.all(done)
-        logits, cache = jax.lax.cond(more, advance, stay, s.cache)
-        return _Loop(step, logits, cache, tokens, logprobs, done, generated, key)
-
-    init = _Loop(
-        step=jnp.zeros((), jnp.int32),
-        logits=last,
-        cache=cache,
-        tokens=tokens,
-        logprobs=jnp.zeros((batch, cache_len), jnp.float32),
-        done=~active,
-        generated=jnp.zeros((batch,), jnp.int32),
-        key=key,
+    _, tokens, logprobs, generated, finished = _sample(
+        model, last, cache, prompt_lens, active, limits, key, width=cache_len, use_top_p=use_top_p
     )
-    out = jax.lax.while_loop(cond, body, init)
-    finished = out.done & active & (out.generated > 0)
-    return out.tokens, out.logprobs, out.generated, finished
+    return tokens, logprobs, generated, finished
+
+
+def _continue(
+    graphdef: nnx.GraphDef[Transformer],
+    state: nnx.State,
+    store: tuple[LayerCache, ...],  # the persistent cache, [R, S, ...] per layer (donated)
+    rows: jax.Array,  # [B] store row of each batch row (padding rows share a scratch row)
+    chunk_ids: jax.Array,  # [B, C] the uncached end of each prompt, right-padded
+    starts: jax.Array,  # [B] slot of each chunk's first token (= cached prefix length)
+    chunk_lens: jax.Array,  # [B] >= 1
+    active: jax.Array,  # [B]
+    limits: _Limits,
+    key: jax.Array,
+    *,
+    use_top_p: bool,
+) -> tuple[tuple[LayerCache, ...], jax.Array, jax.Array, jax.Array, jax.Array]:
+    """With sessions: extend cached rows by their chunks, sample, write the rows back."""
+    model = nnx.merge(graphdef, state)
+    idx = jnp.arange(chunk_ids.shape[1])[None, :]
+    cache = KVCache(
+        tuple(LayerCache(layer.keys[rows], layer.values[rows]) for layer in store),
+        jnp.zeros((rows.shape[0], store[0].keys.shape[1]), jnp.int32),  # extend() recomputes it
+    )
+    last, cache = model.extend(
+        chunk_ids, starts[:, None] + idx, idx < chunk_lens[:, None], cache, logits_at=chunk_lens - 1
+    )
+    cache, tokens, logprobs, generated, finished = _sample(
+        model, last, cache, starts + chunk_lens, active, limits, key, width=store[0].keys.shape[1], use_top_p=use_top_p
+    )
+    store = tuple(
+        LayerCache(old.keys.at[rows].set(new.keys), old.values.at[rows].set(new.values))
+        for old, new in zip(store, cache.layers, strict=True)
+    )
+    return store, tokens, logprobs, generated, finished
+
+
+@dataclass
+class CacheStats:
+    """How much of the prompts of session calls the conversation cache saved from prefilling."""
+
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # read from the cache instead of being prefilled again
+
+    @property
+    def reuse(self) -> float:
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass
+class _Session:
+    """A conversation the sampler keeps cached keys/values for."""
+
+    version: int  # weights its cached keys/values were computed with (pinned: its sampling weights)
+    row: int | None = None  # its row of the persistent cache, while it has one
+    cached: list[int] = field(default_factory=list)  # ids held in slots 0..len-1 of that row
+    last_used: int = 0
+
+
+def _cached_prefix(cached: Sequence[int], prompt: Sequence[int]) -> int:
+    """How many of ``prompt``'s first tokens the cache holds; never the last one, whose logits
+    start the sampling and so must be computed."""
+    n = min(len(cached), len(prompt) - 1)
+    if list(cached[:n]) == list(prompt[:n]):  # the usual case, compared at C speed
+        return n
+    return next(i for i in range(n) if cached[i] != prompt[i])
 
 
 class Sampler:
@@ -173,7 +276,10 @@ class Sampler:
     seed)``, the same arrays as the learner's version 0 for the same seed. ``version`` is the
     policy version of the loaded weights (0 until ``load_weights``). ``min_batch``: pad every
     call to at least this many rows (e.g. the actor's concurrency), so one batch shape serves all
-    calls. Calls must not overlap (one thread drives a sampler)."""
+    calls. ``session_rows``: rows of the persistent conversation cache (see the module doc; at
+    least the number of conversations in flight, else the least recently used lose their cache).
+    ``pin_sessions``: a session samples with the weights it started with. Calls must not overlap
+    (one thread drives a sampler)."""
 
     def __init__(
         self,
@@ -186,6 +292,8 @@ class Sampler:
         dtype: Any = jnp.float32,
         min_batch: int = 1,
         allowed_token_ids: Sequence[int] | None = None,
+        session_rows: int = 0,
+        pin_sessions: bool = False,
     ):
         if not buckets or list(buckets) != sorted(set(buckets)):
             raise ValueError(f"buckets must be strictly ascending, got {list(buckets)}")
@@ -209,6 +317,7 @@ class Sampler:
             self._model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype))
             load_hf(self._model, params)
         self._graphdef, self._state = nnx.split(self._model)
+        self._state = _snapshot(self._state)
         # Sampling randomness is independent of the init stream that used the same seed.
         self._key = jax.random.fold_in(jax.random.key(seed), 0x5A)
         self._traces = 0
@@ -219,6 +328,34 @@ class Sampler:
             return _generate(self._graphdef, *args, **kwargs)
 
         self._jit = jax.jit(traced, static_argnames=("cache_len", "use_top_p"))
+
+        # The conversation cache: one row per session plus a scratch row for batch padding, each
+        # as long as the largest bucket the model can hold.
+        self.keeps_sessions = session_rows > 0
+        self.pin_sessions = pin_sessions
+        self.cache_stats = CacheStats()
+        self._sessions: dict[Any, _Session] = {}
+        self._row_owner: list[Any] = [None] * session_rows
+        self._uses = 0
+        self._pinned_states: dict[int, nnx.State] = {}
+        self._store: tuple[LayerCache, ...] = ()
+        self.session_len = 0
+        if session_rows > 0:
+            fitting = [b for b in self.buckets if b <= config.max_seq_len]
+            if not fitting:
+                raise ValueError(f"no bucket of {list(self.buckets)} fits maxSeqLen {config.max_seq_len}")
+            self.session_len = fitting[-1]
+            shape = (session_rows + 1, self.session_len, config.num_kv_heads, head_dim(config))
+            self._store = tuple(
+                LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)
+            )
+
+            def traced_continue(*args: Any, **kwargs: Any) -> Any:
+                self._traces += 1
+                return _continue(self._graphdef, *args, **kwargs)
+
+            # The cache is donated: XLA updates the rows in place instead of copying the store.
+            self._jit_continue = jax.jit(traced_continue, static_argnames=("use_top_p",), donate_argnums=(1,))
 
     @property
     def temperature(self) -> float:
@@ -233,14 +370,38 @@ class Sampler:
     def load_weights(self, flat: Mapping[str, np.ndarray], version: int) -> None:
         """Swap in new HF-named weights (same shapes, so nothing recompiles)."""
         load_hf(self._model, flat)
-        self._state = nnx.state(self._model)
+        self._state = _snapshot(nnx.state(self._model))
         self.version = version
+        self._drop_unpinned_states()
+
+    def end_session(self, session: Any) -> None:
+        """Forget a conversation: its cache row is free again (and, pinned, its weights if no other
+        session uses them). Unknown sessions are ignored."""
+        record = self._sessions.pop(session, None)
+        if record is not None and record.row is not None:
+            self._row_owner[record.row] = None
+        self._drop_unpinned_states()
+
+    def prefill_bucket(self, session: Any, prompt: Sequence[int]) -> int:
+        """The chunk length a session call would pad ``prompt`` to now (for grouping calls)."""
+        record = self._sessions.get(session)
+        uncached = len(prompt)
+        if record is not None and record.row is not None and (self.pin_sessions or record.version == self.version):
+            uncached -= _cached_prefix(record.cached, prompt)
+        buckets = chunk_buckets(self.session_len) if self._store else self.buckets
+        return next((b for b in buckets if b >= uncached), uncached)
 
     def generate(
-        self, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: Sequence[int] = ()
+        self,
+        prompts: list[list[int]],
+        *,
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int] = (),
+        sessions: Sequence[Any] | None = None,
     ) -> list[Generation]:
         """Continue each prompt (the whole conversation so far, as token ids) by up to
-        ``max_new_tokens`` tokens, stopping a row at its first stop token."""
+        ``max_new_tokens`` tokens, stopping a row at its first stop token. ``sessions[i]`` names
+        prompt i's conversation (any hashable, distinct within a call) to reuse its cache."""
         if not prompts:
             return []
         if max_new_tokens < 1:
@@ -253,48 +414,155 @@ class Sampler:
             if min(p) < 0 or max(p) >= vocab:
                 raise ValueError(f"prompt token ids must lie in [0, {vocab}), got {min(p)}..{max(p)}")
         longest = max(lens)
-        cache_len = pick_bucket(self.buckets, longest + max_new_tokens)
         if longest + max_new_tokens > self.config.max_seq_len:
             raise PromptTooLong(f"{longest + max_new_tokens} tokens exceed maxSeqLen {self.config.max_seq_len}")
+        is_stop = np.zeros((vocab,), np.bool_)
+        for token in stop_token_ids:
+            if not 0 <= token < vocab:
+                raise ValueError(f"stop token {token} is outside the vocabulary [0, {vocab})")
+            is_stop[token] = True
+        limits = _Limits(
+            jnp.asarray(max_new_tokens, jnp.int32),
+            jnp.asarray(is_stop),
+            jnp.asarray(self.allowed),
+            jnp.asarray(self.sampling.temperature, jnp.float32),
+            jnp.asarray(self.sampling.top_p, jnp.float32),
+        )
+        if sessions is not None:
+            return self._generate_sessions(prompts, list(sessions), limits, max_new_tokens)
+
+        cache_len = pick_bucket(self.buckets, longest + max_new_tokens)
         prefill_len = pick_bucket(self.buckets, longest)
         batch = padded_batch(len(prompts), self.min_batch)
-
         ids = np.zeros((batch, prefill_len), np.int32)
         for row, prompt in enumerate(prompts):
             ids[row, : len(prompt)] = prompt
         prompt_lens = np.ones((batch,), np.int32)
         prompt_lens[: len(prompts)] = lens
         active = np.arange(batch) < len(prompts)
-        is_stop = np.zeros((vocab,), np.bool_)
-        for token in stop_token_ids:
-            if not 0 <= token < vocab:
-                raise ValueError(f"stop token {token} is outside the vocabulary [0, {vocab})")
-            is_stop[token] = True
-
         self._key, key = jax.random.split(self._key)
-        tokens, logprobs, generated, finished = self._jit(
-            self._state,
-            ids,
-            prompt_lens,
-            active,
-            np.int32(max_new_tokens),
-            is_stop,
-            self.allowed,
-            np.float32(self.sampling.temperature),
-            np.float32(self.sampling.top_p),
-            key,
-            cache_len=cache_len,
+        out = self._jit(
+            self._state, ids, prompt_lens, active, limits, key,
+            cache_len=cache_len, use_top_p=self.sampling.top_p < 1.0,
+        )
+        return self._generations(out, len(prompts), [self.version] * len(prompts))
+
+    def _generations(self, out: Any, n: int, versions: list[int]) -> list[Generation]:
+        tokens, logprobs, generated, finished = jax.device_get(out)
+        return [
+            Generation(
+                token_ids=[int(t) for t in tokens[row, : generated[row]]],
+                logprobs=[float(x) for x in logprobs[row, : generated[row]]],
+                finished=bool(finished[row]),
+                version=versions[row],
+            )
+            for row in range(n)
+        ]
+
+    # ---------------------------------------------------------------------------- sessions
+
+    def _generate_sessions(
+        self, prompts: list[list[int]], sessions: list[Any], limits: _Limits, max_new_tokens: int
+    ) -> list[Generation]:
+        if not self._store:
+            raise ValueError("this sampler keeps no conversations (session_rows=0)")
+        if len(sessions) != len(prompts):
+            raise ValueError(f"{len(sessions)} sessions for {len(prompts)} prompts")
+        if len(set(sessions)) != len(sessions):
+            raise ValueError("a session may appear only once per call")
+        if max(map(len, prompts)) + max_new_tokens > self.session_len:
+            raise PromptTooLong(
+                f"{max(map(len, prompts)) + max_new_tokens} tokens do not fit the cache ({self.session_len} slots)"
+            )
+        records = [self._session(s) for s in sessions]
+        for session, record in zip(sessions, records, strict=True):
+            if record.row is None:  # never takes the row of another session of this call
+                record.row = self._free_row(set(sessions))
+                self._row_owner[record.row] = session
+                record.cached = []
+        results: list[Generation | None] = [None] * len(prompts)
+        by_version: dict[int, list[int]] = {}
+        for i, record in enumerate(records):
+            by_version.setdefault(record.version, []).append(i)
+        for version, members in sorted(by_version.items()):
+            state = self._state if version == self.version else self._pinned_states[version]
+            gens = self._continue_rows([prompts[i] for i in members], [records[i] for i in members], state, limits)
+            for i, gen in zip(members, gens, strict=True):
+                gen.version = version
+                results[i] = gen
+        return [g for g in results if g is not None]
+
+    def _session(self, key: Any) -> _Session:
+        record = self._sessions.get(key)
+        if record is None:
+            record = self._sessions[key] = _Session(version=self.version)
+        elif record.version != self.version and not self.pin_sessions:
+            record.version, record.cached = self.version, []  # computed by replaced weights
+        if self.pin_sessions and record.version == self.version:
+            self._pinned_states.setdefault(self.version, self._state)
+        self._uses += 1
+        record.last_used = self._uses
+        return record
+
+    def _free_row(self, busy: set[Any]) -> int:
+        for row, owner in enumerate(self._row_owner):
+            if owner is None:
+                return row
+        # All rows taken: evict the least recently used conversation outside this call.
+        candidates = [(self._sessions[o].last_used, row) for row, o in enumerate(self._row_owner) if o not in busy]
+        if not candidates:
+            raise ValueError(f"{len(busy)} sessions in one call exceed the cache's {len(self._row_owner)} rows")
+        _, row = min(candidates)
+        self._sessions[self._row_owner[row]].row = None
+        return row
+
+    def _continue_rows(
+        self, prompts: list[list[int]], records: list[_Session], state: nnx.State, limits: _Limits
+    ) -> list[Generation]:
+        # At least the prompt's last token is fed again: its logits start the sampling.
+        starts = [_cached_prefix(r.cached, p) for r, p in zip(records, prompts, strict=True)]
+        chunks = [p[s:] for p, s in zip(prompts, starts, strict=True)]
+        self.cache_stats.prompt_tokens += sum(map(len, prompts))
+        self.cache_stats.reused_tokens += sum(starts)
+        width = pick_bucket(chunk_buckets(self.session_len), max(map(len, chunks)))
+        batch = padded_batch(len(prompts), self.min_batch)
+        scratch = len(self._row_owner)
+        rows = np.full((batch,), scratch, np.int32)
+        ids = np.zeros((batch, width), np.int32)
+        start_arr = np.zeros((batch,), np.int32)
+        chunk_lens = np.ones((batch,), np.int32)
+        for i, (record, chunk) in enumerate(zip(records, chunks, strict=True)):
+            assert record.row is not None
+            rows[i], start_arr[i], chunk_lens[i] = record.row, starts[i], len(chunk)
+            ids[i, : len(chunk)] = chunk
+        active = np.arange(batch) < len(prompts)
+        self._key, key = jax.random.split(self._key)
+        self._store, *out = self._jit_continue(
+            state, self._store, rows, ids, start_arr, chunk_lens, active, limits, key,
             use_top_p=self.sampling.top_p < 1.0,
         )
-        tokens, logprobs, generated, finished = jax.device_get((tokens, logprobs, generated, finished))
-        out = []
-        for row, start in enumerate(lens):
-            end = start + int(generated[row])
-            out.append(
-                Generation(
-                    token_ids=[int(t) for t in tokens[row, start:end]],
-                    logprobs=[float(x) for x in logprobs[row, start:end]],
-                    finished=bool(finished[row]),
-                )
-            )
-        return out
+        gens = self._generations(out, len(prompts), [0] * len(prompts))
+        for record, prompt, gen in zip(records, prompts, gens, strict=True):
+            # Every sampled token but the last went through a decode step, so its keys are cached.
+            record.cached = prompt + gen.token_ids[:-1]
+        return gens
+
+    def _drop_unpinned_states(self) -> None:
+        live = {r.version for r in self._sessions.values()}
+        for version in [v for v in self._pinned_states if v not in live and v != self.version]:
+            del self._pinned_states[version]
+
+
+def _snapshot(state: nnx.State) -> nnx.State:
+    """A state holding the current arrays, unlike ``nnx.state``'s live view of the model: pinned
+    sessions keep sampling with it after ``load_weights`` overwrites the model in place."""
+    return jax.tree.map(lambda x: x, state)
+
+
+def chunk_buckets(longest: int) -> tuple[int, ...]:
+    """Chunk lengths a session call pads to: powers of two from 16 up to ``longest`` (a turn's
+    new tokens are usually few; a re-prefill after new weights takes the largest)."""
+    sizes = [16]
+    while sizes[-1] < longest:
+        sizes.append(sizes[-1] * 2)
+    return tuple(min(s, longest) for s in sizes)

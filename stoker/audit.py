@@ -113,16 +113,35 @@ async def _episodes(spec: RLJobSpec, groups: int) -> tuple[list[Any], list[float
             episodes += await run_group(
                 policy, timed_factory, interface, task, actor.group_size, limits=actor.limits, seed=index + 1
             )
-        # Sampler latency at the actor's batch: one turn of `concurrency` conversations at once.
+        # Sampler latency at the actor's batch: one turn of `concurrency` conversations at once,
+        # each halfway through an episode. With the conversation cache the earlier turns are
+        # cached as they would be, so only the turn's own tokens are prefilled.
         prompts = [list(e.token_ids[: max(1, e.num_tokens // 2)]) for e in episodes[: actor.concurrency]]
         prompts += [prompts[0]] * (actor.concurrency - len(prompts))
+        turn_tokens = max(1, round(sum(e.num_tokens for e in episodes) / max(1, sum(e.num_turns for e in episodes))))
         sampler = policy.sampler
-        sampler.generate(prompts, max_new_tokens=actor.sampling.max_new_tokens)  # compile this shape
+        new_tokens = actor.sampling.max_new_tokens
+
+        def one_turn(round_: int) -> None:
+            if not sampler.keeps_sessions:
+                sampler.generate(prompts, max_new_tokens=new_tokens)
+                return
+            sessions = [(round_, i) for i in range(len(prompts))]
+            sampler.generate([p[: max(1, len(p) - turn_tokens)] for p in prompts], max_new_tokens=new_tokens, sessions=sessions)
+            started = time.perf_counter()
+            sampler.generate(prompts, max_new_tokens=new_tokens, sessions=sessions)
+            elapsed.append(time.perf_counter() - started)
+            for session in sessions:
+                sampler.end_session(session)
+
+        elapsed: list[float] = []
+        one_turn(-1)  # compiles this shape
+        elapsed.clear()
         started = time.perf_counter()
         repeats = 5
-        for _ in range(repeats):
-            sampler.generate(prompts, max_new_tokens=actor.sampling.max_new_tokens)
-        sample_turn = (time.perf_counter() - started) / repeats
+        for round_ in range(repeats):
+            one_turn(round_)
+        sample_turn = sum(elapsed) / repeats if elapsed else (time.perf_counter() - started) / repeats
     finally:
         await close_factory(base)
         await policy.close()

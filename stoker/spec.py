@@ -232,7 +232,21 @@ class ActorsSpec(SpecModel):
     )
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     weight_sync: Literal["between-turns", "between-episodes"] = Field(
-        "between-turns", description="When an actor may switch to newer weights."
+        "between-turns",
+        description=(
+            "between-turns: every turn samples with the newest weights (a running episode's cached "
+            "conversation is prefilled again after a swap); between-episodes: an episode samples with "
+            "the weights it started with to its end (one version per episode, its cache stays valid, "
+            "later turns are staler)."
+        ),
+    )
+    conversation_cache_mib: int = Field(
+        512,
+        ge=0,
+        description=(
+            "Memory for each actor's cache of running conversations (keys/values), so a turn prefills "
+            "only its new tokens; up to one row per concurrent episode. 0 turns it off."
+        ),
     )
 
 

@@ -11,7 +11,7 @@ import pytest
 from stoker.actor.environments import Observation, StepResult
 from stoker.actor.episode import FAILED, OK, TIMEOUT, TRUNCATED, EpisodeLimits, run_episode, run_group
 from stoker.actor.frozenlake import FrozenLake, FrozenLakeConfig
-from stoker.actor.policy import BatchedSampler, Sampled, ScriptedPolicy, VersionGate
+from stoker.actor.policy import BatchedSampler, Sampled, ScriptedPolicy
 from stoker.actor.sandbox import InlineEnvironment, inline_factory
 from stoker.actor.tokenization import TextInterface
 from stoker.trajectory import array_problem, from_proto, to_proto
@@ -50,7 +50,10 @@ class RecordingPolicy:
         self.prompts: list[list[int]] = []
         self.outputs: list[Sampled] = []
 
-    async def generate(self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int]) -> Sampled:
+    async def end_session(self, session: object) -> None:
+        pass
+
+    async def generate(self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int], session: object = None) -> Sampled:
         turn = len(self.prompts)
         self.prompts.append(list(prompt))
         ids = self.answers[turn % len(self.answers)][:max_new_tokens]
@@ -117,6 +120,8 @@ async def test_versions_follow_a_mid_episode_weight_update(lake: TextInterface) 
 class FakeSampler:
     """A deterministic stand-in for the JAX sampler: answers 'up' then '<eot>' for each prompt."""
 
+    keeps_sessions = False
+
     def __init__(self, up: int, eot: int):
         self.up, self.eot = up, eot
         self.version = 0
@@ -125,11 +130,12 @@ class FakeSampler:
     def load_weights(self, flat: dict[str, np.ndarray], version: int) -> None:
         self.version = version
 
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: Sequence[int] = ()):  # type: ignore[no-untyped-def]
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: Sequence[int] = (), sessions=None):  # type: ignore[no-untyped-def]
         from stoker.learner.sampling import Generation
 
+        assert sessions is None  # this sampler keeps no conversations
         self.batches.append(len(prompts))
-        return [Generation([self.up], [-0.7], True) for _ in prompts]
+        return [Generation([self.up], [-0.7], True, self.version) for _ in prompts]
 
 
 @pytest.mark.asyncio
@@ -194,7 +200,10 @@ async def test_episode_wall_clock_limit_ends_with_timeout(lake: TextInterface) -
     class Stuck:
         version = 0
 
-        async def generate(self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int]) -> Sampled:
+        async def end_session(self, session: object) -> None:
+            pass
+
+        async def generate(self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int], session: object = None) -> Sampled:
             await never.wait()
             raise AssertionError("unreachable")
 
@@ -214,34 +223,6 @@ async def test_context_limit_truncates(lake: TextInterface, lake_expert) -> None
     starved = await run_episode(ScriptedPolicy(lake_expert), lake_env(), lake, "1", seed=0, limits=tiny)
     assert starved.status == FAILED and "no model turn fit" in starved.status_reason
     assert array_problem(to_proto(starved)) is None
-
-
-@pytest.mark.asyncio
-async def test_between_episodes_gate_waits_for_running_episodes() -> None:
-    gate = VersionGate(between_episodes=True)
-    order: list[str] = []
-    release = asyncio.Event()
-
-    async def episode(name: str) -> None:
-        async with gate.episode():
-            order.append(f"start {name}")
-            await release.wait()
-            order.append(f"end {name}")
-
-    first = asyncio.create_task(episode("a"))
-    await asyncio.sleep(0)
-
-    async def apply() -> None:
-        order.append("swap")
-
-    swap = asyncio.create_task(gate.swap(apply))
-    await asyncio.sleep(0)
-    second = asyncio.create_task(episode("b"))  # arrives while the swap is pending
-    await asyncio.sleep(0)
-    assert order == ["start a"]
-    release.set()
-    await asyncio.gather(first, swap, second)
-    assert order == ["start a", "end a", "swap", "start b", "end b"]
 
 
 @pytest.mark.asyncio

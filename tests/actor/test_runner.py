@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -123,6 +124,8 @@ class Weights:
 
 
 class CountingSampler:
+    keeps_sessions = False
+
     def __init__(self, move: int):
         self.move = move
         self.version = 0
@@ -132,16 +135,15 @@ class CountingSampler:
         self.loads.append(int(flat["v"][0]))
         self.version = version
 
-    def generate(self, prompts, *, max_new_tokens, stop_token_ids=()):  # type: ignore[no-untyped-def]
+    def generate(self, prompts, *, max_new_tokens, stop_token_ids=(), sessions=None):  # type: ignore[no-untyped-def]
         from stoker.learner.sampling import Generation
 
-        return [Generation([self.move], [-0.3], True) for _ in prompts]
+        return [Generation([self.move], [-0.3], True, self.version) for _ in prompts]
 
 
-@pytest.mark.parametrize("mode", ["between-turns", "between-episodes"])
-async def test_actor_pulls_newer_weights(mode: str, lake: TextInterface) -> None:
+async def test_actor_pulls_newer_weights(lake: TextInterface) -> None:
     spec = RLJobSpec(buffer=BufferSpec(group_size=2))
-    settings = settings_for(spec, max_groups=40, weight_sync=mode, weight_poll_seconds=0.01)
+    settings = settings_for(spec, max_groups=40, weight_poll_seconds=0.01)
     sampler = CountingSampler(lake.tokenizer.get_vocab()["up"])  # "up" never reaches the goal
     policy = BatchedSampler(sampler)
     weights = Weights()
@@ -157,8 +159,47 @@ async def test_actor_pulls_newer_weights(mode: str, lake: TextInterface) -> None
     episodes = [e for g in buffer.groups for e in g]
     seen = {tuple(sorted(set(e.policy_versions[e.loss_mask == 1].tolist()))) for e in episodes}
     assert (0,) in seen and (5,) in seen
-    if mode == "between-episodes":
-        assert seen <= {(0,), (5,)}  # never two versions inside one episode
+
+
+async def test_between_episodes_keeps_each_episode_on_its_first_weights(lake: TextInterface) -> None:
+    from stoker.actor.wiring import make_policy
+    from stoker.learner.model import init_model
+    from stoker.learner.weights import flatten_params
+    from stoker.spec import ActorsSpec, EnvironmentSpec, SamplingSpec, StepLatency
+
+    # The real sampler, allowed only "up" (which never reaches the goal: every episode plays all
+    # its 8 turns of at least 0.05 s each), so the swap lands inside running episodes.
+    sampling = SamplingSpec(max_new_tokens=1, allowed_tokens=["up"])
+    spec = RLJobSpec(
+        buffer=BufferSpec(group_size=2),
+        actors=ActorsSpec(sampling=sampling, weight_sync="between-episodes"),
+        environment=EnvironmentSpec(step_latency=StepLatency(distribution="fixed", seconds=0.05)),
+    )
+    settings = settings_for(spec, max_groups=12, concurrency=8, weight_poll_seconds=0.01)
+    new_weights = flatten_params(init_model(settings.model, seed=5))
+
+    class RealWeights(Weights):
+        def fetch(self, version: int) -> dict[str, np.ndarray]:
+            return new_weights
+
+    policy = make_policy(settings)
+    weights, buffer = RealWeights(), MemoryBuffer()
+    actor = Actor(settings, policy, lake, inline_factory(settings.sandbox), buffer, weights=weights, loader=policy)
+    running = asyncio.create_task(actor.run())
+    await wait_for(lambda: policy.stats.calls >= 3, timeout=120)
+    weights.latest = 5
+    await wait_for(lambda: policy.version == 5, timeout=120)
+    swapped = time.time()
+    stats = await asyncio.wait_for(running, 120)
+    await policy.close()
+    assert stats.weight_updates == 1
+    episodes = [e for g in buffer.groups for e in g]
+    seen = [set(e.policy_versions[e.loss_mask == 1].tolist()) for e in episodes]
+    assert {5} in seen and all(len(v) == 1 for v in seen)
+    # Episodes running at the swap finished on version 0: it never reached their later turns.
+    assert any(v == {0} and e.finished_unix > swapped for v, e in zip(seen, episodes, strict=True))
+    # Every turn after an episode's first prefilled only its new tokens.
+    assert policy.sampler.cache_stats.reuse > 0.5  # type: ignore[attr-defined]
 
 
 async def test_weights_that_cannot_load_stop_the_actor_loudly(lake: TextInterface) -> None:

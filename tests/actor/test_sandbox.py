@@ -93,7 +93,10 @@ async def test_sandbox_killed_mid_episode_fails_the_episode_not_the_group(
         version = 0
         turns = 0
 
-        async def generate(self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int]) -> Sampled:
+        async def end_session(self, session: object) -> None:
+            pass
+
+        async def generate(self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int], session: object = None) -> Sampled:
             self.turns += 1
             if self.turns == 2:  # episode 0's second turn: its sandbox dies before the step
                 os.killpg(sandboxes[0].pid, signal.SIGKILL)
@@ -205,7 +208,10 @@ async def test_heartbeats_keep_a_slow_episode_alive_and_silence_reaps_it(
     class SlowThinker:
         version = 0
 
-        async def generate(self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int]) -> Sampled:
+        async def end_session(self, session: object) -> None:
+            pass
+
+        async def generate(self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int], session: object = None) -> Sampled:
             nonlocal turns
             turns += 1
             if turns == 2:

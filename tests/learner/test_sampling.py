@@ -187,3 +187,107 @@ def test_checkpoint_and_tokenizer_from_disk_drive_the_sampler(tmp_path: Path) ->
     assert loaded_tok.encode(text).ids == gen.token_ids or "<unk>" in text
     recomputed = scorer(model, temperature=sampler.temperature)(prompt + gen.token_ids)[len(prompt) - 1 :]
     np.testing.assert_allclose(gen.logprobs, recomputed, atol=1e-4)
+
+
+# ------------------------------------------------------------------ conversations (sessions)
+
+
+def session_sampler(rows: int = 4, *, pin: bool = False) -> Sampler:
+    return Sampler(
+        CONFIG, SamplingSpec(temperature=1.0, top_p=1.0), seed=0, buckets=BUCKETS, min_batch=4,
+        session_rows=rows, pin_sessions=pin,
+    )
+
+
+def play(sampler: Sampler, conversations: dict[str, list[int]], turns: int, reply: list[int]) -> dict[str, list[tuple[int, list[int], list[float]]]]:
+    """Multi-turn: each turn samples 2 tokens per conversation, then appends ``reply`` (the
+    environment). Returns per conversation [(prompt length, sampled ids, log-probs)] per turn."""
+    record: dict[str, list[tuple[int, list[int], list[float]]]] = {name: [] for name in conversations}
+    for _ in range(turns):
+        names = list(conversations)
+        gens = sampler.generate([conversations[n] for n in names], max_new_tokens=2, sessions=names)
+        for name, gen in zip(names, gens, strict=True):
+            record[name].append((len(conversations[name]), gen.token_ids, gen.logprobs))
+            conversations[name] = conversations[name] + gen.token_ids + reply
+    return record
+
+
+def assert_trainer_agrees(conversation: list[int], turns: list[tuple[int, list[int], list[float]]], score: Callable[[list[int]], np.ndarray]) -> None:
+    full = score(conversation)  # full[i] = log p(conversation[i + 1] | conversation[: i + 1])
+    for start, ids, logprobs in turns:
+        np.testing.assert_allclose(logprobs, full[start - 1 : start - 1 + len(ids)], atol=1e-4)
+
+
+def test_sessions_reuse_the_cache_and_match_the_trainer(score: Callable[[list[int]], np.ndarray]) -> None:
+    sampler = session_sampler()
+    conversations = {"a": [1, 2, 3], "b": [4, 5, 6, 7, 8, 9]}
+    turns = play(sampler, conversations, 3, reply=[10, 11, 12])
+    for name, conversation in conversations.items():
+        assert_trainer_agrees(conversation, turns[name], score)
+    # Turn 1 prefills everything; afterwards only the last sampled token and the reply (4 tokens
+    # a turn) are new: the rest of each prompt came from the cache.
+    first = 3 + 6
+    later = [(3 + 5 * t, 6 + 5 * t) for t in (1, 2)]
+    assert sampler.cache_stats.prompt_tokens == first + sum(a + b for a, b in later)
+    assert sampler.cache_stats.reused_tokens == sum(a - 4 + b - 4 for a, b in later)
+    # The chunk buckets are few: a call after the first compiles nothing new.
+    compiled = sampler.compile_count
+    play(sampler, {"c": [3, 3], "d": [1]}, 1, reply=[5])
+    play(sampler, {"c": [3, 3], "d": [1]}, 1, reply=[5])
+    assert sampler.compile_count == compiled
+
+
+def test_new_weights_recompute_a_session_unless_pinned() -> None:
+    old, new = init_model(CONFIG, seed=0), init_model(CONFIG, seed=11)
+    score_old, score_new = scorer(old), scorer(new)
+    for pin in (False, True):
+        sampler = session_sampler(pin=pin)
+        conversations = {"early": [1, 2, 3]}
+        before = play(sampler, conversations, 1, reply=[4, 5])
+        sampler.load_weights(flatten_params(new), version=7)
+        conversations["late"] = [6, 7]
+        reused = sampler.cache_stats.reused_tokens
+        after = play(sampler, conversations, 1, reply=[4, 5])
+        gens = sampler.generate([conversations["early"]], max_new_tokens=1, sessions=["early"])
+        # Unpinned, the early conversation continues under the new weights (prefilled again);
+        # pinned, it keeps its version-0 weights and its cache.
+        early_score = score_old if pin else score_new
+        assert_trainer_agrees(conversations["early"] + gens[0].token_ids, [*before["early"][1:], after["early"][0]], early_score)
+        assert gens[0].version == (0 if pin else 7)
+        assert (sampler.cache_stats.reused_tokens > reused) == pin or not pin
+        assert_trainer_agrees(conversations["late"], after["late"], score_new)
+        if pin:
+            sampler.end_session("early")
+            assert sampler.generate([[1, 2]], max_new_tokens=1, sessions=["early"])[0].version == 7
+
+
+def test_more_sessions_than_rows_evict_the_least_recent(score: Callable[[list[int]], np.ndarray]) -> None:
+    sampler = session_sampler(rows=2)
+    conversations = {"a": [1, 2], "b": [3, 4], "c": [5, 6, 7]}
+    turns: dict[str, list[tuple[int, list[int], list[float]]]] = {n: [] for n in conversations}
+    for names in (["a", "b"], ["c"], ["a", "b"], ["c", "a"]):
+        for name, got in play(sampler, {n: conversations[n] for n in names}, 1, reply=[8]).items():
+            turns[name] += got
+            conversations[name] = conversations[name] + got[0][1] + [8]
+    for name, conversation in conversations.items():
+        assert_trainer_agrees(conversation, turns[name], score)
+    with pytest.raises(ValueError, match="exceed the cache"):
+        sampler.generate([[1], [2], [3]], max_new_tokens=1, sessions=["x", "y", "z"])
+
+
+def test_an_edited_history_is_recomputed_from_where_it_differs(score: Callable[[list[int]], np.ndarray]) -> None:
+    sampler = session_sampler()
+    sampler.generate([[1, 2, 3, 4, 5, 6]], max_new_tokens=2, sessions=["s"])
+    edited = [1, 2, 9, 9]
+    gen = sampler.generate([edited], max_new_tokens=3, sessions=["s"])[0]
+    np.testing.assert_allclose(gen.logprobs, score(edited + gen.token_ids)[len(edited) - 1 :], atol=1e-4)
+
+
+def test_bad_session_calls_are_refused() -> None:
+    sampler = session_sampler()
+    with pytest.raises(ValueError, match="only once"):
+        sampler.generate([[1], [2]], max_new_tokens=1, sessions=["x", "x"])
+    with pytest.raises(PromptTooLong):
+        sampler.generate([list(range(1, 31))], max_new_tokens=4, sessions=["x"])
+    with pytest.raises(ValueError, match="keeps no conversations"):
+        Sampler(CONFIG, SamplingSpec(), seed=0, buckets=BUCKETS).generate([[1]], max_new_tokens=1, sessions=["x"])
