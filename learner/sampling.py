@@ -484,11 +484,9 @@ class Sampler:
         by_version: dict[int, list[int]] = {}
         for i, record in enumerate(records):
             by_version.setdefault(record.version, []).append(i)
-        for version, members in sorted(by_version.items()):
-            state = self._state if version == self.version else self._pinned_states[version]
-            gens = self._continue_rows([prompts[i] for i in members], [records[i] for i in members], state, limits)
+        for version, members in sorted(by_version.items()):  # one call per weight version
+            gens = self._continue_rows([prompts[i] for i in members], [records[i] for i in members], version, limits)
             for i, gen in zip(members, gens, strict=True):
-                gen.version = version
                 results[i] = gen
         return [g for g in results if g is not None]
 
@@ -517,8 +515,9 @@ class Sampler:
         return row
 
     def _continue_rows(
-        self, prompts: list[list[int]], records: list[_Session], state: nnx.State, limits: _Limits
+        self, prompts: list[list[int]], records: list[_Session], version: int, limits: _Limits
     ) -> list[Generation]:
+        state = self._state if version == self.version else self._pinned_states[version]
         # At least the prompt's last token is fed again: its logits start the sampling.
         starts = [_cached_prefix(r.cached, p) for r, p in zip(records, prompts, strict=True)]
         chunks = [p[s:] for p, s in zip(prompts, starts, strict=True)]
@@ -541,7 +540,7 @@ class Sampler:
             state, self._store, rows, ids, start_arr, chunk_lens, active, limits, key,
             use_top_p=self.sampling.top_p < 1.0,
         )
-        gens = self._generations(out, len(prompts), [0] * len(prompts))
+        gens = self._generations(out, len(prompts), [version] * len(prompts))
         for record, prompt, gen in zip(records, prompts, gens, strict=True):
             # Every sampled token but the last went through a decode step, so its keys are cached.
             record.cached = prompt + gen.token_ids[:-1]

@@ -21,6 +21,8 @@ from stoker.spec import SamplingSpec, TransformerConfig
 CONFIG = TransformerConfig()
 BUCKETS = (16, 32)
 
+pytestmark = pytest.mark.usefixtures("xla_cache")  # the samplers here compile the same programs
+
 
 def scorer(model: Transformer, temperature: float = 1.0) -> Callable[[list[int]], np.ndarray]:
     """Training-side log-probs of every token after the first, at one fixed [1, 32] shape."""
