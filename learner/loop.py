@@ -24,9 +24,10 @@ shrinks Adam's second moment so that the next real gradient makes an outsized st
 a policy that had solved every map then drifted off two of them and never came back.
 
 A flat group *below* its task's best reward is *stuck* -- the policy fails there the same way every
-time -- and does train: each episode gets the advantage it would have had if one more sample had
-reached the best reward again (``stuck_advantages``: negative, -1/sqrt(n) for n episodes), and its
-tokens train by unlikelihood (``algorithms.stuck_unlikelihood``: A log(1 - pi(y_t))) instead of the
+time -- and does train: its episodes share the advantage one of them would have had if one more
+sample had reached the best reward again (``stuck_advantages``: -1/sqrt(n) over n episodes, each
+-n^-1.5, as the n samples of a deterministic policy are one trajectory), and its tokens train by
+unlikelihood (``algorithms.stuck_unlikelihood``: A log(1 - pi(y_t))) instead of the
 policy-gradient surrogate. Both obvious pushes vanish exactly when they are needed: on a policy
 that has turned deterministic on the failing moves, the entropy bonus's gradient is ~pi log pi and
 the policy gradient's is A (1 - pi), both ~0, and Adam, whose second moment still remembers the
@@ -35,7 +36,9 @@ FrozenLake run lost a solved map for good: an outsized step knocked it onto one 
 entropy fell to ~0.001, and 100 steps of entropy bonus (then the stuck rule's only push) never
 brought it back. The unlikelihood gradient on the failing token's logit is -A pi(y_t), largest on a
 saturated policy, and fades once pi(y_t) falls -- by then the group's samples differ and GRPO's own
-signal takes over. The rule cannot change the optimum: a group at its task's best reward is never
+signal takes over. Counted at full weight per episode (-1/sqrt(n) each), a stuck group's push
+was eight coherent copies of one trajectory: in a maxStaleness-4 run its gradient norm was 12 against
+the batch's usual 0.5-2, and the next steps broke every map (success 0.75 -> 0.09). The rule cannot change the optimum: a group at its task's best reward is never
 stuck, so on a policy that reaches the best reward every time (deterministic environments) it is
 inactive. (A stochastic environment can leave a flat group below a lucky best under an optimal
 policy; the push then makes the policy explore, and the spread groups that follow pull it back.)
@@ -248,14 +251,15 @@ REWARD_TOLERANCE = 1e-6  # relative: group rewards closer than this count as equ
 
 def stuck_advantages(rewards: np.ndarray, best: float) -> np.ndarray:
     """Advantages for a stuck group's episodes (``rewards``, all alike, below ``best``): GRPO's
-    group-relative advantage had one more episode reached ``best``, i.e. for n episodes
+    group-relative advantage had one more episode reached ``best``, shared by the n episodes
 
-        A_i = (r - mean) / std over [r] * n + [best]   =   -1 / sqrt(n)
+        A_i = (1/n) (r - mean) / std over [r] * n + [best]   =   -1 / (n sqrt(n))
 
-    Negative, on the scale of GRPO's own advantages, and independent of the reward's units."""
+    The n episodes are n copies of the one path a deterministic policy takes, so together they
+    weigh as one failure (module docstring). Negative, independent of the reward's units."""
     n = rewards.shape[0]
     with_best = np.concatenate([rewards, [best]]).astype(np.float32)[None, :]
-    return np.asarray(algorithms.group_advantages(with_best, np.ones_like(with_best)))[0, :n]
+    return np.asarray(algorithms.group_advantages(with_best, np.ones_like(with_best)))[0, :n] / n
 
 
 def prepare_groups(

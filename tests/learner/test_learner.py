@@ -203,10 +203,11 @@ def test_stuck_groups_get_a_negative_advantage_and_solved_ones_stay_out() -> Non
     assert [seq[0].stuck for seq in prepared.items] == [False] * 4 and prepared.stuck_groups == 0
     assert [seq[0].advantage for seq in prepared.items][0] > 0
     prepared = prepare_groups([_flat_group("a", 0.25), _flat_group("b", 0.5), _flat_group("a", 1.0)], "grpo", best)
-    # a at 0.25 < 1.0 is stuck: as if a fifth sample had scored 1.0, A = (0.25 - 0.4) / 0.3 = -1/sqrt(4).
+    # a at 0.25 < 1.0 is stuck: as if a fifth sample had scored 1.0, (0.25 - 0.4) / 0.3 = -1/sqrt(4),
+    # shared by the 4 copies of one path.
     assert prepared.zero_signal_groups == 3 and prepared.stuck_groups == 1
     assert all(seq[0].stuck for seq in prepared.items) and len(prepared.items) == 4
-    np.testing.assert_allclose([seq[0].advantage for seq in prepared.items], [-0.5] * 4, rtol=1e-4)
+    np.testing.assert_allclose([seq[0].advantage for seq in prepared.items], [-0.5 / 4] * 4, rtol=1e-4)
     assert best == {"a": 1.0, "b": 0.5}
     # Only solved groups: nothing to train, not even on the entropy bonus (the drift the docstring tells of).
     assert prepare_groups([_flat_group("a", 1.0), _flat_group("b", 0.5)], "grpo", best).items == []
@@ -218,7 +219,7 @@ def test_a_saturated_policy_is_pushed_off_a_lost_task() -> None:
 
     Measured on this bandit: with the earlier rule (advantage 0, entropy bonus only) or with a plain
     policy gradient at the stuck advantage, p stays > 0.9999 for 30 steps (Adam's momentum from the
-    saturating steps still pushes it up); the unlikelihood push brings it under 0.05 by step 7."""
+    saturating steps still pushes it up); the unlikelihood push brings it under 0.05 by step 9."""
     learner = Learner(settings(loss=LossConfig(entropy_coef=0.05)))
     rng = np.random.default_rng(3)
     bad = 5
