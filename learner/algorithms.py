@@ -247,6 +247,33 @@ def _clipped_surrogate(ratio: jax.Array, advantages: jax.Array, config: LossConf
     return jnp.where(advantages < 0, jnp.maximum(surrogate, config.dual_clip * advantages), surrogate)
 
 
+def stuck_unlikelihood(log_not_taken: Array, advantages: Array) -> jax.Array:
+    """Per-token loss that pushes a stuck group's sampled tokens down (``advantages`` <= 0):
+
+        l_t = A_t * log(1 - pi_theta(y_t))        d l_t / d z_y = -A_t * pi_theta(y_t)
+
+    Unlikelihood training (Welleck et al. 2020, "Neural text generation with unlikelihood
+    training") weighted by the advantage. The policy gradient's own push, -A_t * (1 - pi(y_t)) on
+    the logit, and the entropy bonus's, ~pi log pi, both vanish as the policy turns deterministic on
+    the failing tokens; this one grows to -A_t there, so a saturated policy still gets a push, and
+    it fades as pi(y_t) falls (by then the group's samples differ and GRPO's own signal takes over).
+    """
+    _check_same_shape(log_not_taken=log_not_taken, advantages=advantages)
+    return jnp.asarray(advantages) * jnp.asarray(log_not_taken)
+
+
+def _with_stuck(
+    per_token: jax.Array, advantages: jax.Array, stuck: Array | None, log_not_taken: Array | None
+) -> jax.Array:
+    """``per_token`` with the ``stuck`` tokens' loss replaced by ``stuck_unlikelihood``."""
+    if stuck is None:
+        return per_token
+    if log_not_taken is None:
+        raise ValueError("stuck tokens need log_not_taken")
+    _check_same_shape(per_token=per_token, stuck=stuck)
+    return jnp.where(jnp.asarray(stuck) > 0, stuck_unlikelihood(log_not_taken, advantages), per_token)
+
+
 def kl_k3(logprobs: Array, ref_logprobs: Array) -> jax.Array:
     """Per-token KL(pi_theta || pi_ref) estimator k3 = exp(q - p) - (q - p) - 1, q = log pi_ref, p = log pi_theta.
 
@@ -266,6 +293,8 @@ def grpo_loss(
     *,
     ref_logprobs: Array | None = None,
     entropy: Array | None = None,
+    stuck: Array | None = None,
+    log_not_taken: Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """GRPO (Shao et al. 2024) with the decoupled truncated-IS correction, per token.
 
@@ -275,7 +304,9 @@ def grpo_loss(
 
     ``advantages`` is the episode's group-relative advantage broadcast to its tokens (see
     ``group_advantages``). ``ref_logprobs`` is required when ``config.kl_coef > 0``; ``entropy``
-    (per-token entropy of pi_theta) when ``config.entropy_coef > 0``. All inputs are [B, T].
+    (per-token entropy of pi_theta) when ``config.entropy_coef > 0``. Tokens where ``stuck`` > 0
+    train by ``stuck_unlikelihood`` instead of the surrogate (``log_not_taken`` = log(1 - pi_theta(y_t))
+    is then required). All inputs are [B, T].
     """
     _check_rank("logprobs", logprobs, 2)
     _check_same_shape(
@@ -289,7 +320,7 @@ def grpo_loss(
     )
     ratio = jnp.exp(jnp.asarray(logprobs) - jax.lax.stop_gradient(jnp.asarray(old_logprobs)))
     adv = jnp.asarray(advantages)
-    per_token = -is_w * _clipped_surrogate(ratio, adv, config)
+    per_token = _with_stuck(-is_w * _clipped_surrogate(ratio, adv, config), adv, stuck, log_not_taken)
     stats["pg_loss"] = jnp.sum(weights * per_token)
     clipped = mask & ((ratio < 1.0 - config.clip_low) | (ratio > 1.0 + config.clip_high))
     stats["ratio_clipped"] = jnp.sum(clipped.astype(jnp.float32))
@@ -335,6 +366,8 @@ def gspo_loss(
     *,
     ref_logprobs: Array | None = None,
     entropy: Array | None = None,
+    stuck: Array | None = None,
+    log_not_taken: Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): a sequence-level ratio.
 
@@ -345,7 +378,8 @@ def gspo_loss(
 
     With "sequence-mean" weights this is exactly the paper's (1/G) sum_i l_i; the geometric-mean IS
     weight is the sequence-level analogue of GSPO's own ratio. |y_i| counts the trained tokens of
-    sequence i. KL and entropy terms, when enabled, stay per token as in GRPO.
+    sequence i. KL and entropy terms, when enabled, stay per token as in GRPO, and so does the
+    ``stuck`` unlikelihood term (``grpo_loss``).
     """
     _check_rank("logprobs", logprobs, 2)
     _check_same_shape(
@@ -364,7 +398,8 @@ def gspo_loss(
     rho = _gather(jnp.exp(mean_log_rho), ids)
     is_w = jnp.minimum(rho, config.importance_cap) if config.importance_correction else jnp.ones_like(rho)
     on = mask > 0
-    per_token = -is_w * _clipped_surrogate(seq_ratio, jnp.asarray(advantages), config)
+    adv = jnp.asarray(advantages)
+    per_token = _with_stuck(-is_w * _clipped_surrogate(seq_ratio, adv, config), adv, stuck, log_not_taken)
     stats: dict[str, jax.Array] = {
         "is_weight_sum": jnp.sum(jnp.where(on, rho, 0.0)),
         "is_weight_max": jnp.max(jnp.where(on, rho, 0.0)),

@@ -21,12 +21,29 @@ task's best reward so far is *solved* and is left out (DAPO's dynamic-sampling f
 2025); a batch of nothing else makes no update at all. Training on them anyway gives a step made of
 the entropy bonus and numerical noise that Adam scales up to a full learning-rate step, and
 shrinks Adam's second moment so that the next real gradient makes an outsized step: on FrozenLake
-a policy that had solved every map then drifted off two of them and never came back. A flat group
-*below* its task's best reward is *stuck* -- the policy fails there the same way every time -- and
-does train, with advantage 0, so that its entropy bonus makes the policy explore there again
-(without it a map turned deterministic-and-failing stayed failed). A batch without any update
-still counts as a step (``steps`` counts batches consumed, ``version`` counts updates), so
-``maxSteps`` ends a run whose policy has nothing left to learn.
+a policy that had solved every map then drifted off two of them and never came back.
+
+A flat group *below* its task's best reward is *stuck* -- the policy fails there the same way every
+time -- and does train: its episodes share the advantage one of them would have had if one more
+sample had reached the best reward again (``stuck_advantages``: -1/sqrt(n) over n episodes, each
+-n^-1.5, as the n samples of a deterministic policy are one trajectory), and its tokens train by
+unlikelihood (``algorithms.stuck_unlikelihood``: A log(1 - pi(y_t))) instead of the
+policy-gradient surrogate. Both obvious pushes vanish exactly when they are needed: on a policy
+that has turned deterministic on the failing moves, the entropy bonus's gradient is ~pi log pi and
+the policy gradient's is A (1 - pi), both ~0, and Adam, whose second moment still remembers the
+large gradients of earlier steps, scales such a gradient to nothing. That is how a 400-step on-policy
+FrozenLake run lost a solved map for good: an outsized step knocked it onto one losing path, its
+entropy fell to ~0.001, and 100 steps of entropy bonus (then the stuck rule's only push) never
+brought it back. The unlikelihood gradient on the failing token's logit is -A pi(y_t), largest on a
+saturated policy, and fades once pi(y_t) falls -- by then the group's samples differ and GRPO's own
+signal takes over. Counted at full weight per episode (-1/sqrt(n) each), a stuck group's push
+was eight coherent copies of one trajectory: in a maxStaleness-4 run its gradient norm was 12 against
+the batch's usual 0.5-2, and the next steps broke every map (success 0.75 -> 0.09). The rule cannot change the optimum: a group at its task's best reward is never
+stuck, so on a policy that reaches the best reward every time (deterministic environments) it is
+inactive. (A stochastic environment can leave a flat group below a lucky best under an optimal
+policy; the push then makes the policy explore, and the spread groups that follow pull it back.)
+A batch without any update still counts as a step (``steps`` counts batches consumed, ``version``
+counts updates), so ``maxSteps`` ends a run whose policy has nothing left to learn.
 """
 
 from __future__ import annotations
@@ -184,7 +201,7 @@ def _trainable(episode: Episode) -> bool:
     return episode.ok and episode.num_tokens > 1 and bool(np.asarray(episode.loss_mask).any())
 
 
-def _sequence(episode: Episode, *, advantage: float = 0.0, pair_sign: int = 0) -> TrainSequence:
+def _sequence(episode: Episode, *, advantage: float = 0.0, pair_sign: int = 0, stuck: bool = False) -> TrainSequence:
     return TrainSequence(
         token_ids=np.asarray(episode.token_ids, np.int32),
         loss_mask=np.asarray(episode.loss_mask, np.uint8),
@@ -193,6 +210,7 @@ def _sequence(episode: Episode, *, advantage: float = 0.0, pair_sign: int = 0) -
         advantage=advantage,
         reward=float(episode.reward),
         pair_sign=pair_sign,
+        stuck=stuck,
     )
 
 
@@ -205,6 +223,7 @@ class Prepared:
     episodes: int
     skipped_episodes: int  # failed/empty episodes that never train
     zero_signal_groups: int = 0  # groups whose rewards were all equal (no GRPO signal)
+    stuck_groups: int = 0  # of those, the ones below their task's best reward (they train)
     masked_groups: int = 0  # groups holding a failed episode (its ok members still train)
     num_pairs: int = 0
     episode_metrics: dict[str, float] = field(default_factory=dict)
@@ -228,6 +247,19 @@ def episode_metric_means(episodes: Sequence[Episode]) -> dict[str, float]:
 
 
 REWARD_TOLERANCE = 1e-6  # relative: group rewards closer than this count as equal
+
+
+def stuck_advantages(rewards: np.ndarray, best: float) -> np.ndarray:
+    """Advantages for a stuck group's episodes (``rewards``, all alike, below ``best``): GRPO's
+    group-relative advantage had one more episode reached ``best``, shared by the n episodes
+
+        A_i = (1/n) (r - mean) / std over [r] * n + [best]   =   -1 / (n sqrt(n))
+
+    The n episodes are n copies of the one path a deterministic policy takes, so together they
+    weigh as one failure (module docstring). Negative, independent of the reward's units."""
+    n = rewards.shape[0]
+    with_best = np.concatenate([rewards, [best]]).astype(np.float32)[None, :]
+    return np.asarray(algorithms.group_advantages(with_best, np.ones_like(with_best)))[0, :n] / n
 
 
 def prepare_groups(
@@ -258,7 +290,7 @@ def prepare_groups(
             valid[i, : len(episodes)] = 1.0
         advantages = algorithms.group_advantages(dense, valid)
         best = {} if best_rewards is None else best_rewards
-        keep: list[tuple[int, bool]] = []  # (group index, flat)
+        keep: list[tuple[int, np.ndarray | None]] = []  # (group index, stuck advantages or None)
         for i, episodes in enumerate(trainable):
             if not episodes:
                 continue
@@ -267,17 +299,21 @@ def prepare_groups(
             tolerance = REWARD_TOLERANCE * (1.0 + abs(top))
             flat = len(episodes) < 2 or bool(np.ptp(dense[i, : len(episodes)]) <= tolerance)
             prepared.zero_signal_groups += flat
-            # A flat group below the task's best reward so far is stuck, not solved: it trains (with
-            # advantage 0, so only its entropy bonus acts) to make the policy explore there again.
-            if not flat or top < best.get(task, top) - tolerance:
-                keep.append((i, flat))
-            best[task] = max(best.get(task, top), top)
+            task_best = best.get(task, top)
+            if not flat:
+                keep.append((i, None))
+            elif top < task_best - tolerance:  # stuck, not solved: pushed off its path (module docstring)
+                prepared.stuck_groups += 1
+                keep.append((i, stuck_advantages(dense[i, : len(episodes)], task_best)))
+            best[task] = max(task_best, top)
         if not keep:
             return prepared  # nothing to learn from: no update at all (module docstring)
-        for i, flat in keep:
-            prepared.items.extend(
-                [_sequence(e, advantage=0.0 if flat else float(advantages[i, j]))] for j, e in enumerate(trainable[i])
-            )
+        for i, stuck in keep:
+            for j, e in enumerate(trainable[i]):
+                if stuck is None:
+                    prepared.items.append([_sequence(e, advantage=float(advantages[i, j]))])
+                else:
+                    prepared.items.append([_sequence(e, advantage=float(stuck[j]), stuck=True)])
     elif algorithm == "ppo":
         prepared.items.extend([_sequence(e)] for episodes in trainable for e in episodes)
     elif algorithm == "dpo":
@@ -437,6 +473,7 @@ class Learner:
             "episodes": prepared.episodes,
             "skipped_episodes": prepared.skipped_episodes,
             "zero_signal_groups": prepared.zero_signal_groups,
+            "stuck_groups": prepared.stuck_groups,
             "masked_groups": prepared.masked_groups,
             "truncated_sequences": truncated,
             **prepared.episode_metrics,

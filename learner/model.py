@@ -325,6 +325,19 @@ def token_logprobs(logits: jax.Array, targets: jax.Array, *, temperature: float 
     return picked - jax.nn.logsumexp(z, axis=-1)
 
 
+def token_log_not_taken(logits: jax.Array, targets: jax.Array, *, temperature: float = 1.0) -> jax.Array:
+    """log(1 - p(y)) for the ``targets`` y, from the logits: [B, T, V], [B, T] -> [B, T] float32.
+
+    Computed as logsumexp over the other tokens minus logsumexp over all, which stays exact (and
+    its gradient finite) when p(y) rounds to 1 in float32 -- where ``log(-expm1(log p))`` is -inf.
+    """
+    z = logits.astype(jnp.float32) / temperature
+    taken = jax.nn.one_hot(targets, z.shape[-1], dtype=jnp.bool_)
+    # A large finite value rather than -inf keeps logsumexp's gradient free of NaNs.
+    others = jax.nn.logsumexp(jnp.where(taken, jnp.asarray(-1e30, jnp.float32), z), axis=-1)
+    return others - jax.nn.logsumexp(z, axis=-1)
+
+
 def sequence_logprobs(
     logits: jax.Array, token_ids: jax.Array, segment_ids: jax.Array, *, temperature: float = 1.0
 ) -> jax.Array:

@@ -32,6 +32,7 @@ class TrainSequence:
     reward: float = 0.0  # final reward, credited at the last model token (PPO)
     behaviour_known: bool = True  # False for dataset DPO pairs: no sampler log-probs
     pair_sign: int = 0  # DPO: +1 chosen, -1 rejected
+    stuck: bool = False  # GRPO/GSPO: from a stuck flat group, pushed off its tokens (learner/loop.py)
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -52,6 +53,7 @@ FIELDS: dict[str, np.dtype] = {
     "rewards": np.dtype(np.float32),
     "pair_slot": np.dtype(np.int32),  # DPO: row-local pair index
     "pair_sign": np.dtype(np.float32),
+    "stuck": np.dtype(np.float32),  # 1 on the tokens of a stuck group's sequences
 }
 
 
@@ -158,6 +160,7 @@ def truncate(sequence: TrainSequence, max_len: int) -> TrainSequence:
         reward=sequence.reward,
         behaviour_known=sequence.behaviour_known,
         pair_sign=sequence.pair_sign,
+        stuck=sequence.stuck,
     )
 
 
@@ -188,6 +191,7 @@ def _write(arrays: dict[str, np.ndarray], seq: TrainSequence, index: int, row: i
     if model_positions.size:
         arrays["rewards"][row, start + model_positions[-1]] = seq.reward
     arrays["pair_sign"][row, sl] = seq.pair_sign
+    arrays["stuck"][row, sl] = float(seq.stuck)
 
 
 def pack(items: Sequence[Sequence[TrainSequence]], buckets: Sequence[int], rows: dict[int, int]) -> list[MicroBatch]:

@@ -28,7 +28,9 @@ from jax.sharding import Mesh, PartitionSpec
 
 from stoker.learner import algorithms, sharding
 from stoker.learner.algorithms import LossConfig
-from stoker.learner.model import Block, RMSNorm, Transformer, packed_mask, restrict_logits, token_logprobs
+from stoker.learner.model import (
+    Block, RMSNorm, Transformer, packed_mask, restrict_logits, token_log_not_taken, token_logprobs,
+)
 from stoker.learner.packing import MicroBatch
 from stoker.spec import TransformerConfig
 
@@ -36,7 +38,7 @@ ALGORITHMS = ("grpo", "ppo", "gspo", "dpo")
 # Batch arrays the device needs (sequence_index stays on the host).
 DEVICE_FIELDS = (
     "tokens", "targets", "positions", "segment_ids", "weights", "behaviour_logprobs", "behaviour_known",
-    "versions", "advantages", "rewards", "pair_slot", "pair_sign",
+    "versions", "advantages", "rewards", "pair_slot", "pair_sign", "stuck",
 )
 
 
@@ -122,12 +124,12 @@ def _per_shard_loss(
     if options.algorithm == "grpo":
         loss, stats = algorithms.grpo_loss(
             logp, old, batch["behaviour_logprobs"], batch["advantages"], weights, cfg,
-            ref_logprobs=ref, entropy=entropy,
+            ref_logprobs=ref, entropy=entropy, stuck=batch["stuck"], log_not_taken=extras["log_not_taken"],
         )
     elif options.algorithm == "gspo":
         loss, stats = algorithms.gspo_loss(
             logp, old, batch["behaviour_logprobs"], batch["advantages"], weights, sequence_ids, cfg,
-            ref_logprobs=ref, entropy=entropy,
+            ref_logprobs=ref, entropy=entropy, stuck=batch["stuck"], log_not_taken=extras["log_not_taken"],
         )
     elif options.algorithm == "ppo":
         values = extras["values"]
@@ -239,6 +241,8 @@ class Trainer:
         if self.options.loss.entropy_coef > 0:
             z = jax.nn.log_softmax(logits.astype(jnp.float32) / self.options.temperature, axis=-1)
             extras["entropy"] = -jnp.sum(jnp.exp(z) * z, axis=-1)
+        if self.options.algorithm in ("grpo", "gspo"):  # for stuck groups' tokens (algorithms.stuck_unlikelihood)
+            extras["log_not_taken"] = token_log_not_taken(logits, batch["targets"], temperature=self.options.temperature)
         if reference is not None:
             extras["ref_logprobs"] = jax.lax.stop_gradient(self._forward_logprobs(reference, batch)[1])
         if self.value_def is not None:

@@ -84,6 +84,55 @@ def test_grpo_gradient_is_weighted_policy_gradient(maybe_jit: Any) -> None:
     np.testing.assert_allclose(grad, [[-0.5 * 2 * 1.0, -0.5 * 1 * 2.0]], rtol=1e-6)
 
 
+def test_stuck_tokens_train_by_unlikelihood_and_the_rest_by_the_surrogate(maybe_jit: Any) -> None:
+    """l_t = A log(1 - pi) on stuck tokens (gradient -A pi / (1 - pi) d log pi), the surrogate elsewhere."""
+    logp = a([math.log(0.5), math.log(0.9)])
+    log_not_taken = jnp.log1p(-jnp.exp(logp))
+    adv = a([1.0, -0.5])
+    weights = a([0.5, 0.5])
+    stuck = a([0.0, 1.0])
+
+    def loss(lp: jax.Array) -> jax.Array:
+        return alg.grpo_loss(
+            lp, jax.lax.stop_gradient(lp), lp, adv, weights, CFG, stuck=stuck, log_not_taken=jnp.log1p(-jnp.exp(lp))
+        )[0]
+
+    value = maybe_jit(loss)(logp)
+    assert float(value) == pytest.approx(0.5 * -1.0 + 0.5 * -0.5 * math.log(0.1), rel=1e-5)
+    grad = maybe_jit(jax.grad(loss))(logp)
+    # Stuck token: d/dlogp [A log(1 - e^logp)] = -A p / (1 - p) = 0.5 * 9, weighted 0.5.
+    np.testing.assert_allclose(grad, [[-0.5 * 1.0, 0.5 * 0.5 * 9.0]], rtol=1e-5)
+    with pytest.raises(ValueError, match="log_not_taken"):
+        alg.grpo_loss(logp, logp, logp, adv, weights, CFG, stuck=stuck)
+    gspo, _ = alg.gspo_loss(
+        logp, logp, logp, adv, weights, jnp.asarray([[0, 1]]), CFG, stuck=stuck, log_not_taken=log_not_taken
+    )
+    assert float(gspo) == pytest.approx(float(value), rel=1e-5)  # one-token sequences: ratio = token ratio
+
+
+def test_stuck_push_survives_a_saturated_policy(maybe_jit: Any) -> None:
+    """On a policy sure of the failing token, the policy-gradient and entropy pushes on its logit
+    are ~0; unlikelihood's is -A, whatever the saturation."""
+    logits = a([12.0, 0.0, 0.0, 0.0])  # p(0) = 1 - 1.8e-5
+    adv = a([-0.35])
+    weights = a([1.0])
+    config = LossConfig(entropy_coef=0.05)
+
+    def loss(z: jax.Array, stuck: float) -> jax.Array:
+        lz = jax.nn.log_softmax(z)[None, :]
+        lp, lnt = lz[:, :1], jnp.log(jnp.sum(jnp.exp(lz[:, 1:]), axis=-1, keepdims=True))
+        entropy = -jnp.sum(jnp.exp(lz) * lz, axis=-1, keepdims=True)
+        return alg.grpo_loss(
+            lp, jax.lax.stop_gradient(lp), lp, adv, weights, config,
+            entropy=entropy, stuck=a([stuck]), log_not_taken=lnt,
+        )[0]
+
+    policy_gradient = maybe_jit(jax.grad(lambda z: loss(z, 0.0)))(logits[0])
+    unlikelihood = maybe_jit(jax.grad(lambda z: loss(z, 1.0)))(logits[0])
+    assert abs(float(policy_gradient[0])) < 1e-3  # advantage and entropy bonus together
+    assert float(unlikelihood[0]) == pytest.approx(0.35, rel=1e-3)  # gradient descent lowers z_0
+
+
 def test_clip_against_behaviour_stops_pushing_a_token_past_the_trust_region(maybe_jit: Any) -> None:
     """off_policy="clip": old = mu, so the ratio to the sampler's policy is the IS weight, clipped.
 

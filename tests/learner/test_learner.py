@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from stoker.learner.algorithms import LossConfig
-from stoker.learner.loop import Group, Learner, LearnerSettings, load_dpo_pairs
+from stoker.learner.loop import Group, Learner, LearnerSettings, load_dpo_pairs, prepare_groups
 from stoker.learner.model import token_logprobs
 from stoker.learner.weights import WeightSubscriber
 from stoker.spec import RLJobSpec, TransformerConfig
@@ -168,8 +168,8 @@ def test_a_batch_without_reward_spread_makes_no_update(grpo_learner: Learner) ->
     for ep in groups[1].episodes:
         ep.reward = 0.0  # all failed alike, below the task's best (1.0): stuck, not solved ...
     metrics = learner.train_on(groups)
-    # ... so it trains too, with advantage 0: its entropy bonus makes the policy explore again.
-    assert metrics["trained"] == 1 and metrics["zero_signal_groups"] == 1
+    # ... so it trains too, pushed off the tokens it failed with (prepare_groups' tests below).
+    assert metrics["trained"] == 1 and metrics["zero_signal_groups"] == 1 and metrics["stuck_groups"] == 1
     assert metrics["trained_tokens"] == 16 and learner.version == version + 1
     groups = bandit_groups(learner, rng)
     for group in groups:
@@ -177,6 +177,75 @@ def test_a_batch_without_reward_spread_makes_no_update(grpo_learner: Learner) ->
             ep.reward = 0.0
     metrics = learner.train_on(groups)  # only stuck groups: still an update
     assert metrics["trained"] == 1 and metrics["zero_signal_groups"] == 2 and learner.version == version + 2
+    assert metrics["stuck_groups"] == 2
+
+
+def _flat_group(task: str, reward: float, size: int = 4) -> Group:
+    episodes = [
+        Episode(
+            episode_id=uuid.uuid4().hex, group_id=task, group_size=size, task_id=task,
+            token_ids=np.asarray(PROMPT + [GOOD], np.int32), loss_mask=np.asarray([0, 0, 1], np.uint8),
+            logprobs=np.asarray([0, 0, -0.1], np.float32), policy_versions=np.asarray([-1, -1, 0], np.int32),
+            reward=reward, status=1,
+        )
+        for _ in range(size)
+    ]
+    return Group(episodes)
+
+
+def test_stuck_groups_get_a_negative_advantage_and_solved_ones_stay_out() -> None:
+    best: dict[str, float] = {}
+    spread = _flat_group("a", 0.0)
+    spread.episodes[0].reward = 1.0
+    prepared = prepare_groups([spread, _flat_group("b", 0.5)], "grpo", best)
+    assert best == {"a": 1.0, "b": 0.5}
+    # a's spread group trains as usual; b's first group is flat at its best so far: solved, left out.
+    assert [seq[0].stuck for seq in prepared.items] == [False] * 4 and prepared.stuck_groups == 0
+    assert [seq[0].advantage for seq in prepared.items][0] > 0
+    prepared = prepare_groups([_flat_group("a", 0.25), _flat_group("b", 0.5), _flat_group("a", 1.0)], "grpo", best)
+    # a at 0.25 < 1.0 is stuck: as if a fifth sample had scored 1.0, (0.25 - 0.4) / 0.3 = -1/sqrt(4),
+    # shared by the 4 copies of one path.
+    assert prepared.zero_signal_groups == 3 and prepared.stuck_groups == 1
+    assert all(seq[0].stuck for seq in prepared.items) and len(prepared.items) == 4
+    np.testing.assert_allclose([seq[0].advantage for seq in prepared.items], [-0.5 / 4] * 4, rtol=1e-4)
+    assert best == {"a": 1.0, "b": 0.5}
+    # Only solved groups: nothing to train, not even on the entropy bonus (the drift the docstring tells of).
+    assert prepare_groups([_flat_group("a", 1.0), _flat_group("b", 0.5)], "grpo", best).items == []
+
+
+def test_a_saturated_policy_is_pushed_off_a_lost_task() -> None:
+    """A policy sure (p > 0.9995) of a token that no longer pays, as when an outsized step knocks a
+    solved FrozenLake map onto one losing path: its stuck groups must make it sample something else.
+
+    Measured on this bandit: with the earlier rule (advantage 0, entropy bonus only) or with a plain
+    policy gradient at the stuck advantage, p stays > 0.9999 for 30 steps (Adam's momentum from the
+    saturating steps still pushes it up); the unlikelihood push brings it under 0.05 by step 9."""
+    learner = Learner(settings(loss=LossConfig(entropy_coef=0.05)))
+    rng = np.random.default_rng(3)
+    bad = 5
+    forced = np.full(TINY.vocab_size, 0.5 / (TINY.vocab_size - 1))
+    forced[bad] = 0.5
+    for _ in range(60):  # saturate on `bad`, which pays for now; half the samples are forced to others
+        probs = next_token_probs(learner)
+        if probs[bad] > 0.9995:
+            break
+        groups = bandit_groups(learner, rng, probs=forced)
+        for group in groups:
+            for ep in group.episodes:
+                ep.reward = float(ep.token_ids[-1] == bad)
+                ep.logprobs[-1] = np.log(probs[ep.token_ids[-1]])  # what the current policy gives it
+        learner.train_on(groups)
+    assert next_token_probs(learner)[bad] > 0.9995
+    lowest = 1.0
+    for _ in range(10):  # `bad` now pays nothing: every sample fails alike, below the best (1.0)
+        groups = bandit_groups(learner, rng)
+        for group in groups:
+            for ep in group.episodes:
+                ep.reward = 0.0
+        metrics = learner.train_on(groups)
+        assert metrics["stuck_groups"] == 2 and metrics["trained"] == 1
+        lowest = min(lowest, float(next_token_probs(learner)[bad]))
+    assert lowest < 0.5
 
 
 def _sampler_was_less_sure(groups: list[Group]) -> list[Group]:

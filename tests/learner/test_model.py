@@ -16,6 +16,7 @@ from stoker.learner.model import (
     count_params,
     init_model,
     sequence_logprobs,
+    token_log_not_taken,
     token_logprobs,
 )
 from stoker.spec import TransformerConfig
@@ -155,6 +156,23 @@ def test_token_logprobs_is_log_softmax_at_targets() -> None:
         want = np.take_along_axis(z, targets[..., None], -1)[..., 0] - np.log(np.exp(z).sum(-1))
         got = np.asarray(token_logprobs(jnp.asarray(logits), jnp.asarray(targets), temperature=tau))
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_token_log_not_taken_stays_exact_and_differentiable_when_p_rounds_to_one() -> None:
+    rng = np.random.default_rng(2)
+    logits = rng.normal(size=(1, 2, 5)).astype(np.float32) * 3
+    logits[0, 1] = [40.0, 0.0, 0.0, 0.0, 0.0]  # p(0) = 1 - 4e^-40: 1 in float32, log p = 0
+    targets = jnp.asarray([[2, 0]], jnp.int32)
+    got = np.asarray(token_log_not_taken(jnp.asarray(logits), targets, temperature=0.5))
+    z = logits[0, 0] / 0.5
+    p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+    np.testing.assert_allclose(got[0, 0], np.log1p(-p[2]), atol=1e-5)
+    # log(-expm1(log p)) is -inf here; the exact value is log(4 e^-80) at temperature 0.5.
+    assert float(token_logprobs(jnp.asarray(logits), targets, temperature=0.5)[0, 1]) == 0.0
+    assert got[0, 1] == pytest.approx(-80.0 + np.log(4.0), abs=1e-3)
+    grad = np.asarray(jax.grad(lambda x: token_log_not_taken(x, targets, temperature=0.5)[0, 1])(jnp.asarray(logits)))
+    # d log(1 - p0) / d z0 = -p0 / tau: a full-size gradient, where d log p0 / d z0 = (1 - p0) / tau is ~0.
+    assert np.isfinite(grad).all() and grad[0, 1, 0] == pytest.approx(-2.0, rel=1e-5)
 
 
 def test_sequence_logprobs_align_with_tokens_and_skip_segment_starts() -> None:
