@@ -70,7 +70,8 @@ def run_mode(manifest: Path, mode: str, run_dir: Path, minutes: float, target: f
         "mode": mode,
         "steps": run.steps,
         "wall_seconds": run.wall_seconds,
-        "duty_cycle": run.metrics[-1].get("duty_cycle") if run.metrics else None,
+        # A last batch with nothing to learn from makes no update and reports no duty cycle.
+        "duty_cycle": next((m["duty_cycle"] for m in reversed(run.metrics) if m.get("duty_cycle") is not None), None),
         "steady_duty_cycle": steady_duty_cycle(run.metrics),
         "seconds_to_target": run.seconds_to(target),
         "final_success": run.final_success(),
@@ -82,7 +83,7 @@ def run_mode(manifest: Path, mode: str, run_dir: Path, minutes: float, target: f
 
 
 def fmt(value: float | None) -> str:
-    return "n/a (under 2 updates)" if value is None else f"{value:.3f}"
+    return "n/a (no updates)" if value is None else f"{value:.3f}"
 
 
 def main() -> int:
@@ -117,7 +118,7 @@ def main() -> int:
             results[mode] = run_mode(manifest, mode, run_dir, args.minutes, args.target)
             print(json.dumps(results[mode]), flush=True)
         a, s = results["async"], results["sync"]
-        print(f"duty cycle: async {a['duty_cycle']:.3f}, sync {s['duty_cycle']:.3f} (steady state from the first "
+        print(f"duty cycle: async {fmt(a['duty_cycle'])}, sync {fmt(s['duty_cycle'])} (steady state from the first "
               f"step: async {fmt(a['steady_duty_cycle'])}, sync {fmt(s['steady_duty_cycle'])})")
         if a["seconds_to_target"] and s["seconds_to_target"]:
             results["speed_up"] = s["seconds_to_target"] / a["seconds_to_target"]
