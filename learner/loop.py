@@ -36,9 +36,10 @@ FrozenLake run lost a solved map for good: an outsized step knocked it onto one 
 entropy fell to ~0.001, and 100 steps of entropy bonus (then the stuck rule's only push) never
 brought it back. The unlikelihood gradient on the failing token's logit is -A pi(y_t), largest on a
 saturated policy, and fades once pi(y_t) falls -- by then the group's samples differ and GRPO's own
-signal takes over. Counted at full weight per episode (-1/sqrt(n) each), a stuck group's push
-was eight coherent copies of one trajectory: in a maxStaleness-4 run its gradient norm was 12 against
-the batch's usual 0.5-2, and the next steps broke every map (success 0.75 -> 0.09). The rule cannot change the optimum: a group at its task's best reward is never
+signal takes over. Counted at full weight per episode (-1/sqrt(n) each), a
+stuck group's push was eight coherent copies of one trajectory: in a maxStaleness-4 run its
+gradient norm was 12 against the batch's usual 0.5-2, and the next steps broke every map (success
+0.75 -> 0.09). The rule cannot change the optimum: a group at its task's best reward is never
 stuck, so on a policy that reaches the best reward every time (deterministic environments) it is
 inactive. (A stochastic environment can leave a flat group below a lucky best under an optimal
 policy; the push then makes the policy explore, and the spread groups that follow pull it back.)
