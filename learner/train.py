@@ -242,7 +242,12 @@ class Trainer:
             z = jax.nn.log_softmax(logits.astype(jnp.float32) / self.options.temperature, axis=-1)
             extras["entropy"] = -jnp.sum(jnp.exp(z) * z, axis=-1)
         if self.options.algorithm in ("grpo", "gspo"):  # for stuck groups' tokens (algorithms.stuck_unlikelihood)
-            extras["log_not_taken"] = token_log_not_taken(logits, batch["targets"], temperature=self.options.temperature)
+            # A second pass over [B, T, V] logits, so only for batches that hold a stuck token.
+            extras["log_not_taken"] = jax.lax.cond(
+                jnp.any(batch["stuck"] > 0),
+                lambda: token_log_not_taken(logits, batch["targets"], temperature=self.options.temperature),
+                lambda: jnp.zeros_like(logp),
+            )
         if reference is not None:
             extras["ref_logprobs"] = jax.lax.stop_gradient(self._forward_logprobs(reference, batch)[1])
         if self.value_def is not None:
