@@ -11,8 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from stoker.actor.policy import BatchedSampler
 from stoker.actor.runner import Actor, ActorStats, BufferUnavailable, Grant
 from stoker.actor.sandbox import EnvironmentFactory, close_factory, inline_factory, process_factory
@@ -80,11 +78,9 @@ def conversation_rows(settings: ActorSettings, config: Any, dtype: str) -> int:
     ``conversationCacheMiB`` holds (fewer rows only means some turns prefill their whole
     conversation again)."""
     from stoker.learner.hf import dtype_from_name
-    from stoker.learner.model import head_dim
+    from stoker.learner.sampling import session_row_bytes
 
-    longest = max((b for b in settings.sampler_buckets if b <= config.max_seq_len), default=0)
-    itemsize = np.dtype(dtype_from_name(dtype)).itemsize
-    per_row = 2 * config.num_layers * longest * config.num_kv_heads * head_dim(config) * itemsize
+    per_row = session_row_bytes(config, settings.sampler_buckets, dtype_from_name(dtype))
     if per_row == 0:
         return 0
     rows = min(settings.concurrency, settings.conversation_cache_mib * 2**20 // per_row)

@@ -341,10 +341,9 @@ class Sampler:
         self._store: tuple[LayerCache, ...] = ()
         self.session_len = 0
         if session_rows > 0:
-            fitting = [b for b in self.buckets if b <= config.max_seq_len]
-            if not fitting:
+            self.session_len = session_length(config, self.buckets)
+            if not self.session_len:
                 raise ValueError(f"no bucket of {list(self.buckets)} fits maxSeqLen {config.max_seq_len}")
-            self.session_len = fitting[-1]
             shape = (session_rows + 1, self.session_len, config.num_kv_heads, head_dim(config))
             self._store = tuple(
                 LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)
@@ -386,7 +385,7 @@ class Sampler:
         """The chunk length a session call would pad ``prompt`` to now (for grouping calls)."""
         record = self._sessions.get(session)
         uncached = len(prompt)
-        if record is not None and record.row is not None and (self.pin_sessions or record.version == self.version):
+        if record is not None and record.row is not None and self._cache_usable(record):
             uncached -= _cached_prefix(record.cached, prompt)
         buckets = chunk_buckets(self.session_len) if self._store else self.buckets
         return next((b for b in buckets if b >= uncached), uncached)
@@ -429,7 +428,7 @@ class Sampler:
             jnp.asarray(self.sampling.top_p, jnp.float32),
         )
         if sessions is not None:
-            return self._generate_sessions(prompts, list(sessions), limits, max_new_tokens)
+            return self._generate_sessions(prompts, list(sessions), limits, longest + max_new_tokens)
 
         cache_len = pick_bucket(self.buckets, longest + max_new_tokens)
         prefill_len = pick_bucket(self.buckets, longest)
@@ -462,7 +461,7 @@ class Sampler:
     # ---------------------------------------------------------------------------- sessions
 
     def _generate_sessions(
-        self, prompts: list[list[int]], sessions: list[Any], limits: _Limits, max_new_tokens: int
+        self, prompts: list[list[int]], sessions: list[Any], limits: _Limits, slots_needed: int
     ) -> list[Generation]:
         if not self._store:
             raise ValueError("this sampler keeps no conversations (session_rows=0)")
@@ -470,10 +469,8 @@ class Sampler:
             raise ValueError(f"{len(sessions)} sessions for {len(prompts)} prompts")
         if len(set(sessions)) != len(sessions):
             raise ValueError("a session may appear only once per call")
-        if max(map(len, prompts)) + max_new_tokens > self.session_len:
-            raise PromptTooLong(
-                f"{max(map(len, prompts)) + max_new_tokens} tokens do not fit the cache ({self.session_len} slots)"
-            )
+        if slots_needed > self.session_len:
+            raise PromptTooLong(f"{slots_needed} tokens do not fit the cache ({self.session_len} slots)")
         records = [self._session(s) for s in sessions]
         for session, record in zip(sessions, records, strict=True):
             if record.row is None:  # never takes the row of another session of this call
@@ -494,13 +491,18 @@ class Sampler:
         record = self._sessions.get(key)
         if record is None:
             record = self._sessions[key] = _Session(version=self.version)
-        elif record.version != self.version and not self.pin_sessions:
-            record.version, record.cached = self.version, []  # computed by replaced weights
+        elif not self._cache_usable(record):
+            record.version, record.cached = self.version, []
         if self.pin_sessions and record.version == self.version:
             self._pinned_states.setdefault(self.version, self._state)
         self._uses += 1
         record.last_used = self._uses
         return record
+
+    def _cache_usable(self, record: _Session) -> bool:
+        """Its cached keys/values were computed by the weights it samples with next: pinned, its
+        own; unpinned, the current ones (else the replaced weights computed them)."""
+        return self.pin_sessions or record.version == self.version
 
     def _free_row(self, busy: set[Any]) -> int:
         for row, owner in enumerate(self._row_owner):
@@ -550,6 +552,17 @@ class Sampler:
         live = {r.version for r in self._sessions.values()}
         for version in [v for v in self._pinned_states if v not in live and v != self.version]:
             del self._pinned_states[version]
+
+
+def session_length(config: TransformerConfig, buckets: Sequence[int]) -> int:
+    """Slots of one conversation-cache row: the largest bucket the model can hold (0 if none)."""
+    return max((b for b in buckets if b <= config.max_seq_len), default=0)
+
+
+def session_row_bytes(config: TransformerConfig, buckets: Sequence[int], dtype: Any) -> int:
+    """Memory of one conversation-cache row: keys and values of every layer, for every slot."""
+    slots = session_length(config, buckets)
+    return 2 * config.num_layers * slots * config.num_kv_heads * head_dim(config) * np.dtype(dtype).itemsize
 
 
 def _snapshot(state: nnx.State) -> nnx.State:

@@ -122,26 +122,23 @@ async def _episodes(spec: RLJobSpec, groups: int) -> tuple[list[Any], list[float
         sampler = policy.sampler
         new_tokens = actor.sampling.max_new_tokens
 
-        def one_turn(round_: int) -> None:
-            if not sampler.keeps_sessions:
-                sampler.generate(prompts, max_new_tokens=new_tokens)
-                return
-            sessions = [(round_, i) for i in range(len(prompts))]
-            sampler.generate([p[: max(1, len(p) - turn_tokens)] for p in prompts], max_new_tokens=new_tokens, sessions=sessions)
+        def one_turn(round_: int) -> float:
+            """Seconds of one timed turn (with sessions, after caching the turns before it)."""
+            sessions = None
+            if sampler.keeps_sessions:
+                sessions = [(round_, i) for i in range(len(prompts))]
+                earlier = [p[: max(1, len(p) - turn_tokens)] for p in prompts]
+                sampler.generate(earlier, max_new_tokens=new_tokens, sessions=sessions)
             started = time.perf_counter()
             sampler.generate(prompts, max_new_tokens=new_tokens, sessions=sessions)
-            elapsed.append(time.perf_counter() - started)
-            for session in sessions:
+            seconds = time.perf_counter() - started
+            for session in sessions or ():
                 sampler.end_session(session)
+            return seconds
 
-        elapsed: list[float] = []
         one_turn(-1)  # compiles this shape
-        elapsed.clear()
-        started = time.perf_counter()
         repeats = 5
-        for round_ in range(repeats):
-            one_turn(round_)
-        sample_turn = sum(elapsed) / repeats if elapsed else (time.perf_counter() - started) / repeats
+        sample_turn = sum(one_turn(round_) for round_ in range(repeats)) / repeats
     finally:
         await close_factory(base)
         await policy.close()
