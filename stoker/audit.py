@@ -10,6 +10,13 @@ and prints the arithmetic: an episode takes ``turns x (sample turn + env step)``
 running ``concurrency`` episodes at once delivers ``concurrency / episode_seconds`` episodes/s, and
 the learner consumes ``batchGroups x groupSize / step_seconds`` episodes/s. Enough actors make the
 supply at least the demand (with headroom for variance).
+
+One limit no number of actors lifts comes from ``buffer.maxStaleness`` (S): while one episode
+runs, a learner at full speed makes ``V = episode_seconds / step_seconds`` updates, and admission
+keeps data within S versions by letting at most ``(S + 1) x batchGroups x groupSize`` episodes be
+outstanding -- ``(S + 1) / V`` of the ``demand x episode_seconds`` the learner needs in flight
+(Little's law). With ``V > S + 1`` the learner waits for data whatever the pool; a larger
+``batchGroups`` makes each step longer, so the same episode spans fewer versions.
 """
 
 from __future__ import annotations
@@ -56,6 +63,11 @@ class Audit:
         # Concurrency that hides the environment: while one batch of turns samples, the others wait
         # on their sandboxes; beyond this the sampler itself is the bottleneck.
         hide_env = max(1, math.ceil(concurrency * (1 + env_step / max(self.sample_turn_seconds, 1e-9))))
+        stale = spec.buffer.max_staleness
+        versions = episode_seconds / self.train_step_seconds  # updates while one episode runs
+        # docs/sizing.md's bound, maxStaleness >= ceil(V) + 1, met by a larger batch instead -- if the
+        # step time grows with the batch, as it does once the batch fills the device.
+        batch_groups_to_feed = math.ceil(spec.learner.batch_groups * versions / (stale - 1)) if stale > 1 else 0
         return {
             "env_step": env_step,
             "turns": turns,
@@ -64,6 +76,11 @@ class Audit:
             "demand": demand,
             "actors": float(actors),
             "concurrency_to_hide_env": float(hide_env),
+            "in_flight": demand * episode_seconds,
+            "admission": float((stale + 1) * spec.learner.batch_groups * spec.buffer.group_size),
+            "versions_per_episode": versions,
+            "fed_fraction": min(1.0, (stale + 1) / versions) if versions > 0 else 1.0,
+            "batch_groups_to_feed": float(batch_groups_to_feed),
         }
 
 
@@ -201,11 +218,33 @@ def render(audit: Audit, spec: RLJobSpec) -> str:
         f"= {s['demand']:.1f} episodes/s",
         f"  actors         = ceil({HEADROOM} x {s['demand']:.1f} / {s['per_actor']:.1f}) = {int(s['actors'])}",
         "",
+        f"  in flight      = learner needs x episode time = {s['demand']:.1f} x {s['episode_seconds']:.2f} s "
+        f"= {s['in_flight']:.0f} episodes (Little's law)",
+        f"  admission      = (maxStaleness + 1) x batchGroups x groupSize = ({spec.buffer.max_staleness} + 1) x "
+        f"{per_step} = {s['admission']:.0f} episodes outstanding at most",
+        f"  staleness      = episode time / learner step = {s['episode_seconds']:.2f} / "
+        f"{audit.train_step_seconds:.3f} s = {s['versions_per_episode']:.1f} updates while one episode runs",
+        "",
         f"recommendation: actors.replicas >= {int(s['actors'])} with actors.concurrency = {concurrency}"
         f" (now {spec.actors.replicas}); concurrency up to {int(s['concurrency_to_hide_env'])} per actor hides the"
         " environment's latency behind sampling, fewer actors then suffice while the actor's CPU keeps up.",
     ]
+    lines += [f"warning: {w}" for w in warnings(s, spec)]
     return "\n".join(lines)
+
+
+def warnings(sizing: dict[str, float], spec: RLJobSpec) -> list[str]:
+    """The limit of ``buffer.maxStaleness`` that more actors cannot lift (module docstring)."""
+    stale = spec.buffer.max_staleness
+    if sizing["fed_fraction"] >= 1.0 or stale == 0:  # 0: on-policy, waiting for each batch by design
+        return []
+    batch = f"learner.batchGroups to >= {int(sizing['batch_groups_to_feed'])} (longer steps, fewer versions per episode) or "
+    return [
+        f"an episode spans {sizing['versions_per_episode']:.1f} learner updates but admission keeps data within "
+        f"buffer.maxStaleness = {stale}: the learner can be busy at most {sizing['fed_fraction']:.0%} of the time, "
+        f"whatever the actor pool. Raise {batch if stale > 1 else ''}buffer.maxStaleness to >= "
+        f"{math.ceil(sizing['versions_per_episode']) + 1} (staler data; docs/sizing.md)."
+    ]
 
 
 def main(args: argparse.Namespace) -> int:
