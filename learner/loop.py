@@ -23,14 +23,6 @@ the entropy bonus and numerical noise that Adam scales up to a full learning-rat
 shrinks Adam's second moment so that the next real gradient makes an outsized step: on FrozenLake
 a policy that had solved every map then drifted off two of them and never came back.
 
-Left out of the gradient, a solved group still counts in the batch's mean (``Prepared.solved``,
-``train.assign_weights``): its fresh model tokens (sequences, for sequence-mean) join the
-denominator, as in GRPO without DAPO's refilling of the batch. A mean over the trained tokens alone
-made one failure among 31 successes step as hard as a batch of four spread groups: near 1.0
-success every rare exploratory failure became a full-size push on an already unlikely move, and in
-maxStaleness-4 runs a few such steps (gradient norms 9-24 against the usual 1-3) knocked solved maps
-down to 0.62 success. Early in training few groups are solved and the mean barely changes.
-
 A flat group *below* its task's best reward is *stuck* -- the policy fails there the same way every
 time -- and does train: its episodes share the advantage one of them would have had if one more
 sample had reached the best reward again (``stuck_advantages``: -1/sqrt(n) over n episodes, each
@@ -236,8 +228,6 @@ class Prepared:
     masked_groups: int = 0  # groups holding a failed episode (its ok members still train)
     num_pairs: int = 0
     episode_metrics: dict[str, float] = field(default_factory=dict)
-    # Episodes of solved groups: no gradient, but they count in the batch's mean (module docstring).
-    solved: list[TrainSequence] = field(default_factory=list)
 
 
 def episode_metric_means(episodes: Sequence[Episode]) -> dict[str, float]:
@@ -316,8 +306,6 @@ def prepare_groups(
             elif top < task_best - tolerance:  # stuck, not solved: pushed off its path (module docstring)
                 prepared.stuck_groups += 1
                 keep.append((i, stuck_advantages(dense[i, : len(episodes)], task_best)))
-            else:
-                prepared.solved.extend(_sequence(e) for e in episodes)
             best[task] = max(task_best, top)
         if not keep:
             return prepared  # nothing to learn from: no update at all (module docstring)
@@ -519,16 +507,7 @@ class Learner:
             return {**base, "policy_version": self.version, "step": self.steps, "trained": 0.0, "stale_tokens": stale}
         from stoker.learner.train import assign_weights
 
-        solved_tokens, solved_sequences = 0, 0
-        for seq in prepared.solved:
-            fresh = int(seq.loss_mask.sum()) - int(
-                algorithms.stale_tokens(seq.versions, seq.loss_mask, self.version, s.max_staleness).sum()
-            )
-            solved_tokens += fresh
-            solved_sequences += fresh > 0
-        assign_weights(
-            micros, trainable, s.loss_aggregation, untrained_tokens=solved_tokens, untrained_sequences=solved_sequences
-        )
+        assign_weights(micros, trainable, s.loss_aggregation)
         sums = self.trainer.step(micros, self.version, num_pairs=prepared.num_pairs)
         self.version += 1
         self.steps += 1

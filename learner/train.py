@@ -335,22 +335,12 @@ def _cast(tree: Any, dtype: Any) -> Any:
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def assign_weights(
-    micros: list[MicroBatch],
-    trainable: list[np.ndarray],
-    mode: str,
-    *,
-    untrained_tokens: int = 0,
-    untrained_sequences: int = 0,
-) -> None:
+def assign_weights(micros: list[MicroBatch], trainable: list[np.ndarray], mode: str) -> None:
     """Set each micro-batch's ``weights`` so that the weighted sum over all of them is the batch's
     token-mean or sequence-mean (see ``algorithms.aggregation_weights``). ``trainable`` is each
-    micro-batch's final 0/1 mask (model tokens that are not stale). ``untrained_tokens`` and
-    ``untrained_sequences`` are the batch's model tokens and sequences left out of the micro-batches
-    because their gradient is zero (solved groups, ``loop`` module docstring): they are not packed,
-    but the mean is over them too."""
+    micro-batch's final 0/1 mask (model tokens that are not stale)."""
     if mode == "token-mean":
-        total = max(sum(float(m.sum()) for m in trainable) + untrained_tokens, 1.0)
+        total = max(sum(float(m.sum()) for m in trainable), 1.0)
         for micro, m in zip(micros, trainable, strict=True):
             micro.arrays["weights"] = (m / total).astype(np.float32)
         return
@@ -361,7 +351,7 @@ def assign_weights(
     for micro, m in zip(micros, trainable, strict=True):
         idx = micro.arrays["sequence_index"]
         np.add.at(counts, idx[idx >= 0], m[idx >= 0])
-    num_sequences = max(int((counts > 0).sum()) + untrained_sequences, 1)
+    num_sequences = max(int((counts > 0).sum()), 1)
     for micro, m in zip(micros, trainable, strict=True):
         idx = np.maximum(micro.arrays["sequence_index"], 0)
         per_token = np.maximum(counts[idx], 1.0)

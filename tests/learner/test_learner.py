@@ -213,32 +213,6 @@ def test_stuck_groups_get_a_negative_advantage_and_solved_ones_stay_out() -> Non
     assert prepare_groups([_flat_group("a", 1.0), _flat_group("b", 0.5)], "grpo", best).items == []
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "sequence-mean"])
-def test_solved_groups_count_in_the_mean_they_do_not_train(aggregation: str) -> None:
-    """A rare failure among solved groups must not step as hard as a batch full of signal: the
-    solved groups' tokens stay in the mean (loop module docstring), unless they are too stale."""
-
-    def grad_norm(solved_version: int | None) -> float:
-        learner = Learner(settings(loss_aggregation=aggregation, max_staleness=2))  # same initial weights
-        learner.version = 5
-        spread = _flat_group("a", 0.0, size=8)
-        spread.episodes[0].reward = 1.0
-        solved = [_flat_group(task, 1.0, size=8) for task in "bcd"] if solved_version is not None else []
-        for group in [spread, *solved]:
-            for ep in group.episodes:
-                ep.policy_versions = np.asarray([-1, -1, 5 if group is spread else solved_version], np.int32)
-        metrics = learner.train_on([spread, *solved])
-        assert metrics["trained"] == 1 and metrics["trained_tokens"] == 8
-        return metrics["grad_norm"]
-
-    alone = grad_norm(None)
-    assert alone > 0
-    # 8 trained tokens (sequences) of 32: a quarter of the gradient.
-    assert grad_norm(5) == pytest.approx(alone / 4, rel=1e-4)
-    # Solved episodes past maxStaleness would not have trained either: they do not dilute.
-    assert grad_norm(0) == pytest.approx(alone, rel=1e-4)
-
-
 def test_a_saturated_policy_is_pushed_off_a_lost_task() -> None:
     """A policy sure (p > 0.9995) of a token that no longer pays, as when an outsized step knocks a
     solved FrozenLake map onto one losing path: its stuck groups must make it sample something else.
