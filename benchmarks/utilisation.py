@@ -6,7 +6,7 @@ rolling success rate reaches the target or the time budget ends:
 
     .venv/bin/python benchmarks/utilisation.py [--manifest examples/frozenlake.yaml] [--latency 0.5]
                                      [--minutes 10] [--target 0.9] [--out runs/bench-utilisation]
-                                     [--concurrency N] [--staleness S] [--sandbox inline]
+                                     [--concurrency N] [--staleness S] [--batch-groups B] [--sandbox inline]
                                      [--weight-sync between-episodes] [--repeats R]
 
 Reported per mode: learner duty cycle (time inside train steps / wall time: the learner's own
@@ -37,6 +37,8 @@ def with_latency(manifest: Path, args: argparse.Namespace) -> Path:
             spec.setdefault("actors", {})["concurrency"] = args.concurrency
         if args.staleness is not None:
             spec.setdefault("buffer", {})["maxStaleness"] = args.staleness
+        if args.batch_groups is not None:  # the one option that changes sync mode too: its batch
+            spec.setdefault("learner", {})["batchGroups"] = args.batch_groups
         if args.sandbox is not None:
             spec["environment"]["sandbox"] = {**spec["environment"].get("sandbox", {}), "kind": args.sandbox}
         if args.weight_sync is not None:
@@ -94,6 +96,11 @@ def main() -> int:
     parser.add_argument("--target", type=float, default=0.9, help="rolling success rate to reach")
     parser.add_argument("--concurrency", type=int, help="episodes per actor (default: the manifest's)")
     parser.add_argument("--staleness", type=int, help="buffer.maxStaleness (default: the manifest's)")
+    parser.add_argument(
+        "--batch-groups", type=int,
+        help="learner.batchGroups for both modes (default: the manifest's); `stoker audit` tells the batch at "
+        "which an episode spans fewer updates than maxStaleness allows",
+    )
     parser.add_argument(
         "--sandbox", choices=("process", "inline"),
         help="environment.sandbox.kind (default: the manifest's); inline spares a process per episode",
