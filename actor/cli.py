@@ -76,6 +76,9 @@ def main(args: argparse.Namespace) -> int:
         log.exception("actor %s failed", args.actor_id)
         return 1
     log.info("actor %s done: %d groups, %d episodes", args.actor_id, stats.groups_submitted, stats.episodes)
+    if stats.abandoned_groups:
+        log.warning("actor %s: %d finished groups not submitted (buffer unreachable while stopping)",
+                    args.actor_id, stats.abandoned_groups)
     return 0
 
 

@@ -15,9 +15,9 @@ import math
 import random
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -30,7 +30,11 @@ from stoker.trajectory import Episode
 
 log = logging.getLogger("stoker.actor")
 
+T = TypeVar("T")
+
 MAX_RETRY_WAIT_SECONDS = 5.0
+# Once stopping, how long a finished group may still wait for an unreachable buffer.
+STOP_SUBMIT_SECONDS = 5.0
 
 
 @dataclass
@@ -74,6 +78,7 @@ class ActorStats:
     admission_refusals: int = 0
     weight_updates: int = 0
     submit_retries: int = 0
+    abandoned_groups: int = 0  # finished while stopping with the buffer unreachable: not submitted
     recent: list[Episode] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
 
@@ -183,7 +188,11 @@ class Actor:
         """Wait for one group of credit; False if stopped while waiting."""
         while not self._stopping.is_set():
             try:
-                grant = await self.buffer.acquire(1)
+                answered, credit = await self._unless_stopped(self.buffer.acquire(1), 0.0)
+                if not answered:
+                    return False
+                assert credit is not None
+                grant = credit
             except BufferUnavailable as exc:
                 log.warning("buffer unavailable for admission: %s", exc)
                 grant = Grant(0, 1.0)
@@ -215,23 +224,54 @@ class Actor:
             actor_id=s.actor_id,
             slots=slots,
         )
-        await self._submit(episodes)
+        if not await self._submit(episodes):
+            return
         self.stats.record(episodes)
         if self.stats.groups_submitted % 10 == 0:
             self._log_progress()
 
-    async def _submit(self, episodes: list[Episode]) -> None:
-        """Put a whole group; transient failures are retried (Put is idempotent per episode id)."""
+    async def _submit(self, episodes: list[Episode]) -> bool:
+        """Put a whole group (False if it could not be); transient failures are retried (Put is idempotent per episode id) --
+        for as long as it takes while running (a restarting buffer comes back), but once the actor
+        is stopping for ``STOP_SUBMIT_SECONDS`` more at most: a buffer that is gone would otherwise
+        hold the actor until it is killed."""
+        loop = asyncio.get_running_loop()
         delay = 0.2
+        give_up_at: float | None = None
         while True:
             try:
-                await self.buffer.put(episodes)
-                return
+                stored, _ = await self._unless_stopped(self.buffer.put(episodes), STOP_SUBMIT_SECONDS)
+                if stored:
+                    return True
             except BufferUnavailable as exc:
                 self.stats.submit_retries += 1
-                log.warning("buffer put failed (%s); retrying in %.1f s", exc, delay)
-                await asyncio.sleep(delay)  # backoff before retrying a remote call
-                delay = min(delay * 2, MAX_RETRY_WAIT_SECONDS)
+                if self._stopping.is_set():
+                    give_up_at = give_up_at or loop.time() + STOP_SUBMIT_SECONDS
+                if give_up_at is None or loop.time() < give_up_at:
+                    log.warning("buffer put failed (%s); retrying in %.1f s", exc, delay)
+                    await asyncio.sleep(delay)  # backoff before retrying a remote call
+                    delay = min(delay * 2, MAX_RETRY_WAIT_SECONDS)
+                    continue
+            self.stats.abandoned_groups += 1
+            log.error("stopping with the buffer unreachable: a group of %d episodes was not submitted", len(episodes))
+            return False
+
+    async def _unless_stopped(self, call: Awaitable[T], grace: float) -> tuple[bool, T | None]:
+        """Await ``call``; if the actor is told to stop meanwhile, wait ``grace`` seconds more at
+        most. ``(False, None)`` when it did not finish: a remote call retries against an unreachable
+        buffer for minutes."""
+        task = asyncio.ensure_future(call)
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                await asyncio.wait({task}, timeout=grace)
+            if not task.done():
+                task.cancel()
+                return False, None
+            return True, task.result()
+        finally:
+            stopping.cancel()
 
     async def _sync_weights(self) -> None:
         """Poll the weight channel and load each newer version into the policy (with

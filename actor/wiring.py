@@ -177,6 +177,9 @@ async def build_and_run(
     try:
         return await actor.run()
     finally:
+        # Closing the channel ends a Put still retrying in a worker thread (one abandoned while
+        # stopping), which would otherwise hold the process at exit for the client's deadline.
+        buffer.client.close()
         await policy.close()
         await close_factory(factory)
 

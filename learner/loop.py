@@ -72,6 +72,9 @@ from stoker.trajectory import Episode
 
 log = logging.getLogger(__name__)
 
+# After a stop request, how long the prefetcher and the last commits get to reach the buffer.
+STOP_WAIT_SECONDS = 5.0
+
 
 # ------------------------------------------------------------------------------------ settings
 
@@ -633,6 +636,20 @@ class Learner:
             if made:
                 duty.busy_seconds = self.busy_seconds
                 self._publish(outbox, publisher, source, duty.value)
+            if stop.is_set():
+                # Stopped from outside -- maybe because the buffer is gone, when every commit would
+                # retry for minutes: checkpoint first (it needs nothing from the buffer), then give
+                # the buffer a bounded time. A commit not sent means the batch is trained again.
+                if self.steps > started_at_step:
+                    self.save()
+                if prefetcher is not None:
+                    prefetcher.close(wait=STOP_WAIT_SECONDS)
+                abandoned = outbox.close(timeout=STOP_WAIT_SECONDS)
+                if abandoned:
+                    log.warning(
+                        "buffer unreachable while stopping: %d commits/version reports not sent after %.0f s "
+                        "(their batches are delivered again)", abandoned, STOP_WAIT_SECONDS,
+                    )
         if self.steps > started_at_step:  # batches without an update are steps too: resume after them
             self.save()
         if self.checkpointer is not None:

@@ -43,15 +43,32 @@ class Outbox:
             self._cond.wait_for(lambda: (not self._queue and not self._busy) or self._error is not None)
             self._raise_error()
 
-    def close(self) -> None:
-        """Run what is queued, then stop the thread (errors are raised, as from ``drain``)."""
+    def close(self, timeout: float | None = None) -> int:
+        """Run what is queued, then stop the thread (errors are raised, as from ``drain``).
+
+        With a ``timeout``, give up after that many seconds -- a buffer that is gone would keep a
+        commit retrying for minutes -- and return how many tasks were abandoned (the one running is
+        left to the daemon thread). A second close does nothing."""
+        with self._cond:
+            if self._closed:
+                return 0
+        abandoned = 0
         try:
-            self.drain()
+            with self._cond:
+                done = self._cond.wait_for(
+                    lambda: (not self._queue and not self._busy) or self._error is not None, timeout
+                )
+                if not done:
+                    abandoned = len(self._queue) + int(self._busy)
+                    self._queue.clear()
+                self._raise_error()
         finally:
             with self._cond:
                 self._closed = True
                 self._cond.notify_all()
-            self._thread.join()
+            if not abandoned:
+                self._thread.join()
+        return abandoned
 
     def __enter__(self) -> Outbox:
         return self
@@ -62,6 +79,8 @@ class Outbox:
             return
         # Already failing: stop without running the rest or masking the first error.
         with self._cond:
+            if self._closed:
+                return
             self._queue.clear()
             self._closed = True
             self._cond.notify_all()

@@ -66,10 +66,14 @@ class Prefetcher:
             raise item
         return None if item is _IDLE else item
 
-    def close(self) -> None:
-        """Stop fetching; a batch already fetched is left uncommitted for redelivery."""
+    def close(self, wait: float | None = None) -> None:
+        """Stop fetching; a batch already fetched is left uncommitted for redelivery. Waits for the
+        thread at most ``wait`` seconds (default: one Sample's timeout and a margin); a Sample still
+        retrying against an unreachable buffer is left to the daemon thread."""
+        if self._stop.is_set():
+            return
         self._stop.set()
-        self._thread.join(timeout=self._timeout + 5.0)
+        self._thread.join(timeout=self._timeout + 5.0 if wait is None else wait)
 
     def __enter__(self) -> Prefetcher:
         return self

@@ -102,7 +102,7 @@ def make_optimizer(
 
 
 class SpikeClipState(NamedTuple):
-    count: jax.Array  # updates seen
+    updates: jax.Array  # updates seen
     mean: jax.Array  # of the (clipped) gradient norms
     var: jax.Array
 
@@ -129,18 +129,18 @@ def spike_clip(z_threshold: float, decay: float = 0.97, warmup: int = 25, eps: f
         norm = optax.tree.norm(updates).astype(jnp.float32)
         std = jnp.sqrt(state.var)
         z = (norm - state.mean) / (std + eps)
-        spike = (state.count >= warmup) & (z > z_threshold)
+        spike = (state.updates >= warmup) & (z > z_threshold)
         limit = state.mean + std * z_threshold**2 / jnp.maximum(z, eps)
         scale = jnp.where(spike, limit / jnp.maximum(norm, eps), 1.0)
         kept = norm * scale
-        # Warm-up: running averages (weight 1/(count+1)); then the exponential ones.
-        weight = jnp.where(state.count < warmup, 1.0 / (state.count + 1.0), 1.0 - decay)
+        # Warm-up: running averages (weight 1/(updates+1)); then the exponential ones.
+        weight = jnp.where(state.updates < warmup, 1.0 / (state.updates + 1.0), 1.0 - decay)
         mean = state.mean + weight * (kept - state.mean)
         var = (1.0 - weight) * (state.var + weight * (kept - state.mean) ** 2)
         updates = jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates)
-        return updates, SpikeClipState(state.count + 1, mean, var)
+        return updates, SpikeClipState(state.updates + 1, mean, var)
 
-    return optax.GradientTransformation(init, update)  # type: ignore[arg-type]
+    return optax.GradientTransformation(init, update)
 
 
 def batch_to_device(micro: MicroBatch, mesh: Mesh) -> dict[str, jax.Array]:

@@ -177,6 +177,10 @@ class Child:
     def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
         """SIGTERM, wait, then SIGKILL the whole process group (sandboxes included)."""
         self.signal(signal.SIGTERM)
+        self.finish(grace)
+
+    def finish(self, grace: float) -> None:
+        """After SIGTERM: wait up to ``grace``, then SIGKILL the whole process group."""
         if not self.wait(grace):
             self.signal(signal.SIGKILL)
             self.wait(10.0)
@@ -294,9 +298,16 @@ class AsyncRun:
 
     def stop(self) -> None:
         # Learner first (final checkpoint), then actors (and their sandboxes), the buffer last so
-        # in-flight Puts still land.
-        for child in self.children():
-            child.stop()
+        # in-flight Puts still land. The actors stop together: one grace period for all of them.
+        if self.learner is not None:
+            self.learner.stop()
+        for actor in self.actors:
+            actor.signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for actor in self.actors:
+            actor.finish(max(0.0, deadline - time.monotonic()))
+        if self.buffer is not None:
+            self.buffer.stop()
 
     def failed_child(self) -> Child | None:
         for child in self.children():

@@ -140,9 +140,11 @@ class Progress:
             self._live = None
 
     def attach_buffer(self, address: str) -> None:
-        from stoker.buffer.client import BufferClient
+        from stoker.buffer.client import BufferClient, RetryPolicy
 
-        self._buffer_client = BufferClient(address, token=None)
+        # One try, briefly: this runs on the loop that watches the children, and a buffer that has
+        # died must not hold it in the client's minutes of retries before it notices.
+        self._buffer_client = BufferClient(address, token=None, retry=RetryPolicy(deadline=0.0), timeout=2.0)
 
     def success_rate(self) -> float:
         return self.state.success_rate()
@@ -163,9 +165,11 @@ class Progress:
     def _poll_buffer(self) -> None:
         import grpc
 
+        from stoker.buffer.client import BufferError
+
         try:
             stats = self._buffer_client.stats()
-        except grpc.RpcError:
+        except (grpc.RpcError, BufferError):
             return  # the buffer is starting or stopping; the next poll will tell
         sample = {
             "time": time.time(),

@@ -216,3 +216,38 @@ async def test_weights_that_cannot_load_stop_the_actor_loudly(lake: TextInterfac
     with pytest.raises(ValueError, match="does not match"):
         await asyncio.wait_for(actor.run(), 30)  # no max_groups: only the failure ends it
     await policy.close()
+
+
+async def test_a_stopping_actor_does_not_wait_for_a_buffer_that_is_gone(lake: TextInterface) -> None:
+    """The buffer dies, then the actor is told to stop: Puts (and admission) retrying against it
+    for the client's whole deadline must not hold the actor until it is killed."""
+    from stoker.actor import runner
+
+    class DeadBuffer(MemoryBuffer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dead = False
+
+        async def acquire(self, groups: int) -> Grant:
+            if self.dead:
+                await asyncio.Event().wait()  # retrying against an unreachable buffer
+            return await super().acquire(groups)
+
+        async def put(self, episodes: list[Episode]) -> None:
+            if self.dead:
+                await asyncio.Event().wait()
+            await super().put(episodes)
+
+    spec = RLJobSpec(buffer=BufferSpec(group_size=2))
+    settings = settings_for(spec, concurrency=4)
+    buffer = DeadBuffer()
+    actor = Actor(settings, ScriptedPolicy(lambda _: [0]), lake, inline_factory(settings.sandbox), buffer)
+    running = asyncio.create_task(actor.run())
+    await wait_for(lambda: len(buffer.groups) >= 2)
+    buffer.dead = True
+    await wait_for(lambda: actor.stats.groups_started > len(buffer.groups) + 1)  # groups finishing into a dead buffer
+    stopped = time.monotonic()
+    actor.stop()
+    stats = await asyncio.wait_for(running, 30)
+    assert time.monotonic() - stopped <= runner.STOP_SUBMIT_SECONDS + 5
+    assert stats.abandoned_groups >= 1 and stats.groups_submitted == len(buffer.groups)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -438,6 +439,39 @@ def test_a_lost_lease_is_not_fatal(grpo_learner: Learner) -> None:
     start = grpo_learner.steps
     assert grpo_learner.run(buffer, max_steps=start + 2) == 2
     assert buffer.versions[-1] == grpo_learner.version
+
+
+def test_a_stop_with_the_buffer_gone_checkpoints_and_returns(tmp_path: Path) -> None:
+    """``stoker run`` stops the learner when the buffer dies; every commit would then retry for the
+    client's whole deadline. The learner must still write its final checkpoint and exit promptly."""
+    stop, gone = threading.Event(), threading.Event()
+
+    class DyingBuffer(ScriptedBuffer):
+        def sample(self, max_groups: int, min_groups: int, timeout: float) -> FakeBatch:
+            if gone.is_set():
+                threading.Event().wait(120)  # retrying against an unreachable buffer
+            return super().sample(max_groups, min_groups, timeout)
+
+        def commit(self, batch_id: str) -> None:
+            if len(self.committed) == 1:  # the buffer dies after the first commit ...
+                gone.set()
+                stop.set()  # ... and the runner stops the learner
+            if gone.is_set():
+                threading.Event().wait(120)
+            super().commit(batch_id)
+
+    buffer = DyingBuffer()
+    learner = Learner(settings(tmp_path, checkpoint_interval=100))
+    buffer.learner_ref.append(learner)
+    started = time.monotonic()
+    learner.run(buffer, max_steps=50, stop=stop)
+    assert time.monotonic() - started < 60  # two stop waits, not the buffer's 120 s
+    assert 2 <= learner.steps < 50
+    steps = learner.steps
+    learner.close()
+    resumed = Learner(settings(tmp_path, checkpoint_interval=100))
+    assert resumed.resumed and resumed.steps == steps  # the final checkpoint was written
+    resumed.close()
 
 
 @pytest.mark.slow

@@ -41,3 +41,16 @@ def test_close_runs_what_is_queued() -> None:
     assert ran == [1]
     with pytest.raises(RuntimeError, match="closed"):
         outbox.send(lambda: None)
+
+
+def test_close_with_a_timeout_abandons_a_task_that_never_ends() -> None:
+    """A commit retrying against a buffer that is gone must not hold a stopping learner for minutes."""
+    release = threading.Event()
+    ran: list[int] = []
+    outbox = Outbox()
+    outbox.send(release.wait)  # blocked, like a commit retrying against a dead buffer
+    outbox.send(lambda: ran.append(1))
+    assert outbox.close(timeout=0.2) == 2  # the blocked task and the one behind it
+    assert outbox.close() == 0  # closing again does nothing
+    release.set()
+    assert ran == []  # the abandoned task never runs
