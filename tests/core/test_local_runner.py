@@ -114,3 +114,25 @@ def test_a_second_signal_does_not_cut_the_orderly_stop_short() -> None:
             stopped.append(True)
     assert stopped == [True]
     assert signals.getsignal(signals.SIGINT) is signals.default_int_handler
+
+
+def test_the_progress_display_does_not_wait_on_a_buffer_that_is_gone(tmp_path: Path) -> None:
+    """It polls the buffer on the loop that watches the children: a dead buffer must cost one quick
+    failed call, or the run notices the death only after the client's minutes of retries."""
+    import socket
+
+    from stoker.local import RunOptions
+    from stoker.manifest import load_job
+    from stoker.progress import Progress
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    manifest = Path(__file__).resolve().parents[2] / "examples" / "frozenlake.yaml"
+    options = RunOptions(manifest, load_job(manifest), "async", tmp_path, live=False)
+    progress = Progress(options)
+    progress.attach_buffer(f"127.0.0.1:{port}")
+    started = time.monotonic()
+    progress.refresh()
+    assert time.monotonic() - started < 5.0
+    assert progress.state.buffer == {}  # nothing heard, nothing raised
