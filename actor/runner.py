@@ -231,10 +231,10 @@ class Actor:
             self._log_progress()
 
     async def _submit(self, episodes: list[Episode]) -> bool:
-        """Put a whole group (False if it could not be); transient failures are retried (Put is idempotent per episode id) --
-        for as long as it takes while running (a restarting buffer comes back), but once the actor
-        is stopping for ``STOP_SUBMIT_SECONDS`` more at most: a buffer that is gone would otherwise
-        hold the actor until it is killed."""
+        """Put a whole group; False if it could not be. Transient failures are retried (Put is
+        idempotent per episode id) for as long as it takes while running -- a restarting buffer
+        comes back -- but once the actor is stopping for ``STOP_SUBMIT_SECONDS`` more at most: a
+        buffer that is gone would otherwise hold the actor until it is killed."""
         loop = asyncio.get_running_loop()
         delay = 0.2
         give_up_at: float | None = None
