@@ -92,7 +92,6 @@ class LearnerSettings:
     loss_aggregation: str = "token-mean"
     learning_rate: float = 3e-3
     max_grad_norm: float = 1.0
-    gradient_spike_z: float | None = None
     temperature: float = 1.0
     dpo_dataset: str | None = None
     buckets: tuple[int, ...] = (128, 256, 512, 1024)
@@ -145,7 +144,6 @@ class LearnerSettings:
             loss_aggregation=algorithm.loss_aggregation,
             learning_rate=algorithm.learning_rate,
             max_grad_norm=algorithm.max_grad_norm,
-            gradient_spike_z=algorithm.gradient_spike_z,
             temperature=spec.actors.sampling.temperature,
             dpo_dataset=resolve(algorithm.dpo_dataset),
             buckets=tuple(learner.sequence_buckets),
@@ -431,7 +429,7 @@ class Learner:
         value_model = None
         if options.needs_value:
             value_model = train.ValueNetwork(model.config, rngs=nnx.Rngs(params=settings.seed + 1), dtype=dtype)
-        optimizer = train.make_optimizer(settings.learning_rate, settings.max_grad_norm, settings.gradient_spike_z)
+        optimizer = train.make_optimizer(settings.learning_rate, settings.max_grad_norm)
         self.trainer = train.Trainer(model, options, optimizer, self.mesh, value_model=value_model)
         self.rows = packing.rows_for_buckets(
             settings.buckets, settings.microbatch_tokens, sharding.data_parallel_size(self.mesh)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -92,55 +92,9 @@ class ValueNetwork(nnx.Module):
         return self.head(self.norm(h))[..., 0].astype(jnp.float32)
 
 
-def make_optimizer(
-    learning_rate: float, max_grad_norm: float, spike_z: float | None = None
-) -> optax.GradientTransformation:
-    """Adam after clipping (first, so one outlier batch cannot blow up Adam): spikes relative to
-    the recent gradient norms (``spike_clip``, when ``spike_z`` is set), then the global norm."""
-    clips = [spike_clip(spike_z)] if spike_z else []
-    return optax.chain(*clips, optax.clip_by_global_norm(max_grad_norm), optax.adam(learning_rate))
-
-
-class SpikeClipState(NamedTuple):
-    updates: jax.Array  # updates seen
-    mean: jax.Array  # of the (clipped) gradient norms
-    var: jax.Array
-
-
-def spike_clip(z_threshold: float, decay: float = 0.97, warmup: int = 25, eps: float = 1e-6) -> optax.GradientTransformation:
-    """Scale down a gradient whose norm is an outlier against the recent ones (ZClip, Kumar et al.
-    2025, "Adaptive Spike Mitigation for LLM Pre-Training").
-
-    Exponential moving mean and variance of the gradient norm (plain averages over the first
-    ``warmup`` updates, which are never clipped); a norm ``n`` with z-score ``z = (n - mean) / std``
-    above ``z_threshold`` is scaled to ``mean + std * z_threshold**2 / z``, the further out the
-    closer to the mean. The statistics then take the clipped norm, so one spike does not raise the
-    bar for the next. A fixed global-norm clip cannot do this in RL: late in training the usual
-    gradient is 5-10x smaller than early on, and a rare failure's spike cut to the fixed bound is
-    still several times the usual step -- enough, on FrozenLake, to knock a solved map off.
-    """
-
-    def init(params: Any) -> SpikeClipState:
-        del params
-        return SpikeClipState(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32))
-
-    def update(updates: Any, state: SpikeClipState, params: Any = None) -> tuple[Any, SpikeClipState]:
-        del params
-        norm = optax.tree.norm(updates).astype(jnp.float32)
-        std = jnp.sqrt(state.var)
-        z = (norm - state.mean) / (std + eps)
-        spike = (state.updates >= warmup) & (z > z_threshold)
-        limit = state.mean + std * z_threshold**2 / jnp.maximum(z, eps)
-        scale = jnp.where(spike, limit / jnp.maximum(norm, eps), 1.0)
-        kept = norm * scale
-        # Warm-up: running averages (weight 1/(updates+1)); then the exponential ones.
-        weight = jnp.where(state.updates < warmup, 1.0 / (state.updates + 1.0), 1.0 - decay)
-        mean = state.mean + weight * (kept - state.mean)
-        var = (1.0 - weight) * (state.var + weight * (kept - state.mean) ** 2)
-        updates = jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates)
-        return updates, SpikeClipState(state.updates + 1, mean, var)
-
-    return optax.GradientTransformation(init, update)
+def make_optimizer(learning_rate: float, max_grad_norm: float) -> optax.GradientTransformation:
+    """Adam after global-norm clipping (clipping first so one outlier batch cannot blow up Adam)."""
+    return optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adam(learning_rate))
 
 
 def batch_to_device(micro: MicroBatch, mesh: Mesh) -> dict[str, jax.Array]:

@@ -131,12 +131,6 @@ class AlgorithmSpec(SpecModel):
     dpo_beta: float = Field(0.1, gt=0, description="DPO inverse temperature.")
     dpo_dataset: str | None = Field(None, description="JSONL of chosen/rejected pairs; buffer groups ranked by reward when unset.")
     max_grad_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
-    gradient_spike_z: float | None = Field(
-        None,
-        gt=0,
-        description="Scale down a gradient whose norm's z-score against the recent norms exceeds this (ZClip); "
-        "unset: off.",
-    )
 
 
 # --------------------------------------------------------------------------------- environment
