@@ -99,5 +99,9 @@ def test_audit_measures_the_job_and_prints_the_arithmetic(tmp_path: Path) -> Non
     assert step_ms >= 100.0  # the injected latency is part of what the audit measures
     assert re.search(r"actors\s+= ceil\(1\.25 x [\d.]+ / [\d.]+\) = \d+", out.stdout)
     assert "= (1 + 1) x 2 = 4 episodes outstanding at most" in out.stdout
-    # Two 0.1 s steps per episode against a tiny model's millisecond updates: far more than 2 versions.
-    assert "warning: an episode spans" in out.stdout and "maxStaleness = 1" in out.stdout
+    # The admission check is fed by what was measured (whether it warns depends on this machine's
+    # speed; the warning itself is tested above).
+    found = re.search(r"staleness\s+= episode time / learner step = ([\d.]+) / ([\d.]+) s = ([\d.]+) updates", out.stdout)
+    assert found is not None, out.stdout
+    episode, step, versions = (float(x) for x in found.groups())
+    assert episode >= 0.1 and versions == pytest.approx(episode / step, rel=0.1, abs=0.06)  # printed rounded
