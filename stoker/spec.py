@@ -243,6 +243,7 @@ class ActorsSpec(SpecModel):
     conversation_cache_mib: int = Field(
         512,
         ge=0,
+        alias="conversationCacheMiB",  # the unit as written everywhere else, not to_camel's "Mib"
         description=(
             "Memory for each actor's cache of running conversations (keys/values), so a turn prefills "
             "only its new tokens; up to one row per concurrent episode. 0 turns it off."

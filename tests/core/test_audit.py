@@ -81,6 +81,7 @@ spec:
     stepLatency: {distribution: fixed, seconds: 0.1}
   actors:
     concurrency: 2
+    conversationCacheMiB: 0  # fewer sampler programs to compile
     sampling: {maxNewTokens: 1, allowedTokens: [left, down, right, up]}
   buffer: {groupSize: 2, maxStaleness: 1}
   learner: {batchGroups: 1, sequenceBuckets: [64]}

@@ -116,3 +116,9 @@ def test_kubectl_output_with_status_still_validates() -> None:
         {"apiVersion": "stoker.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "x", "uid": "u"}, "status": {"phase": "Running"}}
     )
     assert job.status == {"phase": "Running"}
+
+
+def test_the_conversation_cache_size_is_spelled_as_documented() -> None:
+    jobs, problems = load_text(MINIMAL + "spec:\n  actors: {conversationCacheMiB: 0}\n", "m.yaml")
+    assert problems == [] and jobs[0].spec.actors.conversation_cache_mib == 0
+    assert "conversationCacheMiB" in jobs[0].spec.actors.model_dump(by_alias=True)
