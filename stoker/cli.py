@@ -15,6 +15,7 @@ from typing import Any
 
 from stoker import __version__
 from stoker.manifest import ManifestError
+from stoker.parent import stop_with_parent
 
 # subcommand -> (module providing add_arguments/main, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -41,6 +42,7 @@ def _load(module_name: str) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
+    stop_with_parent()
     try:
         return int(_load(args._module).main(args) or 0)
     except NotReady as exc:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from stoker.manifest import load_job
+from stoker.parent import PARENT_ENV
 from stoker.spec import RLJob
 
 # How long a child gets to shut down cleanly after SIGTERM before it is killed.
@@ -331,6 +332,7 @@ def compilation_cache_dir(options: RunOptions) -> str:
 def child_env(options: RunOptions) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    env[PARENT_ENV] = str(os.getpid())  # children stop if this process is killed (stoker.parent)
     # JAX reads these itself, so the learner, the actors and their samplers all share the cache.
     env.setdefault("JAX_COMPILATION_CACHE_DIR", compilation_cache_dir(options))
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

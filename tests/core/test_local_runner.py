@@ -136,3 +136,45 @@ def test_the_progress_display_does_not_wait_on_a_buffer_that_is_gone(tmp_path: P
     progress.refresh()
     assert time.monotonic() - started < 5.0
     assert progress.state.buffer == {}  # nothing heard, nothing raised
+
+
+RUNNER_THAT_DIES = r"""
+import os, pathlib, subprocess, sys, time
+from stoker.parent import PARENT_ENV
+work = pathlib.Path(sys.argv[1])
+env = dict(os.environ, **{PARENT_ENV: str(os.getpid())})
+buffer = subprocess.Popen(
+    [sys.executable, "-m", "stoker.cli", "buffer", "--port", "0", "--data-dir", str(work / "data"),
+     "--ready-file", str(work / "ready")],
+    env=env, start_new_session=True, stdout=open(work / "buffer.log", "wb"), stderr=subprocess.STDOUT,
+)
+(work / "pid").write_text(str(buffer.pid))
+time.sleep(600)
+"""
+
+
+def test_children_stop_when_stoker_run_is_killed_outright(tmp_path: Path) -> None:
+    """SIGKILL (or the OOM killer) gives ``stoker run`` no chance to stop its children in order;
+    they must notice and stop themselves rather than run on against a buffer nobody restarts."""
+    import signal
+    import subprocess
+
+    runner = subprocess.Popen([sys.executable, "-c", RUNNER_THAT_DIES, str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "ready").exists():
+            assert time.monotonic() < deadline, "buffer never became ready"
+            time.sleep(0.1)
+        child = int((tmp_path / "pid").read_text())
+        runner.send_signal(signal.SIGKILL)
+        runner.wait()
+        deadline = time.monotonic() + 30
+        while _alive(child):
+            assert time.monotonic() < deadline, "the buffer outlived stoker run"
+            time.sleep(0.1)
+        log = (tmp_path / "buffer.log").read_text()
+        assert "is gone: stopping" in log and "buffer stopped" in log  # its own graceful path
+    finally:
+        runner.kill()
+        if (tmp_path / "pid").exists() and _alive(int((tmp_path / "pid").read_text())):
+            os.kill(int((tmp_path / "pid").read_text()), 9)
