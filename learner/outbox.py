@@ -40,7 +40,7 @@ class Outbox:
     def drain(self) -> None:
         """Wait until every task sent so far has run; raise the first error one of them raised."""
         with self._cond:
-            self._cond.wait_for(lambda: (not self._queue and not self._busy) or self._error is not None)
+            self._cond.wait_for(self._settled)
             self._raise_error()
 
     def close(self, timeout: float | None = None) -> int:
@@ -55,10 +55,7 @@ class Outbox:
         abandoned = 0
         try:
             with self._cond:
-                done = self._cond.wait_for(
-                    lambda: (not self._queue and not self._busy) or self._error is not None, timeout
-                )
-                if not done:
+                if not self._cond.wait_for(self._settled, timeout):
                     abandoned = len(self._queue) + int(self._busy)
                     self._queue.clear()
                 self._raise_error()
@@ -85,6 +82,10 @@ class Outbox:
             self._closed = True
             self._cond.notify_all()
         self._thread.join()
+
+    def _settled(self) -> bool:
+        """Every task sent has run, or one failed (called holding the condition)."""
+        return (not self._queue and not self._busy) or self._error is not None
 
     def _raise_error(self) -> None:
         if self._error is not None:

@@ -229,11 +229,11 @@ def render(audit: Audit, spec: RLJobSpec) -> str:
         f" (now {spec.actors.replicas}); concurrency up to {int(s['concurrency_to_hide_env'])} per actor hides the"
         " environment's latency behind sampling, fewer actors then suffice while the actor's CPU keeps up.",
     ]
-    lines += [f"warning: {w}" for w in warnings(s, spec)]
+    lines += [f"warning: {w}" for w in admission_warnings(s, spec)]
     return "\n".join(lines)
 
 
-def warnings(sizing: dict[str, float], spec: RLJobSpec) -> list[str]:
+def admission_warnings(sizing: dict[str, float], spec: RLJobSpec) -> list[str]:
     """The limit of ``buffer.maxStaleness`` that more actors cannot lift (module docstring)."""
     stale = spec.buffer.max_staleness
     if sizing["fed_fraction"] >= 1.0 or stale == 0:  # 0: on-policy, waiting for each batch by design

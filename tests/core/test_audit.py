@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from stoker.audit import Audit, render, warnings
+from stoker.audit import Audit, admission_warnings, render
 from stoker.manifest import load_text
 
 MANIFEST = """\
@@ -58,13 +58,13 @@ def test_a_max_staleness_too_small_for_the_latency_is_flagged_with_its_ceiling()
     job = spec(stale=8, batch=4)
     s = audit(0.275).sizing(job)
     assert s["fed_fraction"] == pytest.approx(9 / 16)
-    (warning,) = warnings(s, job)
+    (warning,) = admission_warnings(s, job)
     assert "busy at most 56%" in warning and "batchGroups to >= 10" in warning and "maxStaleness to >= 17" in warning
     assert "warning: an episode spans 16.0 learner updates" in render(audit(0.275), job)
     # Four times the batch, four times the step: 4 updates per episode, fed within maxStaleness 4.
-    assert warnings(audit(1.1).sizing(spec(stale=4, batch=16)), spec(stale=4, batch=16)) == []
+    assert admission_warnings(audit(1.1).sizing(spec(stale=4, batch=16)), spec(stale=4, batch=16)) == []
     # maxStaleness 0 is on-policy: waiting for each batch is the point, not a misconfiguration.
-    assert warnings(audit(0.275).sizing(spec(stale=0, batch=4)), spec(stale=0, batch=4)) == []
+    assert admission_warnings(audit(0.275).sizing(spec(stale=0, batch=4)), spec(stale=0, batch=4)) == []
 
 
 TINY = """\
