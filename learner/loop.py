@@ -72,6 +72,10 @@ from stoker.trajectory import Episode
 
 log = logging.getLogger(__name__)
 
+# How many versions behind the learner the buffer's view may be when it checks a batch's staleness:
+# one batch trains while the next is fetched, and one version report may still be in flight. A
+# trained token lags at most maxStaleness + this (see train_on).
+SAMPLE_LAG_VERSIONS = 2
 # After a stop request, how long the prefetcher and the last commits get to reach the buffer.
 STOP_WAIT_SECONDS = 5.0
 
@@ -451,19 +455,34 @@ class Learner:
 
     # ----------------------------------------------------------------------------- training
 
-    def train_on(self, groups: Sequence[GroupLike]) -> dict[str, float]:
-        """One update from a batch of groups; returns its metrics (version is then bumped)."""
+    def train_on(self, groups: Sequence[GroupLike], *, sampled_at: int | None = None) -> dict[str, float]:
+        """One update from a batch of groups; returns its metrics (version is then bumped).
+
+        ``sampled_at`` is the policy version the buffer judged the batch's staleness against (the
+        Sample response's ``policy_version``). Tokens are dropped as stale against that version, not
+        the learner's own: the learner is one or two versions ahead of what the buffer has been told
+        (a batch is fetched while the previous one trains, versions are reported in the background),
+        and judged against its own version a third of the tokens of groups the buffer had just
+        passed were thrown away -- always the first turns of episodes, the oldest tokens -- so
+        episodes trained without their opening moves. A buffer further behind than
+        ``SAMPLE_LAG_VERSIONS`` is not trusted that far: a trained token never lags more than
+        ``maxStaleness + SAMPLE_LAG_VERSIONS``. The staleness metrics count from the learner's own
+        version: what a token really lagged when it was trained.
+        """
         prepared = prepare_groups(groups, self.settings.algorithm, self._best_rewards)
-        return self._train_items(prepared)
+        return self._train_items(prepared, sampled_at)
 
     def train_on_pairs(self, pairs: Sequence[list[TrainSequence]]) -> dict[str, float]:
         """One DPO update from chosen/rejected pairs (``load_dpo_pairs``)."""
         prepared = Prepared(list(pairs), [], 2 * len(pairs), 0, num_pairs=len(pairs))
         return self._train_items(prepared)
 
-    def _train_items(self, prepared: Prepared) -> dict[str, float]:
+    def _train_items(self, prepared: Prepared, sampled_at: int | None = None) -> dict[str, float]:
         started = time.perf_counter()
         s = self.settings
+        judged_at = self.version
+        if sampled_at is not None:
+            judged_at = max(self.version - SAMPLE_LAG_VERSIONS, min(self.version, sampled_at))
         longest = max(s.buckets)
         truncated = 0
         items: list[list[TrainSequence]] = []
@@ -496,7 +515,7 @@ class Learner:
         for micro in micros:
             a = micro.arrays
             known = a["behaviour_known"] > 0
-            too_old = algorithms.stale_tokens(a["versions"], a["mask"], self.version, s.max_staleness) & known
+            too_old = algorithms.stale_tokens(a["versions"], a["mask"], judged_at, s.max_staleness) & known
             stale += int(too_old.sum())
             m = np.where(too_old, 0.0, a["mask"]).astype(np.float32)
             trainable.append(m)
@@ -681,7 +700,7 @@ class Learner:
                         outbox.send(functools.partial(self._report_idle, source, duty.value))
                     continue
                 batch_id = batch.batch_id
-                metrics = self.train_on(batch.groups)
+                metrics = self.train_on(batch.groups, sampled_at=batch.policy_version)
             if batch_id is not None and source is not None:
                 outbox.send(functools.partial(self._commit, source, batch_id))
             if not metrics.get("trained"):

@@ -262,7 +262,15 @@ class SecretRef(SpecModel):
 class BufferSpec(SpecModel):
     capacity: int = Field(4096, ge=1, description="Trajectories held before Put is refused (backpressure).")
     group_size: int = Field(8, ge=1, description="Episodes per task group (GRPO's G).")
-    max_staleness: int = Field(4, ge=0, description="Policy versions a token may lag behind the learner.")
+    max_staleness: int = Field(
+        4,
+        ge=0,
+        description=(
+            "Policy versions a group's oldest token may lag behind the policy when the learner takes "
+            "the batch (admission and the buffer enforce it; the learner, a batch ahead, trains it at "
+            "most 2 versions later)."
+        ),
+    )
     sync: Literal["batch", "none"] = Field("batch", description="batch: fsync per Put; none: leave it to the OS.")
     failed_group_policy: Literal["mask", "discard"] = Field(
         "mask", description="Deliver groups containing a failed episode masked, or discard (and count) them."

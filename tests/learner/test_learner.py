@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from stoker.learner.algorithms import LossConfig
-from stoker.learner.loop import Group, Learner, LearnerSettings, load_dpo_pairs, prepare_groups
+from stoker.learner.loop import SAMPLE_LAG_VERSIONS, Group, Learner, LearnerSettings, load_dpo_pairs, prepare_groups
 from stoker.learner.model import token_logprobs
 from stoker.learner.weights import WeightSubscriber
 from stoker.spec import RLJobSpec, TransformerConfig
@@ -130,6 +130,41 @@ def test_stale_tokens_never_reach_the_loss(grpo_learner: Learner) -> None:
     metrics = learner.train_on(fresh_groups)
     assert metrics["stale_tokens"] == 8 and metrics["trained_tokens"] == 8
     assert metrics["staleness_max"] == 0 and learner.version == version + 1
+
+
+def test_staleness_is_judged_at_the_version_the_buffer_sampled_at(grpo_learner: Learner) -> None:
+    """A batch the buffer passed at version v trains whole although the learner is already ahead
+    of v (it fetched the batch while training the previous one): the learner does not strip the
+    oldest tokens -- an episode's first turns -- from groups the buffer had just checked. Metrics
+    still report the lag at training time."""
+    learner = grpo_learner
+    rng = np.random.default_rng(3)
+    s = learner.settings.max_staleness
+    learner.version += 10  # room for versions behind it, whichever test used the learner first
+
+    def batch_sampled_at(version: int) -> list[Group]:
+        groups = with_reward_spread(bandit_groups(learner, rng))
+        for group in groups:
+            for ep in group.episodes:
+                ep.policy_versions = np.where(ep.loss_mask > 0, version, -1).astype(np.int32)
+        return groups
+
+    # The buffer is two versions behind; the tokens are exactly maxStaleness behind the buffer.
+    buffer_version = learner.version - 2
+    metrics = learner.train_on(batch_sampled_at(buffer_version - s), sampled_at=buffer_version)
+    assert metrics["trained"] == 1 and metrics["stale_tokens"] == 0
+    assert metrics["staleness_max"] == s + 2
+    # One version older than the buffer allows: dropped.
+    buffer_version = learner.version - 2
+    metrics = learner.train_on(batch_sampled_at(buffer_version - s - 1), sampled_at=buffer_version)
+    assert metrics["trained"] == 0 and metrics["stale_tokens"] == 16
+    # A buffer that fell further behind is trusted only SAMPLE_LAG_VERSIONS versions back.
+    old = learner.version - s - SAMPLE_LAG_VERSIONS - 1
+    metrics = learner.train_on(batch_sampled_at(old), sampled_at=learner.version - 10)
+    assert metrics["trained"] == 0 and metrics["stale_tokens"] == 16
+    # Without a sample version (sync mode, offline data) the learner's own version is the clock.
+    metrics = learner.train_on(batch_sampled_at(learner.version - s - 1))
+    assert metrics["trained"] == 0 and metrics["stale_tokens"] == 16
 
 
 def test_a_policy_copy_outlives_the_next_update(grpo_learner: Learner) -> None:
@@ -332,6 +367,7 @@ def test_checkpoint_resume_continues_the_version(tmp_path: Path) -> None:
 class FakeBatch:
     batch_id: str
     groups: list[Group]
+    policy_version: int  # the buffer's: the last version the learner reported
 
 
 @dataclass
@@ -348,7 +384,7 @@ class ScriptedBuffer:
         # (a real buffer is another process): a fixed sampling policy stands in for the actors'.
         uniform = np.full(TINY.vocab_size, 1.0 / TINY.vocab_size)
         groups = bandit_groups(self.learner_ref[0], self.rng, groups=max_groups, probs=uniform)
-        return FakeBatch(uuid.uuid4().hex, with_reward_spread(groups))
+        return FakeBatch(uuid.uuid4().hex, with_reward_spread(groups), self.versions[-1] if self.versions else 0)
 
     def commit(self, batch_id: str) -> None:
         self.committed.append(batch_id)
