@@ -46,19 +46,19 @@ PUT_RESPONSE_KEY = "stoker-put-response-bin"
 RETRY_AFTER_KEY = "stoker-retry-after-ms"
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED})
 
-class BufferError(Exception):
+class BufferClientError(Exception):
     """Base of the client's errors."""
 
 
-class AuthError(BufferError):
+class AuthError(BufferClientError):
     """The buffer refused the bearer token (or none was sent)."""
 
 
-class BufferUnavailableError(BufferError):
+class BufferUnavailableError(BufferClientError):
     """The buffer stayed unreachable or full until the retry deadline."""
 
 
-class LeaseLostError(BufferError):
+class LeaseLostError(BufferClientError):
     """Commit of a batch the buffer no longer leases; its groups will be delivered again."""
 
 
@@ -74,7 +74,7 @@ class Rejection:
         return f"{who}: {self.field}: {self.message}"
 
 
-class InvalidTrajectoryError(BufferError, ValueError):
+class InvalidTrajectoryError(BufferClientError, ValueError):
     """One or more trajectories were refused with INVALID_ARGUMENT; every other one was stored."""
 
     def __init__(self, rejections: list[Rejection], stored: int):
@@ -223,7 +223,7 @@ class BufferClient:
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED and hint is None:
                     # Not the buffer saying "full" (that always carries a hint) but gRPC refusing
                     # an oversized message: retrying cannot help.
-                    raise BufferError(f"buffer at {self.address}: {exc.details()}") from None
+                    raise BufferClientError(f"buffer at {self.address}: {exc.details()}") from None
                 if code not in RETRYABLE:
                     raise
                 delay = self.retry.delay(attempt, hint or 0.0)
@@ -417,7 +417,7 @@ def _put_response_from_error(exc: grpc.RpcError) -> buffer_pb2.PutResponse | Non
 __all__ = [
     "AuthError",
     "BufferClient",
-    "BufferError",
+    "BufferClientError",
     "BufferUnavailableError",
     "Credit",
     "InvalidTrajectoryError",

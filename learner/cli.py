@@ -80,8 +80,7 @@ def main(args: argparse.Namespace) -> int:
         learner = Learner(settings)
     except ValueError as exc:  # a mesh that does not fit the devices, a bad model checkpoint
         return _fail(str(exc))
-    from stoker.buffer.client import BufferClient, BufferUnavailableError
-    from stoker.buffer.client import BufferError as BufferClientError
+    from stoker.buffer.client import BufferClient, BufferClientError, BufferUnavailableError
 
     source = None
     if args.buffer is not None:

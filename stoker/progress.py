@@ -165,11 +165,11 @@ class Progress:
     def _poll_buffer(self) -> None:
         import grpc
 
-        from stoker.buffer.client import BufferError
+        from stoker.buffer.client import BufferClientError
 
         try:
             stats = self._buffer_client.stats()
-        except (grpc.RpcError, BufferError):
+        except (grpc.RpcError, BufferClientError):
             return  # the buffer is starting or stopping; the next poll will tell
         sample = {
             "time": time.time(),

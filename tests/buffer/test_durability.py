@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from stoker.buffer.client import BufferClient, BufferError, LeaseLostError, RetryPolicy
+from stoker.buffer.client import BufferClient, BufferClientError, LeaseLostError, RetryPolicy
 from stoker.trajectory import Episode
 
 WRITER = """
@@ -106,7 +106,7 @@ def test_kill_9_under_load_then_restart_delivers_every_acknowledged_trajectory_o
                 batch = [make(index, group, k) for k in range(2)] + [make(index, group + 1, k) for k in range(2)]
                 try:
                     client.put(batch)
-                except BufferError:
+                except BufferClientError:
                     return  # the server is gone
                 with lock:
                     acked.extend(e.episode_id for e in batch)
@@ -119,14 +119,14 @@ def test_kill_9_under_load_then_restart_delivers_every_acknowledged_trajectory_o
             while True:
                 try:
                     batch = client.sample(4, 1, timeout=0.5)
-                except BufferError:
+                except BufferClientError:
                     return
                 if batch is None:
                     continue
                 ids = [e.episode_id for e in batch.episodes]
                 try:
                     client.commit(batch.batch_id)
-                except (BufferError, LeaseLostError):
+                except (BufferClientError, LeaseLostError):
                     in_doubt.extend(ids)
                     return
                 committed.extend(ids)

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stoker.buffer.client import (
     AuthError,
     BufferClient,
-    BufferError,
+    BufferClientError,
     BufferUnavailableError,
     InvalidTrajectoryError,
     LeaseLostError,
@@ -150,7 +150,7 @@ def test_full_buffer_pushes_back_and_the_client_backs_off_until_there_is_room(
 def test_message_size_limit_is_enforced(server_factory: ServerFactory, settings: BufferSettings, make_group: Groups) -> None:
     server = server_factory(replace(settings, max_message_bytes=64 * 1024))
     with BufferClient(f"127.0.0.1:{server.port}") as client:
-        with pytest.raises(BufferError, match="larger than max"):
+        with pytest.raises(BufferClientError, match="larger than max"):
             client.put(make_group(2, tokens=8000))  # ~100 KB each
         assert client.put(make_group(2)).stored == 2
 
