@@ -58,7 +58,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -69,6 +69,9 @@ from stoker.learner.outbox import Outbox
 from stoker.learner.prefetch import Prefetcher
 from stoker.spec import RLJobSpec, TransformerConfig
 from stoker.trajectory import Episode
+
+if TYPE_CHECKING:  # the client pulls in grpc; the loop only needs the batch's shape
+    from stoker.buffer.client import SampledBatch
 
 log = logging.getLogger(__name__)
 
@@ -396,7 +399,7 @@ def load_dpo_pairs(path: str | Path) -> list[list[TrainSequence]]:
 class BatchSource(Protocol):
     """The buffer as the loop sees it (``stoker.buffer.client.BufferClient`` fits)."""
 
-    def sample(self, max_groups: int, min_groups: int, timeout: float) -> Any: ...
+    def sample(self, max_groups: int, min_groups: int, timeout: float) -> SampledBatch | None: ...
 
     def commit(self, batch_id: str) -> Any: ...
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stoker.buffer.client import BufferClient
+from stoker.buffer.client import BufferClient, SampledBatch
 from stoker.buffer.server import BufferServer
 from stoker.buffer.settings import BufferSettings
 from stoker.learner.loop import Group, Learner, LearnerSettings
@@ -57,12 +57,6 @@ def bandit_group(rng: np.random.Generator, version: int) -> list[Episode]:
 
 
 @dataclass
-class Batch:
-    batch_id: str
-    groups: list[Group]
-
-
-@dataclass
 class RecordingSource:
     """A BatchSource that hands out fresh bandit batches and records every version report."""
 
@@ -70,9 +64,10 @@ class RecordingSource:
     reports: list[tuple[int, float | None]] = field(default_factory=list)
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
 
-    def sample(self, max_groups: int, min_groups: int, timeout: float) -> Batch:
+    def sample(self, max_groups: int, min_groups: int, timeout: float) -> SampledBatch:
         groups = [Group(bandit_group(self.rng, self.learner.version)) for _ in range(max_groups)]
-        return Batch(uuid.uuid4().hex, groups)
+        reported = self.reports[-1][0] if self.reports else 0
+        return SampledBatch(uuid.uuid4().hex, groups, reported)  # Group stands in for SampledGroup: same fields
 
     def commit(self, batch_id: str) -> None:
         pass
@@ -88,7 +83,7 @@ class StarvingSource(RecordingSource):
     fed: tuple[int, ...] = ()
     calls: int = 0
 
-    def sample(self, max_groups: int, min_groups: int, timeout: float) -> Batch | None:
+    def sample(self, max_groups: int, min_groups: int, timeout: float) -> SampledBatch | None:
         self.calls += 1
         return super().sample(max_groups, min_groups, timeout) if self.calls in self.fed else None
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from stoker.buffer.client import SampledBatch
 from stoker.learner.algorithms import LossConfig
 from stoker.learner.loop import SAMPLE_LAG_VERSIONS, Group, Learner, LearnerSettings, load_dpo_pairs, prepare_groups
 from stoker.learner.model import token_logprobs
@@ -364,13 +365,6 @@ def test_checkpoint_resume_continues_the_version(tmp_path: Path) -> None:
 
 
 @dataclass
-class FakeBatch:
-    batch_id: str
-    groups: list[Group]
-    policy_version: int  # the buffer's: the last version the learner reported
-
-
-@dataclass
 class ScriptedBuffer:
     """An in-process stand-in for the buffer client, recording the learner's calls."""
 
@@ -379,12 +373,13 @@ class ScriptedBuffer:
     versions: list[int] = field(default_factory=list)
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(6))
 
-    def sample(self, max_groups: int, min_groups: int, timeout: float) -> FakeBatch:
+    def sample(self, max_groups: int, min_groups: int, timeout: float) -> SampledBatch:
         # Called from the learner's prefetch thread while it trains, so it must not run the model
         # (a real buffer is another process): a fixed sampling policy stands in for the actors'.
         uniform = np.full(TINY.vocab_size, 1.0 / TINY.vocab_size)
         groups = bandit_groups(self.learner_ref[0], self.rng, groups=max_groups, probs=uniform)
-        return FakeBatch(uuid.uuid4().hex, with_reward_spread(groups), self.versions[-1] if self.versions else 0)
+        reported = self.versions[-1] if self.versions else 0  # the buffer's version: the last one reported
+        return SampledBatch(uuid.uuid4().hex, with_reward_spread(groups), reported)  # Group stands in for SampledGroup
 
     def commit(self, batch_id: str) -> None:
         self.committed.append(batch_id)
@@ -483,7 +478,7 @@ def test_a_stop_with_the_buffer_gone_checkpoints_and_returns(tmp_path: Path) -> 
     stop, gone = threading.Event(), threading.Event()
 
     class DyingBuffer(ScriptedBuffer):
-        def sample(self, max_groups: int, min_groups: int, timeout: float) -> FakeBatch:
+        def sample(self, max_groups: int, min_groups: int, timeout: float) -> SampledBatch:
             if gone.is_set():
                 threading.Event().wait(120)  # retrying against an unreachable buffer
             return super().sample(max_groups, min_groups, timeout)
