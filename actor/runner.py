@@ -240,8 +240,8 @@ class Actor:
         give_up_at: float | None = None
         while True:
             try:
-                stored, _ = await self._unless_stopped(self.buffer.put(episodes), STOP_SUBMIT_SECONDS)
-                if stored:
+                answered, _ = await self._unless_stopped(self.buffer.put(episodes), STOP_SUBMIT_SECONDS)
+                if answered:
                     return True
             except BufferUnavailable as exc:
                 self.stats.submit_retries += 1

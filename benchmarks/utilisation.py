@@ -95,6 +95,21 @@ def fmt(value: float | None) -> str:
     return "n/a (no updates)" if value is None else f"{value:.3f}"
 
 
+def compare(results: dict[str, Any], args: argparse.Namespace) -> None:
+    """Print one async/sync pair's duty cycles and speed-up; record the speed-up in ``results``."""
+    a, s = results["async"], results["sync"]
+    print(f"duty cycle: async {fmt(a['duty_cycle'])}, sync {fmt(s['duty_cycle'])} (steady state from the first "
+          f"step: async {fmt(a['steady_duty_cycle'])}, sync {fmt(s['steady_duty_cycle'])})")
+    if a["seconds_to_target"] and s["seconds_to_target"]:
+        results["speed_up"] = s["seconds_to_target"] / a["seconds_to_target"]
+        print(f"time to {args.target}: async {a['seconds_to_target']:.0f} s, sync {s['seconds_to_target']:.0f} s, "
+              f"speed-up {results['speed_up']:.2f}x")
+    else:
+        print(f"time to {args.target}: async {a['seconds_to_target']}, sync {s['seconds_to_target']} (None = not reached)")
+        if a["seconds_to_target"]:  # sync ran out of budget: the speed-up is at least this
+            results["speed_up_at_least"] = args.minutes * 60 / a["seconds_to_target"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--manifest", type=Path, default=REPO / "examples" / "frozenlake.yaml")
@@ -137,21 +152,9 @@ def main() -> int:
             run_dir = args.out / (mode if args.repeats == 1 else f"{mode}-{repeat}")
             results[mode] = run_mode(manifest, mode, run_dir, args.minutes, args.target)
             print(json.dumps(results[mode]), flush=True)
+        if len(results) == 2:
+            compare(results, args)
         pairs.append(results)
-        (args.out / "results.json").write_text(json.dumps(pairs[0] if args.repeats == 1 else pairs, indent=2))
-        if len(results) < 2:
-            continue
-        a, s = results["async"], results["sync"]
-        print(f"duty cycle: async {fmt(a['duty_cycle'])}, sync {fmt(s['duty_cycle'])} (steady state from the first "
-              f"step: async {fmt(a['steady_duty_cycle'])}, sync {fmt(s['steady_duty_cycle'])})")
-        if a["seconds_to_target"] and s["seconds_to_target"]:
-            results["speed_up"] = s["seconds_to_target"] / a["seconds_to_target"]
-            print(f"time to {args.target}: async {a['seconds_to_target']:.0f} s, sync {s['seconds_to_target']:.0f} s, "
-                  f"speed-up {results['speed_up']:.2f}x")
-        else:
-            print(f"time to {args.target}: async {a['seconds_to_target']}, sync {s['seconds_to_target']} (None = not reached)")
-            if a["seconds_to_target"]:  # sync ran out of budget: the speed-up is at least this
-                results["speed_up_at_least"] = args.minutes * 60 / a["seconds_to_target"]
         (args.out / "results.json").write_text(json.dumps(pairs[0] if args.repeats == 1 else pairs, indent=2))
     if args.repeats > 1:
         # A pair whose sync run missed the budget counts with its lower bound (conservative).
