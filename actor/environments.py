@@ -63,6 +63,16 @@ def uses_workdir(name: str) -> bool:
     return name == "swe"
 
 
+def may_block(name: str) -> bool:
+    """Whether the named environment's calls can take long (processes, files, the network).
+
+    Run inline, such calls go to a thread so the actor's event loop keeps sampling; a call that
+    only updates memory (FrozenLake's table lookups, microseconds) is cheaper to make directly
+    than the thread handoff it would need.
+    """
+    return name != "frozenlake"
+
+
 def options_json(options: Any) -> str:
     """Spec options (a pydantic model) as the JSON a sandbox Reset carries."""
     return json.dumps(options.model_dump(mode="json", by_alias=True))

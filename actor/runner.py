@@ -306,3 +306,11 @@ class Actor:
             summary["mean_reward"],
             summary["statuses"],
         )
+        batching, cache = getattr(self.policy, "stats", None), getattr(getattr(self.policy, "sampler", None), "cache_stats", None)
+        if batching is not None and cache is not None:
+            # Sampling's CPU per episode hangs on these two: rows per call, and how much of each
+            # prompt is read from the conversation cache rather than prefilled again.
+            log.info(
+                "actor %s sampling: %d calls, %.1f rows per call, %.0f%% of prompt tokens from the cache",
+                self.settings.actor_id, batching.calls, batching.mean_batch, 100 * cache.reuse,
+            )  # fmt: skip

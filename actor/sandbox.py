@@ -28,12 +28,14 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
 from stoker.actor.environments import Environment, EnvironmentProblem, Observation, StepLatency, StepResult
 from stoker.v1 import sandbox_pb2, sandbox_pb2_grpc
+
+T = TypeVar("T")
 
 log = logging.getLogger("stoker.actor.sandbox")
 
@@ -83,17 +85,25 @@ class SandboxConfig:
 
 
 class InlineEnvironment:
-    """An environment in the actor's own process (no isolation); blocking calls run in a thread."""
+    """An environment in the actor's own process (no isolation).
 
-    def __init__(self, env: Environment, step_latency: StepLatency | None = None):
+    With ``blocking`` its calls run in a thread, so a slow one does not stall the event loop
+    (and every other episode's sampling) while it runs; without, they are made directly.
+    """
+
+    def __init__(self, env: Environment, step_latency: StepLatency | None = None, *, blocking: bool = True):
         self.env = env
         self.step_latency = step_latency or StepLatency()
+        self.blocking = blocking
         self._rng = random.Random(0)
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.to_thread(fn, *args) if self.blocking else fn(*args)
 
     async def reset(self, task_id: str, seed: int) -> Observation:
         self._rng = random.Random(seed)
         try:
-            return await asyncio.to_thread(self.env.reset, task_id, seed)
+            return await self._call(self.env.reset, task_id, seed)
         except EnvironmentProblem as exc:
             raise SandboxFailed(str(exc)) from exc
         except Exception as exc:  # noqa: BLE001 - the sandbox boundary: an environment crash fails the episode
@@ -104,14 +114,14 @@ class InlineEnvironment:
         if delay > 0:
             await asyncio.sleep(delay)  # injected latency (benchmarks), not synchronisation
         try:
-            return await asyncio.to_thread(self.env.step, action)
+            return await self._call(self.env.step, action)
         except EnvironmentProblem as exc:
             raise SandboxFailed(str(exc)) from exc
         except Exception as exc:  # noqa: BLE001 - as in a process sandboxed environment, a crash fails the episode
             raise SandboxFailed(f"environment raised {type(exc).__name__}: {exc}") from exc
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.env.close)
+        await self._call(self.env.close)
 
 
 def inline_factory(config: SandboxConfig) -> EnvironmentFactory:
@@ -120,19 +130,19 @@ def inline_factory(config: SandboxConfig) -> EnvironmentFactory:
     Only environments that touch files get a private directory: creating and removing one per
     episode was a fifth of an actor's CPU on FrozenLake at high concurrency.
     """
-    from stoker.actor.environments import make_environment, uses_workdir
+    from stoker.actor.environments import make_environment, may_block, uses_workdir
 
     async def make() -> EpisodeEnvironment:
         workdir = tempfile.mkdtemp(prefix="stoker-inline-") if uses_workdir(config.environment) else None
         env = make_environment(config.environment, json.loads(config.options_json), workdir or "")
-        return _CleanupInline(env, config.step_latency, workdir)
+        return _CleanupInline(env, config.step_latency, workdir, blocking=may_block(config.environment))
 
     return make
 
 
 class _CleanupInline(InlineEnvironment):
-    def __init__(self, env: Environment, latency: StepLatency, workdir: str | None):
-        super().__init__(env, latency)
+    def __init__(self, env: Environment, latency: StepLatency, workdir: str | None, *, blocking: bool = True):
+        super().__init__(env, latency, blocking=blocking)
         self.workdir = workdir
 
     async def close(self) -> None:

@@ -111,6 +111,7 @@ class ActorSettings:
             sandbox_kind=env.sandbox.kind,
             sandbox=sandbox,
             weight_sync=spec.actors.weight_sync,
+            weight_poll_seconds=spec.actors.weight_poll_seconds,
             sampling=spec.actors.sampling,
             model=arch,
             sampler_buckets=buckets,

@@ -10,6 +10,12 @@
 3. Sandbox cost. The same FrozenLake groups with a sandbox process per episode forked by the
    zygote (what ``kind: process`` does), against a fresh interpreter per episode (the naive way,
    and what a pod runs), and against in-process (inline) environments.
+4. Inline calls. Inline FrozenLake with a scripted policy, 256 concurrent episodes and the step
+   latency of part 2: calls made directly on the event loop (what FrozenLake gets) against each
+   call handed to a thread (what environments that may block get). Reports the actor process's
+   CPU per episode as well: at this concurrency the rate is set by the latency, the CPU is the cost.
+
+    --parts batching latency sandbox inline-calls   (default: all)
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ import signal
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 from stoker.actor.environments import StepLatency, options_json
+from stoker.actor.frozenlake import FrozenLake
 from stoker.actor.episode import EpisodeLimits, run_group
 from stoker.actor.frozenlake import expert_move
 from stoker.actor.policy import BatchedSampler, Policy, ScriptedPolicy
@@ -32,6 +40,7 @@ from stoker.actor.sandbox import (
     EpisodeEnvironment,
     SandboxConfig,
     SandboxEnvironment,
+    InlineEnvironment,
     inline_factory,
     process_factory,
 )
@@ -44,21 +53,32 @@ CONFIG = SandboxConfig("frozenlake", options_json(SPEC.environment.frozenlake))
 LIMITS = EpisodeLimits(max_turns=8, max_new_tokens=SPEC.actors.sampling.max_new_tokens, max_tokens=256)
 
 
-async def episodes_per_second(
+class Rate(NamedTuple):
+    episodes_per_second: float
+    cpu_ms_per_episode: float  # this process's CPU, every thread
+
+
+async def measure(
     policy: Policy, factory: EnvironmentFactory, groups: int, group_size: int, concurrency: int
-) -> float:
+) -> Rate:
     slots = asyncio.Semaphore(concurrency)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     runs = [
         run_group(policy, factory, INTERFACE, str(g % 4), group_size, limits=LIMITS, seed=g, slots=slots)
         for g in range(groups)
     ]
     episodes = [e for group in await asyncio.gather(*runs) for e in group]
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
     failed = [e.status_reason for e in episodes if not e.ok]
     if failed:  # a rate of failures would measure nothing
         raise SystemExit(f"{len(failed)} episodes failed, e.g. {failed[0]}")
-    return len(episodes) / elapsed
+    return Rate(len(episodes) / elapsed, cpu / len(episodes) * 1e3)
+
+
+async def episodes_per_second(
+    policy: Policy, factory: EnvironmentFactory, groups: int, group_size: int, concurrency: int
+) -> float:
+    return (await measure(policy, factory, groups, group_size, concurrency)).episodes_per_second
 
 
 class FreshInterpreterSandbox:
@@ -103,11 +123,21 @@ def expert(prompt: list[int]) -> list[int]:
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, default=24, help="groups of 8 per measurement")
-    parser.add_argument("--latency", type=float, default=0.05, help="injected step latency (s) for part 2")
+    parser.add_argument("--latency", type=float, default=0.05, help="injected step latency (s) for parts 2 and 4")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     args = parser.parse_args()
+    rows: list[tuple[str, str, float, str, float]] = []
+    for part in args.parts:
+        rows += await PARTS[part](args)
+    print("| setting | variant | value | baseline | value | ratio |")
+    print("|---|---|---|---|---|---|")
+    for setting, variant, v, base, bv in rows:
+        print(f"| {setting} | {variant} | {v:.1f} | {base} | {bv:.1f} | {v / bv:.2f} |")
+
+
+async def batching(args: argparse.Namespace) -> list[tuple[str, str, float, str, float]]:
     from stoker.learner.sampling import Sampler
 
-    rows: list[tuple[str, str, float, str, float]] = []
     sampler = Sampler(SPEC.model.architecture, SPEC.actors.sampling, seed=0, buckets=(128, 256))
     batched, single = BatchedSampler(sampler, max_batch=16), BatchedSampler(sampler, max_batch=1)
     inline = inline_factory(CONFIG)
@@ -125,29 +155,55 @@ async def main() -> None:
         b_runs.append(await episodes_per_second(batched, inline, args.groups, 8, 16))
         s_runs.append(await episodes_per_second(single, inline, args.groups, 8, 16))
     b, s = sorted(b_runs)[1], sorted(s_runs)[1]
-    rows.append(("JAX sampler, 16 concurrent", "batched (max_batch 16)", b, "one call per turn", s))
     print(f"mean batch {batched.stats.mean_batch:.1f} requests per sampler call; {sampler.compile_count} programs")
     await batched.close()
     await single.close()
+    return [("JAX sampler, 16 concurrent: episodes/s", "batched (max_batch 16)", b, "one call per turn", s)]
 
+
+async def latency(args: argparse.Namespace) -> list[tuple[str, str, float, str, float]]:
     slow = inline_factory(dataclasses.replace(CONFIG, step_latency=StepLatency("fixed", args.latency)))
     c = await episodes_per_second(ScriptedPolicy(expert), slow, 2, 8, 16)
     one = await episodes_per_second(ScriptedPolicy(expert), slow, 2, 8, 1)
-    rows.append((f"step latency {args.latency:g} s", "16 concurrent episodes", c, "1 at a time", one))
+    return [(f"step latency {args.latency:g} s: episodes/s", "16 concurrent episodes", c, "1 at a time", one)]
 
+
+async def sandbox(args: argparse.Namespace) -> list[tuple[str, str, float, str, float]]:
+    inline = inline_factory(CONFIG)
     processes = process_factory(CONFIG)
     await episodes_per_second(ScriptedPolicy(expert), processes, 1, 8, 8)  # starts the zygote
     proc = await episodes_per_second(ScriptedPolicy(expert), processes, args.groups, 8, 8)
     await processes.aclose()
     fresh = await episodes_per_second(ScriptedPolicy(expert), fresh_interpreter, 4, 8, 8)
     inl = await episodes_per_second(ScriptedPolicy(expert), inline, args.groups, 8, 8)
-    rows.append(("sandbox per episode, 8 concurrent", "forked by the zygote", proc, "fresh interpreter", fresh))
-    rows.append(("sandbox per episode, 8 concurrent", "forked by the zygote", proc, "inline (no sandbox)", inl))
+    setting = "sandbox per episode, 8 concurrent: episodes/s"
+    return [(setting, "forked by the zygote", proc, "fresh interpreter", fresh),
+            (setting, "forked by the zygote", proc, "inline (no sandbox)", inl)]  # fmt: skip
 
-    print("| setting | variant | episodes/s | baseline | episodes/s | ratio |")
-    print("|---|---|---|---|---|---|")
-    for setting, variant, v, base, bv in rows:
-        print(f"| {setting} | {variant} | {v:.1f} | {base} | {bv:.1f} | {v / bv:.2f} |")
+
+async def inline_calls(args: argparse.Namespace) -> list[tuple[str, str, float, str, float]]:
+    latency = StepLatency("fixed", args.latency)
+
+    def factory(blocking: bool) -> EnvironmentFactory:
+        async def make() -> EpisodeEnvironment:
+            return InlineEnvironment(FrozenLake.from_options({}), latency, blocking=blocking)
+
+        return make
+
+    # Alternate, three rounds each, medians kept (the box is shared and noisy).
+    direct, threaded = [], []
+    for _ in range(3):
+        direct.append(await measure(ScriptedPolicy(expert), factory(False), 4 * args.groups, 8, 256))
+        threaded.append(await measure(ScriptedPolicy(expert), factory(True), 4 * args.groups, 8, 256))
+    d_cpu, t_cpu = sorted(r.cpu_ms_per_episode for r in direct)[1], sorted(r.cpu_ms_per_episode for r in threaded)[1]
+    d_rate = sorted(r.episodes_per_second for r in direct)[1]
+    t_rate = sorted(r.episodes_per_second for r in threaded)[1]
+    setting = f"inline FrozenLake, 256 concurrent, step latency {args.latency:g} s"
+    return [(f"{setting}: actor CPU ms/episode", "calls in a thread", t_cpu, "calls made directly", d_cpu),
+            (f"{setting}: episodes/s", "calls made directly", d_rate, "calls in a thread", t_rate)]  # fmt: skip
+
+
+PARTS = {"batching": batching, "latency": latency, "sandbox": sandbox, "inline-calls": inline_calls}
 
 
 if __name__ == "__main__":

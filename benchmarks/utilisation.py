@@ -7,7 +7,7 @@ rolling success rate reaches the target or the time budget ends:
     .venv/bin/python benchmarks/utilisation.py [--manifest examples/frozenlake.yaml] [--latency 0.5]
                                      [--minutes 10] [--target 0.9] [--out runs/bench-utilisation]
                                      [--concurrency N] [--staleness S] [--batch-groups B] [--sandbox inline]
-                                     [--weight-sync between-episodes] [--repeats R]
+                                     [--weight-sync between-episodes] [--weight-poll SECONDS] [--repeats R]
                                      [--learning-rate LR] [--clip-high EPS] [--modes async sync]
 
 Reported per mode: learner duty cycle (time inside train steps / wall time: the learner's own
@@ -52,6 +52,11 @@ def with_latency(manifest: Path, args: argparse.Namespace) -> Path:
             # between-episodes keeps a conversation's cached keys/values valid to its end; with a
             # swap every ~0.4 s and 0.5 s steps, between-turns would prefill nearly every turn anew.
             spec.setdefault("actors", {})["weightSync"] = args.weight_sync
+        if args.weight_poll is not None:
+            # Each swap sends every running conversation back to a full prefill (between-turns): with
+            # turns >= 0.5 s apart, polling every second re-prefills nearly every turn. Sync mode
+            # samples in-process with the trainer's weights and never polls.
+            spec.setdefault("actors", {})["weightPollSeconds"] = args.weight_poll
 
     return manifest_variant(manifest, args.out / "job.yaml", edit)
 
@@ -131,6 +136,7 @@ def main() -> int:
         "--weight-sync", choices=("between-turns", "between-episodes"),
         help="actors.weightSync (default: the manifest's)",
     )
+    parser.add_argument("--weight-poll", type=float, help="actors.weightPollSeconds (default: the manifest's)")
     parser.add_argument("--learning-rate", type=float, help="algorithm.learningRate for both modes (default: the manifest's)")
     parser.add_argument(
         "--clip-high", type=float,

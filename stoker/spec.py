@@ -240,6 +240,17 @@ class ActorsSpec(SpecModel):
             "later turns are staler)."
         ),
     )
+    weight_poll_seconds: float = Field(
+        1.0,
+        gt=0,
+        le=3600,
+        description=(
+            "How often each actor looks for newer weights. With between-turns, every running "
+            "conversation is prefilled again after a swap: when environment steps are slow (turns "
+            "seconds apart), a longer period saves most of that sampling work for slightly older "
+            "weights (docs/sizing.md)."
+        ),
+    )
     conversation_cache_mib: int = Field(
         512,
         ge=0,

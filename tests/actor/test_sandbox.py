@@ -8,6 +8,8 @@ from collections.abc import AsyncIterator, Callable
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from collections.abc import Sequence
 
@@ -15,9 +17,10 @@ import pytest
 import pytest_asyncio
 
 from stoker.actor.episode import FAILED, OK, TIMEOUT, TRUNCATED, EpisodeLimits, run_group
-from stoker.actor.environments import StepLatency
+from stoker.actor.environments import Observation, StepLatency, StepResult
 from stoker.actor.policy import Sampled, ScriptedPolicy
 from stoker.actor.sandbox import (
+    InlineEnvironment,
     ProcessSandbox,
     ProcessSandboxFactory,
     SandboxConfig,
@@ -161,6 +164,62 @@ async def test_inline_environment_gets_a_private_directory_only_when_it_touches_
     assert workdir.is_dir()
     await swe_env.close()
     assert not workdir.exists()
+
+
+class ThreadRecordingEnv:
+    """Steps by blocking its caller for a while, and notes which thread made each call."""
+
+    def __init__(self, step_seconds: float):
+        self.step_seconds = step_seconds
+        self.threads: list[int] = []
+
+    def reset(self, task_id: str, seed: int) -> Observation:
+        self.threads.append(threading.get_ident())
+        return Observation("start")
+
+    def step(self, action: str) -> StepResult:
+        self.threads.append(threading.get_ident())
+        time.sleep(self.step_seconds)  # the environment's own slow work (a command, a simulator)
+        return StepResult(Observation("next"), 0.0, terminated=False)
+
+    def close(self) -> None:
+        self.threads.append(threading.get_ident())
+
+
+async def test_a_blocking_inline_environment_leaves_the_event_loop_to_other_episodes() -> None:
+    env = ThreadRecordingEnv(step_seconds=0.3)
+    inline = InlineEnvironment(env, blocking=True)
+    ticks = 0
+
+    async def other_episode() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.01)
+
+    other = asyncio.create_task(other_episode())
+    await inline.reset("0", 0)
+    before = ticks
+    await inline.step("up")
+    other.cancel()
+    assert ticks - before >= 5  # the loop kept running while the step blocked its thread
+    assert threading.get_ident() not in env.threads
+
+
+async def test_a_cheap_inline_environment_is_called_on_the_event_loop(
+    lake_config: SandboxConfig, swe_config: SandboxConfig
+) -> None:
+    env = ThreadRecordingEnv(step_seconds=0.0)
+    inline = InlineEnvironment(env, blocking=False)
+    await inline.reset("0", 0)
+    await inline.step("up")
+    await inline.close()
+    assert env.threads == [threading.get_ident()] * 3  # no thread handoff per call
+    # FrozenLake's calls are table lookups: direct; SWE's run commands: in a thread.
+    lake_env, swe_env = await inline_factory(lake_config)(), await inline_factory(swe_config)()
+    assert not getattr(lake_env, "blocking") and getattr(swe_env, "blocking")
+    await lake_env.close()
+    await swe_env.close()
 
 
 def _gone(pid: int) -> bool:

@@ -60,6 +60,7 @@ def test_multi_document_files_validate_each_document() -> None:
         ("spec: {learner: {topology: 2by4}}", "spec.learner.topology: got '2by4'; expected match pattern"),
         ("spec: {learner: {sequenceBuckets: [256, 128]}}", "spec.learner.sequenceBuckets: got [256, 128]; expected strictly ascending"),
         ("spec: {buffer: {groupSize: 1}}", "spec.buffer.groupSize: got 1; expected >= 2"),
+        ("spec: {actors: {weightPollSeconds: 0}}", "spec.actors.weightPollSeconds: got 0; expected greater than 0"),
         ("spec: {model: {architecture: {numHeads: 3, numKvHeads: 2}}}", "spec.model.architecture: numHeads must be a multiple of numKvHeads"),
         ("spec: {mode: hybrid}", "spec.mode: got 'hybrid'; expected one of 'disaggregated' or 'colocated'"),
         ("spec: [1, 2]", "spec: got [1, 2]; expected a valid dictionary"),
@@ -116,6 +117,14 @@ def test_kubectl_output_with_status_still_validates() -> None:
         {"apiVersion": "stoker.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "x", "uid": "u"}, "status": {"phase": "Running"}}
     )
     assert job.status == {"phase": "Running"}
+
+
+def test_the_actors_weight_poll_period_reaches_the_actor() -> None:
+    from stoker.actor.settings import ActorSettings
+
+    jobs, problems = load_text(MINIMAL + "spec:\n  actors: {weightPollSeconds: 2.5}\n", "m.yaml")
+    assert problems == []
+    assert ActorSettings.from_spec(jobs[0].spec, actor_id="a").weight_poll_seconds == 2.5
 
 
 def test_the_conversation_cache_size_is_spelled_as_documented() -> None:
