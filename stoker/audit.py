@@ -81,6 +81,8 @@ class Audit:
             "versions_per_episode": versions,
             "fed_fraction": min(1.0, (stale + 1) / versions) if versions > 0 else 1.0,
             "batch_groups_to_feed": float(batch_groups_to_feed),
+            # With between-turns, each swap sends every running conversation back to a full prefill.
+            "swaps_per_episode": episode_seconds / spec.actors.weight_poll_seconds if swaps_reprefill(spec) else 0.0,
         }
 
 
@@ -230,7 +232,27 @@ def render(audit: Audit, spec: RLJobSpec) -> str:
         " environment's latency behind sampling, fewer actors then suffice while the actor's CPU keeps up.",
     ]
     lines += [f"warning: {w}" for w in admission_warnings(s, spec)]
+    lines += [f"note: {n}" for n in swap_notes(s, spec)]
     return "\n".join(lines)
+
+
+def swaps_reprefill(spec: RLJobSpec) -> bool:
+    """Whether a weight swap makes running conversations prefill their history again."""
+    return spec.actors.weight_sync == "between-turns" and spec.actors.conversation_cache_mib > 0
+
+
+def swap_notes(sizing: dict[str, float], spec: RLJobSpec) -> list[str]:
+    """Slow turns and frequent swaps: most turns re-read the whole conversation (docs/sizing.md)."""
+    suggested = max(0.5, round(sizing["episode_seconds"]) / 2)  # half an episode, in 0.5 s steps
+    if not sizing["swaps_per_episode"] or sizing["turns"] <= 2 or spec.actors.weight_poll_seconds >= suggested:
+        return []
+    return [
+        f"an episode sees episode time / actors.weightPollSeconds = {sizing['episode_seconds']:.2f} / "
+        f"{spec.actors.weight_poll_seconds:g} s = {sizing['swaps_per_episode']:.1f} weight swaps, and after each one every running "
+        "conversation prefills its whole history again, so the conversation cache saves little; "
+        f"actors.weightPollSeconds: {suggested:g} (about half an episode) keeps most turns cached for "
+        "weights that trail the learner by that much longer (docs/sizing.md)."
+    ]
 
 
 def admission_warnings(sizing: dict[str, float], spec: RLJobSpec) -> list[str]:

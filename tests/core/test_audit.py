@@ -67,6 +67,24 @@ def test_a_max_staleness_too_small_for_the_latency_is_flagged_with_its_ceiling()
     assert admission_warnings(audit(0.275).sizing(spec(stale=0, batch=4)), spec(stale=0, batch=4)) == []
 
 
+def test_frequent_weight_swaps_over_slow_turns_suggest_a_longer_poll_period() -> None:
+    """A 4.4 s episode and a swap every second: ~4 full prefills per episode with between-turns."""
+    job = spec(stale=16, batch=4)
+    s = audit(0.275).sizing(job)
+    assert s["swaps_per_episode"] == pytest.approx(4.4)
+    assert "note: an episode sees episode time / actors.weightPollSeconds = 4.40 / 1 s = 4.4 weight swaps" in render(
+        audit(0.275), job
+    )
+    assert "actors.weightPollSeconds: 2 (about half an episode)" in render(audit(0.275), job)
+    # Already about half an episode, or episodes keeping their first weights: nothing to say.
+    for actors in ({"weight_poll_seconds": 2.0}, {"weight_sync": "between-episodes"}):
+        changed = job.model_copy(update={"actors": job.actors.model_copy(update=actors)})
+        assert "note:" not in render(audit(0.275), changed)
+    # Fast environments: a few swaps per second of turns cost nothing worth a note.
+    fast = spec(stale=16, batch=4, latency=0.0)
+    assert "note:" not in render(Audit([0.001] * 16, [8, 8], [150, 150], 0.05, 192, 0.275, 1.0), fast)
+
+
 TINY = """\
 apiVersion: stoker.dev/v1alpha1
 kind: RLJob
