@@ -295,8 +295,14 @@ class Actor:
     def _log_progress(self) -> None:
         summary = summarize(self.stats.recent)
         elapsed = time.monotonic() - self.stats.started
+        sampling = ""
+        batching, cache = getattr(self.policy, "stats", None), getattr(getattr(self.policy, "sampler", None), "cache_stats", None)
+        if batching is not None and cache is not None:
+            # An episode's sampling CPU hangs on these two: rows per sampler call, and how much of
+            # each prompt comes from the conversation cache instead of being prefilled again.
+            sampling = f"; sampler: {batching.mean_batch:.1f} rows per call, {100 * cache.reuse:.0f}% of prompt tokens cached"
         log.info(
-            "actor %s: %d groups, %d episodes (%.1f/s), policy v%s, success %.2f, reward %.3f, statuses %s",
+            "actor %s: %d groups, %d episodes (%.1f/s), policy v%s, success %.2f, reward %.3f, statuses %s%s",
             self.settings.actor_id,
             self.stats.groups_submitted,
             self.stats.episodes,
@@ -305,12 +311,5 @@ class Actor:
             summary["success_rate"],
             summary["mean_reward"],
             summary["statuses"],
+            sampling,
         )
-        batching, cache = getattr(self.policy, "stats", None), getattr(getattr(self.policy, "sampler", None), "cache_stats", None)
-        if batching is not None and cache is not None:
-            # Sampling's CPU per episode hangs on these two: rows per call, and how much of each
-            # prompt is read from the conversation cache rather than prefilled again.
-            log.info(
-                "actor %s sampling: %d calls, %.1f rows per call, %.0f%% of prompt tokens from the cache",
-                self.settings.actor_id, batching.calls, batching.mean_batch, 100 * cache.reuse,
-            )  # fmt: skip

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -161,7 +163,10 @@ async def test_actor_pulls_newer_weights(lake: TextInterface) -> None:
     assert (0,) in seen and (5,) in seen
 
 
-async def test_between_episodes_keeps_each_episode_on_its_first_weights(lake: TextInterface) -> None:
+async def test_between_episodes_keeps_each_episode_on_its_first_weights(
+    lake: TextInterface, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="stoker.actor")
     from stoker.actor.wiring import make_policy
     from stoker.learner.model import init_model
     from stoker.learner.weights import flatten_params
@@ -198,8 +203,11 @@ async def test_between_episodes_keeps_each_episode_on_its_first_weights(lake: Te
     assert {5} in seen and all(len(v) == 1 for v in seen)
     # Episodes running at the swap finished on version 0: it never reached their later turns.
     assert any(v == {0} and e.finished_unix > swapped for v, e in zip(seen, episodes, strict=True))
-    # Every turn after an episode's first prefilled only its new tokens.
+    # Every turn after an episode's first prefilled only its new tokens -- and the progress log says so.
     assert policy.sampler.cache_stats.reuse > 0.5  # type: ignore[attr-defined]
+    progress = [r.getMessage() for r in caplog.records if "groups," in r.getMessage()]
+    assert progress and re.search(r"sampler: [\d.]+ rows per call, (\d+)% of prompt tokens cached", progress[-1])
+    assert int(re.search(r"(\d+)% of prompt", progress[-1]).group(1)) > 50  # type: ignore[union-attr]
 
 
 async def test_weights_that_cannot_load_stop_the_actor_loudly(lake: TextInterface) -> None:
