@@ -51,6 +51,12 @@ SERVICE = "stoker.v1.Buffer"
 PUT_RESPONSE_KEY = "stoker-put-response-bin"
 RETRY_AFTER_KEY = "stoker-retry-after-ms"
 TICK_SECONDS = 1.0
+# Threads serving RPCs. Each one running Python contends for the GIL, and every handoff is a context
+# switch: on a 2-core machine 4 threads moved 17 % more trajectories than 16 for ~15 % less server
+# CPU each (benchmarks/README.md, buffer section). Calls beyond that wait in gRPC's queue. A
+# learner's long-polling Sample holds a thread while it waits, so leave room for one per learner
+# plus at least two (tests/buffer/test_server.py).
+RPC_THREADS = 4
 
 
 def _identity(data: bytes) -> bytes:
@@ -236,7 +242,7 @@ class BufferServer:
         tls: TlsFiles | None = None,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
-        max_workers: int = 16,
+        rpc_threads: int = RPC_THREADS,
     ):
         self.settings = settings
         self.core = BufferCore(settings, data_dir)
@@ -250,7 +256,7 @@ class BufferServer:
             ("grpc.so_reuseport", 0),
         ]
         self.grpc_server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="buffer-rpc"),
+            futures.ThreadPoolExecutor(max_workers=rpc_threads, thread_name_prefix="buffer-rpc"),
             handlers=[self.service.handler()],
             interceptors=[BearerAuth(token)] if token else [],
             options=options,
