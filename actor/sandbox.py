@@ -141,7 +141,7 @@ def inline_factory(config: SandboxConfig) -> EnvironmentFactory:
 
 
 class _CleanupInline(InlineEnvironment):
-    def __init__(self, env: Environment, latency: StepLatency, workdir: str | None, *, blocking: bool = True):
+    def __init__(self, env: Environment, latency: StepLatency, workdir: str | None, *, blocking: bool):
         super().__init__(env, latency, blocking=blocking)
         self.workdir = workdir
 

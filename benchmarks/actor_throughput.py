@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import os
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -154,7 +155,7 @@ async def batching(args: argparse.Namespace) -> list[tuple[str, str, float, str,
     for _ in range(3):
         b_runs.append(await episodes_per_second(batched, inline, args.groups, 8, 16))
         s_runs.append(await episodes_per_second(single, inline, args.groups, 8, 16))
-    b, s = sorted(b_runs)[1], sorted(s_runs)[1]
+    b, s = statistics.median(b_runs), statistics.median(s_runs)
     print(f"mean batch {batched.stats.mean_batch:.1f} requests per sampler call; {sampler.compile_count} programs")
     await batched.close()
     await single.close()
@@ -195,9 +196,8 @@ async def inline_calls(args: argparse.Namespace) -> list[tuple[str, str, float, 
     for _ in range(3):
         direct.append(await measure(ScriptedPolicy(expert), factory(False), 4 * args.groups, 8, 256))
         threaded.append(await measure(ScriptedPolicy(expert), factory(True), 4 * args.groups, 8, 256))
-    d_cpu, t_cpu = sorted(r.cpu_ms_per_episode for r in direct)[1], sorted(r.cpu_ms_per_episode for r in threaded)[1]
-    d_rate = sorted(r.episodes_per_second for r in direct)[1]
-    t_rate = sorted(r.episodes_per_second for r in threaded)[1]
+    d_cpu, t_cpu = (statistics.median(r.cpu_ms_per_episode for r in runs) for runs in (direct, threaded))
+    d_rate, t_rate = (statistics.median(r.episodes_per_second for r in runs) for runs in (direct, threaded))
     setting = f"inline FrozenLake, 256 concurrent, step latency {args.latency:g} s"
     return [(f"{setting}: actor CPU ms/episode", "calls in a thread", t_cpu, "calls made directly", d_cpu),
             (f"{setting}: episodes/s", "calls made directly", d_rate, "calls in a thread", t_rate)]  # fmt: skip
