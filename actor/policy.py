@@ -57,6 +57,7 @@ class SamplerLike(Protocol):
 
     version: int
     keeps_sessions: bool
+    min_batch: int  # every call is padded to at least this many rows
 
     def load_weights(self, flat: dict[str, np.ndarray], version: int) -> None: ...
 
@@ -95,16 +96,25 @@ class BatchStats:
         return self.requests / self.calls if self.calls else 0.0
 
 
+# Per-row cost of a CPU sampler call doubles once a call outgrows the caches: at 16 rows x 256
+# prefill tokens and at 64 rows x 64 (benchmarks/README.md, "Actor sampling: call sizes").
+MAX_CALL_ROWS = 32
+MAX_CALL_TOKENS = 2048
+
+
 class BatchedSampler:
     """A ``Policy`` over a sampler; concurrent requests share one ``generate`` call.
 
     Every sampler call (generate and load_weights) runs on one dedicated thread, in order, so a
-    weight update never interleaves with a batch and the event loop never blocks on JAX.
+    weight update never interleaves with a batch and the event loop never blocks on JAX. A call
+    takes at most ``max_batch`` rows and ``max_call_tokens`` rows x prefill bucket; requests beyond
+    wait for the next call.
     """
 
-    def __init__(self, sampler: SamplerLike, max_batch: int = 64):
+    def __init__(self, sampler: SamplerLike, max_batch: int = MAX_CALL_ROWS, max_call_tokens: int = MAX_CALL_TOKENS):
         self.sampler = sampler
         self.max_batch = max_batch
+        self.max_call_tokens = max_call_tokens
         # The sampler's length buckets (if it has them): requests are batched within a bucket.
         self._buckets: tuple[int, ...] = tuple(sorted(getattr(sampler, "buckets", ()) or ()))
         self.stats = BatchStats()
@@ -193,7 +203,8 @@ class BatchedSampler:
                         )
 
     def _take_batch(self) -> list[_Request]:
-        """Live requests sharing the oldest one's limits and length bucket, a power of two of them.
+        """Live requests sharing the oldest one's limits and length bucket: all of them when the
+        sampler's padding makes them cost one minimal call, else a power of two of them.
 
         Rows of one call are padded to the longest prefill's bucket -- the whole prompt, or with
         sessions the part the sampler has not cached -- so mixing a 40-token prefill into a batch of
@@ -206,8 +217,10 @@ class BatchedSampler:
             return []
         key = self._key(live[0])
         same = [r for r in live if self._key(r) == key]
-        # The sampler pads a batch to a power of two: 8 + 3 rows cost less than 11 padded to 16.
-        size = 1 << (min(len(same), self.max_batch).bit_length() - 1)
+        rows = min(len(same), self.max_batch, max(1, self.max_call_tokens // live[0].bucket))
+        # The sampler pads a call to a power of two rows, at least its min_batch: 8 + 3 rows cost
+        # less than 11 padded to 16, but 3 rows padded to 4 cost the same as 2 + 1 in one call.
+        size = rows if rows <= self.sampler.min_batch else 1 << (rows.bit_length() - 1)
         batch = same[:size]
         taken = {id(r) for r in batch}
         self._queue = [r for r in live if id(r) not in taken]

@@ -21,7 +21,10 @@ from stoker.trajectory import Episode
 
 log = logging.getLogger("stoker.actor")
 
-MIN_SAMPLER_BATCH = 8
+# Sampler calls are padded to at least this many rows. Each distinct batch size is one more program
+# to compile per prefill bucket, but padding costs: a call of 8 rows costs ~1.5x one of 4, and at
+# 0.5 s environment steps most calls carry fewer than 4 (benchmarks/README.md, actor sampling).
+MIN_SAMPLER_BATCH = 4
 
 
 class ActorSetupError(Exception):
@@ -65,8 +68,6 @@ def make_sampler(settings: ActorSettings, dtype: str = "float32") -> Any:
         params=params,
         dtype=dtype_from_name(dtype),
         allowed_token_ids=settings.allowed_token_ids,
-        # Every distinct batch size is a program to compile (seconds each, at every actor start
-        # without a compilation cache); padding small batches to 8 rows costs little.
         min_batch=min(settings.concurrency, MIN_SAMPLER_BATCH),
         session_rows=conversation_rows(settings, config, dtype),
         pin_sessions=settings.weight_sync == "between-episodes",
@@ -93,7 +94,7 @@ def conversation_rows(settings: ActorSettings, config: Any, dtype: str) -> int:
 
 
 def make_policy(settings: ActorSettings, dtype: str = "float32") -> BatchedSampler:
-    return BatchedSampler(make_sampler(settings, dtype), max_batch=max(settings.concurrency, 1))
+    return BatchedSampler(make_sampler(settings, dtype))
 
 
 def make_weight_source(target: str, token: str | None = None) -> Any:

@@ -132,24 +132,30 @@ async def _episodes(spec: RLJobSpec, groups: int) -> tuple[list[Any], list[float
             episodes += await run_group(
                 policy, timed_factory, interface, task, actor.group_size, limits=actor.limits, seed=index + 1
             )
-        # Sampler latency at the actor's batch: one turn of `concurrency` conversations at once,
-        # each halfway through an episode. With the conversation cache the earlier turns are
-        # cached as they would be, so only the turn's own tokens are prefilled.
+        # Sampler latency at the actor's batch: one turn of `concurrency` conversations, each
+        # halfway through an episode, in calls of at most the actor's rows per call. With the
+        # conversation cache the earlier turns are cached as they would be, so only the turn's own
+        # tokens are prefilled.
         prompts = [list(e.token_ids[: max(1, e.num_tokens // 2)]) for e in episodes[: actor.concurrency]]
         prompts += [prompts[0]] * (actor.concurrency - len(prompts))
         turn_tokens = max(1, round(sum(e.num_tokens for e in episodes) / max(1, sum(e.num_turns for e in episodes))))
         sampler = policy.sampler
         new_tokens = actor.sampling.max_new_tokens
 
+        def turn(turn_prompts: list[list[int]], sessions: list[Any] | None) -> None:
+            rows = policy.max_batch
+            for first in range(0, len(turn_prompts), rows):
+                part = None if sessions is None else sessions[first : first + rows]
+                sampler.generate(turn_prompts[first : first + rows], max_new_tokens=new_tokens, sessions=part)
+
         def one_turn(round_: int) -> float:
             """Seconds of one timed turn (with sessions, after caching the turns before it)."""
             sessions = None
             if sampler.keeps_sessions:
                 sessions = [(round_, i) for i in range(len(prompts))]
-                earlier = [p[: max(1, len(p) - turn_tokens)] for p in prompts]
-                sampler.generate(earlier, max_new_tokens=new_tokens, sessions=sessions)
+                turn([p[: max(1, len(p) - turn_tokens)] for p in prompts], sessions)
             started = time.perf_counter()
-            sampler.generate(prompts, max_new_tokens=new_tokens, sessions=sessions)
+            turn(prompts, sessions)
             seconds = time.perf_counter() - started
             for session in sessions or ():
                 sampler.end_session(session)

@@ -121,6 +121,7 @@ class FakeSampler:
     """A deterministic stand-in for the JAX sampler: answers 'up' then '<eot>' for each prompt."""
 
     keeps_sessions = False
+    min_batch = 1
 
     def __init__(self, up: int, eot: int):
         self.up, self.eot = up, eot
@@ -166,6 +167,50 @@ async def test_batched_sampler_batches_concurrent_episodes_and_records_versions(
         assert set(versions) <= {0, 7} and versions[-1] == 7 and versions == sorted(versions)
         first_turn_versions.add(versions[0])
     assert 0 in first_turn_versions  # the episodes of the first call sampled with version 0
+
+
+class SizeRecordingSampler:
+    """Answers one token per prompt and records each call's rows; prompts batch by length bucket."""
+
+    keeps_sessions = False
+    version = 0
+    buckets = (16, 64, 256)
+
+    def __init__(self, min_batch: int):
+        self.min_batch = min_batch
+        self.calls: list[int] = []
+
+    def load_weights(self, flat: dict[str, np.ndarray], version: int) -> None:
+        pass
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: Sequence[int] = (), sessions=None):  # type: ignore[no-untyped-def]
+        from stoker.learner.sampling import Generation
+
+        self.calls.append(len(prompts))
+        return [Generation([1], [-0.5], True, 0) for _ in prompts]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("waiting", "prompt_len", "min_batch", "expected"),
+    [
+        (3, 10, 4, [3]),  # padded to 4 rows anyway: one call, not 2 + 1
+        (4, 10, 4, [4]),
+        (11, 10, 4, [8, 3]),  # 11 padded to 16 would compute 5 idle rows; 3 pad to 4
+        (11, 10, 16, [11]),
+        (40, 10, 4, [32, 8]),  # at most 32 rows per call
+        (12, 200, 4, [8, 4]),  # 256-token prefills: at most 2048 tokens per call
+    ],
+)
+async def test_batched_sampler_call_sizes(waiting: int, prompt_len: int, min_batch: int, expected: list[int]) -> None:
+    sampler = SizeRecordingSampler(min_batch)
+    policy = BatchedSampler(sampler)
+    # All requests are queued before the first call starts (the worker task runs after them).
+    await asyncio.gather(
+        *(policy.generate([1] * prompt_len, max_new_tokens=1, stop_token_ids=()) for _ in range(waiting))
+    )
+    await policy.close()
+    assert sampler.calls == expected
 
 
 @pytest.mark.asyncio

@@ -127,6 +127,7 @@ class Weights:
 
 class CountingSampler:
     keeps_sessions = False
+    min_batch = 1
 
     def __init__(self, move: int):
         self.move = move
