@@ -321,6 +321,7 @@ class Sampler:
         # Sampling randomness is independent of the init stream that used the same seed.
         self._key = jax.random.fold_in(jax.random.key(seed), 0x5A)
         self._traces = 0
+        self._limits_cache: dict[tuple[int, tuple[int, ...]], _Limits] = {}
 
         def traced(*args: Any, **kwargs: Any) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
             # Runs only when jit misses its cache, i.e. once per program compiled.
@@ -415,18 +416,7 @@ class Sampler:
         longest = max(lens)
         if longest + max_new_tokens > self.config.max_seq_len:
             raise PromptTooLong(f"{longest + max_new_tokens} tokens exceed maxSeqLen {self.config.max_seq_len}")
-        is_stop = np.zeros((vocab,), np.bool_)
-        for token in stop_token_ids:
-            if not 0 <= token < vocab:
-                raise ValueError(f"stop token {token} is outside the vocabulary [0, {vocab})")
-            is_stop[token] = True
-        limits = _Limits(
-            jnp.asarray(max_new_tokens, jnp.int32),
-            jnp.asarray(is_stop),
-            jnp.asarray(self.allowed),
-            jnp.asarray(self.sampling.temperature, jnp.float32),
-            jnp.asarray(self.sampling.top_p, jnp.float32),
-        )
+        limits = self._limits(max_new_tokens, tuple(stop_token_ids))
         if sessions is not None:
             return self._generate_sessions(prompts, list(sessions), limits, longest + max_new_tokens)
 
@@ -445,6 +435,28 @@ class Sampler:
             cache_len=cache_len, use_top_p=self.sampling.top_p < 1.0,
         )
         return self._generations(out, len(prompts), [self.version] * len(prompts))
+
+    def _limits(self, max_new_tokens: int, stop_token_ids: tuple[int, ...]) -> _Limits:
+        """The call's runtime settings as device arrays, made once per (limit, stop tokens): an
+        actor asks with the same ones every turn, and five host-to-device copies per call were a
+        sizeable part of a small call's Python time."""
+        key = (max_new_tokens, stop_token_ids)
+        limits = self._limits_cache.get(key)
+        if limits is None:
+            vocab = self.config.vocab_size
+            is_stop = np.zeros((vocab,), np.bool_)
+            for token in stop_token_ids:
+                if not 0 <= token < vocab:
+                    raise ValueError(f"stop token {token} is outside the vocabulary [0, {vocab})")
+                is_stop[token] = True
+            limits = self._limits_cache[key] = _Limits(
+                jnp.asarray(max_new_tokens, jnp.int32),
+                jnp.asarray(is_stop),
+                jnp.asarray(self.allowed),
+                jnp.asarray(self.sampling.temperature, jnp.float32),
+                jnp.asarray(self.sampling.top_p, jnp.float32),
+            )
+        return limits
 
     def _generations(self, out: Any, n: int, versions: list[int]) -> list[Generation]:
         tokens, logprobs, generated, finished = jax.device_get(out)
