@@ -1,4 +1,4 @@
-"""The actor's sampler call sizes: how many rows one ``generate`` call carries (ratios in one run).
+"""The actor's sampler calls: how many rows each carries, and prefixes shared between conversations.
 
     .venv/bin/python benchmarks/sampler_calls.py [--manifest examples/frozenlake.yaml]
         [--concurrency 256] [--latency 0.5] [--swap-seconds 2.5] [--groups 64] [--rounds 3]
@@ -8,13 +8,16 @@ inline FrozenLake environments, ``--latency`` seconds per environment step and w
 ``--swap-seconds`` (the utilisation benchmark's setting: many episodes in flight, each turn
 arriving on its own, and a swap sending running conversations back to a full prefill). At this
 concurrency the episode rate is set by the latency; the figure is the actor process's CPU per
-episode. Two batching policies, alternated over ``--rounds`` rounds (medians kept):
+episode. Three variants, alternated over ``--rounds`` rounds (medians kept):
 
 * ``before``: calls padded to at least 8 rows, a power of two of the waiting requests taken, no cap
-  on a call's size (up to the concurrency);
-* ``now``: the defaults -- padded to at least ``MIN_SAMPLER_BATCH`` rows, every waiting request
-  taken when they fit that padding, at most ``MAX_CALL_ROWS`` rows and ``MAX_CALL_TOKENS`` rows x
-  prefill tokens per call.
+  on a call's size (up to the concurrency), no prefix sharing;
+* ``no sharing``: the default batching -- padded to at least ``MIN_SAMPLER_BATCH`` rows, every
+  waiting request taken when they fit that padding, at most ``MAX_CALL_ROWS`` rows and
+  ``MAX_CALL_TOKENS`` rows x prefill tokens per call -- without prefix sharing;
+* ``now``: the defaults: that batching, and a conversation with nothing usable cached (its first
+  turn, or its first after a weight swap) starts from the keys/values of another that opened with
+  the same prompt under the same weights (``Sampler(share_prefixes=True)``).
 
 ``--sizes`` first times single calls of every (rows, prefill bucket) shape with no episodes running:
 what a call costs against its size.
@@ -50,10 +53,16 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def before_policy(settings: ActorSettings) -> BatchedSampler:
-    """The batching the actor used before: 8-row padding, calls as large as the queue."""
-    policy = make_policy(settings)
+    """The actor's sampling before: 8-row padding, calls as large as the queue, no sharing."""
+    policy = no_sharing_policy(settings)
     policy.sampler.min_batch = 8
     return BatchedSampler(policy.sampler, max_batch=max(settings.concurrency, 1), max_call_tokens=1 << 30)
+
+
+def no_sharing_policy(settings: ActorSettings) -> BatchedSampler:
+    policy = make_policy(settings)
+    policy.sampler.share_prefixes = False
+    return policy
 
 
 def call_sizes(sampler: Any, max_new_tokens: int) -> None:
@@ -86,6 +95,8 @@ async def measure(
     slots = asyncio.Semaphore(settings.concurrency)
     swapper = asyncio.create_task(swap_weights(policy, swap, every))
     calls, requests = policy.stats.calls, policy.stats.requests
+    stats = policy.sampler.cache_stats
+    prompt, reused = stats.prompt_tokens, stats.reused_tokens
     started, cpu = time.perf_counter(), time.process_time()
     runs = [
         run_group(policy, factory, interface, settings.tasks[g % len(settings.tasks)], settings.group_size,
@@ -102,6 +113,7 @@ async def measure(
         "cpu_ms": cpu / len(episodes) * 1e3,
         "episodes_per_s": len(episodes) / elapsed,
         "rows_per_call": (policy.stats.requests - requests) / max(1, policy.stats.calls - calls),
+        "reuse": (stats.reused_tokens - reused) / max(1, stats.prompt_tokens - prompt),
     }
 
 
@@ -122,7 +134,9 @@ async def main() -> int:
     settings = dataclasses.replace(base, concurrency=args.concurrency, compilation_cache_dir=cache_dir, sandbox=sandbox)
     interface = text_interface(spec)
     weights = [flatten_params(init_model(settings.model, seed)) for seed in (0, 1)]
-    policies = {"before": before_policy(settings), "now": make_policy(settings)}
+    policies = {
+        "before": before_policy(settings), "no sharing": no_sharing_policy(settings), "now": make_policy(settings),
+    }
     for name, policy in policies.items():
         warm = time.perf_counter()
         compile_all(policy.sampler, args.concurrency, settings.limits.max_new_tokens)
@@ -145,12 +159,12 @@ async def main() -> int:
     print(f"\n{args.concurrency} concurrent episodes, {args.latency:g} s per step, weights swapped every "
           f"{args.swap_seconds:g} s; {args.groups} groups of {settings.group_size} per measurement, medians of "
           f"{args.rounds} rounds\n")
-    print("| batching | actor CPU ms/episode | episodes/s | rows per call |")
-    print("|---|---|---|---|")
+    print("| variant | actor CPU ms/episode | vs before | episodes/s | rows per call | prompt tokens from the cache |")
+    print("|---|---|---|---|---|---|")
     for name in policies:
-        print(f"| {name} | {median(name, 'cpu_ms'):.2f} | {median(name, 'episodes_per_s'):.1f} | "
-              f"{median(name, 'rows_per_call'):.1f} |")
-    print(f"\nbefore / now CPU per episode: {median('before', 'cpu_ms') / median('now', 'cpu_ms'):.2f}x")
+        cpu = median(name, "cpu_ms")
+        print(f"| {name} | {cpu:.2f} | {median('before', 'cpu_ms') / cpu:.2f}x | {median(name, 'episodes_per_s'):.1f} | "
+              f"{median(name, 'rows_per_call'):.1f} | {median(name, 'reuse'):.0%} |")
     return 0
 
 

@@ -23,6 +23,14 @@ sampling with the weights it started with until ``end_session`` (the sampler kee
 a live session still uses), so its cache is never invalidated and every token of the episode
 carries one policy version.
 
+Shared openings. Episodes of one task open with the same prompt (a GRPO group's do, by design),
+and after a weight swap every running conversation is prefilled again. A session with nothing
+usable cached -- its first turn, or its first under new weights -- therefore starts from the row
+of another live session that opened with the same prompt and already holds keys/values of the
+same tokens under the same weights: the call reads that row instead of its own and prefills only
+from where the two differ (``share_prefixes``, on by default). The keys/values reused are those
+the same weights computed for the same tokens, so the log-probs stay the trainer's.
+
 Log-probs. For a sampled token y the sampler records
 
     log pi(y) = z_y / tau - logsumexp(z / tau)
@@ -209,6 +217,7 @@ def _continue(
     state: nnx.State,
     store: tuple[LayerCache, ...],  # the persistent cache, [R, S, ...] per layer (donated)
     rows: jax.Array,  # [B] store row of each batch row (padding rows share a scratch row)
+    sources: jax.Array,  # [B] store row whose keys/values start it: its own, or a prefix donor's
     chunk_ids: jax.Array,  # [B, C] the uncached end of each prompt, right-padded
     starts: jax.Array,  # [B] slot of each chunk's first token (= cached prefix length)
     chunk_lens: jax.Array,  # [B] >= 1
@@ -218,11 +227,13 @@ def _continue(
     *,
     use_top_p: bool,
 ) -> tuple[tuple[LayerCache, ...], jax.Array, jax.Array, jax.Array, jax.Array]:
-    """With sessions: extend cached rows by their chunks, sample, write the rows back."""
+    """With sessions: extend cached rows by their chunks, sample, write the rows back. A row read
+    from a donor keeps the donor's slots before ``starts`` (the same tokens under the same weights)
+    and overwrites the rest."""
     model = nnx.merge(graphdef, state)
     idx = jnp.arange(chunk_ids.shape[1])[None, :]
     cache = KVCache(
-        tuple(LayerCache(layer.keys[rows], layer.values[rows]) for layer in store),
+        tuple(LayerCache(layer.keys[sources], layer.values[sources]) for layer in store),
         jnp.zeros((rows.shape[0], store[0].keys.shape[1]), jnp.int32),  # extend() recomputes it
     )
     last, cache = model.extend(
@@ -258,6 +269,7 @@ class _Session:
     row: int | None = None  # its row of the persistent cache, while it has one
     cached: list[int] = field(default_factory=list)  # ids held in slots 0..len-1 of that row
     last_used: int = 0
+    opening: tuple[int, ...] = ()  # the prompt of its first turn (what conversations share)
 
 
 def _cached_prefix(cached: Sequence[int], prompt: Sequence[int]) -> int:
@@ -278,8 +290,10 @@ class Sampler:
     call to at least this many rows (e.g. the actor's concurrency), so one batch shape serves all
     calls. ``session_rows``: rows of the persistent conversation cache (see the module doc; at
     least the number of conversations in flight, else the least recently used lose their cache).
-    ``pin_sessions``: a session samples with the weights it started with. Calls must not overlap
-    (one thread drives a sampler)."""
+    ``pin_sessions``: a session samples with the weights it started with. ``share_prefixes``: a
+    session with nothing usable cached starts from the cached keys/values of another session that
+    opened with the same prompt and holds the same tokens under the same weights (see the module
+    doc). Calls must not overlap (one thread drives a sampler)."""
 
     def __init__(
         self,
@@ -294,6 +308,7 @@ class Sampler:
         allowed_token_ids: Sequence[int] | None = None,
         session_rows: int = 0,
         pin_sessions: bool = False,
+        share_prefixes: bool = True,
     ):
         if not buckets or list(buckets) != sorted(set(buckets)):
             raise ValueError(f"buckets must be strictly ascending, got {list(buckets)}")
@@ -334,6 +349,9 @@ class Sampler:
         # as long as the largest bucket the model can hold.
         self.keeps_sessions = session_rows > 0
         self.pin_sessions = pin_sessions
+        self.share_prefixes = share_prefixes
+        # Live sessions by the prompt of their first turn: where a prefix donor is looked for.
+        self._openings: dict[tuple[int, ...], set[Any]] = {}
         self.cache_stats = CacheStats()
         self._sessions: dict[Any, _Session] = {}
         self._row_owner: list[Any] = [None] * session_rows
@@ -380,6 +398,12 @@ class Sampler:
         record = self._sessions.pop(session, None)
         if record is not None and record.row is not None:
             self._row_owner[record.row] = None
+        if record is not None and record.opening:
+            peers = self._openings.get(record.opening)
+            if peers is not None:
+                peers.discard(session)
+                if not peers:
+                    del self._openings[record.opening]
         self._drop_unpinned_states()
 
     def prefill_bucket(self, session: Any, prompt: Sequence[int]) -> int:
@@ -484,7 +508,10 @@ class Sampler:
         if slots_needed > self.session_len:
             raise PromptTooLong(f"{slots_needed} tokens do not fit the cache ({self.session_len} slots)")
         records = [self._session(s) for s in sessions]
-        for session, record in zip(sessions, records, strict=True):
+        for session, record, prompt in zip(sessions, records, prompts, strict=True):
+            if not record.opening:
+                record.opening = tuple(prompt)
+                self._openings.setdefault(record.opening, set()).add(session)
             if record.row is None:  # never takes the row of another session of this call
                 record.row = self._free_row(set(sessions))
                 self._row_owner[record.row] = session
@@ -534,6 +561,13 @@ class Sampler:
         state = self._state if version == self.version else self._pinned_states[version]
         # At least the prompt's last token is fed again: its logits start the sampling.
         starts = [_cached_prefix(r.cached, p) for r, p in zip(records, prompts, strict=True)]
+        sources: list[int | None] = [r.row for r in records]
+        if self.share_prefixes:
+            for i, (record, prompt) in enumerate(zip(records, prompts, strict=True)):
+                if starts[i] < len(record.opening) - 1:  # its own cache lacks even the opening
+                    donor, shared = self._donor(record, prompt, version)
+                    if donor is not None and shared > starts[i]:
+                        sources[i], starts[i] = donor.row, shared
         chunks = [p[s:] for p, s in zip(prompts, starts, strict=True)]
         self.cache_stats.prompt_tokens += sum(map(len, prompts))
         self.cache_stats.reused_tokens += sum(starts)
@@ -541,17 +575,19 @@ class Sampler:
         batch = padded_batch(len(prompts), self.min_batch)
         scratch = len(self._row_owner)
         rows = np.full((batch,), scratch, np.int32)
+        source_arr = np.full((batch,), scratch, np.int32)
         ids = np.zeros((batch, width), np.int32)
         start_arr = np.zeros((batch,), np.int32)
         chunk_lens = np.ones((batch,), np.int32)
         for i, (record, chunk) in enumerate(zip(records, chunks, strict=True)):
             assert record.row is not None
             rows[i], start_arr[i], chunk_lens[i] = record.row, starts[i], len(chunk)
+            source_arr[i] = sources[i]
             ids[i, : len(chunk)] = chunk
         active = np.arange(batch) < len(prompts)
         self._key, key = jax.random.split(self._key)
         self._store, *out = self._jit_continue(
-            state, self._store, rows, ids, start_arr, chunk_lens, active, limits, key,
+            state, self._store, rows, source_arr, ids, start_arr, chunk_lens, active, limits, key,
             use_top_p=self.sampling.top_p < 1.0,
         )
         gens = self._generations(out, len(prompts), [version] * len(prompts))
@@ -559,6 +595,23 @@ class Sampler:
             # Every sampled token but the last went through a decode step, so its keys are cached.
             record.cached = prompt + gen.token_ids[:-1]
         return gens
+
+    def _donor(self, record: _Session, prompt: list[int], version: int) -> tuple[_Session | None, int]:
+        """The session that opened like ``record`` and holds the longest start of ``prompt`` in
+        keys/values computed by ``version``'s weights, and how many tokens it holds."""
+        best, best_shared = None, 0
+        for key in self._openings.get(record.opening, ()):
+            other = self._sessions.get(key)
+            if other is None or other is record or other.row is None:
+                continue
+            if other.version != version or not self._cache_usable(other):
+                continue
+            shared = _cached_prefix(other.cached, prompt)
+            if shared > best_shared:
+                best, best_shared = other, shared
+                if shared == len(prompt) - 1:
+                    break
+        return best, best_shared
 
     def _drop_unpinned_states(self) -> None:
         live = {r.version for r in self._sessions.values()}

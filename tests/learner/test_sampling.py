@@ -263,6 +263,47 @@ def test_new_weights_recompute_a_session_unless_pinned() -> None:
             assert sampler.generate([[1, 2]], max_new_tokens=1, sessions=["early"])[0].version == 7
 
 
+def test_conversations_that_open_alike_share_the_opening_under_the_same_weights() -> None:
+    old, new = init_model(CONFIG, seed=0), init_model(CONFIG, seed=11)
+    score_old, score_new = scorer(old), scorer(new)
+    opening = [1, 2, 3, 4, 5, 6, 7]
+    sampler = session_sampler(rows=4)
+    first = play(sampler, {"a": list(opening)}, 1, reply=[8, 9])
+    # A second episode of the same task: its opening's keys/values come from "a" (all but the
+    # last token, whose logits start the sampling), and its log-probs are still the trainer's.
+    reused = sampler.cache_stats.reused_tokens
+    conversations = {"b": list(opening)}
+    turns = play(sampler, conversations, 2, reply=[8, 9])
+    assert sampler.cache_stats.reused_tokens - reused >= len(opening) - 1
+    assert_trainer_agrees(conversations["b"], turns["b"], score_old)
+    # New weights: "a" is prefilled again in full under them; then "b", whose cache is stale too,
+    # starts from what "a" now holds under the new weights -- never from keys/values of the old.
+    sampler.load_weights(flatten_params(new), version=3)
+    a = list(opening) + first["a"][0][1] + [8, 9]
+    reused = sampler.cache_stats.reused_tokens
+    a_turn = play(sampler, {"a": a}, 1, reply=[8, 9])
+    assert sampler.cache_stats.reused_tokens == reused  # no donor holds anything under version 3
+    assert_trainer_agrees(a + a_turn["a"][0][1], a_turn["a"], score_new)
+    b = conversations["b"]
+    b_turn = play(sampler, {"b": b}, 1, reply=[8, 9])
+    assert sampler.cache_stats.reused_tokens - reused >= len(opening)  # shared with "a" at version 3
+    assert_trainer_agrees(b + b_turn["b"][0][1], b_turn["b"], score_new)
+    # Without sharing the same turn reads nothing from the cache.
+    alone = session_sampler(rows=4)
+    alone.share_prefixes = False
+    play(alone, {"a": list(opening)}, 1, reply=[8, 9])
+    play(alone, {"b": list(opening)}, 1, reply=[8, 9])
+    assert alone.cache_stats.reused_tokens == 0
+
+
+def test_an_ended_conversation_is_no_longer_a_donor() -> None:
+    sampler = session_sampler(rows=4)
+    sampler.generate([[1, 2, 3, 4, 5]], max_new_tokens=1, sessions=["a"])
+    sampler.end_session("a")
+    sampler.generate([[1, 2, 3, 4, 5]], max_new_tokens=1, sessions=["b"])
+    assert sampler.cache_stats.reused_tokens == 0
+
+
 def test_more_sessions_than_rows_evict_the_least_recent(score: Callable[[list[int]], np.ndarray]) -> None:
     sampler = session_sampler(rows=2)
     conversations = {"a": [1, 2], "b": [3, 4], "c": [5, 6, 7]}
