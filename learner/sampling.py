@@ -561,7 +561,7 @@ class Sampler:
         state = self._state if version == self.version else self._pinned_states[version]
         # At least the prompt's last token is fed again: its logits start the sampling.
         starts = [_cached_prefix(r.cached, p) for r, p in zip(records, prompts, strict=True)]
-        sources: list[int | None] = [r.row for r in records]
+        sources = [r.row for r in records]
         if self.share_prefixes:
             for i, (record, prompt) in enumerate(zip(records, prompts, strict=True)):
                 if starts[i] < len(record.opening) - 1:  # its own cache lacks even the opening
@@ -581,8 +581,9 @@ class Sampler:
         chunk_lens = np.ones((batch,), np.int32)
         for i, (record, chunk) in enumerate(zip(records, chunks, strict=True)):
             assert record.row is not None
-            rows[i], start_arr[i], chunk_lens[i] = record.row, starts[i], len(chunk)
-            source_arr[i] = sources[i]
+            source = sources[i]
+            assert source is not None  # every session of the call has a row; donors have theirs
+            rows[i], source_arr[i], start_arr[i], chunk_lens[i] = record.row, source, starts[i], len(chunk)
             ids[i, : len(chunk)] = chunk
         active = np.arange(batch) < len(prompts)
         self._key, key = jax.random.split(self._key)
