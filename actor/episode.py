@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -203,6 +204,43 @@ def failed_episode(
     )
 
 
+class EpisodeSlots:
+    """At most ``limit`` episodes run at once, and a whole group's worth is reserved before the
+    group is admitted.
+
+    Each episode holds a slot while it runs (``async with slots``) and gives its reservation back
+    when it ends, so a group whose last episode is still running holds one reservation, not a
+    group's: the next group starts as soon as there is room for all of it. (Counting running
+    *groups* instead left slots idle behind every straggler.)
+    """
+
+    def __init__(self, limit: int):
+        self.limit = max(1, limit)
+        self.reserved = 0  # episodes of started groups that have not ended
+        self._running = asyncio.Semaphore(self.limit)
+        self._changed = asyncio.Condition()
+
+    async def reserve(self, episodes: int) -> None:
+        """Wait until ``episodes`` more fit, then count them (a group larger than the limit
+        waits for an empty actor, and its episodes then take turns)."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.reserved == 0 or self.reserved + episodes <= self.limit)
+            self.reserved += episodes
+
+    async def cancel(self, episodes: int) -> None:
+        """Give back a reservation whose group never started."""
+        async with self._changed:
+            self.reserved -= episodes
+            self._changed.notify_all()
+
+    async def __aenter__(self) -> None:
+        await self._running.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._running.release()
+        await self.cancel(1)
+
+
 async def run_group(
     policy: Policy,
     env_factory: EnvironmentFactory,
@@ -214,13 +252,13 @@ async def run_group(
     seed: int = 0,
     group_id: str | None = None,
     actor_id: str = "",
-    slots: asyncio.Semaphore | None = None,
+    slots: AbstractAsyncContextManager[Any] | None = None,
 ) -> list[Episode]:
     """``group_size`` episodes of one task, concurrently; always returns exactly that many.
 
     Each episode gets its own environment from ``env_factory`` (its own sandbox) and the seed
-    ``seed * 1000 + index`` (so slippery lakes differ within a group). ``slots`` bounds how many
-    episodes run at once across groups.
+    ``seed * 1000 + index`` (so slippery lakes differ within a group). ``slots`` (a semaphore, or
+    ``EpisodeSlots`` with this group reserved) bounds how many episodes run at once across groups.
     """
     group_id = group_id or uuid.uuid4().hex
 

@@ -1,7 +1,8 @@
 """The actor's main loop: admission, episode groups, submission and weight sync.
 
-Groups overlap: as soon as one group's episodes free their slots the next group's start (there is
-no barrier between episodes); at most ``concurrency`` episodes run at once. Before starting a group
+Groups overlap: as soon as enough episodes have ended to make room for a whole group, the next group
+starts (there is no barrier between episodes, and a group's straggler holds only its own slot); at
+most ``concurrency`` episodes run at once. Before starting a group
 the actor asks the buffer for admission credit and waits (for the buffer's hint) while it is
 refused. A finished group is submitted whole, failed and timed-out episodes included (the buffer
 masks or discards them by policy), so no group is ever silently lost.
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
 import time
 import uuid
@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from stoker.actor.episode import run_group, summarize
+from stoker.actor.episode import EpisodeSlots, run_group, summarize
 from stoker.actor.policy import Policy
 from stoker.actor.sandbox import EnvironmentFactory
 from stoker.actor.settings import ActorSettings
@@ -140,9 +140,7 @@ class Actor:
 
     async def run(self) -> ActorStats:
         s = self.settings
-        slots = asyncio.Semaphore(s.concurrency)
-        # Enough groups in flight to keep every episode slot busy, plus one ready to fill the next.
-        max_groups_in_flight = math.ceil(s.concurrency / s.group_size) + 1
+        slots = EpisodeSlots(s.concurrency)
         running: set[asyncio.Task[None]] = set()
         sync = asyncio.create_task(self._sync_weights()) if self.weights is not None else None
         if sync is not None:
@@ -151,11 +149,13 @@ class Actor:
             while not self._stopping.is_set():
                 if s.max_groups is not None and self.stats.groups_started >= s.max_groups:
                     break
-                while len(running) >= max_groups_in_flight:
-                    done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-                    for task in done:
-                        task.result()  # a bug in a group task surfaces here
+                # Room for a whole group first, then credit: credit is only held by groups that run.
+                await slots.reserve(s.group_size)
+                for task in [t for t in running if t.done()]:
+                    running.discard(task)
+                    task.result()  # a bug in a group task surfaces here
                 if not await self._admit():
+                    await slots.cancel(s.group_size)
                     break
                 self.stats.groups_started += 1
                 running.add(asyncio.create_task(self._group(slots)))
@@ -208,7 +208,7 @@ class Actor:
                 continue
         return False
 
-    async def _group(self, slots: asyncio.Semaphore) -> None:
+    async def _group(self, slots: EpisodeSlots) -> None:
         s = self.settings
         task_id = self._pick()
         self._group_seed += 1

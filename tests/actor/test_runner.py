@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from stoker.actor.environments import Observation, StepResult
 from stoker.actor.episode import FAILED
 from stoker.actor.policy import BatchedSampler, ScriptedPolicy
 from stoker.actor.runner import Actor, Grant
@@ -110,6 +111,52 @@ async def test_failed_sandboxes_still_submit_whole_groups(lake: TextInterface) -
     assert stats.admission_refusals == 2 and len(buffer.groups) == 2
     for group in buffer.groups:
         assert len(group) == 3 and all(e.status == FAILED and e.status_reason for e in group)
+
+
+class StragglerLake:
+    """A one-step environment whose episode 0 of every group (seed ending in 000) waits for
+    ``release`` before its first step: each group's straggler."""
+
+    def __init__(self, release: asyncio.Event, running: list[int]):
+        self.release, self.running = release, running
+
+    async def reset(self, task_id: str, seed: int) -> Observation:
+        self.running[0] += 1
+        self.running[1] = max(self.running[1], self.running[0])
+        if seed % 1000 == 0:
+            await self.release.wait()
+        return Observation("P F G .")
+
+    async def step(self, action: str) -> StepResult:
+        return StepResult(Observation("done"), 1.0, terminated=True)
+
+    async def close(self) -> None:
+        self.running[0] -= 1
+
+
+async def test_a_groups_straggler_holds_one_slot_not_the_groups(lake: TextInterface) -> None:
+    # 8 episode slots, groups of 4, and every group's first episode hangs until released. Its
+    # three siblings end at once, so a group left running holds one slot: new groups keep
+    # starting until the stragglers fill the slots (counting running groups, as the actor did
+    # before, stopped at 3 groups with 5 slots idle).
+    spec = RLJobSpec(buffer=BufferSpec(group_size=4))
+    settings = settings_for(spec, max_groups=12, concurrency=8)
+    release, running = asyncio.Event(), [0, 0]
+
+    async def factory() -> StragglerLake:
+        return StragglerLake(release, running)
+
+    buffer = MemoryBuffer()
+    actor = Actor(settings, ScriptedPolicy(lambda _: [lake.tokenizer.get_vocab()["up"]]), lake, factory, buffer)
+    task = asyncio.create_task(actor.run())
+    await wait_for(lambda: actor.stats.groups_started >= 5 and running[0] == 5, timeout=3)
+    for _ in range(50):  # event-loop turns: the chance a sixth group must not take
+        await asyncio.sleep(0)
+    assert actor.stats.groups_started == 5  # 5 stragglers + a sixth group's 4 would exceed 8
+    release.set()
+    stats = await asyncio.wait_for(task, 20)
+    assert stats.groups_submitted == 12 and running[1] <= 8
+    assert all(len(group) == 4 for group in buffer.groups)
 
 
 class Weights:
