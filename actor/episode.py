@@ -205,13 +205,15 @@ def failed_episode(
 
 
 class EpisodeSlots:
-    """At most ``limit`` episodes run at once, and a whole group's worth is reserved before the
-    group is admitted.
+    """At most ``limit`` episodes run at once; the actor starts its next group as soon as one slot
+    is free.
 
-    Each episode holds a slot while it runs (``async with slots``) and gives its reservation back
-    when it ends, so a group whose last episode is still running holds one reservation, not a
-    group's: the next group starts as soon as there is room for all of it. (Counting running
-    *groups* instead left slots idle behind every straggler.)
+    Each episode holds a slot while it runs (``async with slots``) and, when it ends, gives back the
+    reservation its group took for it when it was admitted. A group whose last episode is still
+    running therefore holds one reservation, not a group's, and the next group starts -- its
+    episodes taking slots as they free up -- while fewer than ``limit`` episodes are reserved.
+    (Counting running *groups* instead left slots idle behind every straggler.) At most one group's
+    episodes wait for slots, so admission credit is never held far ahead of the work.
     """
 
     def __init__(self, limit: int):
@@ -221,14 +223,13 @@ class EpisodeSlots:
         self._changed = asyncio.Condition()
 
     async def reserve(self, episodes: int) -> None:
-        """Wait until ``episodes`` more fit, then count them (a group larger than the limit
-        waits for an empty actor, and its episodes then take turns)."""
+        """Wait for a free slot, then count ``episodes`` more (one group's)."""
         async with self._changed:
-            await self._changed.wait_for(lambda: self.reserved == 0 or self.reserved + episodes <= self.limit)
+            await self._changed.wait_for(lambda: self.reserved < self.limit)
             self.reserved += episodes
 
-    async def cancel(self, episodes: int) -> None:
-        """Give back a reservation whose group never started."""
+    async def give_back(self, episodes: int) -> None:
+        """Return reservations: an episode's when it ends, a group's that never started."""
         async with self._changed:
             self.reserved -= episodes
             self._changed.notify_all()
@@ -238,7 +239,7 @@ class EpisodeSlots:
 
     async def __aexit__(self, *exc: object) -> None:
         self._running.release()
-        await self.cancel(1)
+        await self.give_back(1)
 
 
 async def run_group(

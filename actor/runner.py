@@ -1,8 +1,8 @@
 """The actor's main loop: admission, episode groups, submission and weight sync.
 
-Groups overlap: as soon as enough episodes have ended to make room for a whole group, the next group
-starts (there is no barrier between episodes, and a group's straggler holds only its own slot); at
-most ``concurrency`` episodes run at once. Before starting a group
+Groups overlap: as soon as an episode slot is free the next group starts, its episodes taking slots
+as they free up (there is no barrier between episodes, and a group's straggler holds only its own
+slot); at most ``concurrency`` episodes run at once. Before starting a group
 the actor asks the buffer for admission credit and waits (for the buffer's hint) while it is
 refused. A finished group is submitted whole, failed and timed-out episodes included (the buffer
 masks or discards them by policy), so no group is ever silently lost.
@@ -149,13 +149,13 @@ class Actor:
             while not self._stopping.is_set():
                 if s.max_groups is not None and self.stats.groups_started >= s.max_groups:
                     break
-                # Room for a whole group first, then credit: credit is only held by groups that run.
+                # A free slot first, then credit: credit is not held by groups that cannot start.
                 await slots.reserve(s.group_size)
                 for task in [t for t in running if t.done()]:
                     running.discard(task)
                     task.result()  # a bug in a group task surfaces here
                 if not await self._admit():
-                    await slots.cancel(s.group_size)
+                    await slots.give_back(s.group_size)
                     break
                 self.stats.groups_started += 1
                 running.add(asyncio.create_task(self._group(slots)))

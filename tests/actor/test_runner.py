@@ -136,9 +136,9 @@ class StragglerLake:
 
 async def test_a_groups_straggler_holds_one_slot_not_the_groups(lake: TextInterface) -> None:
     # 8 episode slots, groups of 4, and every group's first episode hangs until released. Its
-    # three siblings end at once, so a group left running holds one slot: new groups keep
-    # starting until the stragglers fill the slots (counting running groups, as the actor did
-    # before, stopped at 3 groups with 5 slots idle).
+    # three siblings end at once, so a group left running holds one slot: new groups keep starting
+    # until the stragglers fill all 8 slots (counting running groups, as the actor did before,
+    # stopped at 3 groups with 5 slots idle).
     spec = RLJobSpec(buffer=BufferSpec(group_size=4))
     settings = settings_for(spec, max_groups=12, concurrency=8)
     release, running = asyncio.Event(), [0, 0]
@@ -149,13 +149,13 @@ async def test_a_groups_straggler_holds_one_slot_not_the_groups(lake: TextInterf
     buffer = MemoryBuffer()
     actor = Actor(settings, ScriptedPolicy(lambda _: [lake.tokenizer.get_vocab()["up"]]), lake, factory, buffer)
     task = asyncio.create_task(actor.run())
-    await wait_for(lambda: actor.stats.groups_started >= 5 and running[0] == 5, timeout=3)
-    for _ in range(50):  # event-loop turns: the chance a sixth group must not take
+    await wait_for(lambda: running[0] == 8, timeout=5)
+    for _ in range(50):  # event-loop turns: the chance a ninth group must not take
         await asyncio.sleep(0)
-    assert actor.stats.groups_started == 5  # 5 stragglers + a sixth group's 4 would exceed 8
+    assert actor.stats.groups_started == 8 and running[0] == 8  # every slot busy, no group waiting
     release.set()
     stats = await asyncio.wait_for(task, 20)
-    assert stats.groups_submitted == 12 and running[1] <= 8
+    assert stats.groups_submitted == 12 and running[1] == 8  # never more than the limit at once
     assert all(len(group) == 4 for group in buffer.groups)
 
 
