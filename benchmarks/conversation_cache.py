@@ -72,6 +72,14 @@ def compile_all(sampler: Any, concurrency: int, max_new_tokens: int) -> None:
                 sampler.generate([[1] * (length - 1)] * batch, max_new_tokens=max_new_tokens)
 
 
+def compile_policies(policies: dict[str, BatchedSampler], concurrency: int, max_new_tokens: int) -> None:
+    """``compile_all`` for each variant's sampler, with how long it took."""
+    for name, policy in policies.items():
+        warm = time.perf_counter()
+        compile_all(policy.sampler, concurrency, max_new_tokens)
+        print(f"{name}: {policy.sampler.compile_count} programs compiled in {time.perf_counter() - warm:.0f} s", flush=True)
+
+
 async def measure(
     settings: ActorSettings, policy: BatchedSampler, interface: TextInterface, groups: int, swap: list[Any], every: float
 ) -> dict[str, float]:
@@ -125,13 +133,8 @@ async def main() -> int:
         "between-episodes": (dataclasses.replace(base, weight_sync="between-episodes"), True),
         "no swaps": (dataclasses.replace(base, weight_sync="between-turns"), False),
     }
-    policies = {}
-    for name, (settings, _) in variants.items():
-        policies[name] = make_policy(settings)
-        warm = time.perf_counter()
-        compile_all(policies[name].sampler, args.concurrency, settings.limits.max_new_tokens)
-        print(f"{name}: {policies[name].sampler.compile_count} programs compiled in {time.perf_counter() - warm:.0f} s",
-              flush=True)
+    policies = {name: make_policy(settings) for name, (settings, _) in variants.items()}
+    compile_policies(policies, args.concurrency, base.limits.max_new_tokens)
     results: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     for round_ in range(args.rounds):
         for name, (settings, swaps) in variants.items():

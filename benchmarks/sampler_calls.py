@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from conversation_cache import compile_all, swap_weights
+from conversation_cache import compile_policies, swap_weights
 from stoker.actor.environments import StepLatency
 from stoker.actor.episode import run_group
 from stoker.actor.policy import BatchedSampler
@@ -137,10 +137,7 @@ async def main() -> int:
     policies = {
         "before": before_policy(settings), "no sharing": no_sharing_policy(settings), "now": make_policy(settings),
     }
-    for name, policy in policies.items():
-        warm = time.perf_counter()
-        compile_all(policy.sampler, args.concurrency, settings.limits.max_new_tokens)
-        print(f"{name}: {policy.sampler.compile_count} programs compiled in {time.perf_counter() - warm:.0f} s", flush=True)
+    compile_policies(policies, args.concurrency, settings.limits.max_new_tokens)
     if args.sizes:
         call_sizes(policies["now"].sampler, settings.limits.max_new_tokens)
     results: dict[str, list[dict[str, float]]] = {name: [] for name in policies}
