@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,21 @@ def compile_policies(policies: dict[str, BatchedSampler], concurrency: int, max_
         warm = time.perf_counter()
         compile_all(policy.sampler, concurrency, max_new_tokens)
         print(f"{name}: {policy.sampler.compile_count} programs compiled in {time.perf_counter() - warm:.0f} s", flush=True)
+
+
+async def alternate_rounds(
+    names: list[str], rounds: int, measure_one: Callable[[str, int], Awaitable[dict[str, float]]],
+    describe: Callable[[dict[str, float]], str],
+) -> dict[str, list[dict[str, float]]]:
+    """Every variant once per round, in turn (drifting background load hits them alike); prints
+    each result as ``describe`` words it and returns them by variant."""
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for round_ in range(rounds):
+        for name in names:
+            r = await measure_one(name, round_)
+            results[name].append(r)
+            print(f"round {round_ + 1} {name}: {describe(r)}", flush=True)
+    return results
 
 
 async def measure(
@@ -135,13 +151,15 @@ async def main() -> int:
     }
     policies = {name: make_policy(settings) for name, (settings, _) in variants.items()}
     compile_policies(policies, args.concurrency, base.limits.max_new_tokens)
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
-    for round_ in range(args.rounds):
-        for name, (settings, swaps) in variants.items():
-            r = await measure(settings, policies[name], interface, args.groups, weights if swaps else [], args.swap_seconds)
-            results[name].append(r)
-            print(f"round {round_ + 1} {name}: {r['episodes_per_s']:.1f} episodes/s, {r['turns']:.2f} turns, "
-                  f"reuse {r['reuse']:.2f}", flush=True)
+
+    async def measure_one(name: str, round_: int) -> dict[str, float]:
+        settings, swaps = variants[name]
+        return await measure(settings, policies[name], interface, args.groups, weights if swaps else [], args.swap_seconds)
+
+    results = await alternate_rounds(
+        list(variants), args.rounds, measure_one,
+        lambda r: f"{r['episodes_per_s']:.1f} episodes/s, {r['turns']:.2f} turns, reuse {r['reuse']:.2f}",
+    )
     for policy in policies.values():
         await policy.close()
 

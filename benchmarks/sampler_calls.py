@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from conversation_cache import compile_policies, swap_weights
+from conversation_cache import alternate_rounds, compile_policies, swap_weights
 from stoker.actor.environments import StepLatency
 from stoker.actor.episode import run_group
 from stoker.actor.policy import BatchedSampler
@@ -140,13 +140,14 @@ async def main() -> int:
     compile_policies(policies, args.concurrency, settings.limits.max_new_tokens)
     if args.sizes:
         call_sizes(policies["now"].sampler, settings.limits.max_new_tokens)
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in policies}
-    for round_ in range(args.rounds):
-        for name, policy in policies.items():
-            r = await measure(settings, policy, interface, args.groups, 1000 * round_, weights, args.swap_seconds)
-            results[name].append(r)
-            print(f"round {round_ + 1} {name}: {r['cpu_ms']:.2f} ms CPU/episode, {r['episodes_per_s']:.1f} episodes/s, "
-                  f"{r['rows_per_call']:.1f} rows per call", flush=True)
+
+    async def measure_one(name: str, round_: int) -> dict[str, float]:
+        return await measure(settings, policies[name], interface, args.groups, 1000 * round_, weights, args.swap_seconds)
+
+    results = await alternate_rounds(
+        list(policies), args.rounds, measure_one,
+        lambda r: f"{r['cpu_ms']:.2f} ms CPU/episode, {r['episodes_per_s']:.1f} episodes/s, {r['rows_per_call']:.1f} rows per call",
+    )
     for policy in policies.values():
         await policy.close()
 
