@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from stoker.buffer.client import BufferClient, BufferClientError, LeaseLostError, RetryPolicy
 from stoker.trajectory import Episode
@@ -73,22 +74,24 @@ def test_writer_processes_and_a_reader_lose_and_duplicate_nothing(
     assert stats.stored_trajectories == 0
 
 
-def make(writer: int, group: int, k: int) -> Episode:
-    mask = np.ones(32, np.uint8)
+def make(writer: int, group: int, k: int, tokens: int) -> Episode:
+    mask = np.ones(tokens, np.uint8)
     return Episode(
         episode_id=f"w{writer}-g{group}-e{k}",
         group_id=f"w{writer}-g{group}",
         group_size=2,
         task_id="t",
-        token_ids=np.arange(32, dtype=np.int32),
+        token_ids=np.arange(tokens, dtype=np.int32),
         loss_mask=mask,
-        logprobs=np.full(32, -0.2, np.float32),
-        policy_versions=np.zeros(32, np.int32),
+        logprobs=np.full(tokens, -0.2, np.float32),
+        policy_versions=np.zeros(tokens, np.int32),
     )
 
 
+# 8,192 tokens: a Put of four is ~425 KB, which the log writes with O_DIRECT (stoker.buffer.wal).
+@pytest.mark.parametrize("tokens", [32, 8192])
 def test_kill_9_under_load_then_restart_delivers_every_acknowledged_trajectory_once(
-    buffer_process: Callable[..., Any], tmp_path: Path
+    buffer_process: Callable[..., Any], tmp_path: Path, tokens: int
 ) -> None:
     data = tmp_path / "data"
     server = buffer_process(data)
@@ -103,7 +106,7 @@ def test_kill_9_under_load_then_restart_delivers_every_acknowledged_trajectory_o
         with BufferClient(server.address, retry=fail_fast) as client:
             group = 0
             while True:
-                batch = [make(index, group, k) for k in range(2)] + [make(index, group + 1, k) for k in range(2)]
+                batch = [make(index, group, k, tokens) for k in range(2)] + [make(index, group + 1, k, tokens) for k in range(2)]
                 try:
                     client.put(batch)
                 except BufferClientError:

@@ -3,13 +3,15 @@ writers share flushes."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from pathlib import Path
 
 import pytest
 
-from stoker.buffer.wal import HEADER, MAGIC, Wal
+import stoker.buffer.wal as wal_module
+from stoker.buffer.wal import DIRECT_MIN, HEADER, MAGIC, Wal, WalError
 
 
 def write_segments(directory: Path, payloads: list[bytes], segment_bytes: int = 1 << 20) -> Wal:
@@ -163,4 +165,140 @@ def test_pins_keep_count_of_live_records(tmp_path: Path) -> None:
     assert wal.segments[segment].pins == 2
     wal.unpin(segment, 2, 2 * HEADER.size + 3)
     assert wal.segments[segment].pins == 0 and wal.segments[segment].pinned_bytes == 0
+    wal.close()
+
+
+# ---------------------------------------------------------------- direct (O_DIRECT) appends
+
+BIG = DIRECT_MIN + 1000  # one record this size makes an append go direct
+
+
+def open_wal(directory: Path) -> Wal:
+    wal = Wal(directory, fsync=True)
+    wal.replay()
+    wal.start()
+    if wal._direct_fd < 0:
+        pytest.skip("this file system refuses O_DIRECT")
+    return wal
+
+
+def blob(tag: int, size: int) -> bytes:
+    return bytes([tag]) * size
+
+
+def test_large_appends_go_direct_and_replay_in_order_with_small_ones(tmp_path: Path) -> None:
+    wal = open_wal(tmp_path)
+    payloads = [b"small-1", blob(1, BIG), b"small-2", blob(2, 3 * BIG), b"small-3", blob(3, BIG)]
+    for payload in payloads:
+        wal.sync(wal.append(1, [payload]))
+    assert wal.direct_appends == 3
+    assert replayed(tmp_path) == (payloads, [])  # after a crash: the preallocated tail is still there
+    wal.close()
+    assert replayed(tmp_path) == (payloads, [])
+
+
+def test_an_append_behind_a_direct_write_under_way_waits_for_it_to_be_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wal = open_wal(tmp_path)
+    writing, release = threading.Event(), threading.Event()
+    real = wal_module._write_aligned
+
+    def slow_disk(fd: int, view: memoryview, offset: int) -> None:
+        writing.set()
+        assert release.wait(10)
+        real(fd, view, offset)
+
+    monkeypatch.setattr(wal_module, "_write_aligned", slow_disk)
+    big = threading.Thread(target=lambda: wal.sync(wal.append(1, [blob(7, BIG)])))
+    big.start()
+    assert writing.wait(10)
+    position = wal.append(1, [b"after"])  # buffered, behind the stretch the direct write claimed
+    synced = threading.Event()
+    waiter = threading.Thread(target=lambda: (wal.sync(position), synced.set()))
+    waiter.start()
+    assert not synced.wait(0.3), "acknowledged while an earlier record was not written yet"
+    release.set()
+    big.join(10)
+    waiter.join(10)
+    assert synced.is_set()
+    wal.close()
+    assert replayed(tmp_path) == ([blob(7, BIG), b"after"], [])
+
+
+def test_rotation_waits_for_a_direct_write_under_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    wal = open_wal(tmp_path)
+    writing, release = threading.Event(), threading.Event()
+    real = wal_module._write_aligned
+
+    def slow_disk(fd: int, view: memoryview, offset: int) -> None:
+        writing.set()
+        assert release.wait(10)
+        real(fd, view, offset)
+
+    monkeypatch.setattr(wal_module, "_write_aligned", slow_disk)
+    big = threading.Thread(target=lambda: wal.sync(wal.append(1, [blob(5, BIG)])))
+    big.start()
+    assert writing.wait(10)
+    rotated = threading.Event()
+    rotator = threading.Thread(target=lambda: (wal.rotate(), rotated.set()))
+    rotator.start()
+    assert not rotated.wait(0.3), "the segment was closed under a write"
+    release.set()
+    big.join(10)
+    rotator.join(10)
+    wal.sync(wal.append(1, [b"next segment"]))
+    wal.close()
+    assert replayed(tmp_path) == ([blob(5, BIG), b"next segment"], [])
+
+
+def test_a_failed_direct_write_leaves_the_records_after_it_readable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wal = open_wal(tmp_path)
+    wal.sync(wal.append(1, [b"before"]))
+
+    def broken_disk(fd: int, view: memoryview, offset: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(wal_module, "_write_aligned", broken_disk)
+    with pytest.raises(WalError, match="append failed"):
+        wal.append(1, [blob(9, BIG)])
+    wal.sync(wal.append(1, [b"after"]))
+    assert replayed(tmp_path) == ([b"before", b"after"], [])  # no hole: the failed stretch is padding
+
+
+def test_a_file_system_that_refuses_direct_writes_gets_buffered_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wal = open_wal(tmp_path)
+    calls: list[int] = []
+
+    def refuses(fd: int, view: memoryview, offset: int) -> None:
+        calls.append(offset)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(wal_module, "_write_aligned", refuses)
+    for tag in (1, 2):
+        wal.sync(wal.append(1, [blob(tag, BIG)]))
+    assert len(calls) == 1 and wal.direct_appends == 0  # tried once, then buffered for good
+    wal.close()
+    assert replayed(tmp_path) == ([blob(1, BIG), blob(2, BIG)], [])
+
+
+def test_a_failed_direct_write_pins_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    wal = open_wal(tmp_path)
+
+    def broken_disk(fd: int, view: memoryview, offset: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    segment, _ = wal.append(1, [b"live"], pin=True)
+    monkeypatch.setattr(wal_module, "_write_aligned", broken_disk)
+    with pytest.raises(WalError):
+        wal.append(1, [blob(4, BIG)], pin=True)
+    assert wal.segments[segment].pins == 1  # the segment can still be released by its live record
+    monkeypatch.undo()
+    position = wal.append(1, [blob(4, BIG)], pin=True)
+    wal.sync(position)
+    assert wal.segments[segment].pins == 2 and wal.direct_appends == 1
     wal.close()
