@@ -11,7 +11,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from stoker.buffer.settings import BufferSettings
-from stoker.buffer.wire import WireError, len_fields
+from stoker.buffer.wire import WireError, split_fields
 from stoker.trajectory import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_ARRAYS, VERSION_DTYPE, array_problem
 from stoker.v1 import trajectory_pb2
 
@@ -218,17 +218,15 @@ def validate_batch(raws: Sequence[bytes | memoryview], settings: BufferSettings)
 
 
 def _validate_long(raw: bytes | memoryview, settings: BufferSettings) -> TrajectoryMeta | Invalid:
-    """``validate`` without copying the per-token arrays; any doubt goes to ``validate`` itself."""
+    """``validate`` without copying the per-token arrays (only the rest of the message is parsed);
+    any doubt goes to ``validate`` itself."""
     try:
-        message = parse(raw)
-    except DecodeError:
+        arrays, head = split_fields(raw, _ARRAY_FIELDS)
+        message = parse(head)
+    except (WireError, DecodeError):
         return _validate_or_invalid(raw, settings)
     n = message.num_tokens
     if message.status == trajectory_pb2.EPISODE_STATUS_UNSPECIFIED or not n or _scalar_problem(message, settings):
-        return _validate_or_invalid(raw, settings)
-    try:
-        arrays = len_fields(raw, _ARRAY_FIELDS)
-    except WireError:
         return _validate_or_invalid(raw, settings)
     views = [arrays.get(number, memoryview(b"")) for number in sorted(_ARRAY_FIELDS)]
     if any(len(view) != n * dtype.itemsize for view, (_, dtype) in zip(views, TOKEN_ARRAYS, strict=True)):

@@ -5,7 +5,8 @@ A data directory holds segments ``000000000001.wal``, ``000000000002.wal``, ... 
 
     u32 payload length | u32 crc32(type byte + payload) | u8 type | payload
 
-(little-endian; ``zlib.crc32``). Segments are preallocated (``posix_fallocate``) and written
+(little-endian; zlib's CRC-32, computed with ISA-L's ``isal_zlib.crc32``: the same values at
+~60 instead of ~7 GB/s). Segments are preallocated (``posix_fallocate``) and written
 at explicit offsets: appending to a preallocated file costs a fraction of growing it block by block
 (about 10x less CPU for a 32k-token trajectory on ext4), so a clean segment ends in zeros. Readers
 stop at the first record that is truncated or fails its checksum (a crash mid-write) and skip the
@@ -35,10 +36,11 @@ import os
 import re
 import struct
 import threading
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from isal import isal_zlib
 
 log = logging.getLogger("stoker.buffer.wal")
 
@@ -97,10 +99,10 @@ class ReplayReport:
 
 
 # crc32 of the type byte alone, the starting value of each record's checksum
-_KIND_CRC = [zlib.crc32(bytes((kind,))) for kind in range(256)]
+_KIND_CRC = [isal_zlib.crc32(bytes((kind,))) for kind in range(256)]
 
 
-# zlib.crc32 releases the GIL for inputs over 5 KiB. For short records that costs more than it
+# crc32 releases the GIL for inputs over 5 KiB. For short records that costs more than it
 # saves: every release is a handoff to another server thread (and back) on a busy machine. Short
 # records are checksummed in 4 KiB pieces, which keeps the GIL; long ones in one call, which frees it.
 _PIECE = 4096
@@ -111,10 +113,10 @@ def checksum(kind: int, payload: bytes | memoryview) -> int:
     crc = _KIND_CRC[kind]
     size = len(payload)
     if size > _PIECEWISE_BELOW or size <= _PIECE:
-        return zlib.crc32(payload, crc)
+        return isal_zlib.crc32(payload, crc)
     view = memoryview(payload)
     for start in range(0, size, _PIECE):
-        crc = zlib.crc32(view[start : start + _PIECE], crc)
+        crc = isal_zlib.crc32(view[start : start + _PIECE], crc)
     return crc
 
 

@@ -104,15 +104,20 @@ def split_put_request(data: bytes) -> tuple[str, list[memoryview]]:
     return client_id, trajectories
 
 
-def len_fields(data: bytes | memoryview, numbers: frozenset[int]) -> dict[int, memoryview]:
+def split_fields(data: bytes | memoryview, numbers: frozenset[int]) -> tuple[dict[int, memoryview], bytes]:
     """Zero-copy views of the chosen length-delimited top-level fields (the last one wins, as
-    protobuf's merge rule says for bytes fields)."""
+    protobuf's merge rule says for bytes fields), and the bytes of the message without them."""
     view = memoryview(data)
     found: dict[int, memoryview] = {}
-    for number, kind, start, end in _fields(view):
+    rest: list[memoryview] = []
+    field_start = 0
+    for number, kind, start, end in _fields(view):  # ``end`` is where the field ends, whatever its kind
         if kind == LEN and number in numbers:
             found[number] = view[start:end]
-    return found
+        else:
+            rest.append(view[field_start:end])
+        field_start = end
+    return found, b"".join(rest)
 
 
 def len_field(number: int, payload: bytes | memoryview) -> list[bytes | memoryview]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
+import zlib
 from pathlib import Path
 
 import pytest
@@ -302,3 +303,9 @@ def test_a_failed_direct_write_pins_nothing(tmp_path: Path, monkeypatch: pytest.
     wal.sync(position)
     assert wal.segments[segment].pins == 2 and wal.direct_appends == 1
     wal.close()
+
+
+@pytest.mark.parametrize("size", [0, 100, 4096, 5000, 70_000, BIG])
+def test_checksums_are_zlib_crc32_so_logs_of_earlier_versions_still_replay(size: int) -> None:
+    payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    assert wal_module.checksum(3, payload) == zlib.crc32(bytes([3]) + payload)

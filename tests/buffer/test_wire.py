@@ -14,6 +14,7 @@ from stoker.buffer.wire import (
     encode_trajectory,
     encode_varint,
     read_varint,
+    split_fields,
     split_put_request,
 )
 from stoker.trajectory import Episode, from_proto, to_proto
@@ -85,3 +86,23 @@ def test_sample_response_assembled_from_stored_bytes_parses() -> None:
         ("g1", False, ["a", "b"]),
         ("g2", True, ["b"]),
     ]
+
+
+def test_split_fields_returns_the_arrays_as_views_and_the_rest_as_a_message_without_them() -> None:
+    episode = Episode(
+        episode_id="e", group_id="g", group_size=2, task_id="t",
+        token_ids=np.arange(5, dtype=np.int32), loss_mask=np.array([0, 1, 1, 0, 1], np.uint8),
+        logprobs=np.full(5, -0.5, np.float32), policy_versions=np.full(5, 3, np.int32),
+        reward=0.5, metrics={"steps": 3.0},
+    )  # fmt: skip
+    raw = encode_trajectory(episode)
+    arrays, rest = split_fields(raw, frozenset({7, 10}))  # token_ids, policy_versions
+    assert np.array_equal(np.frombuffer(arrays[7], np.int32), episode.token_ids)
+    assert np.array_equal(np.frombuffer(arrays[10], np.int32), episode.policy_versions)
+    expected = to_proto(episode)
+    expected.ClearField("token_ids")
+    expected.ClearField("policy_versions")
+    assert trajectory_pb2.Trajectory.FromString(rest) == expected
+    # a repeated bytes field: the last occurrence wins, as when the runtime parses it
+    twice = raw + b"\x3a\x04\x01\x00\x00\x00"  # field 7 again: one token id
+    assert bytes(split_fields(twice, frozenset({7}))[0][7]) == b"\x01\x00\x00\x00"
