@@ -249,14 +249,16 @@ def swaps_reprefill(spec: RLJobSpec) -> bool:
 
 def swap_notes(sizing: dict[str, float], spec: RLJobSpec) -> list[str]:
     """Slow turns and frequent swaps: most turns re-read the whole conversation (docs/sizing.md)."""
-    suggested = max(0.5, round(sizing["episode_seconds"]) / 2)  # half an episode, in 0.5 s steps
+    # A third of an episode, in 0.5 s steps: with 4.5 s episodes 1.5 s beat 2.5 s and 1 s
+    # (benchmarks/README.md, utilisation, session 9).
+    suggested = max(0.5, round(sizing["episode_seconds"] / 3 * 2) / 2)
     if not sizing["swaps_per_episode"] or sizing["turns"] <= 2 or spec.actors.weight_poll_seconds >= suggested:
         return []
     return [
         f"an episode sees episode time / actors.weightPollSeconds = {sizing['episode_seconds']:.2f} / "
         f"{spec.actors.weight_poll_seconds:g} s = {sizing['swaps_per_episode']:.1f} weight swaps, and after each one every running "
         "conversation prefills its whole history again, so the conversation cache saves little; "
-        f"actors.weightPollSeconds: {suggested:g} (about half an episode) keeps most turns cached for "
+        f"actors.weightPollSeconds: {suggested:g} (about a third of an episode) keeps most turns cached for "
         "weights that trail the learner by that much longer (docs/sizing.md)."
     ]
 

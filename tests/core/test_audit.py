@@ -75,9 +75,9 @@ def test_frequent_weight_swaps_over_slow_turns_suggest_a_longer_poll_period() ->
     assert "note: an episode sees episode time / actors.weightPollSeconds = 4.40 / 1 s = 4.4 weight swaps" in render(
         audit(0.275), job
     )
-    assert "actors.weightPollSeconds: 2 (about half an episode)" in render(audit(0.275), job)
-    # Already about half an episode, or episodes keeping their first weights: nothing to say.
-    for actors in ({"weight_poll_seconds": 2.0}, {"weight_sync": "between-episodes"}):
+    assert "actors.weightPollSeconds: 1.5 (about a third of an episode)" in render(audit(0.275), job)
+    # Already about a third of an episode, or episodes keeping their first weights: nothing to say.
+    for actors in ({"weight_poll_seconds": 1.5}, {"weight_sync": "between-episodes"}):
         changed = job.model_copy(update={"actors": job.actors.model_copy(update=actors)})
         assert "note:" not in render(audit(0.275), changed)
     # Fast environments: a few swaps per second of turns cost nothing worth a note.
