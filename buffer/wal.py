@@ -55,7 +55,8 @@ ALIGN = 4096  # O_DIRECT offset, length and memory alignment (the usual logical 
 # 53 KB to 256 KB); above it the page cache's copy and writeback cost up to 7x more.
 DIRECT_MIN = 256 << 10
 DIRECT_MAX = 64 << 20  # larger appends stay buffered rather than hold a staging buffer this big
-STAGING_KEPT = 4  # staging buffers kept for reuse (about one per concurrent writer)
+STAGING_KEPT = 4  # staging buffers kept for reuse (about one per concurrent writer)...
+STAGING_KEPT_MAX = 16 << 20  # ...if at most this big: a rare huge append does not pin its buffer
 
 Position = tuple[int, int]  # (segment number, byte offset): totally ordered
 
@@ -379,7 +380,7 @@ class Wal:
                     self._fill_hole(write.start, write.offset + write.length)
                 del self._in_flight[id(write)]
                 self.direct_appends += direct
-                if len(self._staging) < STAGING_KEPT:
+                if len(self._staging) < STAGING_KEPT and len(write.staging) <= STAGING_KEPT_MAX:
                     self._staging.append(write.staging)
                 else:
                     write.staging.close()
