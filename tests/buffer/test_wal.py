@@ -198,10 +198,11 @@ def test_large_appends_go_direct_and_replay_in_order_with_small_ones(tmp_path: P
     assert replayed(tmp_path) == (payloads, [])
 
 
-def test_an_append_behind_a_direct_write_under_way_waits_for_it_to_be_durable(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    wal = open_wal(tmp_path)
+def start_direct_write_held_at_the_disk(
+    wal: Wal, payload: bytes, monkeypatch: pytest.MonkeyPatch
+) -> tuple[threading.Thread, threading.Event]:
+    """Append ``payload`` (large: direct) in a thread whose write waits at the disk until the
+    returned event is set; returns once the write is under way."""
     writing, release = threading.Event(), threading.Event()
     real = wal_module._write_aligned
 
@@ -211,9 +212,17 @@ def test_an_append_behind_a_direct_write_under_way_waits_for_it_to_be_durable(
         real(fd, view, offset)
 
     monkeypatch.setattr(wal_module, "_write_aligned", slow_disk)
-    big = threading.Thread(target=lambda: wal.sync(wal.append(1, [blob(7, BIG)])))
+    big = threading.Thread(target=lambda: wal.sync(wal.append(1, [payload])))
     big.start()
     assert writing.wait(10)
+    return big, release
+
+
+def test_an_append_behind_a_direct_write_under_way_waits_for_it_to_be_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wal = open_wal(tmp_path)
+    big, release = start_direct_write_held_at_the_disk(wal, blob(7, BIG), monkeypatch)
     position = wal.append(1, [b"after"])  # buffered, behind the stretch the direct write claimed
     synced = threading.Event()
     waiter = threading.Thread(target=lambda: (wal.sync(position), synced.set()))
@@ -229,18 +238,7 @@ def test_an_append_behind_a_direct_write_under_way_waits_for_it_to_be_durable(
 
 def test_rotation_waits_for_a_direct_write_under_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     wal = open_wal(tmp_path)
-    writing, release = threading.Event(), threading.Event()
-    real = wal_module._write_aligned
-
-    def slow_disk(fd: int, view: memoryview, offset: int) -> None:
-        writing.set()
-        assert release.wait(10)
-        real(fd, view, offset)
-
-    monkeypatch.setattr(wal_module, "_write_aligned", slow_disk)
-    big = threading.Thread(target=lambda: wal.sync(wal.append(1, [blob(5, BIG)])))
-    big.start()
-    assert writing.wait(10)
+    big, release = start_direct_write_held_at_the_disk(wal, blob(5, BIG), monkeypatch)
     rotated = threading.Event()
     rotator = threading.Thread(target=lambda: (wal.rotate(), rotated.set()))
     rotator.start()
