@@ -82,18 +82,25 @@ def compile_policies(policies: dict[str, BatchedSampler], concurrency: int, max_
 
 
 async def alternate_rounds(
-    names: list[str], rounds: int, measure_one: Callable[[str, int], Awaitable[dict[str, float]]],
+    policies: dict[str, BatchedSampler], rounds: int, measure_one: Callable[[str, int], Awaitable[dict[str, float]]],
     describe: Callable[[dict[str, float]], str],
-) -> dict[str, list[dict[str, float]]]:
+) -> Callable[[str, str], float]:
     """Every variant once per round, in turn (drifting background load hits them alike); prints
-    each result as ``describe`` words it and returns them by variant."""
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    each result as ``describe`` words it, closes the policies, and returns ``median(variant, key)``
+    over the rounds."""
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in policies}
     for round_ in range(rounds):
-        for name in names:
+        for name in policies:
             r = await measure_one(name, round_)
             results[name].append(r)
             print(f"round {round_ + 1} {name}: {describe(r)}", flush=True)
-    return results
+    for policy in policies.values():
+        await policy.close()
+
+    def median(name: str, key: str) -> float:
+        return float(np.median([r[key] for r in results[name]]))
+
+    return median
 
 
 async def measure(
@@ -156,16 +163,10 @@ async def main() -> int:
         settings, swaps = variants[name]
         return await measure(settings, policies[name], interface, args.groups, weights if swaps else [], args.swap_seconds)
 
-    results = await alternate_rounds(
-        list(variants), args.rounds, measure_one,
+    median = await alternate_rounds(
+        policies, args.rounds, measure_one,
         lambda r: f"{r['episodes_per_s']:.1f} episodes/s, {r['turns']:.2f} turns, reuse {r['reuse']:.2f}",
     )
-    for policy in policies.values():
-        await policy.close()
-
-    def median(name: str, key: str) -> float:
-        return float(np.median([r[key] for r in results[name]]))
-
     baseline = median("no cache", "episodes_per_s")
     print(f"\n{args.concurrency} concurrent episodes, {args.groups} groups of {base.group_size} per measurement, "
           f"weights swapped every {args.swap_seconds:g} s (except 'no swaps'); medians of {args.rounds} rounds\n")

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -144,16 +143,10 @@ async def main() -> int:
     async def measure_one(name: str, round_: int) -> dict[str, float]:
         return await measure(settings, policies[name], interface, args.groups, 1000 * round_, weights, args.swap_seconds)
 
-    results = await alternate_rounds(
-        list(policies), args.rounds, measure_one,
+    median = await alternate_rounds(
+        policies, args.rounds, measure_one,
         lambda r: f"{r['cpu_ms']:.2f} ms CPU/episode, {r['episodes_per_s']:.1f} episodes/s, {r['rows_per_call']:.1f} rows per call",
     )
-    for policy in policies.values():
-        await policy.close()
-
-    def median(name: str, key: str) -> float:
-        return statistics.median(r[key] for r in results[name])
-
     print(f"\n{args.concurrency} concurrent episodes, {args.latency:g} s per step, weights swapped every "
           f"{args.swap_seconds:g} s; {args.groups} groups of {settings.group_size} per measurement, medians of "
           f"{args.rounds} rounds\n")
