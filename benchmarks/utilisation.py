@@ -7,7 +7,8 @@ rolling success rate reaches the target or the time budget ends:
     .venv/bin/python benchmarks/utilisation.py [--manifest examples/frozenlake.yaml] [--latency 0.5]
                                      [--minutes 10] [--target 0.9] [--out runs/bench-utilisation]
                                      [--concurrency N] [--staleness S] [--batch-groups B] [--sandbox inline]
-                                     [--weight-sync between-episodes] [--weight-poll SECONDS] [--repeats R]
+                                     [--weight-sync between-episodes] [--weight-poll SECONDS] [--sample-order newest-first]
+                                     [--repeats R]
                                      [--learning-rate LR] [--clip-high EPS] [--modes async sync]
 
 Reported per mode: learner duty cycle (time inside train steps / wall time: the learner's own
@@ -57,6 +58,9 @@ def with_latency(manifest: Path, args: argparse.Namespace) -> Path:
             # turns >= 0.5 s apart, polling every second re-prefills nearly every turn. Sync mode
             # samples in-process with the trainer's weights and never polls.
             spec.setdefault("actors", {})["weightPollSeconds"] = args.weight_poll
+        if args.sample_order is not None:
+            # Sync mode trains each batch as soon as it completes, so only async has a queue to order.
+            spec.setdefault("buffer", {})["sampleOrder"] = args.sample_order
 
     return manifest_variant(manifest, args.out / "job.yaml", edit)
 
@@ -137,6 +141,9 @@ def main() -> int:
         help="actors.weightSync (default: the manifest's)",
     )
     parser.add_argument("--weight-poll", type=float, help="actors.weightPollSeconds (default: the manifest's)")
+    parser.add_argument(
+        "--sample-order", choices=("oldest-first", "newest-first"), help="buffer.sampleOrder (default: the manifest's)"
+    )
     parser.add_argument("--learning-rate", type=float, help="algorithm.learningRate for both modes (default: the manifest's)")
     parser.add_argument(
         "--clip-high", type=float,

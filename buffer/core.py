@@ -660,7 +660,7 @@ class BufferCore:
         learner_id: str = "",
         session_id: str = "",
     ) -> SampledBatch | None:
-        """Lease up to ``max_groups`` complete groups, oldest first, waiting up to ``timeout``
+        """Lease up to ``max_groups`` complete groups (in ``sample_order``), waiting up to ``timeout``
         seconds for at least ``min_groups``; None when fewer arrived in time."""
         if max_groups < 1:
             raise ValueError("max_groups: got 0; expected >= 1")
@@ -674,12 +674,13 @@ class BufferCore:
             groups: list[Group] = []
             # Stay under the message size limit (with room for framing); one group always goes.
             budget = self.settings.max_message_bytes - 64 * 1024
+            newest_first = self.settings.sample_order == "newest-first"
             while self._ready and len(groups) < max_groups:
-                size = sum(len(e.raw) + 16 for e in self._ready[0].entries.values())
+                size = sum(len(e.raw) + 16 for e in self._ready[-1 if newest_first else 0].entries.values())
                 if groups and size > budget:
                     break
                 budget -= size
-                groups.append(self._ready.popleft())
+                groups.append(self._ready.pop() if newest_first else self._ready.popleft())
             batch_id = uuid.uuid4().hex
             self._leases[batch_id] = Lease(
                 batch_id, learner_id, session_id, groups, now + self.settings.lease_timeout_seconds
@@ -738,9 +739,15 @@ class BufferCore:
             groups += self._leases.pop(batch_id).groups
         stale = [g for g in groups if self._is_stale(g)]
         fresh = [g for g in groups if not self._is_stale(g)]
-        for group in reversed(fresh):  # back at the head of the queue, in their original order
-            group.state = "ready"
-            self._ready.appendleft(group)
+        # Back at the end of the queue that is sampled next, so the next batch holds them again.
+        if self.settings.sample_order == "newest-first":
+            for group in reversed(fresh):
+                group.state = "ready"
+                self._ready.append(group)
+        else:
+            for group in reversed(fresh):
+                group.state = "ready"
+                self._ready.appendleft(group)
         self.redelivered_groups += len(fresh)
         self._drop(stale, "stale")
         self._cond.notify_all()

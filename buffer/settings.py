@@ -11,6 +11,7 @@ from stoker.spec import RLJobSpec
 
 SyncPolicy = Literal["batch", "none"]
 FailedGroupPolicy = Literal["mask", "discard"]
+SampleOrder = Literal["oldest-first", "newest-first"]
 
 # Set by the operator on the buffer's container: the mounted ConfigMap file holding
 # ``{"admissionScale": x}`` (see ``stoker.operator.manifests.ADMISSION_FILE``).
@@ -30,6 +31,7 @@ class BufferSettings:
     batch_groups: int = 4  # learner.batchGroups: groups per training step (the AReaL rule's batch)
     sync: SyncPolicy = "batch"  # batch: fsync before acknowledging each Put/Commit; none: leave it to the OS
     failed_group_policy: FailedGroupPolicy = "mask"
+    sample_order: SampleOrder = "oldest-first"
     group_timeout_seconds: float = 600.0
     # A leased batch not committed within this time (with no call from its learner) is redelivered.
     lease_timeout_seconds: float = 600.0
@@ -61,6 +63,10 @@ class BufferSettings:
                 self.failed_group_policy in ("mask", "discard"),
                 f"failed_group_policy: got {self.failed_group_policy!r}; expected 'mask' or 'discard'",
             ),
+            (
+                self.sample_order in ("oldest-first", "newest-first"),
+                f"sample_order: got {self.sample_order!r}; expected 'oldest-first' or 'newest-first'",
+            ),
             (self.group_timeout_seconds > 0, "group_timeout_seconds: expected > 0"),
             (self.lease_timeout_seconds > 0, "lease_timeout_seconds: expected > 0"),
             (self.max_trajectory_tokens >= 1, "max_trajectory_tokens: expected >= 1"),
@@ -88,6 +94,7 @@ class BufferSettings:
             batch_groups=spec.learner.batch_groups,
             sync=b.sync,
             failed_group_policy=b.failed_group_policy,
+            sample_order=b.sample_order,
             group_timeout_seconds=b.group_timeout_seconds,
             admission_file=env.get(ADMISSION_FILE_ENV) or None,
         )

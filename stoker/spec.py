@@ -283,6 +283,14 @@ class BufferSpec(SpecModel):
         ),
     )
     sync: Literal["batch", "none"] = Field("batch", description="batch: fsync per Put; none: leave it to the OS.")
+    sample_order: Literal["oldest-first", "newest-first"] = Field(
+        "oldest-first",
+        description=(
+            "Which complete groups the learner gets first. oldest-first: in the order they completed "
+            "(FIFO); newest-first: the latest completed, so a queue that builds up while actors run "
+            "ahead ages (and is dropped at maxStaleness) instead of delaying every batch behind it."
+        ),
+    )
     failed_group_policy: Literal["mask", "discard"] = Field(
         "mask", description="Deliver groups containing a failed episode masked, or discard (and count) them."
     )

@@ -25,14 +25,18 @@ def stoker(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_settings_come_from_the_spec() -> None:
     spec = RLJobSpec.model_validate(
-        {"buffer": {"capacity": 99, "groupSize": 3, "maxStaleness": 7, "sync": "none", "failedGroupPolicy": "discard"},
+        {"buffer": {"capacity": 99, "groupSize": 3, "maxStaleness": 7, "sync": "none", "failedGroupPolicy": "discard",
+                    "sampleOrder": "newest-first"},
          "learner": {"batchGroups": 5}}
     )  # fmt: skip
     settings = BufferSettings.from_spec(spec, lease_timeout_seconds=5)
     assert (settings.capacity, settings.group_size, settings.max_staleness, settings.batch_groups) == (99, 3, 7, 5)
     assert (settings.sync, settings.failed_group_policy, settings.lease_timeout_seconds) == ("none", "discard", 5)
+    assert settings.sample_order == "newest-first"
     with pytest.raises(ValueError, match="capacity"):
         BufferSettings(capacity=0)
+    with pytest.raises(ValueError, match="sample_order"):
+        BufferSettings(sample_order="random")  # type: ignore[arg-type]
 
 
 def test_token_file_is_enforced(buffer_process: Callable[..., Any], tmp_path: Path, make_group: Callable[..., Any]) -> None:

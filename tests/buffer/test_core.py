@@ -69,6 +69,33 @@ def test_groups_are_delivered_fifo_and_once(tmp_path: Path, settings: BufferSett
     assert core.sample(1, 1, 0) is None
 
 
+def test_newest_first_delivers_the_latest_completed_groups_and_lets_the_backlog_age_out(
+    tmp_path: Path, settings: BufferSettings, make_group: Groups
+) -> None:
+    core = open_core(tmp_path, replace(settings, sample_order="newest-first"))  # max_staleness = 2
+    oldest, middle, newest = (make_group(2, version=v) for v in (0, 1, 1))
+    for group in (oldest, middle, newest):
+        put(core, group)
+    _, first = sampled_ids(core, 2)
+    assert first == [[e.episode_id for e in newest], [e.episode_id for e in middle]]
+    core.set_policy_version(3)  # the backlog's group is now 3 versions behind: dropped, not delivered
+    assert core.sample(1, 1, 0) is None
+    assert core.stats().dropped["stale"] == 1
+
+
+def test_newest_first_redelivers_a_lost_batch_next(tmp_path: Path, settings: BufferSettings, make_group: Groups) -> None:
+    core = open_core(tmp_path, replace(settings, sample_order="newest-first"))
+    groups = [make_group(2) for _ in range(3)]
+    for group in groups:
+        put(core, group)
+    lost = core.sample(2, 1, 0, learner_id="learner", session_id="run-1")
+    assert lost is not None
+    again = core.sample(2, 1, 0, learner_id="learner", session_id="run-2")  # the learner restarted
+    assert again is not None and [g for g, _, _ in again.groups] == [g for g, _, _ in lost.groups]
+    _, rest = sampled_ids(core)
+    assert rest == [[e.episode_id for e in groups[0]]]
+
+
 def test_group_with_a_failed_episode_is_delivered_masked_by_default(
     tmp_path: Path, settings: BufferSettings, make_group: Groups, make_episode: Callable[..., Episode]
 ) -> None:
