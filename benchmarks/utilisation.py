@@ -9,7 +9,7 @@ rolling success rate reaches the target or the time budget ends:
                                      [--concurrency N] [--staleness S] [--batch-groups B] [--sandbox inline]
                                      [--weight-sync between-episodes] [--weight-poll SECONDS] [--sample-order newest-first]
                                      [--repeats R]
-                                     [--learning-rate LR] [--clip-high EPS] [--modes async sync]
+                                     [--learning-rate LR] [--sync-learning-rate LR] [--clip-high EPS] [--modes async sync]
 
 Reported per mode: learner duty cycle (time inside train steps / wall time: the learner's own
 figure since it started, and the steady state from its first step on), wall-clock seconds to the target success rate, and for async the
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from typing import Any
 from local_runs import REPO, fresh_run, manifest_variant
 
 
-def with_latency(manifest: Path, args: argparse.Namespace) -> Path:
+def with_latency(manifest: Path, args: argparse.Namespace, mode: str = "async") -> Path:
     def edit(doc: dict[str, Any]) -> None:
         spec = doc["spec"]
         spec.setdefault("environment", {})["stepLatency"] = {"distribution": "fixed", "seconds": args.latency}
@@ -44,8 +45,9 @@ def with_latency(manifest: Path, args: argparse.Namespace) -> Path:
         if args.sandbox is not None:
             spec["environment"]["sandbox"] = {**spec["environment"].get("sandbox", {}), "kind": args.sandbox}
         algorithm = spec.setdefault("algorithm", {})
-        if args.learning_rate is not None:  # changes both modes
-            algorithm["learningRate"] = args.learning_rate
+        learning_rate = args.sync_learning_rate if mode == "sync" and args.sync_learning_rate else args.learning_rate
+        if learning_rate is not None:
+            algorithm["learningRate"] = learning_rate
         if args.clip_high is not None:
             # Only stale data ever reaches the clip: an on-policy update (sync mode) has ratio 1.
             algorithm["clipEpsilonHigh"] = args.clip_high
@@ -62,7 +64,7 @@ def with_latency(manifest: Path, args: argparse.Namespace) -> Path:
             # Sync mode trains each batch as soon as it completes, so only async has a queue to order.
             spec.setdefault("buffer", {})["sampleOrder"] = args.sample_order
 
-    return manifest_variant(manifest, args.out / "job.yaml", edit)
+    return manifest_variant(manifest, args.out / ("job-sync.yaml" if mode == "sync" else "job.yaml"), edit)
 
 
 def steady_duty_cycle(metrics: list[dict[str, Any]]) -> float | None:
@@ -146,6 +148,11 @@ def main() -> int:
     )
     parser.add_argument("--learning-rate", type=float, help="algorithm.learningRate for both modes (default: the manifest's)")
     parser.add_argument(
+        "--sync-learning-rate", type=float,
+        help="algorithm.learningRate for sync mode alone (default: as async), e.g. the manifest's own when "
+        "--learning-rate suits stale data: each mode at its best",
+    )
+    parser.add_argument(
         "--clip-high", type=float,
         help="algorithm.clipEpsilonHigh (default: the manifest's); sync mode never reaches the clip",
     )
@@ -157,13 +164,13 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench-utilisation")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    manifest = with_latency(args.manifest, args)
+    manifests = {mode: with_latency(args.manifest, args, mode) for mode in args.modes}
     pairs = []
     for repeat in range(args.repeats):
         results: dict[str, Any] = {}
         for mode in args.modes:
             run_dir = args.out / (mode if args.repeats == 1 else f"{mode}-{repeat}")
-            results[mode] = run_mode(manifest, mode, run_dir, args.minutes, args.target)
+            results[mode] = run_mode(manifests[mode], mode, run_dir, args.minutes, args.target)
             print(json.dumps(results[mode]), flush=True)
         if len(results) == 2:
             compare(results, args)
@@ -177,6 +184,10 @@ def main() -> int:
         if speed_ups:
             print(f"speed-up over {len(speed_ups)} pairs (a sync run out of budget counted at its bound): "
                   f"median {speed_ups[len(speed_ups) // 2]:.2f}x, range {speed_ups[0]:.2f}-{speed_ups[-1]:.2f}x")
+        times = {m: sorted(p[m]["seconds_to_target"] for p in pairs if p.get(m, {}).get("seconds_to_target")) for m in args.modes}
+        if all(len(times.get(m, [])) == args.repeats for m in ("async", "sync")):
+            a, s = statistics.median(times["async"]), statistics.median(times["sync"])
+            print(f"median time to {args.target}: async {a:.1f} s, sync {s:.1f} s: ratio of medians {s / a:.2f}x")
         if duties:
             print(f"async steady duty cycle: median {duties[len(duties) // 2]:.3f}, range {duties[0]:.3f}-{duties[-1]:.3f}")
     return 0

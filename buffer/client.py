@@ -307,8 +307,9 @@ class BufferClient:
     # ------------------------------------------------------------------ learner
 
     def sample(self, max_groups: int, min_groups: int = 1, timeout: float = 10.0) -> SampledBatch | None:
-        """Lease up to ``max_groups`` complete groups (FIFO), waiting up to ``timeout`` seconds for
-        ``min_groups``; None if they did not arrive. Commit the batch after training on it."""
+        """Lease up to ``max_groups`` complete groups (in the buffer's ``sampleOrder``), waiting up to
+        ``timeout`` seconds for ``min_groups``; None if they did not arrive. Commit the batch after
+        training on it."""
         request = buffer_pb2.SampleRequest(
             learner_id=self.learner_id,
             session_id=self.session_id,

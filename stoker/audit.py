@@ -239,7 +239,25 @@ def render(audit: Audit, spec: RLJobSpec) -> str:
     ]
     lines += [f"warning: {w}" for w in admission_warnings(s, spec)]
     lines += [f"note: {n}" for n in swap_notes(s, spec)]
+    lines += [f"note: {n}" for n in order_notes(s, spec)]
     return "\n".join(lines)
+
+
+# From this many updates per episode on, a backlog of a few batches is a sizeable share of what
+# the learner's data already trails by (the utilisation job: 16 updates per episode, ~6 more waiting).
+MANY_VERSIONS_PER_EPISODE = 8
+
+
+def order_notes(sizing: dict[str, float], spec: RLJobSpec) -> list[str]:
+    """Stale data and a FIFO queue: every complete group waiting adds to each batch's staleness."""
+    if sizing["versions_per_episode"] < MANY_VERSIONS_PER_EPISODE or spec.buffer.sample_order == "newest-first":
+        return []
+    return [
+        f"with {sizing['versions_per_episode']:.1f} updates per episode the learner trains on old data already, and "
+        "buffer.sampleOrder: oldest-first adds every complete group waiting ahead of a batch to its staleness; "
+        "newest-first trains on the groups that completed last and lets a backlog age out at maxStaleness "
+        "(docs/sizing.md)."
+    ]
 
 
 def swaps_reprefill(spec: RLJobSpec) -> bool:

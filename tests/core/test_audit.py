@@ -79,10 +79,20 @@ def test_frequent_weight_swaps_over_slow_turns_suggest_a_longer_poll_period() ->
     # Already about a third of an episode, or episodes keeping their first weights: nothing to say.
     for actors in ({"weight_poll_seconds": 1.5}, {"weight_sync": "between-episodes"}):
         changed = job.model_copy(update={"actors": job.actors.model_copy(update=actors)})
-        assert "note:" not in render(audit(0.275), changed)
+        assert "weight swaps" not in render(audit(0.275), changed)
     # Fast environments: a few swaps per second of turns cost nothing worth a note.
     fast = spec(stale=16, batch=4, latency=0.0)
     assert "note:" not in render(Audit([0.001] * 16, [8, 8], [150, 150], 0.05, 192, 0.275, 1.0), fast)
+
+
+def test_a_slow_episode_suggests_sampling_the_newest_groups_first() -> None:
+    job = spec(stale=16, batch=4)
+    assert "note: with 16.0 updates per episode" in render(audit(0.275), job)
+    assert "buffer.sampleOrder: oldest-first adds every complete group" in render(audit(0.275), job)
+    newest = job.model_copy(update={"buffer": job.buffer.model_copy(update={"sample_order": "newest-first"})})
+    assert "sampleOrder" not in render(audit(0.275), newest)
+    # Four updates per episode (a 1.1 s step): the data is fresh enough that the order matters little.
+    assert "sampleOrder" not in render(audit(1.1), spec(stale=4, batch=16))
 
 
 TINY = """\
