@@ -739,15 +739,11 @@ class BufferCore:
             groups += self._leases.pop(batch_id).groups
         stale = [g for g in groups if self._is_stale(g)]
         fresh = [g for g in groups if not self._is_stale(g)]
-        # Back at the end of the queue that is sampled next, so the next batch holds them again.
-        if self.settings.sample_order == "newest-first":
-            for group in reversed(fresh):
-                group.state = "ready"
-                self._ready.append(group)
-        else:
-            for group in reversed(fresh):
-                group.state = "ready"
-                self._ready.appendleft(group)
+        # Back at the end of the queue that is sampled next, in their original order.
+        put_back = self._ready.append if self.settings.sample_order == "newest-first" else self._ready.appendleft
+        for group in reversed(fresh):
+            group.state = "ready"
+            put_back(group)
         self.redelivered_groups += len(fresh)
         self._drop(stale, "stale")
         self._cond.notify_all()
