@@ -62,10 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS (with --tls-key)")
     parser.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
     parser.add_argument("--sync", choices=["batch", "none"], help="override spec.buffer.sync")
-    parser.add_argument(
-        "--rpc-threads", type=int, default=None, metavar="N",
-        help="threads serving calls (default 4); each learner's waiting Sample holds one, so use >= learners + 2",
-    )  # fmt: skip
     parser.add_argument("--log-format", choices=["json", "text"], default="json")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -76,7 +72,7 @@ def _fail(message: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from stoker.buffer.server import RPC_THREADS, BufferServer, TlsFiles, write_ready_file
+    from stoker.buffer.server import BufferServer, TlsFiles, write_ready_file
     from stoker.buffer.settings import BufferSettings
     from stoker.manifest import load_job
     from stoker.spec import RLJobSpec
@@ -94,8 +90,6 @@ def main(args: argparse.Namespace) -> int:
             return _fail(f"--token-file {args.token_file}: cannot read ({exc.strerror or exc})")
         if not token:
             return _fail(f"--token-file {args.token_file}: empty; expected a bearer token")
-    if args.rpc_threads is not None and args.rpc_threads < 1:
-        return _fail(f"--rpc-threads: got {args.rpc_threads}; expected >= 1")
     tls = None
     if bool(args.tls_cert) != bool(args.tls_key):
         return _fail("--tls-cert and --tls-key go together")
@@ -115,7 +109,6 @@ def main(args: argparse.Namespace) -> int:
             tls=tls,
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
-            rpc_threads=args.rpc_threads or RPC_THREADS,
         )
     except OSError as exc:
         return _fail(f"cannot start: {exc}")

@@ -132,6 +132,17 @@ class PutOutcome:
         return [(i, f, m) for i, (c, f, m) in enumerate(self.results) if c == CODE_INVALID_ARGUMENT]
 
 
+@dataclass(slots=True)
+class PendingPut:
+    """A Put between ``BufferCore.begin_put`` and ``finish_put``: logged, not yet durable."""
+
+    outcome: PutOutcome
+    new: list[tuple[bytes | memoryview, TrajectoryMeta]]  # what it stores, once durable
+    logged: Position | None  # the end of its records; None when it logged nothing
+    durable_at: Position  # what must be flushed before it is acknowledged
+    client_id: str
+
+
 @dataclass
 class SampledBatch:
     batch_id: str
@@ -325,6 +336,9 @@ class BufferCore:
         self._sample_rate = RateWindow()
         self.admission = AdmissionScale(settings.admission_file, clock=clock, interval=settings.admission_check_seconds)
         self.learner_duty_cycle: float | None = None  # the learner's last report; None until it sends one
+        # Called as ``listener(ready groups)`` when groups become ready, with the lock held, from
+        # whichever thread made them ready: how an event-loop server wakes its waiting Samples.
+        self.ready_listener: Callable[[int], None] | None = None
 
     # ================================================================== startup, replay
 
@@ -431,12 +445,25 @@ class BufferCore:
 
         Raises ``BufferFull`` (nothing stored), ``BatchTooLarge`` or ``Unavailable``.
 
-        The calling (RPC) thread does all the work itself, so a Put needs no handoff to other
-        threads (each is a wait in the run queue on a busy machine). Concurrent Puts still share
-        flushes: each waits for the first ``fdatasync`` that covers its bytes (group commit in
-        ``Wal.sync``), and validation runs outside the lock while another Put's flush is under way.
-        Between the log write and the flush its trajectories are "pending": they count for
-        duplicates, group sizes and capacity, but are not sampleable yet.
+        The same as ``begin_put``, ``Wal.sync`` of its position, ``finish_put``; an event-loop server
+        calls the three itself so that a Put waiting for its flush holds no thread. Concurrent Puts
+        share flushes: each waits for the first ``fdatasync`` that covers its bytes (group commit in
+        ``Wal.sync``).
+        """
+        pending = self.begin_put(raws, client_id)
+        try:
+            self.wal.sync(pending.durable_at)
+        except WalError as exc:
+            self.abandon_put(pending)
+            raise Unavailable(str(exc)) from exc
+        return self.finish_put(pending)
+
+    def begin_put(self, raws: Sequence[bytes | memoryview], client_id: str = "") -> PendingPut:
+        """Validate a batch, admit it and append it to the log (not yet durable).
+
+        Until ``finish_put`` (once ``Wal.sync(pending.durable_at)`` returned) or ``abandon_put``
+        its trajectories are "pending": they count for duplicates, group sizes and capacity, but are
+        not sampleable. Raises like ``put``.
         """
         checked = validate_batch(raws, self.settings)  # outside the lock: the expensive part
         with self._cond:
@@ -446,35 +473,46 @@ class BufferCore:
             outcome.stored = len(new)
             self._mark_pending(new, +1)
             self._puts_running += 1
-        logged: Position | None = None  # where its records are, until they are stored
+        pending = PendingPut(outcome, new, None, (0, 0), client_id)
         try:
+            if new:
+                pending.logged = self.wal.append(PUT, [raw for raw, _ in new], pin=True)
+            # Even a batch of duplicates waits for a flush: their originals may still be pending.
+            pending.durable_at = pending.logged or self.wal.written
+        except WalError as exc:
+            self.abandon_put(pending)
+            raise Unavailable(str(exc)) from exc
+        return pending
+
+    def finish_put(self, pending: PendingPut) -> PutOutcome:
+        """The batch's records are durable: its trajectories join their groups."""
+        with self._cond:
             try:
-                if new:
-                    logged = self.wal.append(PUT, [raw for raw, _ in new], pin=True)
-                # Even a batch of duplicates waits for a flush: their originals may still be pending.
-                self.wal.sync(logged or self.wal.written)
-            except WalError as exc:
-                raise Unavailable(str(exc)) from exc
-            with self._cond:
-                self._mark_pending(new, -1)
-                durable, segment = new, logged[0] if logged else 0
-                new, logged = [], None  # no longer pending: nothing for _end_put to take back
-                self._store(durable, segment, client_id)
+                self._mark_pending(pending.new, -1)
+                self._store(pending.new, pending.logged[0] if pending.logged else 0, pending.client_id)
                 if self.wal.active_size() > self.settings.segment_bytes:
                     self._rotate()
-            return outcome
-        finally:
-            self._end_put(new, logged)
+            finally:
+                self._put_done()
+        return pending.outcome
+
+    def abandon_put(self, pending: PendingPut) -> None:
+        """Take back what ``begin_put`` admitted (its log write or flush failed)."""
+        self._end_put(pending.new, pending.logged)
 
     def _end_put(self, unstored: Sequence[tuple[bytes | memoryview, TrajectoryMeta]], logged: Position | None) -> None:
-        """Take back what a Put admitted but never stored (it failed), and let ``close`` go on."""
+        """Take back what a Put admitted but never stored, and let ``close`` go on."""
         with self._cond:
             self._mark_pending(unstored, -1)
             if logged is not None:
                 self.wal.unpin(logged[0], len(unstored), sum(HEADER.size + len(raw) for raw, _ in unstored))
-            self._puts_running -= 1
-            if self._closed and not self._puts_running:
-                self._cond.notify_all()
+            self._put_done()
+
+    def _put_done(self) -> None:
+        """One Put fewer under way (caller holds the lock); ``close`` waits for none."""
+        self._puts_running -= 1
+        if self._closed and not self._puts_running:
+            self._cond.notify_all()
 
     def _admit_batch(
         self, raws: Sequence[bytes | memoryview], checked: Sequence[TrajectoryMeta | Invalid]
@@ -609,6 +647,8 @@ class BufferCore:
             # for each of them costs two thread switches per group for nothing.
             if self._sample_waiters and len(self._ready) >= min(self._sample_waiters):
                 self._cond.notify_all()
+            if self.ready_listener is not None:
+                self.ready_listener(len(self._ready))
 
     # ================================================================== consumption
 
@@ -747,10 +787,22 @@ class BufferCore:
         self.redelivered_groups += len(fresh)
         self._drop(stale, "stale")
         self._cond.notify_all()
+        if self.ready_listener is not None and fresh:
+            self.ready_listener(len(self._ready))
 
     def commit(self, batch_id: str, *, learner_id: str = "") -> int:
         """The learner trained on ``batch_id``: its trajectories are gone for good (durably, before
         this returns). Returns the number of trajectories; ``UnknownBatch`` if not leased."""
+        count, position = self.begin_commit(batch_id, learner_id=learner_id)
+        try:
+            self.wal.sync(position)
+        except WalError as exc:
+            raise Unavailable(str(exc)) from exc
+        return count
+
+    def begin_commit(self, batch_id: str, *, learner_id: str = "") -> tuple[int, Position]:
+        """``commit`` up to its flush: returns the trajectory count and the log position that must
+        be durable before the commit is acknowledged."""
         with self._lock:
             lease = self._leases.get(batch_id)
             if lease is None:
@@ -767,11 +819,7 @@ class BufferCore:
             self.committed_groups += len(lease.groups)
             self.committed_total += count
             self._touch(learner_id, "")
-        try:
-            self.wal.sync(position)
-        except WalError as exc:
-            raise Unavailable(str(exc)) from exc
-        return count
+        return count, position
 
     # ================================================================== version, admission
 

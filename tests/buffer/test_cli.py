@@ -57,7 +57,6 @@ def test_token_file_is_enforced(buffer_process: Callable[..., Any], tmp_path: Pa
         (["--token-file", "/nonexistent/token"], "cannot read"),
         (["--tls-cert", "/nonexistent/cert.pem"], "--tls-cert and --tls-key go together"),
         (["--manifest", "/nonexistent/job.yaml"], "cannot read"),
-        (["--rpc-threads", "0"], "--rpc-threads: got 0; expected >= 1"),
     ],
 )
 def test_user_errors_are_one_clear_line(tmp_path: Path, args: list[str], message: str) -> None:
