@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from typing import NamedTuple, cast
 
 import numpy as np
@@ -132,88 +132,99 @@ def _scalar_problem(message: trajectory_pb2.Trajectory, settings: BufferSettings
     return None
 
 
-def _scalars_plainly_ok(m: trajectory_pb2.Trajectory, settings: BufferSettings) -> bool:
-    """True when ``_check_scalars`` would pass, checked in one expression (the batch path's common
-    case; any False goes to the per-item checks, which name the field)."""
+def _head_limit(settings: BufferSettings) -> int:
+    """Bytes of a trajectory besides its per-token arrays below which every id, text, map and
+    list in it is within the limits (a string of b bytes has at most b characters, a map entry or
+    a float takes at least two bytes on the wire): the batch path checks one length instead of each."""
+    return min(settings.max_id_length, settings.max_text_length, 2 * settings.max_metrics, 2 * settings.max_trajectory_tokens)
+
+
+def _within_limits(m: trajectory_pb2.Trajectory, turn_rewards: Sized, settings: BufferSettings) -> bool:
+    """Every id, text, map and list within the service limits (when ``_head_limit`` cannot tell)."""
     limit = settings.max_id_length
-    return bool(
-        m.episode_id
-        and m.group_id
-        and len(m.episode_id) <= limit
+    return (
+        len(m.episode_id) <= limit
         and len(m.group_id) <= limit
         and len(m.task_id) <= limit
         and len(m.actor_id) <= limit
         and len(m.status_reason) <= settings.max_text_length
-        and m.group_size >= 1
-        and (not settings.group_size or m.group_size == settings.group_size)
-        and m.num_tokens <= settings.max_trajectory_tokens
-        and len(m.turn_rewards) <= settings.max_trajectory_tokens
         and len(m.metrics) <= settings.max_metrics
-        and math.isfinite(m.reward)
-        and (not m.turn_rewards or bool(np.isfinite(np.asarray(m.turn_rewards, LOGPROB_DTYPE)).all()))
+        and len(turn_rewards) <= settings.max_trajectory_tokens
     )
 
 
 def validate_batch(raws: Sequence[bytes | memoryview], settings: BufferSettings) -> list[TrajectoryMeta | Invalid]:
     """``validate`` for a whole Put batch: the same answer for every item, but the array checks run
-    once over the batch's concatenated arrays instead of once per trajectory, which is most of the
-    cost for short trajectories. Any failed batch-wide check falls back to ``validate`` per item,
-    so error messages are exactly the per-item ones.
+    once over the batch's concatenated arrays instead of once per trajectory, and each field is read
+    once, which is most of the cost for short trajectories. Any failed check falls back to
+    ``validate`` per item, so error messages are exactly the per-item ones.
 
     Long trajectories (``LONG_TOKENS`` and up) are checked one by one on zero-copy views of the
     request instead: copying their arrays out would cost more (fresh pages for every copy) than the
     per-call overhead that batching saves."""
     if raws and sum(len(raw) for raw in raws) >= LONG_TOKENS * _BYTES_PER_TOKEN * len(raws):
         return [_validate_long(raw, settings) for raw in raws]
-    messages: list[trajectory_pb2.Trajectory] = []
+    head_limit = _head_limit(settings)
+    max_tokens, group_size = settings.max_trajectory_tokens, settings.group_size
+    heads: list[tuple[str, str, int, str, bool, int, bool]] = []
     masks: list[bytes] = []
     logprobs: list[bytes] = []
     versions: list[bytes] = []
+    starts: list[int] = []
+    total = 0
     for raw in raws:
         try:
-            message = parse(raw)
+            m = parse(raw)
         except DecodeError:
             return [_validate_or_invalid(raw, settings) for raw in raws]
-        n = message.num_tokens
-        # Each array is read once: every read of a bytes field makes a new copy.
-        mask, logprob, version = message.loss_mask, message.logprobs, message.policy_versions
+        # Each field is read once: every read of a bytes field makes a new copy.
+        n, status, mask, logprob, version = m.num_tokens, m.status, m.loss_mask, m.logprobs, m.policy_versions
+        episode_id, group_id, size = m.episode_id, m.group_id, m.group_size
+        has_model_tokens = b"\x01" in mask
+        turn_rewards = m.turn_rewards
         if (
-            message.status == trajectory_pb2.EPISODE_STATUS_UNSPECIFIED
-            or not n
-            or not _scalars_plainly_ok(message, settings)
-            or len(message.token_ids) != n * _ID_SIZE
-            or len(mask) != n * MASK_DTYPE.itemsize
+            not 0 < n <= max_tokens
+            or status == trajectory_pb2.EPISODE_STATUS_UNSPECIFIED
+            or not episode_id
+            or not group_id
+            or size < 1
+            or (group_size and size != group_size)
+            or (len(raw) - n * _BYTES_PER_TOKEN > head_limit and not _within_limits(m, turn_rewards, settings))
+            or len(m.token_ids) != n * _ID_SIZE
+            or len(mask) != n
             or len(logprob) != n * LOGPROB_DTYPE.itemsize
             or len(version) != n * VERSION_DTYPE.itemsize
+            or not (has_model_tokens or status in FAILED_STATUSES)
+            or not math.isfinite(m.reward)
+            or (turn_rewards and not np.isfinite(np.asarray(turn_rewards, LOGPROB_DTYPE)).all())
         ):
             return [_validate_or_invalid(raw, settings) for raw in raws]
-        messages.append(message)
+        heads.append((episode_id, group_id, size, m.actor_id, status in OK_STATUSES, n, has_model_tokens))
         masks.append(mask)
         logprobs.append(logprob)
         versions.append(version)
-    if not messages:
+        starts.append(total)
+        total += n
+    if not heads:
         return []
-    sizes = np.fromiter((m.num_tokens for m in messages), np.int64, len(messages))
-    starts = np.zeros(len(messages), np.int64)
-    np.cumsum(sizes[:-1], out=starts[1:])
-    mask_all = np.frombuffer(b"".join(masks), MASK_DTYPE)
+    mask_all = b"".join(masks)
+    if mask_all.translate(None, b"\x00\x01"):  # values other than 0 and 1
+        return [_validate_or_invalid(raw, settings) for raw in raws]
+    sampled = np.frombuffer(mask_all, bool)
     logprobs_all = np.frombuffer(b"".join(logprobs), LOGPROB_DTYPE)
+    # Env tokens' log-probs become 0 here but NaN if not finite (inf * 0 is NaN too), and max/min
+    # propagate NaN: one pass finds any non-finite value and any positive one on a model token.
+    with np.errstate(invalid="ignore"):
+        on_model_tokens = logprobs_all * sampled
+    if not (on_model_tokens.max() <= 0 and on_model_tokens.min() > -math.inf):
+        return [_validate_or_invalid(raw, settings) for raw in raws]
     versions_all = np.frombuffer(b"".join(versions), VERSION_DTYPE)
-    sampled = mask_all.view(bool)
-    model_tokens = np.add.reduceat(mask_all, starts, dtype=np.int64)
-    failed = np.fromiter((m.status in FAILED_STATUSES for m in messages), bool, len(messages))
-    ok = (
-        mask_all.max() <= 1
-        and bool((model_tokens > 0)[~failed].all())
-        and bool(np.isfinite(logprobs_all).all())
-        and not bool((logprobs_all[sampled] > 0).any())
-    )
-    oldest = np.minimum.reduceat(np.where(sampled, versions_all, np.iinfo(np.int32).max), starts)
-    if not ok or bool((oldest < 0).any()):
+    oldest = np.minimum.reduceat(np.where(sampled, versions_all, np.iinfo(np.int32).max), starts).tolist()
+    if any(old < 0 for old in oldest):
         return [_validate_or_invalid(raw, settings) for raw in raws]
     return [
-        _meta(message, int(old) if count else None)
-        for message, old, count in zip(messages, oldest.tolist(), model_tokens.tolist(), strict=True)
+        TrajectoryMeta(episode_id, group_id, size, actor_id, ok, old if has else -1, n)
+        for (episode_id, group_id, size, actor_id, ok, n, has), old in zip(heads, oldest, strict=True)
     ]
 
 

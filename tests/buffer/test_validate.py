@@ -70,6 +70,9 @@ MALFORMED: list[tuple[str, Mutation, str]] = [
     ("no tokens", empty, "num_tokens"),
     ("NaN log-prob", set_array("logprobs", np.where(good_mask == 1, np.nan, 0).astype(np.float32)), "logprobs"),
     ("infinite log-prob", set_array("logprobs", np.full(8, -np.inf, np.float32)), "logprobs"),
+    ("NaN log-prob on an environment token", set_array("logprobs", np.where(good_mask == 1, -0.25, np.nan).astype(np.float32)), "logprobs"),
+    ("infinite log-prob on an environment token", set_array("logprobs", np.where(good_mask == 1, -0.25, np.inf).astype(np.float32)), "logprobs"),
+    ("-inf log-prob on a model token", set_array("logprobs", np.where(good_mask == 1, -np.inf, 0).astype(np.float32)), "logprobs"),
     ("positive log-prob", set_array("logprobs", np.where(good_mask == 1, 0.5, 0).astype(np.float32)), "logprobs"),
     ("mask value 2", set_array("loss_mask", np.full(8, 2, np.uint8)), "loss_mask"),
     ("no model tokens", set_array("loss_mask", np.zeros(8, np.uint8)), "loss_mask"),
@@ -94,6 +97,16 @@ def test_malformed_trajectory_names_its_field(case: str, mutate: Mutation, field
         validate(message.SerializeToString(), SETTINGS)
     assert caught.value.field == field, f"{case}: {caught.value}"
     assert caught.value.message  # a reason a user can act on
+
+
+@pytest.mark.parametrize(("case", "mutate", "field"), MALFORMED, ids=[c for c, _, _ in MALFORMED])
+def test_batch_validation_refuses_the_same_field_and_keeps_the_neighbour(case: str, mutate: Mutation, field: str) -> None:
+    bad, neighbour = good(), good()
+    mutate(bad)
+    neighbour.episode_id = "e2"
+    kept, refused = validate_batch([neighbour.SerializeToString(), bad.SerializeToString()], SETTINGS)
+    assert isinstance(kept, TrajectoryMeta)
+    assert isinstance(refused, Invalid) and refused.field == field, f"{case}: {refused}"
 
 
 def test_garbage_bytes_are_not_a_trajectory() -> None:
@@ -129,6 +142,13 @@ def test_batch_validation_agrees_with_per_item_validation(items: list[tuple[int,
 
 @settings(max_examples=60, deadline=None)
 @given(BATCHES)
+def test_batch_validation_agrees_under_roomy_limits_too(items: list[tuple[int, int, int]]) -> None:
+    """Limits loose enough that the batch path vouches for ids and maps by the message's size alone."""
+    check_agreement(items, BufferSettings(group_size=2, max_trajectory_tokens=64))
+
+
+@settings(max_examples=60, deadline=None)
+@given(BATCHES)
 def test_zero_copy_validation_of_long_trajectories_agrees_too(items: list[tuple[int, int, int]]) -> None:
     import stoker.buffer.validate as module
 
@@ -137,7 +157,7 @@ def test_zero_copy_validation_of_long_trajectories_agrees_too(items: list[tuple[
         check_agreement(items)
 
 
-def check_agreement(items: list[tuple[int, int, int]]) -> None:
+def check_agreement(items: list[tuple[int, int, int]], limits: BufferSettings = SETTINGS) -> None:
     raws: list[bytes] = []
     for choice, tokens, version in items:
         mask = np.zeros(tokens, np.uint8)
@@ -159,9 +179,9 @@ def check_agreement(items: list[tuple[int, int, int]]) -> None:
 
     def one(raw: bytes) -> TrajectoryMeta | tuple[str, str]:
         try:
-            return validate(raw, SETTINGS)
+            return validate(raw, limits)
         except Invalid as exc:
             return exc.field, exc.message
 
-    batch = [r if isinstance(r, TrajectoryMeta) else (r.field, r.message) for r in validate_batch(raws, SETTINGS)]
+    batch = [r if isinstance(r, TrajectoryMeta) else (r.field, r.message) for r in validate_batch(raws, limits)]
     assert batch == [one(raw) for raw in raws]
