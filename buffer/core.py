@@ -312,6 +312,7 @@ class BufferCore:
         self.policy_version = 0
         self._in_flight = 0
         self._stored = 0
+        self._leased = 0  # trajectories in leased batches (part of _stored)
         self._stored_bytes = 0
         self._closed = False
         self._opened = False
@@ -524,12 +525,16 @@ class BufferCore:
                 f"trajectories: {len(new)} new trajectories in one batch; the buffer holds at most "
                 f"{self.settings.capacity} (buffer.capacity): send smaller batches"
             )
-        held = self._stored + len(self._pending_ids)
-        if held + len(new) > self.settings.capacity:
+        # Capacity bounds what waits for the learner. Batches it has leased are its working set:
+        # counting them would throttle the actors for the learner's prefetch. They are held on top,
+        # up to as much again, so memory stays bounded even for a learner that never commits.
+        waiting = self._stored - self._leased + len(self._pending_ids)
+        capacity = self.settings.capacity
+        if waiting + len(new) > capacity or waiting + self._leased + len(new) > 2 * capacity:
             self.full_rejections += 1
             raise BufferFull(
-                f"buffer full: {held} of {self.settings.capacity} trajectories held; "
-                f"retry after {self.settings.retry_after_seconds:g}s",
+                f"buffer full: {waiting} of {capacity} trajectories waiting, {self._leased} more leased to the "
+                f"learner; retry after {self.settings.retry_after_seconds:g}s",
                 self.settings.retry_after_seconds,
             )
         for code, name, _ in outcome.results:
@@ -734,6 +739,7 @@ class BufferCore:
                 if group.masked:
                     self.masked_delivered += 1
             self.sampled_total += count
+            self._leased += count
             self._sample_rate.add(now, count)
             return SampledBatch(
                 batch_id,
@@ -777,6 +783,7 @@ class BufferCore:
         groups: list[Group] = []
         for batch_id in batch_ids:
             groups += self._leases.pop(batch_id).groups
+        self._leased -= sum(len(group.entries) for group in groups)
         stale = [g for g in groups if self._is_stale(g)]
         fresh = [g for g in groups if not self._is_stale(g)]
         # Back at the end of the queue that is sampled next, in their original order.
@@ -818,6 +825,7 @@ class BufferCore:
                 self._forget(group)
             self.committed_groups += len(lease.groups)
             self.committed_total += count
+            self._leased -= count
             self._touch(learner_id, "")
         return count, position
 
@@ -962,7 +970,7 @@ class BufferCore:
                 complete_groups=len(self._ready),
                 incomplete_groups=len(incomplete),
                 leased_batches=len(self._leases),
-                fill=self._stored / self.settings.capacity,
+                fill=(self._stored - self._leased) / self.settings.capacity,
                 policy_version=self.policy_version,
                 admission_credit=self._credit(),
                 in_flight_groups=self._in_flight,

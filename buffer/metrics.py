@@ -22,10 +22,10 @@ class StatsCollector(Collector):
     def collect(self) -> Iterator[Any]:
         s = self._stats()
         gauges = {
-            "capacity_trajectories": ("Trajectories the buffer holds before refusing Puts.", s.capacity),
+            "capacity_trajectories": ("Trajectories waiting for the learner before Puts are refused.", s.capacity),
             "stored_trajectories": ("Accepted trajectories not yet committed (leased included).", s.stored_trajectories),
             "stored_bytes": ("Bytes of stored trajectories.", s.stored_bytes),
-            "fill_ratio": ("stored / capacity.", s.fill),
+            "fill_ratio": ("trajectories waiting (stored, not leased) / capacity.", s.fill),
             "complete_groups": ("Groups ready to sample.", s.complete_groups),
             "incomplete_groups": ("Groups still waiting for episodes.", s.incomplete_groups),
             "overdue_incomplete_groups": ("Incomplete groups older than the group timeout.", s.stale_incomplete_groups),

@@ -17,7 +17,7 @@ class OperatorMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.policy_version = Gauge("stoker_rljob_policy_version", "Learner policy version", LABELS, registry=r)
-        self.buffer_fill = Gauge("stoker_rljob_buffer_fill", "Buffer fill (stored / capacity)", LABELS, registry=r)
+        self.buffer_fill = Gauge("stoker_rljob_buffer_fill", "Buffer fill (trajectories waiting for the learner / capacity)", LABELS, registry=r)
         self.staleness_max = Gauge("stoker_rljob_staleness_max", "Max staleness over the last window", LABELS, registry=r)
         self.duty_cycle = Gauge("stoker_rljob_learner_duty_cycle", "Learner duty cycle", LABELS, registry=r)
         self.actors_desired = Gauge("stoker_rljob_actors_desired", "Actor replica target", LABELS, registry=r)

@@ -271,7 +271,12 @@ class SecretRef(SpecModel):
 
 
 class BufferSpec(SpecModel):
-    capacity: int = Field(4096, ge=1, description="Trajectories held before Put is refused (backpressure).")
+    capacity: int = Field(
+        4096,
+        ge=1,
+        description="Trajectories waiting for the learner before Put is refused (backpressure). Batches the "
+        "learner has leased are held on top until committed, up to as many again.",
+    )
     group_size: int = Field(8, ge=1, description="Episodes per task group (GRPO's G).")
     max_staleness: int = Field(
         4,

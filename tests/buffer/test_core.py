@@ -188,6 +188,28 @@ def test_full_buffer_refuses_the_whole_batch_and_evicts_nothing(
     assert put(core, blocked) == [(CODE_OK, "", "")] * 2
 
 
+def test_leased_batches_leave_room_for_the_actors_up_to_a_second_capacity(
+    tmp_path: Path, settings: BufferSettings, make_group: Groups
+) -> None:
+    core = open_core(tmp_path, replace(settings, capacity=4))
+    put(core, make_group(2))
+    put(core, make_group(2))
+    with pytest.raises(BufferFull):
+        put(core, make_group(2))
+    first, _ = sampled_ids(core, 1)  # the learner's working set no longer throttles the actors
+    assert core.stats().fill == 0.5
+    put(core, make_group(2))
+    with pytest.raises(BufferFull, match="4 of 4 trajectories waiting, 2 more leased"):
+        put(core, make_group(2))
+    sampled_ids(core, 2)
+    put(core, make_group(2))
+    with pytest.raises(BufferFull):  # only 2 waiting, but 6 leased: memory stays within 2 x capacity
+        put(core, make_group(2))
+    assert core.stats().stored_trajectories == 8
+    core.commit(first)
+    put(core, make_group(2))
+
+
 def test_retried_put_is_stored_once_even_across_restart_and_consumption(
     tmp_path: Path, settings: BufferSettings, make_group: Groups
 ) -> None:
@@ -257,6 +279,7 @@ def test_uncommitted_batch_is_redelivered_when_its_learner_restarts(
         core.commit(lost.batch_id)
     assert core.stats().redelivered_groups == 1
     assert core.commit(again.batch_id) == 4
+    assert core.stats().fill == 0  # the lost lease no longer counts as held by the learner
 
 
 def test_expired_lease_is_redelivered(tmp_path: Path, settings: BufferSettings, make_group: Groups) -> None:
