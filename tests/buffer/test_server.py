@@ -258,3 +258,52 @@ def test_tls(server_factory: ServerFactory, settings: BufferSettings, tmp_path: 
     with BufferClient(f"localhost:{server.port}", token="t", retry=RetryPolicy(deadline=0.2)) as plaintext:
         with pytest.raises(BufferUnavailableError):
             plaintext.stats()
+
+
+def test_a_put_whose_caller_gives_up_during_its_flush_is_stored_once(
+    server_factory: ServerFactory, settings: BufferSettings, make_group: Groups, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once admitted, a Put is finished whatever its caller does: the caller's retry finds it
+    stored (a duplicate), so nothing is lost and nothing is stored twice."""
+    import stoker.buffer.wal as wal_module
+
+    server = server_factory(settings)
+    disk_free = threading.Event()
+    real_fdatasync = wal_module.os.fdatasync
+
+    def held_disk(fd: int) -> None:
+        assert disk_free.wait(30)
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(wal_module.os, "fdatasync", held_disk)
+    request = buffer_pb2.PutRequest(client_id="actor", trajectories=[to_proto(e) for e in make_group(2)])
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        put = channel.unary_unary("/stoker.v1.Buffer/Put", request_serializer=bytes, response_deserializer=buffer_pb2.PutResponse.FromString)
+        with pytest.raises(grpc.RpcError) as gave_up:
+            put(request.SerializeToString(), timeout=0.5)  # its flush cannot finish before the deadline
+        assert gave_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    disk_free.set()
+    with BufferClient(f"127.0.0.1:{server.port}", client_id="actor") as client:
+        retried = client.put_encoded([t.SerializeToString() for t in request.trajectories])[0]
+        assert (retried.stored, retried.duplicates) == (0, 2)
+        assert client.stats().stored_trajectories == 2 and client.stats().complete_groups == 1
+
+
+def test_a_failed_flush_is_unavailable_and_the_server_still_stops(
+    server_factory: ServerFactory, settings: BufferSettings, make_group: Groups, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import stoker.buffer.wal as wal_module
+
+    server = server_factory(settings)
+
+    def failing_disk(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(wal_module.os, "fdatasync", failing_disk)
+    with BufferClient(f"127.0.0.1:{server.port}", retry=RetryPolicy(deadline=0.2)) as client:
+        for _ in range(2):  # the first fails its flush, the next finds the log unusable
+            with pytest.raises(BufferUnavailableError, match="UNAVAILABLE"):
+                client.put(make_group(2))
+        assert client.stats().stored_trajectories == 0
+    assert server.core._puts_running == 0
+    server.stop(grace=0)  # returns: nothing is left waiting for the disk
