@@ -26,6 +26,7 @@ gRPC probes, which cannot send headers, work).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import os
@@ -45,6 +46,7 @@ from stoker.buffer.core import (
     BatchTooLarge,
     BufferCore,
     BufferFull,
+    PendingPut,
     PutOutcome,
     Unavailable,
     UnknownBatch,
@@ -93,7 +95,7 @@ class BufferService:
         self._loop_thread = threading.get_ident()
         self._all_stored: dict[int, bytes] = {}  # serialized PutResponse by batch size
         self._samplers: list[tuple[int, asyncio.Event]] = []  # waiting Samples: (min groups, wake-up)
-        self._puts: set[asyncio.Task[PutOutcome]] = set()  # Puts under way, kept to their end
+        self._unfinished: set[asyncio.Future[Any]] = set()  # Puts whose callers left, and large Puts
         core.ready_listener = self._on_ready
 
     async def put(self, data: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
@@ -102,13 +104,11 @@ class BufferService:
             client_id, raws = split_put_request(data)
         except WireError as exc:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"request: malformed PutRequest ({exc})")
-        # A task, shielded: once admitted, a Put is finished (stored, or taken back) even if its
-        # caller goes away meanwhile.
-        task = self.loop.create_task(self._put(raws, client_id, off_loop=len(data) >= OFF_LOOP_PUT_BYTES))
-        self._puts.add(task)
-        task.add_done_callback(self._put_ended)
         try:
-            outcome = await asyncio.shield(task)
+            if len(data) >= OFF_LOOP_PUT_BYTES:
+                outcome = await self._put_off_loop(raws, client_id)
+            else:
+                outcome = await self._put_on_loop(raws, client_id)
         except BufferFull as exc:
             retry = ((RETRY_AFTER_KEY, str(int(exc.retry_after * 1000))),)
             await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), retry)
@@ -142,11 +142,39 @@ class BufferService:
             )
         return response.SerializeToString()
 
-    async def _put(self, raws: Sequence[memoryview], client_id: str, *, off_loop: bool) -> PutOutcome:
-        if off_loop:
-            pending = await self.loop.run_in_executor(self.io_pool, self.core.begin_put, raws, client_id)
+    # Once admitted, a Put is finished (stored, or taken back) even if its caller goes away meanwhile.
+
+    async def _put_on_loop(self, raws: Sequence[memoryview], client_id: str) -> PutOutcome:
+        pending = self.core.begin_put(raws, client_id)
+        try:
+            await self.flusher.durable(pending.durable_at)
+        except WalError as exc:
+            self.core.abandon_put(pending)
+            raise Unavailable(str(exc)) from exc
+        except asyncio.CancelledError:  # the caller left (its deadline, or the server stopping)
+            flushed = self.flusher.durable(pending.durable_at)
+            self._unfinished.add(flushed)
+            flushed.add_done_callback(functools.partial(self._finish_left_put, pending))
+            raise
+        return self.core.finish_put(pending)
+
+    def _finish_left_put(self, pending: PendingPut, flushed: asyncio.Future[None]) -> None:
+        self._unfinished.discard(flushed)
+        if flushed.cancelled() or flushed.exception() is not None:
+            self.core.abandon_put(pending)
         else:
-            pending = self.core.begin_put(raws, client_id)
+            self.core.finish_put(pending)
+
+    async def _put_off_loop(self, raws: Sequence[memoryview], client_id: str) -> PutOutcome:
+        """A large Put validates and appends in a worker thread, as a task of its own that its
+        caller's leaving does not cancel."""
+        task = self.loop.create_task(self._put_in_worker(raws, client_id))
+        self._unfinished.add(task)
+        task.add_done_callback(self._put_in_worker_ended)
+        return await asyncio.shield(task)
+
+    async def _put_in_worker(self, raws: Sequence[memoryview], client_id: str) -> PutOutcome:
+        pending = await self.loop.run_in_executor(self.io_pool, self.core.begin_put, raws, client_id)
         try:
             await self.flusher.durable(pending.durable_at)
         except WalError as exc:
@@ -154,15 +182,15 @@ class BufferService:
             raise Unavailable(str(exc)) from exc
         return self.core.finish_put(pending)
 
-    def _put_ended(self, task: asyncio.Task[PutOutcome]) -> None:
-        self._puts.discard(task)
+    def _put_in_worker_ended(self, task: asyncio.Future[Any]) -> None:
+        self._unfinished.discard(task)
         if not task.cancelled():
             task.exception()  # retrieved: a Put whose caller left must not log "never retrieved"
 
     async def drain(self) -> None:
         """Wait for every admitted Put to finish (at shutdown, once no new calls come in)."""
-        while self._puts:
-            await asyncio.wait(list(self._puts))
+        while self._unfinished:
+            await asyncio.wait(list(self._unfinished))
 
     async def acquire(self, request: buffer_pb2.AcquireRequest, context: grpc.aio.ServicerContext[Any, Any]) -> buffer_pb2.AcquireResponse:
         granted, version, retry = self.core.acquire(request.groups, request.actor_id)

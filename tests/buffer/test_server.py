@@ -307,3 +307,49 @@ def test_a_failed_flush_is_unavailable_and_the_server_still_stops(
         assert client.stats().stored_trajectories == 0
     assert server.core._puts_running == 0
     server.stop(grace=0)  # returns: nothing is left waiting for the disk
+
+
+def test_stopping_with_a_put_mid_flush_finishes_it_and_restart_finds_it_once(
+    tmp_path: Path, settings: BufferSettings, make_group: Groups, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import stoker.buffer.wal as wal_module
+
+    server = BufferServer(settings, tmp_path / "data").start()
+    flushing, disk_free = threading.Event(), threading.Event()
+    real_fdatasync = wal_module.os.fdatasync
+
+    def held_disk(fd: int) -> None:
+        flushing.set()
+        assert disk_free.wait(30)
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(wal_module.os, "fdatasync", held_disk)
+    group = make_group(2)
+    outcome: list[object] = []
+
+    def put() -> None:
+        with BufferClient(f"127.0.0.1:{server.port}", retry=RetryPolicy(deadline=0.1)) as client:
+            try:
+                outcome.append(client.put(group))
+            except BufferClientError as exc:
+                outcome.append(exc)
+
+    writer = threading.Thread(target=put)
+    writer.start()
+    assert flushing.wait(30)  # the Put is admitted, logged and waiting for its flush
+    stopper = threading.Thread(target=server.stop, kwargs={"grace": 0})
+    stopper.start()  # cancels the waiting Put's call
+    writer.join(30)
+    assert outcome and isinstance(outcome[0], BufferClientError)  # not acknowledged...
+    disk_free.set()
+    stopper.join(30)
+    assert not stopper.is_alive(), "stop hung on a Put that was never finished"
+    monkeypatch.setattr(wal_module.os, "fdatasync", real_fdatasync)
+    again = BufferServer(settings, tmp_path / "data").start()
+    try:
+        with BufferClient(f"127.0.0.1:{again.port}") as client:
+            retried = client.put(group)  # ...so the actor retries: already there, stored once
+            assert (retried.stored, retried.duplicates) == (0, 2)
+            assert client.stats().stored_trajectories == 2
+    finally:
+        again.stop(grace=0)
