@@ -354,12 +354,53 @@ def disk_baseline(directory: Path, batch_bytes: int, seconds: float) -> dict[str
     }
 
 
-def durable_ceiling(echo: CaseResult, disk_cpu_us_per_trajectory: float) -> float:
-    """The buffer/echo ratio a server would reach if logging each Put durably were all it did beyond
-    the echo. Throughput here follows total CPU per trajectory (servers and clients share the cores),
-    so this is what the disk's own CPU cost alone leaves of the echo's throughput."""
+def logic_baseline(directory: Path, tokens: int, args: argparse.Namespace, seconds: float) -> float:
+    """CPU microseconds per trajectory of the buffer's own work, in this one thread with no gRPC and
+    no fsync: split each Put request, validate, admit, append to the log, store, then Sample,
+    encode the response and Commit every ``--sample-groups`` Puts -- the floor under what the
+    buffer server spends beyond the echo, whatever its threads or transport."""
+    from stoker.buffer.core import BufferCore
+    from stoker.buffer.settings import BufferSettings
+    from stoker.buffer.wire import encode_put_request, encode_sample_response, split_put_request
+    from stoker.v1 import trajectory_pb2
+
+    body = trajectory_body(tokens, 0)
+    settings = BufferSettings(capacity=1 << 20, group_size=args.batch, max_staleness=1000, sync="none")
+    core = BufferCore(settings, directory)
+    core.open()
+    stored = 0
+    try:
+        end = time.monotonic() + seconds
+        cpu = 0.0
+        while time.monotonic() < end:
+            requests = []
+            for index in range(args.sample_groups):  # encoded outside the measured CPU, as a client would
+                group = f"g{stored + index * args.batch}"
+                items = [
+                    trajectory_pb2.Trajectory(episode_id=f"{group}e{k}", group_id=group, group_size=args.batch).SerializeToString() + body
+                    for k in range(args.batch)
+                ]
+                requests.append(encode_put_request("logic", items))
+            began = time.thread_time()
+            for request in requests:
+                client_id, raws = split_put_request(request)
+                stored += core.put(raws, client_id).stored
+            batch = core.sample(args.sample_groups, 1, 0)
+            assert batch is not None
+            encode_sample_response(batch.batch_id, batch.groups, batch.policy_version)
+            core.commit(batch.batch_id)
+            cpu += time.thread_time() - began
+    finally:
+        core.close()
+    return cpu / max(stored, 1) * 1e6
+
+
+def ceiling(echo: CaseResult, extra_cpu_us_per_trajectory: float) -> float:
+    """The buffer/echo ratio a server would reach if ``extra`` were all it spent beyond the echo.
+    Throughput here follows total CPU per trajectory (servers and clients share the cores), so this
+    is what that cost alone leaves of the echo's throughput."""
     echo_total = echo.server_cpu_us_per_trajectory + echo.clients_cpu_us_per_trajectory
-    return echo_total / (echo_total + disk_cpu_us_per_trajectory)
+    return echo_total / (echo_total + extra_cpu_us_per_trajectory)
 
 
 def start_server(target: str, work: Path, tokens: int, args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
@@ -517,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, help="where the buffer's log goes (default: a temporary directory)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--disk-seconds", type=float, default=3.0, help="length of the raw disk baseline per size (0: skip)")
+    parser.add_argument("--logic-seconds", type=float, default=3.0, help="length of the in-process logic baseline per size (0: skip)")
     parser.add_argument("--echo-server", type=Path, help=argparse.SUPPRESS)  # internal: serve echo, ready file
     args = parser.parse_args(argv)
     if args.echo_server:
@@ -524,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results: list[CaseResult] = []
     disks: dict[int, dict[str, float]] = {}
+    logic: dict[int, float] = {}
     with tempfile.TemporaryDirectory(dir=args.work_dir, prefix="buffer-bench-") as tmp:
         for tokens in args.sizes:
             if args.disk_seconds > 0:
@@ -535,6 +578,13 @@ def main(argv: list[str] | None = None) -> int:
                     f"{disk['durable_mb_per_s']:.0f} MB/s durable, "
                     f"{disk['cpu_us_per_append']:.0f} us CPU per {'direct ' if disk['direct'] else ''}append + fdatasync "
                     f"({disk['cpu_us_per_append'] / args.batch:.1f} us per trajectory)",
+                    flush=True,
+                )
+            if args.logic_seconds > 0:
+                logic[tokens] = logic_baseline(Path(tmp) / f"logic-{tokens}", tokens, args, args.logic_seconds)
+                print(
+                    f" logic {tokens:>6} tokens: {logic[tokens]:.1f} us CPU per trajectory (split, validate, admit, log "
+                    "write without fsync, store, Sample, encode, Commit; one thread, no gRPC)",
                     flush=True,
                 )
             for result in run_size(tokens, args, Path(tmp)):
@@ -558,9 +608,12 @@ def main(argv: list[str] | None = None) -> int:
             entry = {"tokens": tokens, "put_ratio": ratio, "read_ratio": read_ratio}
             line = f"{tokens:>6} tokens: buffer/echo throughput {ratio:.2f}x (put), {read_ratio:.2f}x (read)"
             if tokens in disks:
-                ceiling = durable_ceiling(echo, disks[tokens]["cpu_us_per_append"] / args.batch)
-                entry["durable_ceiling"] = ceiling
-                line += f"; a server that only logged each Put durably: at most {ceiling:.2f}x"
+                entry["durable_ceiling"] = ceiling(echo, disks[tokens]["cpu_us_per_append"] / args.batch)
+                line += f"; a server that only logged each Put durably: at most {entry['durable_ceiling']:.2f}x"
+            if tokens in logic:
+                entry["logic_us_per_trajectory"] = logic[tokens]
+                entry["logic_ceiling"] = ceiling(echo, logic[tokens])
+                line += f"; one whose only cost was its logic ({logic[tokens]:.1f} us/traj): at most {entry['logic_ceiling']:.2f}x"
             summary.append(entry)
             print(line)
     if args.json:
@@ -569,6 +622,7 @@ def main(argv: list[str] | None = None) -> int:
             "results": [asdict(r) for r in results],
             "ratios": summary,
             "disk": {str(k): v for k, v in disks.items()},
+            "logic_us_per_trajectory": {str(k): v for k, v in logic.items()},
         }
         args.json.write_text(json.dumps(report, indent=2))
     return 0

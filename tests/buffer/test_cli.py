@@ -72,7 +72,7 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "buffer_throughput.py"), "--seconds", "1", "--rounds", "1",
          "--sizes", "64", "--writers", "1", "--window", "1", "--sample-groups", "2", "--disk-seconds", "0.2",
-         "--json", str(out)],
+         "--logic-seconds", "0.2", "--json", str(out)],
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -85,3 +85,4 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     disk = report["disk"]["64"]
     assert disk["append_p50_ms"] > 0 and disk["cpu_us_per_append"] > 0
     assert 0 < report["ratios"][0]["durable_ceiling"] < 1
+    assert report["logic_us_per_trajectory"]["64"] > 0 and 0 < report["ratios"][0]["logic_ceiling"] < 1
