@@ -92,7 +92,7 @@ class BufferService:
         self.io_pool = io_pool
         self.put_latency = put_latency
         self.loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
+        self._loop_thread_id = threading.get_ident()
         self._all_stored: dict[int, bytes] = {}  # serialized PutResponse by batch size
         self._samplers: list[tuple[int, asyncio.Event]] = []  # waiting Samples: (min groups, wake-up)
         self._unfinished: set[asyncio.Future[Any]] = set()  # Puts whose callers left, and large Puts
@@ -145,13 +145,15 @@ class BufferService:
     # Once admitted, a Put is finished (stored, or taken back) even if its caller goes away meanwhile.
 
     async def _put_on_loop(self, raws: Sequence[memoryview], client_id: str) -> PutOutcome:
-        pending = self.core.begin_put(raws, client_id)
+        return await self._finish_put(self.core.begin_put(raws, client_id))
+
+    async def _finish_put(self, pending: PendingPut) -> PutOutcome:
         try:
             await self.flusher.durable(pending.durable_at)
         except WalError as exc:
             self.core.abandon_put(pending)
             raise Unavailable(str(exc)) from exc
-        except asyncio.CancelledError:  # the caller left (its deadline, or the server stopping)
+        except asyncio.CancelledError:  # the call was cancelled (the server is stopping)
             flushed = self.flusher.durable(pending.durable_at)
             self._unfinished.add(flushed)
             flushed.add_done_callback(functools.partial(self._finish_left_put, pending))
@@ -175,12 +177,7 @@ class BufferService:
 
     async def _put_in_worker(self, raws: Sequence[memoryview], client_id: str) -> PutOutcome:
         pending = await self.loop.run_in_executor(self.io_pool, self.core.begin_put, raws, client_id)
-        try:
-            await self.flusher.durable(pending.durable_at)
-        except WalError as exc:
-            self.core.abandon_put(pending)
-            raise Unavailable(str(exc)) from exc
-        return self.core.finish_put(pending)
+        return await self._finish_put(pending)
 
     def _put_in_worker_ended(self, task: asyncio.Future[Any]) -> None:
         self._unfinished.discard(task)
@@ -235,7 +232,7 @@ class BufferService:
         """``BufferCore.ready_listener``: wake the Samples that can now return."""
         if not self._samplers:
             return
-        if threading.get_ident() == self._loop_thread:
+        if threading.get_ident() == self._loop_thread_id:
             self._wake_samplers(ready)
         else:
             self.loop.call_soon_threadsafe(self._wake_samplers, ready)
