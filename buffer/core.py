@@ -498,15 +498,11 @@ class BufferCore:
         return pending.outcome
 
     def abandon_put(self, pending: PendingPut) -> None:
-        """Take back what ``begin_put`` admitted (its log write or flush failed)."""
-        self._end_put(pending.new, pending.logged)
-
-    def _end_put(self, unstored: Sequence[tuple[bytes | memoryview, TrajectoryMeta]], logged: Position | None) -> None:
-        """Take back what a Put admitted but never stored, and let ``close`` go on."""
+        """Take back what ``begin_put`` admitted (its log write or flush failed), and let ``close`` go on."""
         with self._cond:
-            self._mark_pending(unstored, -1)
-            if logged is not None:
-                self.wal.unpin(logged[0], len(unstored), sum(HEADER.size + len(raw) for raw, _ in unstored))
+            self._mark_pending(pending.new, -1)
+            if pending.logged is not None:
+                self.wal.unpin(pending.logged[0], len(pending.new), sum(HEADER.size + len(raw) for raw, _ in pending.new))
             self._put_done()
 
     def _put_done(self) -> None:
