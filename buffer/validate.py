@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence, Sized
+from collections.abc import Sequence
 from typing import NamedTuple, cast
 
 import numpy as np
@@ -135,22 +135,9 @@ def _scalar_problem(message: trajectory_pb2.Trajectory, settings: BufferSettings
 def _head_limit(settings: BufferSettings) -> int:
     """Bytes of a trajectory besides its per-token arrays below which every id, text, map and
     list in it is within the limits (a string of b bytes has at most b characters, a map entry or
-    a float takes at least two bytes on the wire): the batch path checks one length instead of each."""
+    a float takes at least two bytes on the wire): the batch path checks one length instead of each,
+    and runs ``_check_scalars`` only for messages above it."""
     return min(settings.max_id_length, settings.max_text_length, 2 * settings.max_metrics, 2 * settings.max_trajectory_tokens)
-
-
-def _within_limits(m: trajectory_pb2.Trajectory, turn_rewards: Sized, settings: BufferSettings) -> bool:
-    """Every id, text, map and list within the service limits (when ``_head_limit`` cannot tell)."""
-    limit = settings.max_id_length
-    return (
-        len(m.episode_id) <= limit
-        and len(m.group_id) <= limit
-        and len(m.task_id) <= limit
-        and len(m.actor_id) <= limit
-        and len(m.status_reason) <= settings.max_text_length
-        and len(m.metrics) <= settings.max_metrics
-        and len(turn_rewards) <= settings.max_trajectory_tokens
-    )
 
 
 def validate_batch(raws: Sequence[bytes | memoryview], settings: BufferSettings) -> list[TrajectoryMeta | Invalid]:
@@ -189,7 +176,7 @@ def validate_batch(raws: Sequence[bytes | memoryview], settings: BufferSettings)
             or not group_id
             or size < 1
             or (group_size and size != group_size)
-            or (len(raw) - n * _BYTES_PER_TOKEN > head_limit and not _within_limits(m, turn_rewards, settings))
+            or (len(raw) - n * _BYTES_PER_TOKEN > head_limit and _scalar_problem(m, settings) is not None)
             or len(m.token_ids) != n * _ID_SIZE
             or len(mask) != n
             or len(logprob) != n * LOGPROB_DTYPE.itemsize
