@@ -3,18 +3,20 @@
     .venv/bin/python benchmarks/buffer_throughput.py                 # 20 s per case, 512 and 32768 tokens
     .venv/bin/python benchmarks/buffer_throughput.py --seconds 2 --sizes 64 --json out.json
 
-For each trajectory size, the same load runs twice: W writer processes (each with ``--window``
+For each trajectory size, the same load runs against each target in turn: W writer processes (each with ``--window``
 Puts in flight, one group of ``--batch`` trajectories per Put) and one reader process
 (Sample up to ``--sample-groups`` groups, decode, Commit) against
 
 * ``echo``: a gRPC server speaking the same Buffer protocol that keeps the request bytes in a
   bounded queue and hands them to the reader as they are: no validation, no log, no groups;
+* ``echo-log``: the same echo server that also appends each Put's bytes to a file and flushes
+  (``fdatasync``, shared by concurrent Puts) before answering -- what durability alone costs;
 * ``buffer``: ``stoker buffer`` with durability on (fsync per Put batch and per Commit).
 
 Both servers run as their own process; their CPU time per trajectory comes from /proc. Writers and
 the reader use the real client library (``BufferClient``), so backoff on a full server is the same.
 Reported per case: trajectories/s and MB/s written, p50/p99 Put latency, reader trajectories/s,
-server CPU microseconds per trajectory, and the buffer/echo throughput ratio.
+server CPU microseconds per trajectory, and the buffer/echo and echo-log/echo throughput ratios.
 """
 
 from __future__ import annotations
@@ -45,8 +47,53 @@ DRAIN_SECONDS = 2.0  # the reader keeps draining this long after a round so no w
 # ----------------------------------------------------------------------------- echo server
 
 
-def run_echo_server(ready_file: Path, capacity: int, max_message_bytes: int) -> None:
-    """The transport ceiling: Put bytes in, Sample bytes out, nothing else."""
+class DurableLog:
+    """The least a durable server must do per Put: append its bytes to a file and flush before
+    answering, with concurrent Puts sharing one ``fdatasync`` (group commit). Files of
+    ``SEGMENT_BYTES``, preallocated as the buffer's log is, replace each other when full."""
+
+    SEGMENT_BYTES = 256 << 20
+
+    def __init__(self, directory: Path):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self.write_lock = threading.Lock()
+        self.sync_lock = threading.Lock()
+        self.segment = 0
+        self.fd = self._open(0)
+        self.offset = 0
+        self.written = 0  # bytes appended in all, over every segment
+        self.synced = 0  # ...of which flushed
+
+    def _open(self, number: int) -> int:
+        fd = os.open(self.directory / f"{number:06d}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.posix_fallocate(fd, 0, self.SEGMENT_BYTES)
+        return fd
+
+    def append(self, data: bytes) -> None:
+        with self.write_lock:
+            if self.offset + len(data) > self.SEGMENT_BYTES:
+                os.fdatasync(self.fd)  # what the old file holds is durable before it is dropped
+                os.close(self.fd)
+                (self.directory / f"{self.segment:06d}.log").unlink()
+                self.segment += 1
+                self.fd, self.offset = self._open(self.segment), 0
+            os.pwrite(self.fd, data, self.offset)
+            self.offset += len(data)
+            self.written += len(data)
+            mine = self.written
+        with self.sync_lock:
+            if self.synced >= mine:
+                return  # another Put's flush covered this one
+            with self.write_lock:
+                fd, upto = self.fd, self.written
+            os.fdatasync(fd)
+            self.synced = upto
+
+
+def run_echo_server(ready_file: Path, capacity: int, max_message_bytes: int, log_dir: Path | None = None) -> None:
+    """The transport ceiling: Put bytes in, Sample bytes out, nothing else -- or, with ``log_dir``,
+    only that and a durable append of each Put (``echo-log``)."""
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -54,6 +101,7 @@ def run_echo_server(ready_file: Path, capacity: int, max_message_bytes: int) -> 
     from stoker.buffer.wire import encode_varint, split_put_request
     from stoker.v1 import buffer_pb2
 
+    log = DurableLog(log_dir) if log_dir is not None else None
     cond = threading.Condition()
     queue: collections.deque[tuple[bytes, int]] = collections.deque()  # (PutRequest bytes, trajectories)
     held = [0]
@@ -62,6 +110,8 @@ def run_echo_server(ready_file: Path, capacity: int, max_message_bytes: int) -> 
     def put(data: bytes, context: grpc.ServicerContext) -> bytes:
         # Walking the framing counts the trajectories, so the reply can say how many were taken.
         count = len(split_put_request(data)[1])
+        if log is not None:
+            log.append(data)
         with cond:
             # Full: wait a little rather than refuse at once, so few transfers are wasted.
             deadline = time.monotonic() + 0.2
@@ -413,8 +463,10 @@ def ceiling(echo: CaseResult, extra_cpu_us_per_trajectory: float) -> float:
 def start_server(target: str, work: Path, tokens: int, args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
     ready = work / f"{target}-{tokens}.ready"
     capacity = capacity_for(tokens, args)
-    if target == "echo":
+    if target.startswith("echo"):
         command = [sys.executable, __file__, "--echo-server", str(ready), "--capacity", str(capacity)]
+        if target == "echo-log":
+            command += ["--echo-log", str(work / f"echo-log-{tokens}")]
     else:
         manifest = work / "job.yaml"
         manifest.write_text(
@@ -561,15 +613,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity", type=int, default=1024, help="trajectories held by either server")
     parser.add_argument("--capacity-mb", type=float, default=64.0, help="...but at most this much data")
     parser.add_argument("--sync", choices=["batch", "none"], default="batch", help="the buffer's sync policy")
-    parser.add_argument("--targets", nargs="+", default=["echo", "buffer"], choices=["echo", "buffer"])
+    parser.add_argument(
+        "--targets", nargs="+", default=["echo", "echo-log", "buffer"], choices=["echo", "echo-log", "buffer"],
+        help="echo-log: the echo server plus a durable append (group-committed fdatasync) of each Put",
+    )
     parser.add_argument("--work-dir", type=Path, help="where the buffer's log goes (default: a temporary directory)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--disk-seconds", type=float, default=3.0, help="length of the raw disk baseline per size (0: skip)")
     parser.add_argument("--logic-seconds", type=float, default=3.0, help="length of the in-process logic baseline per size (0: skip)")
     parser.add_argument("--echo-server", type=Path, help=argparse.SUPPRESS)  # internal: serve echo, ready file
+    parser.add_argument("--echo-log", type=Path, help=argparse.SUPPRESS)  # internal: ...and log durably here
     args = parser.parse_args(argv)
     if args.echo_server:
-        run_echo_server(args.echo_server, args.capacity, 256 << 20)
+        run_echo_server(args.echo_server, args.capacity, 256 << 20, args.echo_log)
         return 0
     results: list[CaseResult] = []
     disks: dict[int, dict[str, float]] = {}
@@ -580,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
                 batch_bytes = args.batch * tokens * TRAJECTORY_BYTES_PER_TOKEN
                 disk = disks[tokens] = disk_baseline(Path(tmp) / "disk", batch_bytes, args.disk_seconds)
                 print(
-                    f"  disk {tokens:>6} tokens: one writer, {batch_bytes / 1e6:.2f} MB + fdatasync: "
+                    f"    disk {tokens:>6} tokens: one writer, {batch_bytes / 1e6:.2f} MB + fdatasync: "
                     f"p50 {disk['append_p50_ms']:.2f} ms p99 {disk['append_p99_ms']:.2f} ms, "
                     f"{disk['durable_mb_per_s']:.0f} MB/s durable, "
                     f"{disk['cpu_us_per_append']:.0f} us CPU per {'direct ' if disk['direct'] else ''}append + fdatasync "
@@ -590,14 +646,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.logic_seconds > 0:
                 logic[tokens] = logic_baseline(Path(tmp) / f"logic-{tokens}", tokens, args, args.logic_seconds)
                 print(
-                    f" logic {tokens:>6} tokens: {logic[tokens]:.1f} us CPU per trajectory (split, validate, admit, log "
+                    f"   logic {tokens:>6} tokens: {logic[tokens]:.1f} us CPU per trajectory (split, validate, admit, log "
                     "write without the flush, store, Sample, encode, Commit; one thread, no gRPC)",
                     flush=True,
                 )
             for result in run_size(tokens, args, Path(tmp)):
                 results.append(result)
                 print(
-                    f"{result.target:>6} {tokens:>6} tokens: {result.put_trajectories_per_s:9.0f} traj/s "
+                    f"{result.target:>8} {tokens:>6} tokens: {result.put_trajectories_per_s:9.0f} traj/s "
                     f"{result.put_mb_per_s:8.1f} MB/s  put p50 {result.put_p50_ms:6.2f} ms p99 {result.put_p99_ms:6.2f} ms  "
                     f"read {result.read_trajectories_per_s:9.0f} traj/s  CPU us/traj: server {result.server_cpu_us_per_trajectory:7.1f} "
                     f"(kernel {result.server_system_cpu_us_per_trajectory:6.1f}, {result.server_switches_per_trajectory:4.2f} switches) "
@@ -614,9 +670,9 @@ def main(argv: list[str] | None = None) -> int:
             read_ratio = buffer.read_trajectories_per_s / max(echo.read_trajectories_per_s, 1e-9)
             entry = {"tokens": tokens, "put_ratio": ratio, "read_ratio": read_ratio}
             line = f"{tokens:>6} tokens: buffer/echo throughput {ratio:.2f}x (put), {read_ratio:.2f}x (read)"
-            if tokens in disks:
-                entry["durable_ceiling"] = ceiling(echo, disks[tokens]["cpu_us_per_append"] / args.batch)
-                line += f"; a server that only logged each Put durably: at most {entry['durable_ceiling']:.2f}x"
+            if durable := by_case.get(("echo-log", tokens)):
+                entry["echo_log_ratio"] = durable.put_trajectories_per_s / echo.put_trajectories_per_s
+                line += f"; echo-log/echo {entry['echo_log_ratio']:.2f}x"
             if tokens in logic:
                 entry["logic_us_per_trajectory"] = logic[tokens]
                 entry["logic_ceiling"] = ceiling(echo, logic[tokens])

@@ -78,11 +78,11 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     by_target = {r["target"]: r for r in report["results"]}
-    assert set(by_target) == {"echo", "buffer"}
+    assert set(by_target) == {"echo", "echo-log", "buffer"}
     for row in by_target.values():
         assert row["stored"] > 0 and row["read"] > 0 and row["put_p99_ms"] > 0
     assert report["ratios"][0]["tokens"] == 64
     disk = report["disk"]["64"]
     assert disk["append_p50_ms"] > 0 and disk["cpu_us_per_append"] > 0
-    assert 0 < report["ratios"][0]["durable_ceiling"] < 1
+    assert report["ratios"][0]["echo_log_ratio"] > 0
     assert report["logic_us_per_trajectory"]["64"] > 0 and 0 < report["ratios"][0]["logic_ceiling"] < 1
