@@ -54,6 +54,25 @@ def test_preallocated_zeros_after_a_crash_are_a_clean_end(tmp_path: Path) -> Non
     del wal
 
 
+def test_a_small_log_holds_little_disk_even_when_not_closed(tmp_path: Path) -> None:
+    wal = write_segments(tmp_path, [b"x" * 1000] * 3, segment_bytes=256 << 20)
+    # no close(), like kill -9: what stays on disk is the first preallocation, not the whole segment
+    segment = sorted(tmp_path.glob("*.wal"))[0]
+    assert segment.stat().st_size == wal_module.PREALLOCATE_FIRST
+    del wal
+
+
+def test_preallocation_doubles_ahead_of_buffered_and_direct_appends(tmp_path: Path) -> None:
+    small = [bytes([i]) * 100_000 for i in range(12)]  # 1.2 MB through the page cache
+    large = [bytes([100 + i]) * (DIRECT_MIN + 5) for i in range(6)]  # then 1.6 MB direct
+    wal = write_segments(tmp_path, small + large, segment_bytes=256 << 20)
+    assert wal.direct_appends == len(large)
+    # 2.8 MB of records: preallocated 1, then 2, then 4 MiB, ahead of the direct writes too
+    assert sorted(tmp_path.glob("*.wal"))[0].stat().st_size == 4 << 20
+    assert replayed(tmp_path) == (small + large, [])
+    del wal
+
+
 @pytest.mark.parametrize(
     ("damage", "expected"),
     [
