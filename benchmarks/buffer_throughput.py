@@ -64,6 +64,7 @@ class DurableLog:
         self.offset = 0
         self.written = 0  # bytes appended in all, over every segment
         self.synced = 0  # ...of which flushed
+        self.retired: list[int] = []  # full files' descriptors, closed by the next flush (one may be flushing them)
 
     def _open(self, number: int) -> int:
         fd = os.open(self.directory / f"{number:06d}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -74,7 +75,7 @@ class DurableLog:
         with self.write_lock:
             if self.offset + len(data) > self.SEGMENT_BYTES:
                 os.fdatasync(self.fd)  # what the old file holds is durable before it is dropped
-                os.close(self.fd)
+                self.retired.append(self.fd)
                 (self.directory / f"{self.segment:06d}.log").unlink()
                 self.segment += 1
                 self.fd, self.offset = self._open(self.segment), 0
@@ -87,8 +88,11 @@ class DurableLog:
                 return  # another Put's flush covered this one
             with self.write_lock:
                 fd, upto = self.fd, self.written
+                retired, self.retired = self.retired, []
             os.fdatasync(fd)
             self.synced = upto
+            for old in retired:
+                os.close(old)
 
 
 def run_echo_server(ready_file: Path, capacity: int, max_message_bytes: int, log_dir: Path | None = None) -> None:
