@@ -23,9 +23,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from stoker.ports import JAX_COORDINATOR_PORT
+
 log = logging.getLogger(__name__)
 
-COORDINATOR_PORT = 8482
+COORDINATOR_PORT = JAX_COORDINATOR_PORT  # not the Megascale port: both run on slice 0's first host
 
 
 class DistributedEnvError(ValueError):

@@ -25,6 +25,7 @@ from stoker.operator.manifests import (
     container_env,
     metadata,
 )
+from stoker.jobname import REPLICATED_JOB
 from stoker.operator.naming import ROLE_LEARNER, labels, selector
 from stoker.operator.tpu import (
     ACCELERATOR_LABEL,
@@ -34,15 +35,14 @@ from stoker.operator.tpu import (
     SliceShape,
     slice_shape,
 )
+from stoker.ports import JAX_COORDINATOR_PORT, MEGASCALE_COORDINATOR_PORT
 from stoker.spec import LearnerSpec
 
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
-REPLICATED_JOB = "slice"
 EXCLUSIVE_TOPOLOGY_ANNOTATION = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 JOBSET_JOB_INDEX_ANNOTATION = "jobset.sigs.k8s.io/job-index"
 JOB_COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-MEGASCALE_PORT = 8482
 RUN_DIR = "/var/lib/stoker/run"
 # Labels Kubernetes and JobSet put on pods: the learner's first host serves the weights.
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
@@ -89,7 +89,10 @@ def _pod_spec(ctx: JobContext, shape: SliceShape, env: list[dict[str, Any]], *, 
         "volumes": [*volumes, _run_volume(ctx, shape)],
     }
     if ctx.disaggregated:
+        # Workload Identity needs no mounted token: GKE's metadata server maps the pod's account.
         pod["automountServiceAccountToken"] = False
+        if learner.service_account_name:
+            pod["serviceAccountName"] = learner.service_account_name
     else:
         pod["serviceAccountName"] = ctx.names.sandbox_manager  # it manages its own sandboxes
     if subdomain is not None:
@@ -101,7 +104,10 @@ def _pod_spec(ctx: JobContext, shape: SliceShape, env: list[dict[str, Any]], *, 
     if shape.chips_per_host:
         quantity = str(shape.chips_per_host)
         container["resources"] = {"requests": {TPU_RESOURCE: quantity}, "limits": {TPU_RESOURCE: quantity}}
-        container["ports"].append({"name": "megascale", "containerPort": MEGASCALE_PORT, "protocol": "TCP"})
+        container["ports"] += [
+            {"name": "megascale", "containerPort": MEGASCALE_COORDINATOR_PORT, "protocol": "TCP"},
+            {"name": "jax-coordinator", "containerPort": JAX_COORDINATOR_PORT, "protocol": "TCP"},
+        ]
         pod["nodeSelector"] = {ACCELERATOR_LABEL: learner.accelerator, TOPOLOGY_LABEL: learner.topology}
         pod["tolerations"] = [{"key": TPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
     else:
@@ -177,7 +183,7 @@ def build_learner_jobset(ctx: JobContext) -> Manifest:
         env = [
             {"name": "MEGASCALE_NUM_SLICES", "value": str(slices)},
             _field_env("MEGASCALE_SLICE_ID", f"metadata.annotations['{JOBSET_JOB_INDEX_ANNOTATION}']"),
-            {"name": "MEGASCALE_COORDINATOR_ADDRESS", "value": f"{coordinator}:{MEGASCALE_PORT}"},
+            {"name": "MEGASCALE_COORDINATOR_ADDRESS", "value": f"{coordinator}:{MEGASCALE_COORDINATOR_PORT}"},
         ]
     pod_spec = _pod_spec(ctx, shape, env, subdomain=None)  # JobSet sets the subdomain itself
     meta = metadata(ctx, names.learner, ROLE_LEARNER)
@@ -214,7 +220,10 @@ def build_learner_service(ctx: JobContext) -> Manifest:
             "selector": selector(ctx.name, ROLE_LEARNER),
             # Hosts must resolve each other before any is ready: they rendezvous at start-up.
             "publishNotReadyAddresses": True,
-            "ports": [{"name": "megascale", "port": MEGASCALE_PORT, "protocol": "TCP"}],
+            "ports": [
+                {"name": "megascale", "port": MEGASCALE_COORDINATOR_PORT, "protocol": "TCP"},
+                {"name": "jax-coordinator", "port": JAX_COORDINATOR_PORT, "protocol": "TCP"},
+            ],
         },
     }
 
@@ -238,7 +247,7 @@ def build_learner_indexed_jobs(ctx: JobContext) -> list[Manifest]:
             env += [
                 {"name": "MEGASCALE_NUM_SLICES", "value": str(slices)},
                 {"name": "MEGASCALE_SLICE_ID", "value": str(s)},
-                {"name": "MEGASCALE_COORDINATOR_ADDRESS", "value": f"{coordinator}:{MEGASCALE_PORT}"},
+                {"name": "MEGASCALE_COORDINATOR_ADDRESS", "value": f"{coordinator}:{MEGASCALE_COORDINATOR_PORT}"},
             ]
         meta = metadata(ctx, job_name, ROLE_LEARNER)
         meta["labels"] = _workload_labels(ctx)

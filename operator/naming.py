@@ -1,7 +1,8 @@
 """Deterministic child names and the labels every child carries.
 
 Names are derived from the RLJob's name alone, so a retried create finds the object it made before
-(409 Conflict is success) and nothing needs ``generateName``.
+(409 Conflict is success) and nothing needs ``generateName``. How long the RLJob's name may be is
+``stoker.jobname``'s rule (the learner JobSet's pod names are the longest).
 """
 
 from __future__ import annotations
@@ -9,11 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stoker.actor.labels import JOB_LABEL, ROLE_LABEL
+from stoker.jobname import LEARNER_SUFFIX
 
 MANAGED_BY = "stoker-operator"
-# The longest learner pod hostname is "<job>-learner-slice-<slice>-<host>"; keeping job names at
-# most this long keeps it (and every child name) a valid 63-character DNS label.
-MAX_JOB_NAME = 40
 
 ROLE_LEARNER = "learner"
 ROLE_ACTOR = "actor"
@@ -26,7 +25,7 @@ class Names:
 
     @property
     def learner(self) -> str:
-        return f"{self.job}-learner"
+        return f"{self.job}{LEARNER_SUFFIX}"  # stoker.jobname's name limit is built on it
 
     def learner_slice_job(self, slice_index: int) -> str:
         """One Indexed Job per slice in the no-JobSet fallback."""
@@ -70,16 +69,6 @@ class Names:
     @property
     def sandbox_policy(self) -> str:
         return f"{self.job}-sandboxes"
-
-
-def name_problems(name: str) -> list[str]:
-    """Why an RLJob name cannot be used for child names (Services need a leading letter)."""
-    problems = []
-    if len(name) > MAX_JOB_NAME:
-        problems.append(f"name {name!r} has {len(name)} characters; expected at most {MAX_JOB_NAME}")
-    if not name[:1].isalpha():
-        problems.append(f"name {name!r} must start with a letter (it names Services)")
-    return problems
 
 
 def labels(job: str, role: str, extra: dict[str, str] | None = None) -> dict[str, str]:

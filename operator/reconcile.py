@@ -23,7 +23,7 @@ from stoker.operator.learner_workload import JOBSET_API_VERSION, learner_shape
 from stoker.operator.control import StalenessWindow, learner_starved, staleness_exceeded, staleness_window
 from stoker.operator.manifests import JobContext, build_buffer_control_configmap, build_buffer_token_secret
 from stoker.operator.metrics import OperatorMetrics
-from stoker.operator.naming import Names, name_problems
+from stoker.operator.naming import Names
 from stoker.operator.observe import (
     DeploymentObservation,
     LearnerObservation,
@@ -34,7 +34,7 @@ from stoker.operator.observe import (
 )
 from stoker.operator.settings import OperatorSettings
 from stoker.operator.tpu import TopologyError
-from stoker.spec import RLJobSpec, cross_field_problems
+from stoker.spec import RLJobSpec, cross_field_problems, name_problems
 
 DEPLOYMENT = RESOURCES[("apps/v1", "Deployment")]
 CONFIGMAP = RESOURCES[("v1", "ConfigMap")]
@@ -71,20 +71,20 @@ class InvalidJob(Exception):
 
 def parse_spec(name: str, spec: Any) -> RLJobSpec:
     """The typed spec, or ``InvalidJob`` listing every problem (topology included)."""
-    problems = name_problems(name)
     try:
         parsed = RLJobSpec.model_validate(dict(spec or {}))
     except ValidationError as exc:
         details = "; ".join(f"spec.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-        raise InvalidJob("InvalidSpec", "; ".join([*problems, details])) from None
-    problems += [f"spec.{path}: {message}" for path, message in cross_field_problems(parsed)]
-    if problems:
-        raise InvalidJob("InvalidSpec", "; ".join(problems))
-    if parsed.learner.accelerator != "cpu":
+        raise InvalidJob("InvalidSpec", details) from None
+    if parsed.learner.accelerator != "cpu" and parsed.learner.topology is not None:
         try:
             learner_shape(parsed.learner)
         except TopologyError as exc:
             raise InvalidJob("InvalidTopology", f"spec.learner.topology: {exc}") from None
+    problems = [f"metadata.name: {message}" for message in name_problems(name, parsed)]
+    problems += [f"spec.{path}: {message}" for path, message in cross_field_problems(parsed)]
+    if problems:
+        raise InvalidJob("InvalidSpec", "; ".join(problems))
     return parsed
 
 

@@ -83,16 +83,29 @@ def spec_schema() -> dict[str, Any]:
     return schema
 
 
+# metav1.Condition's own validation (k8s.io/apimachinery/pkg/apis/meta/v1/types.go markers).
+CONDITION_LIMITS: dict[str, dict[str, Any]] = {
+    "type": {"minLength": 1, "maxLength": 316},
+    "reason": {"minLength": 1, "maxLength": 1024},
+    "message": {"maxLength": 32768},
+    "observedGeneration": {"minimum": 0},
+    "lastTransitionTime": {"format": "date-time"},
+}
+
+
 def status_schema() -> dict[str, Any]:
     schema = structural(RLJobStatus.model_json_schema(by_alias=True, mode="serialization"))
     conditions = schema["properties"]["conditions"]
     conditions["x-kubernetes-list-type"] = "map"
     conditions["x-kubernetes-list-map-keys"] = ["type"]
+    for name, limits in CONDITION_LIMITS.items():
+        conditions["items"]["properties"][name].update(limits)
     return schema
 
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
     {"name": "Version", "type": "integer", "jsonPath": ".status.policyVersion", "description": "Policy version"},
     {"name": "Staleness", "type": "integer", "jsonPath": ".status.staleness.max", "description": "Max staleness"},
     {"name": "Duty", "type": "number", "jsonPath": ".status.learnerDutyCycle", "description": "Learner duty cycle"},
@@ -128,6 +141,8 @@ def build_crd() -> dict[str, Any]:
                     "schema": {
                         "openAPIV3Schema": {
                             "type": "object",
+                            # Rules needing metadata.name or spanning absent objects (immutability).
+                            "x-kubernetes-validations": rlspec.ROOT_CEL_RULES,
                             "description": "An asynchronous agentic RL job: actors, buffer and learner.",
                             "properties": {
                                 "apiVersion": {"type": "string"},

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from stoker.spec import API_VERSION, KIND, RLJob, cross_field_problems
+from stoker.spec import API_VERSION, KIND, RLJob, cross_field_problems, name_problems
 
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
 
@@ -94,7 +94,8 @@ def validate_document(doc: Any, source: str) -> tuple[RLJob | None, list[Problem
             path, message = _explain(error)
             problems.append(Problem(source, path, message))
         return None, problems
-    problems = [Problem(source, f"spec.{path}", message) for path, message in cross_field_problems(job.spec)]
+    problems = [Problem(source, "metadata.name", message) for message in name_problems(job.metadata.name, job.spec)]
+    problems += [Problem(source, f"spec.{path}", message) for path, message in cross_field_problems(job.spec)]
     return (None if problems else job), problems
 
 

@@ -15,6 +15,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from stoker import spec_cel
+from stoker.jobname import name_problems as _name_problems
+from stoker.tpu import TopologyError, hosts_per_slice
+
 GROUP = "stoker.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -27,6 +31,10 @@ SHORT_NAMES = ["rlj"]
 QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
 # RFC 1123 DNS label: what Kubernetes accepts as an object name used in child names.
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# RFC 1123 subdomain: ServiceAccount names.
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+# CEL compares neighbouring buckets one by one, so the list is bounded.
+MAX_SEQUENCE_BUCKETS = 16
 
 
 def cel(rule: str, message: str) -> dict[str, Any]:
@@ -330,21 +338,25 @@ TPU_ACCELERATORS = (
     "tpu-v5-lite-podslice",
     "tpu-v5p-slice",
     "tpu-v6e-slice",
+    "tpu7x",
 )
 
 
 class LearnerSpec(SpecModel):
-    accelerator: Literal["cpu", "tpu-v4-podslice", "tpu-v5-lite-podslice", "tpu-v5p-slice", "tpu-v6e-slice"] = Field(
-        "cpu", description="GKE TPU accelerator label, or cpu for a local run."
+    accelerator: Literal["cpu", "tpu-v4-podslice", "tpu-v5-lite-podslice", "tpu-v5p-slice", "tpu-v6e-slice", "tpu7x"] = Field(
+        "cpu", description="GKE TPU accelerator label, or cpu for a local run (immutable)."
     )
-    topology: Annotated[str, Field(pattern=r"^[1-9][0-9]*(x[1-9][0-9]*){1,2}$")] | None = Field(
+    topology: Annotated[str, Field(pattern=r"^[1-9][0-9]*(x[1-9][0-9]*){1,2}$", max_length=20)] | None = Field(
         None, description="TPU topology, e.g. 2x4 (immutable once set)."
     )
-    num_slices: int = Field(1, ge=1, description="TPU slices (multislice when > 1).")
+    num_slices: int = Field(1, ge=1, le=1024, description="TPU slices (multislice when > 1; immutable).")
     mesh: MeshSpec = Field(default_factory=MeshSpec)
     batch_groups: int = Field(4, ge=1, description="Groups per training step.")
     sequence_buckets: list[int] = Field(
-        default_factory=lambda: [128, 256, 512], min_length=1, description="Packed row lengths."
+        default_factory=lambda: [128, 256, 512],
+        min_length=1,
+        max_length=MAX_SEQUENCE_BUCKETS,
+        description="Packed row lengths.",
     )
     microbatch_tokens: int | None = Field(
         None,
@@ -360,6 +372,14 @@ class LearnerSpec(SpecModel):
     max_restarts: int = Field(3, ge=0, description="JobSet failurePolicy.maxRestarts.")
     queue_name: str | None = Field(None, description="Kueue LocalQueue (label kueue.x-k8s.io/queue-name).")
     image: str | None = Field(None, description="Learner image; the operator's default when unset.")
+    service_account_name: Annotated[str, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)] | None = Field(
+        None,
+        description=(
+            "ServiceAccount the learner pods run as (e.g. one bound to a Google service account by "
+            "Workload Identity for gs:// checkpoints); the namespace's default when unset. "
+            "Disaggregated mode only: a colocated learner runs as the job's sandbox manager."
+        ),
+    )
 
     @field_validator("sequence_buckets")
     @classmethod
@@ -438,20 +458,94 @@ def cross_field_problems(spec: RLJobSpec) -> list[tuple[str, str]]:
                 f"({spec.model.architecture.max_seq_len})",
             )
         )
+    if spec.learner.accelerator != "cpu" and spec.learner.topology is not None:
+        try:
+            hosts_per_slice(spec.learner.accelerator, spec.learner.topology)
+        except TopologyError as exc:
+            problems.append(("learner.topology", str(exc)))
+    if spec.mode == "colocated" and spec.learner.service_account_name is not None:
+        problems.append(
+            ("learner.serviceAccountName", "set in colocated mode; expected unset (the learner runs as the sandbox manager)")
+        )
     return problems
 
 
-# CEL equivalents of cross_field_problems, attached to the CRD schema at these paths.
+def name_problems(name: str, spec: RLJobSpec) -> list[str]:
+    """Why ``name`` cannot name an RLJob with this spec: its learner's pod names must stay DNS labels."""
+    try:
+        hosts = hosts_per_slice(spec.learner.accelerator, spec.learner.topology)
+    except TopologyError:
+        hosts = 1  # the topology is reported on its own; check what holds for any shape
+    return _name_problems(name, spec.learner.num_slices, hosts)
+
+
+# CEL equivalents of cross_field_problems (and of the model validators above), attached to the
+# CRD schema at these paths; tests/core/test_cel.py runs both on one table of cases.
+_ROOT_ACCELERATOR = spec_cel.opt("self", ("spec", "learner", "accelerator"), "'cpu'")
+_ROOT_TOPOLOGY = spec_cel.opt("self", ("spec", "learner", "topology"), "''")
+_ROOT_SLICES = spec_cel.opt("self", ("spec", "learner", "numSlices"), "1")
+_ROOT_MODE = spec_cel.opt("self", ("spec", "mode"), "'disaggregated'")
+_LEARNER = "self.spec.learner"
+_ROOT_HAS_TPU = f"has(self.spec) && has({_LEARNER}) && has({_LEARNER}.topology) && {_LEARNER}.accelerator != 'cpu'"
+
+
+def _old(expression: str) -> str:
+    return expression.replace("self.", "oldSelf.").replace("has(self)", "has(oldSelf)")
+
+
+_ALGORITHM = spec_cel.opt("self", ("algorithm", "name"), "'grpo'")
+_GROUP_SIZE = spec_cel.opt("self", ("buffer", "groupSize"), str(BufferSpec().group_size))
+_BUCKETS = spec_cel.opt("self", ("learner", "sequenceBuckets"), str(LearnerSpec().sequence_buckets))
+_MAX_SEQ_LEN = spec_cel.opt("self", ("model", "architecture", "maxSeqLen"), str(TransformerConfig().max_seq_len))
+
+ROOT_CEL_RULES: list[dict[str, Any]] = [
+    cel(
+        f"!has(self.metadata.name) || ({_ROOT_HAS_TPU} ? "
+        + spec_cel.name_fits("self.metadata.name", f"{_LEARNER}.numSlices", spec_cel.hosts(f"{_LEARNER}.accelerator", f"{_LEARNER}.topology"))
+        + " : "
+        + spec_cel.name_fits("self.metadata.name", _ROOT_SLICES, "1")
+        + ")",
+        "metadata.name is too long: the learner's pod names (<name>-learner-slice-<slice>-<host>-<5 characters>) "
+        "must stay at most 63 characters (stoker validate says the limit)",
+    ),
+    cel("!has(self.metadata.name) || self.metadata.name.matches('^[a-z]')", "metadata.name must start with a letter"),
+    cel(f"{_ROOT_MODE} == {_old(_ROOT_MODE)}", "spec.mode is immutable"),
+    cel(f"{_ROOT_ACCELERATOR} == {_old(_ROOT_ACCELERATOR)}", "spec.learner.accelerator is immutable"),
+    cel(f"{_old(_ROOT_TOPOLOGY)} == '' || {_ROOT_TOPOLOGY} == {_old(_ROOT_TOPOLOGY)}", "spec.learner.topology is immutable once set"),
+    cel(f"{_ROOT_SLICES} == {_old(_ROOT_SLICES)}", "spec.learner.numSlices is immutable"),
+]
+
 CEL_RULES: dict[tuple[str, ...], list[dict[str, Any]]] = {
-    (): [cel("self.mode == oldSelf.mode", "mode is immutable")],
+    (): [
+        cel(
+            f"!({_ALGORITHM} in ['grpo', 'gspo'] && {_GROUP_SIZE} < 2)",
+            "buffer.groupSize must be >= 2 for grpo and gspo (group-relative advantages)",
+        ),
+        cel(
+            f"{_BUCKETS}[{_BUCKETS}.size() - 1] <= {_MAX_SEQ_LEN}",
+            "learner.sequenceBuckets must not exceed model.architecture.maxSeqLen",
+        ),
+        cel(
+            f"!({spec_cel.opt('self', ('mode',), repr('disaggregated'))} == 'colocated'"
+            " && has(self.learner) && has(self.learner.serviceAccountName))",
+            "learner.serviceAccountName is for disaggregated mode (a colocated learner runs as the sandbox manager)",
+        ),
+    ],
     ("actors",): [cel("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas")],
+    ("model", "architecture"): [
+        cel("self.numHeads % self.numKvHeads == 0", "numHeads must be a multiple of numKvHeads"),
+        cel("has(self.headDim) || self.hiddenSize % self.numHeads == 0", "hiddenSize must be a multiple of numHeads when headDim is unset"),
+    ],
     ("learner",): [
         cel("self.accelerator == 'cpu' || has(self.topology)", "topology is required for a TPU accelerator"),
         cel(
-            "!has(oldSelf.topology) || (has(self.topology) && self.topology == oldSelf.topology)",
-            "topology is immutable",
+            "self.accelerator == 'cpu' || !has(self.topology) || " + spec_cel.valid_topology("self.accelerator", "self.topology"),
+            "topology is not one this accelerator has (stoker validate names the ones it has)",
         ),
-        cel("self.accelerator == oldSelf.accelerator", "accelerator is immutable"),
+        cel(
+            "!has(self.sequenceBuckets) || self.sequenceBuckets[0] >= 8 && "
+            + spec_cel.strictly_ascending("self.sequenceBuckets", MAX_SEQUENCE_BUCKETS),
+            "sequenceBuckets must be strictly ascending lengths >= 8",
+        ),
     ],
 }
-

@@ -43,8 +43,13 @@ def test_cross_field_rules_are_cel_and_topology_is_immutable() -> None:
     spec = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     actor_rules = [r["rule"] for r in spec["actors"]["x-kubernetes-validations"]]
     assert "self.minReplicas <= self.maxReplicas" in actor_rules
-    learner_messages = [r["message"] for r in spec["learner"]["x-kubernetes-validations"]]
-    assert "topology is immutable" in learner_messages
+    root = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    root_messages = [r["message"] for r in root["x-kubernetes-validations"]]
+    # At the root, so a job created without a learner block cannot switch them later
+    # (tests/core/test_cel.py runs them).
+    for field in ("mode", "learner.accelerator", "learner.numSlices"):
+        assert f"spec.{field} is immutable" in root_messages
+    assert "spec.learner.topology is immutable once set" in root_messages
 
 
 def test_status_subresource_printer_columns_and_conditions() -> None:
@@ -52,6 +57,7 @@ def test_status_subresource_printer_columns_and_conditions() -> None:
     assert version["subresources"] == {"status": {}}
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert columns["Phase"] == ".status.phase"
+    assert columns["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
     assert columns["Version"] == ".status.policyVersion"
     assert columns["Staleness"].startswith(".status.staleness")
     assert columns["Duty"] == ".status.learnerDutyCycle"
@@ -61,6 +67,10 @@ def test_status_subresource_printer_columns_and_conditions() -> None:
     conditions = status["properties"]["conditions"]
     assert conditions["x-kubernetes-list-map-keys"] == ["type"]
     assert {"type", "status", "reason", "lastTransitionTime"} <= set(conditions["items"]["required"])
+    # metav1.Condition's own limits, so a condition the API server stores is one any client reads.
+    fields = conditions["items"]["properties"]
+    assert fields["lastTransitionTime"]["format"] == "date-time"
+    assert (fields["type"]["maxLength"], fields["reason"]["maxLength"], fields["message"]["maxLength"]) == (316, 1024, 32768)
     assert "StalenessExceeded" in CONDITION_TYPES and "LearnerStarved" in CONDITION_TYPES
 
 

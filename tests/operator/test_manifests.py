@@ -126,7 +126,7 @@ def test_fallback_sets_the_variables_jax_reads() -> None:
     )
     assert env["TPU_WORKER_HOSTNAMES"]["value"].split(",") == [f"lake-learner-1-{i}.lake-learner" for i in range(4)]
     assert env["MEGASCALE_NUM_SLICES"]["value"] == "2" and env["MEGASCALE_SLICE_ID"]["value"] == "1"
-    assert env["MEGASCALE_COORDINATOR_ADDRESS"]["value"] == "lake-learner-0-0.lake-learner:8482"
+    assert env["MEGASCALE_COORDINATOR_ADDRESS"]["value"] == "lake-learner-0-0.lake-learner:8081"
     assert jobs[1]["spec"]["template"]["spec"]["subdomain"] == "lake-learner"
 
 
@@ -134,7 +134,7 @@ def test_jobset_multislice_variables() -> None:
     jobset = build_learner_jobset(make_ctx(learner={"accelerator": "tpu-v6e-slice", "topology": "4x4", "numSlices": 2}))
     pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     env = {e["name"]: e for e in pod["containers"][0]["env"]}
-    assert env["MEGASCALE_COORDINATOR_ADDRESS"]["value"] == "lake-learner-slice-0-0.lake-learner:8482"
+    assert env["MEGASCALE_COORDINATOR_ADDRESS"]["value"] == "lake-learner-slice-0-0.lake-learner:8081"
     assert "jobset.sigs.k8s.io/job-index" in env["MEGASCALE_SLICE_ID"]["valueFrom"]["fieldRef"]["fieldPath"]
     single = build_learner_jobset(make_ctx(learner={"accelerator": "tpu-v6e-slice", "topology": "4x4"}))
     single_env = {e["name"] for e in single["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]["env"]}
@@ -265,3 +265,47 @@ def test_weights_service_selects_the_learners_first_host() -> None:
     actors = next(c for c in desired_children(make_ctx()) if c["metadata"]["name"] == "lake-actor")
     args = actors["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--weights") + 1] == "lake-weights:50052"
+
+
+@pytest.mark.parametrize("jobset_api", [True, False])
+def test_megascale_and_jax_coordinator_ports_never_collide(jobset_api: bool) -> None:
+    """Slice 0's first host runs JAX's coordinator and libtpu's Megascale coordinator: the address
+    the learner derives from the pod's environment and the Megascale address must differ in port."""
+    from stoker.learner.distributed import from_environment
+
+    ctx = make_ctx(jobset_api=jobset_api, learner={"accelerator": "tpu-v6e-slice", "topology": "4x4", "numSlices": 2})
+    if jobset_api:
+        job_spec = build_learner_jobset(ctx)["spec"]["replicatedJobs"][0]["template"]["spec"]
+        # GKE injects these into JobSet pods; the fieldRefs resolve to slice 0, host 0.
+        injected = {"TPU_WORKER_ID": "0", "TPU_WORKER_HOSTNAMES": ",".join(
+            f"lake-learner-slice-0-{i}.lake-learner" for i in range(4)), "MEGASCALE_SLICE_ID": "0"}
+    else:
+        job_spec = build_learner_indexed_jobs(ctx)[0]["spec"]
+        injected = {"TPU_WORKER_ID": "0"}
+    container = job_spec["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e} | injected
+    jax = from_environment(env)
+    assert jax is not None and jax.num_processes == 8
+    megascale_host, megascale_port = env["MEGASCALE_COORDINATOR_ADDRESS"].rsplit(":", 1)
+    jax_host, jax_port = jax.coordinator_address.rsplit(":", 1)
+    assert jax_host == megascale_host  # the same pod...
+    assert jax_port != megascale_port  # ...so two ports
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert len(set(ports.values())) == len(container["ports"])
+    assert {ports["megascale"], ports["jax-coordinator"]} == {int(megascale_port), int(jax_port)}
+    if not jobset_api:
+        service = [c for c in desired_children(ctx) if c["kind"] == "Service" and c["metadata"]["name"] == "lake-learner"]
+        assert {p["port"] for p in service[0]["spec"]["ports"]} == {int(megascale_port), int(jax_port)}
+
+
+def test_learner_runs_as_the_service_account_the_spec_names() -> None:
+    """Workload Identity binds a Google service account to a Kubernetes one: the learner pods must
+    run as it (and as the namespace's default when unset)."""
+    for jobset_api in (True, False):
+        ctx = make_ctx(jobset_api=jobset_api, learner={"serviceAccountName": "trainer"})
+        learner = [c for c in desired_children(ctx) if c["kind"] in ("JobSet", "Job")][0]
+        template = (learner["spec"]["replicatedJobs"][0]["template"]["spec"] if jobset_api else learner["spec"])["template"]
+        assert template["spec"]["serviceAccountName"] == "trainer"
+        check_all([learner])
+    default = build_learner_jobset(make_ctx())["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert "serviceAccountName" not in default

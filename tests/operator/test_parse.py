@@ -14,8 +14,10 @@ from stoker.operator.reconcile import InvalidJob, parse_spec
          ["spec.learner.topology", "3-D"]),
         ("lake", {"learner": {"accelerator": "tpu-v5p-slice"}}, "InvalidSpec", ["spec.learner.topology", "missing"]),
         ("lake", {"actors": {"replicas": "many"}}, "InvalidSpec", ["spec.actors.replicas"]),
-        ("9lives", {}, "InvalidSpec", ["must start with a letter"]),
-        ("x" * 41, {}, "InvalidSpec", ["at most 40"]),
+        ("9lives", {}, "InvalidSpec", ["metadata.name", "starting with a letter"]),
+        ("x" * 40, {}, "InvalidSpec", ["metadata.name", "at most 39"]),
+        ("x" * 39, {"learner": {"accelerator": "tpu-v5p-slice", "topology": "4x4x8", "numSlices": 10}}, "InvalidSpec",
+         ["at most 38 for 10 slice(s) of 32 host(s)"]),
     ],
 )
 def test_invalid_jobs_say_why(name: str, spec: dict[str, object], reason: str, words: list[str]) -> None:

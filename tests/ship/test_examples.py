@@ -242,10 +242,10 @@ def test_operator_builds_valid_children_for_every_example(source: str, job: RLJo
 
     from stoker.operator.children import desired_children
     from stoker.operator.manifests import JobContext
-    from stoker.operator.naming import name_problems
     from stoker.operator.settings import OperatorSettings
+    from stoker.spec import name_problems
 
-    assert not name_problems(job.metadata.name), f"{source}: {name_problems(job.metadata.name)}"
+    assert not name_problems(job.metadata.name, job.spec), f"{source}: {name_problems(job.metadata.name, job.spec)}"
     context = JobContext(
         job.metadata.name, job.metadata.namespace or "rl", "uid-1", job.spec, OperatorSettings(),
         actor_replicas=job.spec.actors.replicas, jobset_api=jobset_api,

@@ -1,0 +1,216 @@
+"""Every cross-field rule holds on both sides: the CRD's CEL (what `kubectl apply` admits) and
+`stoker validate` (what the operator runs) accept and refuse the same specs, from one table.
+
+The CEL rules run in a real CEL implementation (cel-python), the way the API server runs them: schema defaults applied first (leaves only, under objects that are present), every rule
+evaluated at its schema node with ``self`` (and ``oldSelf`` on updates, transition rules only
+where the old object has that node too), a rule failing when it is false or errors.
+
+cel-python has the standard library; the one Kubernetes extension the rules use, ``split`` from
+the strings library, is registered here with cel-go's semantics.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import celpy
+from celpy import celtypes
+
+import pytest
+
+from stoker.crd import build_crd
+from stoker.jobname import max_name_length
+from stoker.manifest import validate_document
+from stoker.spec import TPU_ACCELERATORS, LearnerSpec
+from stoker.spec_cel import MULTIPLE_OF_4
+from stoker.tpu import ACCELERATORS
+
+_ENV = celpy.Environment()
+_PROGRAMS: dict[str, Any] = {}
+
+
+def _split(text: Any, separator: Any) -> celtypes.ListType:
+    return celtypes.ListType([celtypes.StringType(part) for part in str(text).split(str(separator))])
+
+
+FUNCTIONS = {"split": _split}
+
+
+def root_schema() -> dict[str, Any]:
+    schema: dict[str, Any] = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return schema
+
+
+def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
+    """What the API server stores: ``default``s filled in where the parent object exists."""
+    value = copy.deepcopy(value)
+    if isinstance(value, dict):
+        for name, sub in schema.get("properties", {}).items():
+            if name not in value and "default" in sub:
+                value[name] = copy.deepcopy(sub["default"])
+            if name in value:
+                value[name] = apply_defaults(sub, value[name])
+    elif isinstance(value, list) and "items" in schema:
+        value = [apply_defaults(schema["items"], item) for item in value]
+    return value
+
+
+def _program(rule: str) -> Any:
+    if rule not in _PROGRAMS:
+        _PROGRAMS[rule] = _ENV.program(_ENV.compile(rule), functions=FUNCTIONS)
+    return _PROGRAMS[rule]
+
+
+def failures(obj: dict[str, Any], old: dict[str, Any] | None = None) -> list[tuple[str, str]]:
+    """Every (schema path, message) whose rule refuses ``obj`` (an update from ``old`` if given)."""
+    schema = root_schema()
+    new_value = apply_defaults(schema, obj)
+    old_value = apply_defaults(schema, old) if old is not None else None
+    out: list[tuple[str, str]] = []
+    _walk(schema, new_value, old_value, "", out)
+    return out
+
+
+def _walk(schema: dict[str, Any], value: Any, old: Any, path: str, out: list[tuple[str, str]]) -> None:
+    for rule in schema.get("x-kubernetes-validations", []):
+        transition = "oldSelf" in rule["rule"]
+        if transition and old is None:
+            continue
+        activation = {"self": celpy.json_to_cel(value)}
+        if transition:
+            activation["oldSelf"] = celpy.json_to_cel(old)
+        try:
+            result = _program(rule["rule"]).evaluate(activation)
+        except celpy.CELEvalError:
+            result = False
+        if not (isinstance(result, celtypes.BoolType) and bool(result)):  # false, or an error value
+            out.append((path, rule["message"]))
+    if isinstance(value, dict):
+        for name, sub in schema.get("properties", {}).items():
+            if name in value and value[name] is not None:
+                child_old = old.get(name) if isinstance(old, dict) else None
+                _walk(sub, value[name], child_old, f"{path}.{name}" if path else name, out)
+
+
+# ------------------------------------------------------------------------------------ the table
+
+Case = tuple[str, str, dict[str, Any], str | None]  # id, metadata.name, spec, refused field (None: valid)
+
+def learner(**fields: Any) -> dict[str, Any]:
+    return {"learner": fields}
+
+
+CASES: list[Case] = [
+    ("defaults", "lake", {}, None),
+    ("v6e single host", "lake", learner(accelerator="tpu-v6e-slice", topology="2x4"), None),
+    ("v6e multislice", "lake", learner(accelerator="tpu-v6e-slice", topology="4x4", numSlices=2), None),
+    ("v5p 4x4x8", "lake", learner(accelerator="tpu-v5p-slice", topology="4x4x8"), None),
+    ("v4 small 3-D", "lake", learner(accelerator="tpu-v4-podslice", topology="2x2x1"), None),
+    ("tpu7x", "lake", learner(accelerator="tpu7x", topology="4x4x4"), None),
+    ("v5e 16x16", "lake", learner(accelerator="tpu-v5-lite-podslice", topology="16x16"), None),
+    ("v4 12x12x12", "lake", learner(accelerator="tpu-v4-podslice", topology="12x12x12"), None),
+    ("v6e 2x2x2", "lake", learner(accelerator="tpu-v6e-slice", topology="2x2x2"), "spec.learner.topology"),
+    ("v6e 2x8", "lake", learner(accelerator="tpu-v6e-slice", topology="2x8"), "spec.learner.topology"),
+    ("v5p 4x4x6", "lake", learner(accelerator="tpu-v5p-slice", topology="4x4x6"), "spec.learner.topology"),
+    ("v5p 2x2x3", "lake", learner(accelerator="tpu-v5p-slice", topology="2x2x3"), "spec.learner.topology"),
+    ("v4 2-D", "lake", learner(accelerator="tpu-v4-podslice", topology="2x4"), "spec.learner.topology"),
+    ("v4 too many chips", "lake", learner(accelerator="tpu-v4-podslice", topology="16x16x32"), "spec.learner.topology"),
+    ("tpu without topology", "lake", learner(accelerator="tpu-v5p-slice"), "spec.learner.topology"),
+    ("cpu ignores topology", "lake", learner(topology="2x2x2"), None),
+    ("grpo groupSize 1", "lake", {"buffer": {"groupSize": 1}}, "spec.buffer.groupSize"),
+    ("gspo groupSize 1", "lake", {"buffer": {"groupSize": 1}, "algorithm": {"name": "gspo"}}, "spec.buffer.groupSize"),
+    ("ppo groupSize 1", "lake", {"buffer": {"groupSize": 1}, "algorithm": {"name": "ppo"}}, None),
+    ("buckets descending", "lake", learner(sequenceBuckets=[256, 128]), "spec.learner.sequenceBuckets"),
+    ("buckets repeated", "lake", learner(sequenceBuckets=[128, 128]), "spec.learner.sequenceBuckets"),
+    ("bucket below 8", "lake", learner(sequenceBuckets=[4, 16]), "spec.learner.sequenceBuckets"),
+    ("bucket above maxSeqLen", "lake", learner(sequenceBuckets=[128, 1024]), "spec.learner.sequenceBuckets"),
+    ("bucket within a longer maxSeqLen", "lake",
+     {**learner(sequenceBuckets=[128, 1024]), "model": {"architecture": {"maxSeqLen": 1024}}}, None),
+    ("heads not a multiple of kv heads", "lake", {"model": {"architecture": {"numHeads": 4, "numKvHeads": 3}}},
+     "spec.model.architecture"),
+    ("hidden not a multiple of heads", "lake", {"model": {"architecture": {"hiddenSize": 66}}}, "spec.model.architecture"),
+    ("hidden free with headDim", "lake", {"model": {"architecture": {"hiddenSize": 66, "headDim": 16}}}, None),
+    ("minReplicas above maxReplicas", "lake", {"actors": {"minReplicas": 5, "maxReplicas": 3}}, "spec.actors.minReplicas"),
+    ("minReplicas above the default max", "lake", {"actors": {"minReplicas": 9}}, "spec.actors.minReplicas"),
+    ("service account disaggregated", "lake", learner(serviceAccountName="trainer"), None),
+    ("service account colocated", "lake", {**learner(serviceAccountName="trainer"), "mode": "colocated"},
+     "spec.learner.serviceAccountName"),
+    ("name with a leading digit", "1lake", {}, "metadata.name"),
+    # JobSet's rule: <name>-learner-slice-<slice>-<host>-abcde <= 63 characters.
+    ("name at the limit", "a" * 39, {}, None),
+    ("name over the limit", "a" * 40, {}, "metadata.name"),
+    ("name at the limit with 11 slices", "a" * 38,
+     learner(accelerator="tpu-v6e-slice", topology="2x4", numSlices=11), None),
+    ("name over the limit with 11 slices", "a" * 39,
+     learner(accelerator="tpu-v6e-slice", topology="2x4", numSlices=11), "metadata.name"),
+    ("name at the limit with 32 hosts", "a" * 38, learner(accelerator="tpu-v5p-slice", topology="4x4x8"), None),
+    ("name over the limit with 32 hosts", "a" * 39, learner(accelerator="tpu-v5p-slice", topology="4x4x8"), "metadata.name"),
+    ("name over the limit with 10 hosts (v6e 8x8 is 16)", "a" * 39, learner(accelerator="tpu-v6e-slice", topology="8x8"),
+     "metadata.name"),
+]
+
+
+def manifest(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "stoker.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": name}, "spec": spec}
+
+
+@pytest.mark.parametrize(("case", "name", "spec", "refused"), CASES, ids=[c[0] for c in CASES])
+def test_cel_and_stoker_validate_agree(case: str, name: str, spec: dict[str, Any], refused: str | None) -> None:
+    cel_refusals = failures(manifest(name, spec))
+    _, problems = validate_document(manifest(name, spec), "job.yaml")
+    if refused is None:
+        assert cel_refusals == [] and problems == [], (cel_refusals, [str(p) for p in problems])
+        return
+    assert [p.path for p in problems] == [refused], [str(p) for p in problems]
+    # The CEL rule that refuses it sits on the refused field or an object above it.
+    assert cel_refusals, "the API server would admit a spec stoker validate refuses"
+    for node, _ in cel_refusals:
+        assert refused.startswith(node), (node, refused)
+
+
+def test_name_limit_is_jobsets_pod_name_rule() -> None:
+    """The longest pod name JobSet's webhook checks, built as its GenPodName does, is 63 characters."""
+    for slices, hosts in ((1, 1), (11, 1), (1, 32), (100, 100)):
+        name = "a" * max_name_length(slices, hosts)
+        longest_pod = f"{name}-learner-slice-{slices - 1}-{hosts - 1}" + "-abcde"
+        assert len(longest_pod) == 63
+
+
+def test_multiple_of_4_pattern() -> None:
+    import re
+
+    pattern = re.compile(f"^{MULTIPLE_OF_4}$")
+    assert [n for n in range(1, 2000) if pattern.match(str(n))] == list(range(4, 2000, 4))
+
+
+def test_every_tpu_in_the_spec_has_a_shape() -> None:
+    assert set(TPU_ACCELERATORS) == set(ACCELERATORS)
+    accepted = LearnerSpec.model_json_schema()["properties"]["accelerator"]["enum"]
+    assert set(accepted) == {"cpu", *ACCELERATORS}
+
+
+# ------------------------------------------------------------------------- transition rules
+
+UPDATES: list[tuple[str, dict[str, Any], dict[str, Any], str | None]] = [
+    ("replicas change", {"actors": {"replicas": 2}}, {"actors": {"replicas": 5}}, None),
+    ("accelerator change", learner(accelerator="tpu-v6e-slice", topology="2x4"),
+     learner(accelerator="tpu-v5-lite-podslice", topology="2x4"), "spec.learner.accelerator is immutable"),
+    # The hole: no learner block at creation, then a TPU.
+    ("accelerator added later", {}, learner(accelerator="tpu-v6e-slice", topology="2x4"), "spec.learner.accelerator is immutable"),
+    ("topology change", learner(accelerator="tpu-v6e-slice", topology="2x4"),
+     learner(accelerator="tpu-v6e-slice", topology="4x4"), "spec.learner.topology is immutable once set"),
+    ("numSlices change", learner(accelerator="tpu-v6e-slice", topology="4x4", numSlices=2),
+     learner(accelerator="tpu-v6e-slice", topology="4x4", numSlices=3), "spec.learner.numSlices is immutable"),
+    ("numSlices set to its default", {}, learner(numSlices=1), None),
+    ("numSlices added later", {}, learner(numSlices=2), "spec.learner.numSlices is immutable"),
+    ("mode change", {}, {"mode": "colocated"}, "spec.mode is immutable"),
+    ("suspend", learner(accelerator="tpu-v6e-slice", topology="4x4"),
+     {**learner(accelerator="tpu-v6e-slice", topology="4x4"), "suspend": True}, None),
+]
+
+
+@pytest.mark.parametrize(("case", "old", "new", "message"), UPDATES, ids=[u[0] for u in UPDATES])
+def test_immutable_fields(case: str, old: dict[str, Any], new: dict[str, Any], message: str | None) -> None:
+    refusals = [m for _, m in failures(manifest("lake", new), old=manifest("lake", old))]
+    assert refusals == ([message] if message else [])
