@@ -30,6 +30,7 @@ from stoker.operator.reconcile import (
     observe_children,
     parse_spec,
     read_buffer,
+    reap_pods,
     remove_learner,
     sync_actor_replicas,
 )
@@ -279,13 +280,8 @@ def reap_zombies(
         return 0
     pods: list[PodRecord] = list(index[(namespace, name)])
     zombies = find_zombies(pods, now, spec.environment.sandbox.heartbeat_ttl_seconds)
-    reaped = []
-    for zombie in zombies:
-        try:
-            runtime.kube.delete(POD, namespace, zombie.name)
-        except kubeapi.NotFound:
-            continue  # gone already
-        reaped.append(zombie)
+    deleted = set(reap_pods(runtime.kube, namespace, [z.name for z in zombies]))
+    reaped = [z for z in zombies if z.name in deleted]
     if reaped:
         detail = "; ".join(f"{z.name}: {z.reason}" for z in reaped[:5])
         more = f" (+{len(reaped) - 5} more)" if len(reaped) > 5 else ""

@@ -274,3 +274,15 @@ def sync_actor_replicas(kube: Kube, ctx: JobContext, actors: DeploymentObservati
     """Level-based: the actor Deployment has the operator's replica count, whoever changed it."""
     if actors is not None and actors.exists and actors.replicas != replicas:
         kube.patch(DEPLOYMENT, ctx.namespace, ctx.names.actors, {"spec": {"replicas": replicas}})
+
+
+def reap_pods(kube: Kube, namespace: str, names: list[str]) -> list[str]:
+    """Delete these pods (zombie sandboxes, or a deleted job's last ones); those actually deleted."""
+    deleted = []
+    for name in names:
+        try:
+            kube.delete(POD, namespace, name)
+        except NotFound:
+            continue  # gone already
+        deleted.append(name)
+    return deleted

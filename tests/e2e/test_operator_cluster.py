@@ -167,8 +167,8 @@ def test_lifecycle_on_a_real_cluster(kube: Kube, namespace: str, operator: None)
 
 
 def test_sandbox_policy_confines_the_sandbox_manager(kube: Kube, namespace: str, operator: None) -> None:
-    """The chart's admission policy (operator/rbac.py): actors may touch only their sandboxes."""
-    from stoker.operator.rbac import sandbox_admission_policy
+    """The chart's admission policy (operator/sandbox_policy.py): actors may touch only their sandboxes."""
+    from stoker.operator.sandbox_policy import sandbox_admission_policy
 
     vap = Resource("admissionregistration.k8s.io", "v1", "validatingadmissionpolicies", namespaced=False)
     binding = Resource("admissionregistration.k8s.io", "v1", "validatingadmissionpolicybindings", namespaced=False)
@@ -187,8 +187,14 @@ def test_sandbox_policy_confines_the_sandbox_manager(kube: Kube, namespace: str,
     actor.api.set_default_header("Impersonate-User", f"system:serviceaccount:{namespace}:guard-sandbox-manager")
 
     def pod(name: str, labels: dict[str, str]) -> dict[str, Any]:
-        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace, "labels": labels},
-                "spec": {"containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]}}
+        """The actor's real sandbox pod, relabelled: only the labels decide here."""
+        from stoker.actor.pods import sandbox_pod_manifest
+
+        manifest = sandbox_pod_manifest(name=name, namespace=namespace, job="guard", actor_pod="guard-actor-x",
+                                        image="registry.k8s.io/pause:3.10", cpu_seconds=10, memory_mb=64,
+                                        heartbeat_ttl_seconds=60)
+        manifest["metadata"]["labels"] = labels
+        return manifest
 
     def denied(name: str, labels: dict[str, str]) -> bool:
         try:

@@ -20,6 +20,7 @@ from stoker.cli import build_parser
 from stoker.crd import render_crd
 from stoker.operator.cli import settings_from_args
 from stoker.operator.rbac import OPERATOR_RULES
+from stoker.operator.sandbox_policy import SANDBOX_POLICY_NAME, sandbox_admission_policy
 from stoker.operator.settings import OperatorSettings
 
 KUBE_VERSION = "1.33.0"
@@ -350,3 +351,27 @@ def test_rbac_disabled_renders_no_rbac_and_uses_the_given_account(chart: helm.Ch
     docs = objects(render(chart, VALUE_SETS["external-rbac"]))
     assert not [d for d in docs if d["kind"] in ("Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding", "ServiceAccount")]
     assert one(docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == "preexisting"
+
+
+# ---------------------------------------------------------------------- the sandbox admission policy
+
+
+@pytest.mark.parametrize(("name", "namespaces"), [("defaults", ()), ("namespaced", ("team-a", "team-b"))])
+def test_chart_ships_the_sandbox_admission_policy(chart: helm.Chart, name: str, namespaces: tuple[str, ...]) -> None:
+    """Without it, a job's sandbox manager account (held by actors running agent code) may create
+    any pod in its namespace. The chart renders exactly operator/sandbox_policy.py's policy (whose
+    behaviour tests/operator/test_sandbox_policy.py checks), bound to the watched namespaces."""
+    docs = objects(render(chart, VALUE_SETS[name]))
+    policy, binding = one(docs, "ValidatingAdmissionPolicy"), one(docs, "ValidatingAdmissionPolicyBinding")
+    expected_policy, expected_binding = sandbox_admission_policy(namespaces)
+    for rendered, expected in ((policy, expected_policy), (binding, expected_binding)):
+        assert rendered["apiVersion"] == "admissionregistration.k8s.io/v1"
+        assert rendered["spec"] == expected["spec"]
+        assert rendered["metadata"]["name"] == SANDBOX_POLICY_NAME
+        kube_validate.validate(rendered, KUBE_VERSION, strict=True)
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+
+
+def test_sandbox_policy_can_be_left_to_another_release(chart: helm.Chart) -> None:
+    docs = objects(render(chart, {"sandboxPolicy": {"create": False, "name": SANDBOX_POLICY_NAME}}))
+    assert not [d for d in docs if d["kind"].startswith("ValidatingAdmissionPolicy")]

@@ -62,41 +62,46 @@ are left out. Never add pods/exec, escalate, bind, impersonate or "*".
 # Watch RLJobs; kopf's finalizer and progress annotations.
 - apiGroups: ["stoker.dev"]
   resources: ["rljobs"]
-  verbs: ["get", "list", "patch", "watch"]
+  verbs: ["list", "patch", "watch"]
 # Phase, conditions, staleness and actor counts.
 - apiGroups: ["stoker.dev"]
   resources: ["rljobs/status"]
-  verbs: ["get", "patch"]
+  verbs: ["patch"]
+# Children carry blockOwnerDeletion owner references to their RLJob: clusters running the
+# OwnerReferencesPermissionEnforcement admission plugin (OpenShift, hardened clusters) require it.
+- apiGroups: ["stoker.dev"]
+  resources: ["rljobs/finalizers"]
+  verbs: ["update"]
 # The job file and the buffer's admission control.
 - apiGroups: [""]
   resources: ["configmaps"]
-  verbs: ["create", "delete", "get", "patch"]
+  verbs: ["create", "patch"]
 # The buffer token the operator generates: created once, read for the buffer's Stats call.
 # No list/watch: the operator cannot enumerate a namespace's secrets.
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["create", "get"]
-# The buffer's Service; the learner's headless Service.
+# The buffer's Service; the learner's headless Service (deleted on suspend).
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["create", "delete", "get", "patch"]
+  verbs: ["create", "delete", "patch"]
 # The sandbox manager's ServiceAccount (actors create sandbox pods with it).
 - apiGroups: [""]
   resources: ["serviceaccounts"]
-  verbs: ["create", "get"]
-# The buffer's write-ahead-log volume.
+  verbs: ["create"]
+# The buffer's write-ahead-log volume; a single-host learner's run volume.
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
-  verbs: ["create", "get"]
-# Index and reap sandbox pods. create/patch are never called by the operator itself: Kubernetes
-# lets it grant the actors' Role those verbs only if it holds them (it holds no escalate).
+  verbs: ["create"]
+# Index and reap sandbox pods. create/get/patch are never called by the operator itself:
+# Kubernetes lets it grant the actors' Role those verbs only if it holds them (it holds no escalate).
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["create", "delete", "get", "list", "patch", "watch"]
 # Actors and the buffer.
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["create", "delete", "get", "patch"]
+  verbs: ["create", "get", "patch"]
 # The learner without JobSet (Indexed Jobs).
 - apiGroups: ["batch"]
   resources: ["jobs"]
@@ -108,14 +113,14 @@ are left out. Never add pods/exec, escalate, bind, impersonate or "*".
 # The sandbox manager's Role and RoleBinding, in the job's namespace.
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles"]
-  verbs: ["create", "get", "patch"]
+  verbs: ["create", "patch"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["rolebindings"]
-  verbs: ["create", "get", "patch"]
+  verbs: ["create", "patch"]
 # Sandbox isolation.
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["create", "get", "patch"]
+  verbs: ["create", "patch"]
 {{- end -}}
 
 {{/* Cluster-scoped reads kopf needs to discover the RLJob resource. */}}
