@@ -18,7 +18,8 @@ from stoker.operator.manifests import (
 
 
 def desired_children(ctx: JobContext) -> list[Manifest]:
-    """Every child except the generated token Secret (random, so created separately, once).
+    """Every child except the generated token Secret (random, so created separately, once), in
+    creation order.
 
     ``disaggregated``: learner, actors, buffer and the sandbox plumbing. ``colocated``: the learner
     samples and steps environments itself, so only the learner and its sandbox plumbing.
@@ -28,6 +29,10 @@ def desired_children(ctx: JobContext) -> list[Manifest]:
     children: list[Manifest] = [build_spec_configmap(ctx), *build_sandbox_manager_account(ctx)]
     children += build_learner_run_pvc(ctx)
     children.append(build_sandbox_network_policy(ctx))
+    # The learner comes before the buffer and actors: the learner is what the cluster is likeliest
+    # to refuse (JobSet's webhook, quota, Kueue), and actors with no learner would only burn CPU.
+    if not ctx.spec.suspend:
+        children += build_learner(ctx)
     if ctx.disaggregated:
         children += [
             build_buffer_control_configmap(ctx),
@@ -37,6 +42,4 @@ def desired_children(ctx: JobContext) -> list[Manifest]:
             build_actor_deployment(ctx),
             build_weights_service(ctx),
         ]
-    if not ctx.spec.suspend:
-        children += build_learner(ctx)
     return children

@@ -61,13 +61,64 @@ def _kopf_error(exc: kubeapi.ApiError) -> Exception:
     return kopf.PermanentError(str(exc))
 
 
+def _refused(
+    exc: kubeapi.ApiError, body: kopf.Body, status: kopf.Status, patch: kopf.Patch, generation: int | None,
+    retry: int, settings: OperatorSettings,
+) -> Exception:
+    """The API server refused a child: the job shows Failed with why, at once.
+
+    Server-side and connectivity errors heal by themselves and are retried quietly. A 401/403
+    may be fixed by an admin granting RBAC, so it is retried ``forbidden_retries`` times (the job
+    Failed meanwhile, saying so), then given up; anything else (422 from a webhook, 400) is final
+    until the spec changes.
+    """
+    if exc.retriable:
+        patch.status["message"] = f"applying children: {exc}"
+        return kopf.TemporaryError(str(exc), delay=30)
+    forbidden = exc.status in (401, 403)
+    retrying = forbidden and retry < settings.forbidden_retries
+    message = f"the API server refused {exc}"
+    if retrying:
+        message += f"; retrying in {settings.forbidden_retry_seconds:g}s ({retry + 1}/{settings.forbidden_retries})"
+    elif forbidden:
+        message += f"; gave up after {retry + 1} attempts (fix the operator's RBAC, then edit or re-apply the RLJob)"
+    reason = "Forbidden" if forbidden else "CreateRejected"
+    patch.status.update(failed_status(message, reason, dict(status), _now(), generation))
+    kopf.warn(body, reason=reason, message=message)
+    if retrying:
+        return kopf.TemporaryError(message, delay=settings.forbidden_retry_seconds)
+    return kopf.PermanentError(message)
+
+
+REPLICAS_PATH = ("spec", "actors", "replicas")
+
+
+def _dig(value: Any, path: tuple[str, ...]) -> Any:
+    for part in path:
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return value
+
+
+def replicas_changed(diff: Any) -> bool:
+    """Whether a kopf diff changes ``spec.actors.replicas``, however it is reported: the field
+    itself, or a whole ``spec.actors`` block added or replaced (kopf reports the block's path)."""
+    for _, path, old, new in diff or ():
+        path = tuple(path)
+        if path[: len(REPLICAS_PATH)] == REPLICAS_PATH:
+            return True
+        rest = REPLICAS_PATH[len(path):]
+        if REPLICAS_PATH[: len(path)] == path and _dig(old, rest) != _dig(new, rest):
+            return True
+    return False
+
+
 def _actor_target(spec: RLJobSpec, status: dict[str, Any], diff: Any) -> int:
     """The operator's actor replica target: spec.actors.replicas unless enforcement moved it.
 
     A spec change of ``actors.replicas`` resets the target; min/max changes clamp it.
     """
     actors = spec.actors
-    changed = any(tuple(path[:3]) == ("spec", "actors", "replicas") for _, path, _, _ in (diff or ()))
+    changed = replicas_changed(diff)
     previous = (status.get("actors") or {}).get("desired")
     if changed or previous is None:
         return clamp_replicas(actors.replicas, actors.min_replicas, actors.max_replicas)
@@ -94,6 +145,9 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     ours: OperatorSettings = _runtime(memo).settings
     settings.watching.server_timeout = ours.watch_server_timeout_seconds
     settings.watching.client_timeout = ours.watch_server_timeout_seconds + 30
+    # Only pods of Stoker jobs, filtered by the API server: without it every pod event in the
+    # cluster (or watched namespaces) would stream into the operator to be dropped client-side.
+    settings.watching.label_selectors["", "v1", "pods"] = JOB_LABEL
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -135,6 +189,7 @@ def reconcile(
     memo: Any,
     logger: Logger,
     diff: Any = None,
+    retry: int = 0,
     **_: Any,
 ) -> None:
     """on create/resume/update: make the children match the spec (suspend and resume included)."""
@@ -159,8 +214,7 @@ def reconcile(
         if parsed.suspend and remove_learner(runtime.kube, ctx, jobset_api=ctx.jobset_api):
             kopf.info(body, reason="Suspending", message="actors scaled to 0; the learner checkpoints and stops")
     except kubeapi.ApiError as exc:
-        patch.status["message"] = f"applying children: {exc}"
-        raise _kopf_error(exc) from None
+        raise _refused(exc, body, status, patch, generation, retry, runtime.settings) from None
     memo["reconciled"] = True
     patch.status["actors"] = {"desired": target, "ready": (status.get("actors") or {}).get("ready", 0),
                               "summary": f"{(status.get('actors') or {}).get('ready', 0)}/{target}"}

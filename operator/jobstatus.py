@@ -20,6 +20,9 @@ def rfc3339(moment: datetime) -> str:
     return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+MAX_CONDITION_MESSAGE = 32768  # metav1.Condition's limit, declared in the CRD
+
+
 @dataclass(frozen=True)
 class Cond:
     """A condition before timestamps: type, status, reason, message."""
@@ -44,7 +47,7 @@ def merge_conditions(
             type=cond.type,
             status=cond.status,
             reason=cond.reason,
-            message=cond.message,
+            message=cond.message[:MAX_CONDITION_MESSAGE],
             observed_generation=generation,
             last_transition_time=stamp,
         )
@@ -202,8 +205,11 @@ def build_status(o: Observed, previous: Mapping[str, Any], now: datetime) -> dic
 
 
 def failed_status(message: str, reason: str, previous: Mapping[str, Any], now: datetime, generation: int | None) -> dict[str, Any]:
-    """Status of an RLJob the operator refuses (invalid spec): phase Failed, Ready False, why."""
-    conditions = merge_conditions(previous.get("conditions") or [], [Cond("Ready", "False", reason, message)], now, generation)
+    """Status of an RLJob the operator refuses (invalid spec, a child refused): phase Failed,
+    Ready False with why; the other conditions stay as last observed."""
+    before = list(previous.get("conditions") or [])
+    conditions = merge_conditions(before, [Cond("Ready", "False", reason, message)], now, generation)
+    conditions += [dict(c) for c in before if c.get("type") != "Ready"]
     status = RLJobStatus.model_validate(
         {"phase": "Failed", "observedGeneration": generation, "message": message, "conditions": conditions}
     )

@@ -83,6 +83,7 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(f"HTTP {status}: {message}" if status else message)
         self.status = status
+        self.message = message
 
     @property
     def retriable(self) -> bool:

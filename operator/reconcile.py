@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from stoker.operator.bufferstats import StatsReader, StatsUnavailable
 from stoker.operator.children import desired_children
-from stoker.operator.kube import RESOURCES, Conflict, Kube, Manifest, NotFound, resource_of
+from stoker.operator.kube import RESOURCES, ApiError, Conflict, Kube, Manifest, NotFound, resource_of
 from stoker.operator.learner_workload import JOBSET_API_VERSION, learner_shape
 from stoker.operator.control import StalenessWindow, learner_starved, staleness_exceeded, staleness_window
 from stoker.operator.manifests import JobContext, build_buffer_control_configmap, build_buffer_token_secret
@@ -161,12 +161,15 @@ def apply_children(
     for manifest in desired_children(ctx):
         kind, name = manifest["kind"], manifest["metadata"]["name"]
         try:
-            kube.create(manifest)
-            created.append(f"{kind}/{name}")
-        except Conflict:
-            if patch_existing and PATCHABLE_FIELDS[kind]:
-                res = resource_of(manifest["apiVersion"], kind)
-                kube.patch(res, ctx.namespace, name, _subset(manifest, PATCHABLE_FIELDS[kind]))
+            try:
+                kube.create(manifest)
+                created.append(f"{kind}/{name}")
+            except Conflict:
+                if patch_existing and PATCHABLE_FIELDS[kind]:
+                    res = resource_of(manifest["apiVersion"], kind)
+                    kube.patch(res, ctx.namespace, name, _subset(manifest, PATCHABLE_FIELDS[kind]))
+        except ApiError as exc:  # stop at the first refusal: nothing after it runs without it
+            raise ApiError(exc.status, f"{kind} {name}: {exc.message}") from None
     if created:
         logger.info("created %s", ", ".join(created))
     return created

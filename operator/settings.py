@@ -38,6 +38,10 @@ class OperatorSettings:
     """Where the operator reaches a job's buffer; override when running outside the cluster."""
     jobset_discovery_seconds: float = 60.0
     """How long the answer to "is the JobSet API installed?" is cached."""
+    forbidden_retries: int = 10
+    """A child create refused with 401/403 (RBAC) is retried this often before the job gives up."""
+    forbidden_retry_seconds: float = 30.0
+    """Delay between those retries (an admin may be fixing RBAC meanwhile)."""
     learner_termination_grace_seconds: int = 600
     """Grace period of learner pods: on SIGTERM (suspend, deletion) the learner checkpoints first."""
     storage_class: str | None = None

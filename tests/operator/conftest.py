@@ -55,8 +55,14 @@ class VersionedEmulator(kmock.KubernetesEmulator):
     """
 
     _version: int = 1
+    refusals: dict[str, tuple[int, str, str]] | None = None
+    """plural -> (status, reason, message): creates the API server refuses (a webhook, RBAC)."""
 
     async def _handle(self, request: Any) -> Any:
+        if self.refusals and request.resource is not None and request.action == kmock.action.CREATE:
+            refused = self.refusals.get(request.resource.plural or "")
+            if refused is not None:
+                raise kmock.KubernetesError(status=refused[0], reason=refused[1], message=refused[2])
         if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
             self._version += 1
             version = str(self._version)

@@ -11,6 +11,7 @@ from concurrent import futures
 from typing import Any
 
 import grpc
+import kmock
 import pytest
 
 from stoker.v1 import buffer_pb2, buffer_pb2_grpc
@@ -173,3 +174,54 @@ async def test_wrong_token_shows_in_buffer_condition(scripted_buffer: Any, opera
     await c.patch("/api/v1/namespaces/{ns}/secrets/locked-buffer-token",
                   {"data": {"token": base64.b64encode(b"t0ken").decode()}})
     await c.eventually(lambda: condition(c, "locked", "BufferReady").get("status") == "True", what="token re-read")
+
+
+async def test_refused_learner_fails_the_job_and_starts_nothing_else(operator_factory: Any) -> None:
+    """JobSet's webhook refuses the learner: the job says so in its status at once, and no actors
+    or buffer are left running without a learner (the learner is created before them)."""
+    c = await operator_factory()
+    c.k.refusals = {"jobsets": (422, "Invalid", 'admission webhook "vjobset.kb.io" denied the request: '
+                                "JobSet name is too long, pod names generated for this JobSet will exceed 63 characters")}
+    await c.create(RLJOBS, rljob("lake"))
+    await c.eventually(lambda: status_of(c, "lake").get("phase") == "Failed", what="phase Failed")
+    ready = condition(c, "lake", "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "CreateRejected"
+    assert "JobSet lake-learner" in ready["message"] and "exceed 63 characters" in ready["message"]
+    assert not c.names("apps/v1/deployments")
+    await c.eventually(lambda: c.events("CreateRejected"), what="a CreateRejected Event")
+
+
+async def test_forbidden_child_is_retried_a_bounded_number_of_times(operator_factory: Any) -> None:
+    """A 403 may be fixed by an admin, so it is retried, but not forever, and the job shows Failed
+    while it is."""
+    c = await operator_factory(forbidden_retries=2, forbidden_retry_seconds=0.1)
+    c.k.refusals = {"configmaps": (403, "Forbidden", 'configmaps is forbidden: User "system:serviceaccount:x:y" '
+                                   'cannot create resource "configmaps"')}
+    await c.create(RLJOBS, rljob("lake"))
+    await c.eventually(lambda: status_of(c, "lake").get("phase") == "Failed", what="phase Failed")
+    assert condition(c, "lake", "Ready")["reason"] == "Forbidden"
+    await c.eventually(lambda: "gave up after 3 attempts" in condition(c, "lake", "Ready").get("message", ""),
+                       what="the operator giving up")
+    posts = [r for r in c.k if r.action == kmock.action.CREATE and r.resource == kmock.resource("v1/configmaps")]
+    assert len(posts) == 3
+    assert not c.names("apps/v1/deployments") and not c.names("jobset.x-k8s.io/v1alpha2/jobsets")
+
+
+async def test_actors_block_added_later_sets_the_replicas(operator_factory: Any) -> None:
+    c = await operator_factory()
+    await c.create(RLJOBS, rljob("lake"))
+    await c.eventually(lambda: (c.get("apps/v1/deployments", "lake-actor") or {}).get("spec", {}).get("replicas") == 2,
+                       what="the default 2 actors")
+    await c.patch(RLJOBS + "/lake", {"spec": {"actors": {"replicas": 5}}})
+    await c.eventually(lambda: c.get("apps/v1/deployments", "lake-actor")["spec"]["replicas"] == 5, what="5 actors")
+    await c.eventually(lambda: status_of(c, "lake").get("actors", {}).get("desired") == 5, what="desired 5")
+
+
+async def test_pods_are_listed_and_watched_by_label_on_the_server(operator_factory: Any) -> None:
+    """The operator asks the API server for Stoker's pods only (kmock ignores the selector, so
+    the test checks what the operator asked for)."""
+    c = await operator_factory()
+    pod_reads = [r for r in c.k if r.resource == kmock.resource("v1/pods") and r.action in (kmock.action.LIST, kmock.action.WATCH)]
+    assert pod_reads and all(r.params.get("labelSelector") == "stoker.dev/job" for r in pod_reads), pod_reads
+    rljob_reads = [r for r in c.k if r.resource == kmock.resource("stoker.dev/v1alpha1/rljobs") and r.action == kmock.action.WATCH]
+    assert rljob_reads and not any(r.params.get("labelSelector") for r in rljob_reads)  # every RLJob
