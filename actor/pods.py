@@ -51,9 +51,14 @@ def sandbox_pod_manifest(
     cpu_limit: str = "1",
     port: int = SANDBOX_POD_PORT,
     heartbeat: str | None = None,
+    actor_pod_uid: str | None = None,
 ) -> dict[str, Any]:
-    """The Pod for one episode's sandbox (see the module docstring for the guarantees)."""
-    return {
+    """The Pod for one episode's sandbox (see the module docstring for the guarantees).
+
+    With the actor pod's uid, the sandbox names that pod as its owner: the garbage collector
+    deletes it when the actor pod goes, even with no operator running.
+    """
+    manifest: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
@@ -121,6 +126,12 @@ def sandbox_pod_manifest(
             "volumes": [{"name": "work", "emptyDir": {"sizeLimit": "256Mi"}}],
         },
     }
+    if actor_pod_uid:
+        # Not a controller and no blockOwnerDeletion: that would need pods/finalizers rights.
+        manifest["metadata"]["ownerReferences"] = [
+            {"apiVersion": "v1", "kind": "Pod", "name": actor_pod, "uid": actor_pod_uid}
+        ]
+    return manifest
 
 
 def load_core_api() -> Any:
@@ -160,6 +171,7 @@ class PodSandbox:
             heartbeat_ttl_seconds=config.heartbeat_ttl_seconds,
             cpu_limit=pod.cpu_limit,
             port=pod.port,
+            actor_pod_uid=pod.actor_pod_uid,
         )
         sandbox = cls(api, name, pod.namespace, config)
         try:

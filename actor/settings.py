@@ -25,6 +25,8 @@ class PodSandboxSettings:
     cpu_limit: str = "1"
     memory_limit_mb: int = 512
     port: int = SANDBOX_POD_PORT
+    actor_pod_uid: str | None = None
+    """The actor pod's uid (``POD_UID``): sandbox pods name it as owner, so they go with it."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class ActorSettings:
                 actor_pod=pod_name or os.environ.get("POD_NAME") or socket.gethostname(),
                 image=env.sandbox.image or image or spec.actors.image or os.environ.get("STOKER_IMAGE", "stoker:latest"),
                 memory_limit_mb=env.sandbox.memory_mb,
+                actor_pod_uid=os.environ.get("POD_UID") or None,
             )
         return cls(
             actor_id=actor_id,

@@ -51,6 +51,8 @@ class StatsReader:
             code = exc.code() if hasattr(exc, "code") else None
             details = exc.details() if hasattr(exc, "details") else str(exc)
             raise StatsUnavailable(f"Stats from {address}: {code.name if code else 'error'}: {details}") from None
+        except ValueError as exc:  # grpc: "Cannot invoke RPC on closed channel" (forgotten meanwhile)
+            raise StatsUnavailable(f"Stats from {address}: {exc}") from None
         return snapshot_from_proto(stats)
 
     def forget(self, address: str) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import kopf
 
-from stoker.actor.labels import JOB_LABEL
+from stoker.actor.labels import JOB_LABEL, ROLE_SANDBOX
 from stoker.operator import kube as kubeapi
 from stoker.operator.control import clamp_replicas, decide
 from stoker.operator.jobstatus import Observed, build_status, failed_status
@@ -245,8 +245,8 @@ def monitor(
     **kwargs: Any,
 ) -> None:
     """The level-based loop: heal children, read the buffer, enforce, reap zombies, write status."""
-    if not memo.get("reconciled"):
-        return  # the create/resume handler has not run (or the spec is invalid)
+    if not memo.get("reconciled") or meta.get("deletionTimestamp"):
+        return  # not reconciled yet (or the spec is invalid), or going: nothing to heal or observe
     runtime = _runtime(memo)
     namespace = namespace or "default"
     settings = runtime.settings
@@ -344,10 +344,22 @@ def reap_zombies(
     return len(reaped)
 
 
-def forget(name: str, namespace: str | None, spec: kopf.Spec, memo: Any, **_: Any) -> None:
-    """Deletion: children go by owner references; only drop cached tokens, channels and series."""
+def forget(name: str, namespace: str | None, spec: kopf.Spec, memo: Any, logger: Logger, **kwargs: Any) -> None:
+    """Deletion: children go by owner references, sandbox pods by theirs (their actor pod); the
+    ones still here are deleted now, in case an actor outlives the job for its grace period or
+    made a sandbox without an owner. Then cached tokens, channels and series are dropped."""
     runtime = _runtime(memo)
     namespace = namespace or "default"
+    index = kwargs.get(POD_INDEX)
+    if index is not None and (namespace, name) in index:
+        sandboxes = [p.name for p in index[(namespace, name)] if p.role == ROLE_SANDBOX and not p.deleting]
+        try:
+            deleted = reap_pods(runtime.kube, namespace, sandboxes)
+        except kubeapi.ApiError as exc:
+            logger.warning("could not delete the sandbox pods of a deleted job: %s", exc)
+        else:
+            if deleted:
+                logger.info("deleted %d sandbox pods of the deleted job", len(deleted))
     port = int((spec.get("buffer") or {}).get("port") or RLJobSpec().buffer.port)
     runtime.stats.forget(runtime.settings.buffer_address(name, namespace, port))
     runtime.forget(namespace, name)

@@ -128,6 +128,8 @@ def container_env(ctx: JobContext, role: str) -> list[dict[str, Any]]:
         {"name": "STOKER_JOB_NAME", "value": ctx.name},
         {"name": "STOKER_ROLE", "value": role},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        # Sandbox pods name their creator (by uid) as owner, so the garbage collector removes them.
+        {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]

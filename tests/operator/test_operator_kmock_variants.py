@@ -225,3 +225,24 @@ async def test_pods_are_listed_and_watched_by_label_on_the_server(operator_facto
     assert pod_reads and all(r.params.get("labelSelector") == "stoker.dev/job" for r in pod_reads), pod_reads
     rljob_reads = [r for r in c.k if r.resource == kmock.resource("stoker.dev/v1alpha1/rljobs") and r.action == kmock.action.WATCH]
     assert rljob_reads and not any(r.params.get("labelSelector") for r in rljob_reads)  # every RLJob
+
+
+async def test_deleting_the_job_deletes_its_sandbox_pods(operator_factory: Any) -> None:
+    """Sandbox pods are no RLJob children (their owner is the actor pod), so the operator removes
+    the ones left when the job goes; other jobs' pods stay."""
+    c = await operator_factory()
+    await c.create(RLJOBS, rljob("lake"))
+    await c.eventually(lambda: "lake-actor" in c.names("apps/v1/deployments"), what="actors")
+
+    def pod(name: str, job: str, role: str, **labels: str) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {
+            "stoker.dev/job": job, "stoker.dev/role": role, **labels}}}
+
+    await c.create("/api/v1/namespaces/{ns}/pods", pod("lake-actor-a", "lake", "actor"))
+    for i in range(3):
+        await c.create("/api/v1/namespaces/{ns}/pods", pod(f"lake-sbx-{i}", "lake", "sandbox", **{"stoker.dev/actor": "lake-actor-a"}))
+    await c.create("/api/v1/namespaces/{ns}/pods", pod("other-sbx-0", "other", "sandbox"))
+    await c.delete(RLJOBS + "/lake")
+    await c.eventually(lambda: c.get("stoker.dev/v1alpha1/rljobs", "lake") is None, what="RLJob gone")
+    await c.eventually(lambda: not {f"lake-sbx-{i}" for i in range(3)} & c.names("v1/pods"), what="sandboxes deleted")
+    assert {"lake-actor-a", "other-sbx-0"} <= c.names("v1/pods")  # the actor goes by garbage collection

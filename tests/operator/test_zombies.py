@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -85,3 +86,28 @@ def test_only_reapable_sandboxes_are_reaped(pods: list[PodRecord], ttl: float) -
         elif pod.actor not in owners:
             assert pod.name in zombies
     assert all(by_name[name].role == "sandbox" for name in zombies)
+
+
+def test_sandbox_pods_are_owned_by_their_actor_pod(monkeypatch: Any) -> None:
+    """The operator gives actors their pod's uid; the sandbox pods they create name that pod as
+    owner, so the garbage collector deletes them with it, operator or not."""
+    from stoker.actor.pods import sandbox_pod_manifest
+    from stoker.actor.settings import ActorSettings
+    from stoker.operator.manifests import JobContext, build_actor_deployment
+    from stoker.operator.settings import OperatorSettings
+    from stoker.spec import RLJobSpec
+
+    spec = RLJobSpec.model_validate({"environment": {"sandbox": {"kind": "pod"}}})
+    deployment = build_actor_deployment(JobContext("lake", "research", "uid-1", spec, OperatorSettings(), actor_replicas=1))
+    env = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["POD_UID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.uid"
+
+    monkeypatch.setenv("POD_UID", "actor-uid-7")  # what the kubelet resolves it to
+    settings = ActorSettings.from_spec(spec, actor_id="a", job="lake", namespace="research", pod_name="lake-actor-x")
+    pod = settings.pod
+    assert pod is not None
+    manifest = sandbox_pod_manifest(name="lake-sbx-1", namespace=pod.namespace, job=pod.job, actor_pod=pod.actor_pod,
+                                    image=pod.image, cpu_seconds=10, memory_mb=64, heartbeat_ttl_seconds=60,
+                                    actor_pod_uid=pod.actor_pod_uid)
+    assert manifest["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Pod", "name": "lake-actor-x", "uid": "actor-uid-7"}]
