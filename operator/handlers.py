@@ -26,6 +26,7 @@ from stoker.operator.reconcile import (
     Runtime,
     apply_admission,
     apply_children,
+    applied_spec,
     heal_children,
     observe_children,
     parse_spec,
@@ -47,6 +48,13 @@ POD_INDEX = "stoker_pods"
 
 def _now() -> datetime:
     return datetime.now(timezone.utc)
+
+
+def _applied(runtime: Runtime, namespace: str, name: str) -> RLJobSpec | None:
+    try:
+        return applied_spec(runtime.kube, namespace, name)
+    except kubeapi.ApiError:
+        return None  # unreadable now: treated as never applied; the next look tries again
 
 
 def _runtime(memo: Any) -> Runtime:
@@ -199,8 +207,13 @@ def reconcile(
     try:
         parsed = parse_spec(name, spec)
     except InvalidJob as exc:
-        patch.status.update(failed_status(str(exc), exc.reason, dict(status), _now(), generation))
         kopf.warn(body, reason=exc.reason, message=str(exc))
+        if _applied(runtime, namespace, name) is not None:
+            # A refused edit of a running job: the children keep the last applied spec, and the
+            # timer keeps observing them (SpecAccepted=False says why).
+            memo["reconciled"] = True
+        else:
+            patch.status.update(failed_status(str(exc), exc.reason, dict(status), _now(), generation))
         raise kopf.PermanentError(str(exc)) from None
     target = _actor_target(parsed, dict(status), diff)
     scale = float(status.get("admissionScale") or 1.0)
@@ -250,10 +263,14 @@ def monitor(
     runtime = _runtime(memo)
     namespace = namespace or "default"
     settings = runtime.settings
+    spec_problem = None
     try:
         parsed = parse_spec(name, spec)
-    except InvalidJob:
-        return
+    except InvalidJob as exc:
+        applied = _applied(runtime, namespace, name)
+        if applied is None:
+            return
+        parsed, spec_problem = applied, (exc.reason, str(exc))
     now = _now()
     previous = dict(status)
     target = _actor_target(parsed, previous, None)
@@ -308,6 +325,7 @@ def monitor(
         starved=reading.starved,
         zombies_reaped=int(previous.get("zombiesReaped") or 0) + reaped,
         admission_scale=scale,
+        spec_problem=spec_problem,
     )
     new_status = build_status(observed, previous, now)
     runtime.metrics.observe(namespace, name, new_status)

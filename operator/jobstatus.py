@@ -73,6 +73,8 @@ class Observed:
     starved: bool | None
     zombies_reaped: int
     admission_scale: float
+    spec_problem: tuple[str, str] | None = None
+    """(reason, message) when the current spec was refused and ``spec`` is the one still applied."""
 
 
 def _learner_condition(o: Observed) -> Cond:
@@ -140,6 +142,13 @@ def _starved_condition(o: Observed) -> Cond:
     return Cond("LearnerStarved", "False", "Fed", detail)
 
 
+def _spec_condition(o: Observed) -> Cond:
+    if o.spec_problem is None:
+        return Cond("SpecAccepted", "True", "Applied", "the children run the current spec")
+    reason, message = o.spec_problem
+    return Cond("SpecAccepted", "False", reason, f"edit refused, the children keep the last applied spec: {message}")
+
+
 def build_status(o: Observed, previous: Mapping[str, Any], now: datetime) -> dict[str, Any]:
     """The whole ``status`` (camelCase, as patched) for observations ``o``.
 
@@ -192,10 +201,11 @@ def build_status(o: Observed, previous: Mapping[str, Any], now: datetime) -> dic
             "actors": {"ready": actors_ready, "desired": desired, "summary": f"{actors_ready}/{desired}"},
             "zombiesReaped": o.zombies_reaped,
             "admissionScale": o.admission_scale,
-            "message": ready.message if ready.status != "True" else "",
+            "message": _spec_condition(o).message if o.spec_problem else (ready.message if ready.status != "True" else ""),
             "conditions": merge_conditions(
                 previous.get("conditions") or [],
-                [ready, learner_c, actors_c, buffer_c, suspended, _staleness_condition(o), _starved_condition(o)],
+                [ready, learner_c, actors_c, buffer_c, suspended, _staleness_condition(o), _starved_condition(o),
+                 _spec_condition(o)],
                 now,
                 o.generation,
             ),

@@ -28,7 +28,8 @@ Manifest = dict[str, Any]
 
 CONFIG_HASH_ANNOTATION = "stoker.dev/config-hash"
 JOB_FILE_DIR = "/etc/stoker"
-JOB_FILE = f"{JOB_FILE_DIR}/job.yaml"
+JOB_FILE_KEY = "job.yaml"
+JOB_FILE = f"{JOB_FILE_DIR}/{JOB_FILE_KEY}"
 TOKEN_DIR = "/var/run/stoker/buffer-token"
 CONTROL_DIR = "/etc/stoker/control"
 METRICS_PORT = 9090
@@ -182,7 +183,7 @@ def build_spec_configmap(ctx: JobContext) -> Manifest:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": metadata(ctx, ctx.names.spec_config, "config"),
-        "data": {"job.yaml": job_document(ctx)},
+        "data": {JOB_FILE_KEY: job_document(ctx)},
     }
 
 

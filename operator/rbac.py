@@ -56,7 +56,7 @@ OPERATOR_RULES: tuple[Rule, ...] = (
     # children: create (409 means it exists), patch back to the spec, get what is observed,
     # delete what suspend and reaping remove; tests/operator/test_rbac.py derives these verbs
     # from the code paths and fails on any verb more or less.
-    Rule("", "configmaps", ("create", "patch"), "the job file and the buffer's admission control"),
+    Rule("", "configmaps", ("get", "create", "patch"), "the job file (read back after a refused edit) and the buffer's admission control"),
     Rule("", "secrets", ("get", "create"), "the generated buffer token (create once, read for Stats)"),
     Rule("", "services", ("create", "patch", "delete"), "the buffer's Service; the learner's headless Service"),
     Rule("", "serviceaccounts", ("create",), "the sandbox manager's ServiceAccount"),

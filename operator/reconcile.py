@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
 from pydantic import ValidationError
 
 from stoker.operator.bufferstats import StatsReader, StatsUnavailable
@@ -21,7 +22,12 @@ from stoker.operator.children import desired_children
 from stoker.operator.kube import RESOURCES, ApiError, Conflict, Kube, Manifest, NotFound, resource_of
 from stoker.operator.learner_workload import JOBSET_API_VERSION, learner_shape
 from stoker.operator.control import StalenessWindow, learner_starved, staleness_exceeded, staleness_window
-from stoker.operator.manifests import JobContext, build_buffer_control_configmap, build_buffer_token_secret
+from stoker.operator.manifests import (
+    JOB_FILE_KEY,
+    JobContext,
+    build_buffer_control_configmap,
+    build_buffer_token_secret,
+)
 from stoker.operator.metrics import OperatorMetrics
 from stoker.operator.naming import Names
 from stoker.operator.observe import (
@@ -34,7 +40,7 @@ from stoker.operator.observe import (
 )
 from stoker.operator.settings import OperatorSettings
 from stoker.operator.tpu import TopologyError
-from stoker.spec import RLJobSpec, cross_field_problems, name_problems
+from stoker.spec import RLJob, RLJobSpec, cross_field_problems, name_problems
 
 DEPLOYMENT = RESOURCES[("apps/v1", "Deployment")]
 CONFIGMAP = RESOURCES[("v1", "ConfigMap")]
@@ -124,6 +130,21 @@ class Runtime:
 
     def forget(self, namespace: str, name: str) -> None:
         self._tokens = {k: v for k, v in self._tokens.items() if k[0] != namespace or not k[1].startswith(name)}
+
+
+def applied_spec(kube: Kube, namespace: str, name: str) -> RLJobSpec | None:
+    """The spec the children run: the job file in ``<job>-spec`` (None if there is none yet).
+
+    When an edit is refused, the operator keeps observing and healing the job with this one.
+    """
+    try:
+        config = kube.get(CONFIGMAP, namespace, Names(name).spec_config)
+    except NotFound:
+        return None
+    try:
+        return RLJob.model_validate(yaml.safe_load((config.get("data") or {}).get(JOB_FILE_KEY, ""))).spec
+    except (ValidationError, yaml.YAMLError):
+        return None
 
 
 def _subset(manifest: Manifest, fields: tuple[str, ...]) -> Manifest:

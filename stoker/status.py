@@ -21,6 +21,7 @@ CONDITION_TYPES = (
     "Suspended",
     "StalenessExceeded",
     "LearnerStarved",
+    "SpecAccepted",
 )
 
 

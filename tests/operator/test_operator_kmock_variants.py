@@ -246,3 +246,29 @@ async def test_deleting_the_job_deletes_its_sandbox_pods(operator_factory: Any) 
     await c.eventually(lambda: c.get("stoker.dev/v1alpha1/rljobs", "lake") is None, what="RLJob gone")
     await c.eventually(lambda: not {f"lake-sbx-{i}" for i in range(3)} & c.names("v1/pods"), what="sandboxes deleted")
     assert {"lake-actor-a", "other-sbx-0"} <= c.names("v1/pods")  # the actor goes by garbage collection
+
+
+async def test_refused_edit_keeps_the_job_observed(scripted_buffer: Any, operator_factory: Any) -> None:
+    """An edit the operator cannot run (a topology the accelerator lacks, which kmock admits as no
+    CEL runs here) leaves the children on the last applied spec, still observed and reported."""
+    servicer, address = scripted_buffer
+    c = await operator_factory(buffer_address_template=address)
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "lake-buffer-token"},
+              "data": {"token": base64.b64encode(b"t0ken").decode()}}
+    await c.create("/api/v1/namespaces/{ns}/secrets", secret)
+    await c.create(RLJOBS, rljob("lake", learner={"accelerator": "tpu-v6e-slice", "topology": "2x4"}))
+    await c.eventually(lambda: "lake-buffer" in c.names("apps/v1/deployments"), what="buffer")
+    await c.patch(DEPLOYMENTS + "/lake-buffer/status", {"status": {"readyReplicas": 1}})
+    await c.eventually(lambda: status_of(c, "lake").get("bufferFill") == 0.0, what="figures")
+    await c.patch(RLJOBS + "/lake", {"spec": {"learner": {"topology": "2x2x2"}}})
+    await c.eventually(lambda: condition(c, "lake", "SpecAccepted").get("status") == "False", what="SpecAccepted False")
+    assert condition(c, "lake", "SpecAccepted")["reason"] == "InvalidTopology"
+    assert status_of(c, "lake")["phase"] != "Failed"
+    with servicer.lock:
+        servicer.stats.fill = 0.5
+    # The figures keep moving (fill from the buffer), and the children keep the applied spec.
+    await c.eventually(lambda: status_of(c, "lake").get("bufferFill") == 0.5, what="fill updated after the refused edit")
+    assert "topology: 2x4" in c.get("v1/configmaps", "lake-spec")["data"]["job.yaml"]
+    # A valid edit is accepted again.
+    await c.patch(RLJOBS + "/lake", {"spec": {"learner": {"topology": "2x4"}, "actors": {"replicas": 3}}})
+    await c.eventually(lambda: condition(c, "lake", "SpecAccepted").get("status") == "True", what="SpecAccepted True")

@@ -13,6 +13,7 @@ from stoker.operator.reconcile import (
     Runtime,
     apply_admission,
     apply_children,
+    applied_spec,
     observe_children,
     reap_pods,
     remove_learner,
@@ -57,7 +58,9 @@ class RecordingKube:
 
     def patch(self, res: Resource, namespace: str, name: str, patch: dict[str, Any], subresource: str | None = None) -> dict[str, Any]:
         self.calls.add((res.group, res.plural, "patch"))
-        return self.objects[self._key(res, namespace, name)]
+        obj = self.objects[self._key(res, namespace, name)]
+        obj.update(patch)  # top-level merge: all these tests read back
+        return obj
 
     def delete(self, res: Resource, namespace: str, name: str, *, propagation: str = "Background") -> None:
         self.calls.add((res.group, res.plural, "delete"))
@@ -82,6 +85,7 @@ def operator_calls() -> set[tuple[str, str, str]]:
             apply_admission(kube, job)  # type: ignore[arg-type]
             sync_actor_replicas(kube, job, children.actors, 5)  # type: ignore[arg-type]
         remove_learner(kube, job, jobset_api=job.jobset_api)  # type: ignore[arg-type]
+        assert applied_spec(kube, job.namespace, job.name) == job.spec  # type: ignore[arg-type]  # a refused edit
     kube.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "sbx", "namespace": "ns"}})
     kube.calls.discard(("", "pods", "create"))  # the test's own sandbox pod
     reap_pods(kube, "ns", ["sbx"])  # type: ignore[arg-type]

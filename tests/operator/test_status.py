@@ -182,3 +182,20 @@ def test_any_observation_gives_a_valid_consistent_status(learner: LearnerObserva
         assert status["phase"] == "Running"
     if learner.failed:
         assert status["phase"] == "Failed"
+
+
+def test_refused_edit_keeps_the_figures_and_says_why() -> None:
+    """An invalid edit of a running job: it keeps running (phase, figures) on the applied spec."""
+    status = build_status(observed(spec_problem=("InvalidTopology", "spec.learner.topology: bad")), {}, T0)
+    assert status["phase"] == "Running" and status["policyVersion"] == 12
+    spec = conditions(status)["SpecAccepted"]
+    assert spec["status"] == "False" and spec["reason"] == "InvalidTopology" and "topology: bad" in spec["message"]
+    assert "edit refused" in status["message"]
+    assert conditions(build_status(observed(), {}, T0))["SpecAccepted"]["status"] == "True"
+
+
+def test_failed_status_keeps_the_other_conditions() -> None:
+    running = build_status(observed(), {}, T0)
+    failed = failed_status("the API server refused JobSet lake-learner", "CreateRejected", running, T0, 4)
+    assert {c["type"] for c in failed["conditions"]} == {c["type"] for c in running["conditions"]}
+    assert conditions(failed)["Ready"]["reason"] == "CreateRejected"

@@ -72,10 +72,11 @@ are left out. Never add pods/exec, escalate, bind, impersonate or "*".
 - apiGroups: ["stoker.dev"]
   resources: ["rljobs/finalizers"]
   verbs: ["update"]
-# The job file and the buffer's admission control.
+# The job file (read back after a refused edit: the children keep the spec it holds) and the
+# buffer's admission control.
 - apiGroups: [""]
   resources: ["configmaps"]
-  verbs: ["create", "patch"]
+  verbs: ["create", "get", "patch"]
 # The buffer token the operator generates: created once, read for the buffer's Stats call.
 # No list/watch: the operator cannot enumerate a namespace's secrets.
 - apiGroups: [""]
