@@ -108,9 +108,20 @@ def job_document(ctx: JobContext) -> str:
     return yaml.safe_dump(job.model_dump(by_alias=True, mode="json", exclude_none=True), sort_keys=False)
 
 
-def config_hash(spec: RLJobSpec, *, ignore: tuple[tuple[str, ...], ...] = ()) -> str:
-    """A short digest of the spec, minus fields whose change must not restart the pods."""
-    data = spec.model_dump(by_alias=True, mode="json")
+Paths = tuple[tuple[str, ...], ...]
+
+
+def config_hash(spec: RLJobSpec, *, include: Paths | None = None, ignore: Paths = ()) -> str:
+    """A short digest of the spec's ``include`` fields (all when None), minus ``ignore``."""
+    full = spec.model_dump(by_alias=True, mode="json")
+    data: dict[str, Any] = full if include is None else {}
+    for path in include or ():
+        source: Any = full
+        target = data
+        for part in path[:-1]:
+            source = source[part]
+            target = target.setdefault(part, {})
+        target[path[-1]] = source[path[-1]]
     for path in ignore:
         node = data
         for part in path[:-1]:
@@ -119,8 +130,18 @@ def config_hash(spec: RLJobSpec, *, ignore: tuple[tuple[str, ...], ...] = ()) ->
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
-# Scaling and suspension are applied by patching replicas, never by rolling pods.
-ACTOR_HASH_IGNORES = (("suspend",), ("actors", "replicas"), ("actors", "minReplicas"), ("actors", "maxReplicas"))
+# The spec fields each component reads when it starts (stoker.actor.settings and the model and
+# tokenizer actors load; stoker.buffer.settings): a change to one rolls that component's pods,
+# through the config-hash annotation. Edits elsewhere (the learner's and algorithm's fields, the
+# operator's own scaling fields, suspend) leave them running; tests/operator/test_spec_edits.py
+# checks each list against what the components' settings really read.
+ACTOR_CONFIG_FIELDS: Paths = (
+    ("model",), ("environment",), ("actors",), ("buffer", "groupSize"),
+    ("learner", "sequenceBuckets"), ("learner", "compilationCacheDir"), ("seed",),
+)
+BUFFER_CONFIG_FIELDS: Paths = (("buffer",), ("learner", "batchGroups"))
+# Scaling is applied by patching replicas, never by rolling pods.
+ACTOR_HASH_IGNORES: Paths = (("actors", "replicas"), ("actors", "minReplicas"), ("actors", "maxReplicas"))
 
 
 def container_env(ctx: JobContext, role: str) -> list[dict[str, Any]]:
@@ -307,7 +328,7 @@ def build_buffer_deployment(ctx: JobContext) -> Manifest:
     port = ctx.buffer_port
     env = container_env(ctx, ROLE_BUFFER)
     env.append({"name": "STOKER_ADMISSION_FILE", "value": ADMISSION_FILE})
-    buffer_hash = config_hash(ctx.spec, ignore=ACTOR_HASH_IGNORES)
+    buffer_hash = config_hash(ctx.spec, include=BUFFER_CONFIG_FIELDS)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -374,7 +395,9 @@ def build_actor_deployment(ctx: JobContext) -> Manifest:
             "template": {
                 "metadata": {
                     "labels": labels(ctx.name, ROLE_ACTOR, ctx.settings.extra_labels),
-                    "annotations": {CONFIG_HASH_ANNOTATION: config_hash(ctx.spec, ignore=ACTOR_HASH_IGNORES)},
+                    "annotations": {
+                        CONFIG_HASH_ANNOTATION: config_hash(ctx.spec, include=ACTOR_CONFIG_FIELDS, ignore=ACTOR_HASH_IGNORES)
+                    },
                 },
                 "spec": {
                     "serviceAccountName": ctx.names.sandbox_manager,

@@ -20,7 +20,15 @@ from stoker.operator.learner_workload import (
     build_learner_indexed_jobs,
     build_learner_jobset,
 )
-from stoker.operator.manifests import JobContext, build_buffer_token_secret, config_hash, ACTOR_HASH_IGNORES
+from stoker.operator.manifests import (
+    ACTOR_CONFIG_FIELDS,
+    ACTOR_HASH_IGNORES,
+    CONFIG_HASH_ANNOTATION,
+    JobContext,
+    build_actor_deployment,
+    build_buffer_token_secret,
+    config_hash,
+)
 from stoker.operator.settings import OperatorSettings
 from stoker.operator.tpu import ACCELERATOR_LABEL, TOPOLOGY_LABEL, TPU_RESOURCE
 from stoker.spec import RLJob, RLJobSpec
@@ -201,8 +209,12 @@ def test_scaling_does_not_roll_pods() -> None:
     base = RLJobSpec()
     scaled = RLJobSpec.model_validate({"actors": {"replicas": 7, "maxReplicas": 9}, "suspend": True})
     changed = RLJobSpec.model_validate({"actors": {"sampling": {"temperature": 0.5}}})
-    assert config_hash(base, ignore=ACTOR_HASH_IGNORES) == config_hash(scaled, ignore=ACTOR_HASH_IGNORES)
-    assert config_hash(base, ignore=ACTOR_HASH_IGNORES) != config_hash(changed, ignore=ACTOR_HASH_IGNORES)
+    for spec in (base, scaled, changed):
+        assert build_actor_deployment(make_ctx(**spec.model_dump(by_alias=True)))["spec"]["template"]["metadata"][
+            "annotations"][CONFIG_HASH_ANNOTATION]
+    digest = lambda spec: config_hash(spec, include=ACTOR_CONFIG_FIELDS, ignore=ACTOR_HASH_IGNORES)  # noqa: E731
+    assert digest(base) == digest(scaled)
+    assert digest(base) != digest(changed)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
