@@ -1,12 +1,18 @@
-"""How the operator reads spec edits (kopf diffs): which ones reset the actor replica target."""
+"""How the operator takes spec edits: which reset the actor replica target (kopf diffs), and
+which restart which pods."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
 
+from stoker.actor.settings import ActorSettings
+from stoker.buffer.settings import BufferSettings
 from stoker.operator.handlers import replicas_changed
+from stoker.operator.manifests import ACTOR_CONFIG_FIELDS, ACTOR_HASH_IGNORES, BUFFER_CONFIG_FIELDS, config_hash
+from stoker.spec import RLJobSpec
 
 
 @pytest.mark.parametrize(
@@ -30,18 +36,6 @@ def test_replica_edits_are_seen_however_kopf_reports_them(diff: Any, changed: bo
 
 
 # ------------------------------------------------------------------ which edits roll which pods
-
-import os  # noqa: E402
-
-from stoker.actor.settings import ActorSettings  # noqa: E402
-from stoker.buffer.settings import BufferSettings  # noqa: E402
-from stoker.operator.manifests import (  # noqa: E402
-    ACTOR_CONFIG_FIELDS,
-    ACTOR_HASH_IGNORES,
-    BUFFER_CONFIG_FIELDS,
-    config_hash,
-)
-from stoker.spec import RLJobSpec  # noqa: E402
 
 # One edit of every area of the spec (each a valid job on its own).
 EDITS: dict[str, dict[str, Any]] = {
