@@ -26,6 +26,7 @@ from stoker.operator.manifests import (
     metadata,
 )
 from stoker.jobname import REPLICATED_JOB
+from stoker.actor.labels import JOB_LABEL, ROLE_LABEL
 from stoker.operator.naming import ROLE_LEARNER, labels, selector
 from stoker.operator.tpu import (
     ACCELERATOR_LABEL,
@@ -113,6 +114,27 @@ def _pod_spec(ctx: JobContext, shape: SliceShape, env: list[dict[str, Any]], *, 
     else:
         container["resources"] = CPU_LEARNER_RESOURCES
     return pod
+
+
+def slice_affinity(ctx: JobContext, job_name: str) -> dict[str, Any]:
+    """The no-JobSet fallback's stand-in for JobSet's exclusive topology: a multi-host slice's
+    pods share one node pool (a TPU slice is one pool), and no other slice of the job uses it."""
+    this_slice = {"matchLabels": {JOB_NAME_LABEL: job_name}}
+    other_slices = {
+        "matchExpressions": [
+            {"key": JOB_LABEL, "operator": "In", "values": [ctx.name]},
+            {"key": ROLE_LABEL, "operator": "In", "values": [ROLE_LEARNER]},
+            {"key": JOB_NAME_LABEL, "operator": "NotIn", "values": [job_name]},
+        ]
+    }
+    return {
+        "podAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [{"labelSelector": this_slice, "topologyKey": NODEPOOL_LABEL}]
+        },
+        "podAntiAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": [{"labelSelector": other_slices, "topologyKey": NODEPOOL_LABEL}]
+        },
+    }
 
 
 def single_host(ctx: JobContext, shape: SliceShape) -> bool:
@@ -251,12 +273,15 @@ def build_learner_indexed_jobs(ctx: JobContext) -> list[Manifest]:
             ]
         meta = metadata(ctx, job_name, ROLE_LEARNER)
         meta["labels"] = _workload_labels(ctx)
+        pod_spec = _pod_spec(ctx, shape, env, subdomain=service)
+        if shape.chips_per_host and shape.multi_host:
+            pod_spec["affinity"] = slice_affinity(ctx, job_name)
         jobs.append(
             {
                 "apiVersion": "batch/v1",
                 "kind": "Job",
                 "metadata": meta,
-                "spec": _job_template_spec(ctx, shape, _pod_spec(ctx, shape, env, subdomain=service)),
+                "spec": _job_template_spec(ctx, shape, pod_spec),
             }
         )
     return jobs

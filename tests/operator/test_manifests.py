@@ -321,3 +321,23 @@ def test_learner_runs_as_the_service_account_the_spec_names() -> None:
         check_all([learner])
     default = build_learner_jobset(make_ctx())["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     assert "serviceAccountName" not in default
+
+
+def test_fallback_keeps_each_multi_host_slice_in_one_node_pool() -> None:
+    """Without JobSet's exclusive topology, pod affinity puts a slice's hosts in one node pool
+    (a TPU slice is one pool) and anti-affinity keeps the other slices out of it."""
+    ctx = make_ctx(jobset_api=False, learner={"accelerator": "tpu-v6e-slice", "topology": "4x4", "numSlices": 2})
+    jobs = build_learner_indexed_jobs(ctx)
+    for job in jobs:
+        name = job["metadata"]["name"]
+        pod = job["spec"]["template"]["spec"]
+        [together] = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        [apart] = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert together["topologyKey"] == apart["topologyKey"] == "cloud.google.com/gke-nodepool"
+        assert together["labelSelector"]["matchLabels"] == {"batch.kubernetes.io/job-name": name}
+        assert {"key": "batch.kubernetes.io/job-name", "operator": "NotIn", "values": [name]} in (
+            apart["labelSelector"]["matchExpressions"])
+        validate(job)
+    # Single-host slices need none.
+    single = build_learner_indexed_jobs(make_ctx(jobset_api=False, learner={"accelerator": "tpu-v6e-slice", "topology": "2x4"}))
+    assert "affinity" not in single[0]["spec"]["template"]["spec"]
