@@ -21,6 +21,7 @@ from stoker.operator.observe import StatsSnapshot
 from stoker.operator.settings import OperatorSettings
 
 STALE_DROP_REASON = "stale"
+OVERPRODUCTION_ADMISSION_FACTOR = 0.75
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,21 @@ def staleness_window(previous: StatsSnapshot | None, current: StatsSnapshot) -> 
     )
 
 
-def staleness_exceeded(window: StalenessWindow, max_staleness: int) -> bool:
+def staleness_exceeded(window: StalenessWindow, max_staleness: int, sample_order: str = "oldest-first") -> bool:
+    """Groups sampled above the limit, or (oldest-first) dropped as stale.
+
+    Under ``newest-first`` the learner takes the latest groups and the backlog ages out by
+    design, so drops there are overproduction (``overproducing``), not staleness reaching the
+    learner.
+    """
+    if sample_order == "newest-first":
+        return window.max > max_staleness
     return window.max > max_staleness or window.dropped > 0
+
+
+def overproducing(window: StalenessWindow, max_staleness: int, sample_order: str) -> bool:
+    """Newest-first groups aging out unsampled: actors make more than the learner takes."""
+    return sample_order == "newest-first" and window.dropped > 0 and not window.max > max_staleness
 
 
 def learner_starved(stats: StatsSnapshot, threshold: float) -> bool | None:
@@ -111,11 +125,14 @@ def decide(
     cooled_down: bool,
     settings: OperatorSettings,
     detail: str = "",
+    overproduced: bool = False,
 ) -> Decision:
     """Next actor target and admission scale.
 
     * staleness exceeded: fewer actors (not below ``min_replicas``) and admission halved (not
       below ``settings.min_admission_scale``);
+    * overproduction (newest-first groups dropped unsampled): the gentler version, one actor
+      fewer and admission cut by a quarter, since the learner itself still gets fresh data;
     * learner starved: admission restored to 1 and more actors (not above ``max_replicas``);
     * otherwise admission relaxes back towards 1 (doubling) while nothing is exceeded.
 
@@ -135,6 +152,16 @@ def decide(
             new_target = max(min_replicas, target - _step(target, settings.scale_step_fraction))
             actions.append(Action("ScaledDownActors", f"actors {target} -> {new_target}: staleness above limit{suffix}", "Warning"))
             target = new_target
+    elif overproduced:
+        new_scale = max(settings.min_admission_scale, scale * OVERPRODUCTION_ADMISSION_FACTOR)
+        if new_scale < scale:
+            actions.append(Action("TightenedAdmission", f"buffer admission scale {scale:g} -> {new_scale:g}: "
+                                  f"stale groups dropped unsampled (overproduction){suffix}"))
+            scale = new_scale
+        if cooled_down and target > min_replicas:
+            actions.append(Action("ScaledDownActors", f"actors {target} -> {target - 1}: "
+                                  f"stale groups dropped unsampled (overproduction){suffix}"))
+            target -= 1
     elif starved:
         if scale < 1.0:
             actions.append(Action("RelaxedAdmission", f"buffer admission scale {scale:g} -> 1: learner starved{suffix}"))

@@ -296,6 +296,7 @@ def monitor(
                 cooled_down=last is None or (now - last).total_seconds() >= settings.scale_cooldown_seconds,
                 settings=settings,
                 detail=f"max staleness {reading.window.max}, limit {parsed.buffer.max_staleness}",
+                overproduced=reading.overproducing,
             )
             if decision.actor_target != target:
                 memo["last_scaled"] = now

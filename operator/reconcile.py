@@ -21,7 +21,13 @@ from stoker.operator.bufferstats import StatsReader, StatsUnavailable
 from stoker.operator.children import desired_children
 from stoker.operator.kube import RESOURCES, ApiError, Conflict, Kube, Manifest, NotFound, resource_of
 from stoker.operator.learner_workload import JOBSET_API_VERSION, learner_shape
-from stoker.operator.control import StalenessWindow, learner_starved, staleness_exceeded, staleness_window
+from stoker.operator.control import (
+    StalenessWindow,
+    learner_starved,
+    overproducing,
+    staleness_exceeded,
+    staleness_window,
+)
 from stoker.operator.manifests import (
     JOB_FILE_KEY,
     JobContext,
@@ -266,6 +272,7 @@ class BufferReading:
     window: StalenessWindow | None = None
     exceeded: bool | None = None
     starved: bool | None = None
+    overproducing: bool = False
 
 
 def read_buffer(runtime: Runtime, ctx: JobContext, previous: StatsSnapshot | None) -> BufferReading:
@@ -284,7 +291,8 @@ def read_buffer(runtime: Runtime, ctx: JobContext, previous: StatsSnapshot | Non
     return BufferReading(
         stats=stats,
         window=window,
-        exceeded=staleness_exceeded(window, ctx.spec.buffer.max_staleness),
+        exceeded=staleness_exceeded(window, ctx.spec.buffer.max_staleness, ctx.spec.buffer.sample_order),
+        overproducing=overproducing(window, ctx.spec.buffer.max_staleness, ctx.spec.buffer.sample_order),
         starved=learner_starved(stats, runtime.settings.starved_duty_cycle),
     )
 

@@ -8,7 +8,9 @@ from hypothesis import strategies as st
 from stoker.operator.control import (
     decide,
     histogram_quantile,
+    StalenessWindow,
     learner_starved,
+    overproducing,
     staleness_exceeded,
     staleness_window,
 )
@@ -88,17 +90,36 @@ def test_decisions() -> None:
     exceeded=st.booleans(),
     starved=st.none() | st.booleans(),
     cooled=st.booleans(),
+    overproduced=st.booleans(),
 )
 def test_decisions_stay_within_bounds(bounds: tuple[int, int], target: int, scale: float, exceeded: bool,
-                                      starved: bool | None, cooled: bool) -> None:
+                                      starved: bool | None, cooled: bool, overproduced: bool) -> None:
     low, high = bounds
     target = max(low, min(high, target))
     d = decide(actor_target=target, admission_scale=scale, min_replicas=low, max_replicas=high, exceeded=exceeded,
-               starved=starved, cooled_down=cooled, settings=SETTINGS)
+               starved=starved, cooled_down=cooled, settings=SETTINGS, overproduced=overproduced)
     assert low <= d.actor_target <= high
     assert SETTINGS.min_admission_scale <= d.admission_scale <= 1.0
-    if exceeded:
+    if exceeded or overproduced:
         assert d.actor_target <= target and d.admission_scale <= scale
     if not cooled:
         assert d.actor_target == target
     assert len(d.actions) == (d.actor_target != target) + (d.admission_scale != scale)
+
+
+def test_newest_first_drops_are_overproduction_not_staleness() -> None:
+    """Under newest-first the backlog ages out by design: drops alone do not mean the learner
+    trains on stale data, so they get the gentler overproduction response."""
+    drops_only = StalenessWindow(p50=1, max=2, dropped=5, groups=10)
+    sampled_stale = StalenessWindow(p50=1, max=6, dropped=5, groups=10)
+    assert staleness_exceeded(drops_only, 4, "oldest-first")
+    assert not staleness_exceeded(drops_only, 4, "newest-first") and overproducing(drops_only, 4, "newest-first")
+    assert staleness_exceeded(sampled_stale, 4, "newest-first") and not overproducing(sampled_stale, 4, "newest-first")
+    assert not overproducing(drops_only, 4, "oldest-first")
+    gentle = decide(actor_target=8, admission_scale=1.0, min_replicas=2, max_replicas=10, exceeded=False,
+                    starved=False, cooled_down=True, settings=SETTINGS, overproduced=True)
+    harsh = decide(actor_target=8, admission_scale=1.0, min_replicas=2, max_replicas=10, exceeded=True,
+                   starved=False, cooled_down=True, settings=SETTINGS)
+    assert (gentle.actor_target, gentle.admission_scale) == (7, 0.75)
+    assert gentle.actor_target > harsh.actor_target and gentle.admission_scale > harsh.admission_scale
+    assert all("overproduction" in a.message for a in gentle.actions)
