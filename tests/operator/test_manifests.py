@@ -4,8 +4,15 @@ templates validated and their own structure checked here."""
 
 from __future__ import annotations
 
+import copy
+import functools
+import gzip
+import json
 import math
+from pathlib import Path
 from typing import Any
+
+import jsonschema
 
 import kubernetes_validate
 import pytest
@@ -53,8 +60,41 @@ def validate(manifest: dict[str, Any]) -> None:
     kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
 
 
+SCHEMAS = Path(__file__).parent / "schemas"
+
+
+def strict(schema: Any) -> Any:
+    """A CRD's schema refusing unknown fields wherever it lists the known ones (the API server
+    prunes them silently; `kubectl apply --validate=strict` refuses them)."""
+    if isinstance(schema, dict):
+        schema = {k: strict(v) for k, v in schema.items()}
+        if "properties" in schema and "additionalProperties" not in schema and not schema.get(
+                "x-kubernetes-preserve-unknown-fields"):
+            schema["additionalProperties"] = False
+    elif isinstance(schema, list):
+        schema = [strict(v) for v in schema]
+    return schema
+
+
+@functools.cache
+def peer_validator(file: str, kind: str) -> jsonschema.Draft4Validator:
+    """Another project's CRD schema for ``kind``, vendored under schemas/ (each file names its source)."""
+    path = SCHEMAS / file
+    raw = gzip.decompress(path.read_bytes()) if file.endswith(".gz") else path.read_bytes()
+    schema = strict(json.loads(raw)[kind])
+    schema["properties"]["metadata"] = {"type": "object"}  # ObjectMeta is checked as Kubernetes' own
+    # OpenAPI v3.0 schemas follow draft 4 where it matters (boolean exclusiveMinimum).
+    return jsonschema.Draft4Validator(schema)
+
+
+def peer_errors(file: str, doc: dict[str, Any]) -> list[str]:
+    return [f"{list(e.path)}: {e.message}" for e in peer_validator(file, doc["kind"]).iter_errors(doc)]
+
+
 def check_jobset(jobset: dict[str, Any]) -> None:
-    """The JobSet fields the operator relies on, and its Job template as a real batch/v1 Job."""
+    """The JobSet against JobSet's own CRD schema (v1alpha2, strict), the fields the operator relies
+    on, and its Job template as a real batch/v1 Job."""
+    assert peer_errors("jobset-v1alpha2.json.gz", jobset) == []
     assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and jobset["kind"] == "JobSet"
     assert set(jobset) == {"apiVersion", "kind", "metadata", "spec"}
     spec = jobset["spec"]
@@ -341,3 +381,33 @@ def test_fallback_keeps_each_multi_host_slice_in_one_node_pool() -> None:
     # Single-host slices need none.
     single = build_learner_indexed_jobs(make_ctx(jobset_api=False, learner={"accelerator": "tpu-v6e-slice", "topology": "2x4"}))
     assert "affinity" not in single[0]["spec"]["template"]["spec"]
+
+
+
+def test_jobset_schema_check_refuses_what_jobset_would() -> None:
+    jobset = build_learner_jobset(make_ctx())
+    bad = copy.deepcopy(jobset)
+    bad["spec"]["replicatedJobs"][0]["replica"] = bad["spec"]["replicatedJobs"][0].pop("replicas")
+    assert peer_errors("jobset-v1alpha2.json.gz", bad)
+    bad = copy.deepcopy(jobset)
+    bad["spec"]["failurePolicy"]["maxRestarts"] = "three"
+    assert peer_errors("jobset-v1alpha2.json.gz", bad)
+
+
+# ------------------------------------------------------------------------ examples/kueue
+
+KUEUE_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "kueue" / "tpu-v6e-queues.yaml"
+KUEUE_DOCS = [d for d in yaml.safe_load_all(KUEUE_EXAMPLE.read_text()) if d]
+
+
+@pytest.mark.parametrize("doc", KUEUE_DOCS, ids=[d["kind"] for d in KUEUE_DOCS])
+def test_kueue_example_is_valid_v1beta2(doc: dict[str, Any]) -> None:
+    """Kueue's storage version (v1beta1 is deprecated), against Kueue's own CRD schemas."""
+    assert doc["apiVersion"] == "kueue.x-k8s.io/v1beta2"
+    assert peer_errors("kueue-v1beta2.json", doc) == []
+
+
+def test_kueue_check_refuses_a_misspelt_field() -> None:
+    queue = copy.deepcopy(next(d for d in KUEUE_DOCS if d["kind"] == "LocalQueue"))
+    queue["spec"]["clusterQueu"] = queue["spec"].pop("clusterQueue")
+    assert peer_errors("kueue-v1beta2.json", queue)
