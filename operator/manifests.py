@@ -11,7 +11,6 @@ bearer token (``--buffer``, ``--token-file``), and their identity in ``POD_NAME`
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ import yaml
 from stoker.actor.labels import JOB_LABEL, ROLE_LABEL, ROLE_SANDBOX, SANDBOX_POD_PORT
 from stoker.operator.naming import ROLE_ACTOR, ROLE_BUFFER, ROLE_LEARNER, Names, labels, selector
 from stoker.operator.rbac import SANDBOX_MANAGER_POD_VERBS
+from stoker.operator.rollout import ACTOR_CONFIG_FIELDS, ACTOR_HASH_IGNORES, BUFFER_CONFIG_FIELDS, config_hash
 from stoker.operator.settings import OperatorSettings
 from stoker.spec import API_VERSION, KIND, ObjectMeta, RLJob, RLJobSpec
 
@@ -106,42 +106,6 @@ def job_document(ctx: JobContext) -> str:
     """The RLJob as the components read it (``STOKER_JOB_FILE``)."""
     job = RLJob(metadata=ObjectMeta(name=ctx.name, namespace=ctx.namespace), spec=ctx.spec)
     return yaml.safe_dump(job.model_dump(by_alias=True, mode="json", exclude_none=True), sort_keys=False)
-
-
-Paths = tuple[tuple[str, ...], ...]
-
-
-def config_hash(spec: RLJobSpec, *, include: Paths | None = None, ignore: Paths = ()) -> str:
-    """A short digest of the spec's ``include`` fields (all when None), minus ``ignore``."""
-    full = spec.model_dump(by_alias=True, mode="json")
-    data: dict[str, Any] = full if include is None else {}
-    for path in include or ():
-        source: Any = full
-        target = data
-        for part in path[:-1]:
-            source = source[part]
-            target = target.setdefault(part, {})
-        target[path[-1]] = source[path[-1]]
-    for path in ignore:
-        node = data
-        for part in path[:-1]:
-            node = node[part]
-        node.pop(path[-1], None)
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
-
-
-# The spec fields each component reads when it starts (stoker.actor.settings and the model and
-# tokenizer actors load; stoker.buffer.settings): a change to one rolls that component's pods,
-# through the config-hash annotation. Edits elsewhere (the learner's and algorithm's fields, the
-# operator's own scaling fields, suspend) leave them running; tests/operator/test_spec_edits.py
-# checks each list against what the components' settings really read.
-ACTOR_CONFIG_FIELDS: Paths = (
-    ("model",), ("environment",), ("actors",), ("buffer", "groupSize"),
-    ("learner", "sequenceBuckets"), ("learner", "compilationCacheDir"), ("seed",),
-)
-BUFFER_CONFIG_FIELDS: Paths = (("buffer",), ("learner", "batchGroups"))
-# Scaling is applied by patching replicas, never by rolling pods.
-ACTOR_HASH_IGNORES: Paths = (("actors", "replicas"), ("actors", "minReplicas"), ("actors", "maxReplicas"))
 
 
 def container_env(ctx: JobContext, role: str) -> list[dict[str, Any]]:

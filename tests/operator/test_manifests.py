@@ -27,15 +27,8 @@ from stoker.operator.learner_workload import (
     build_learner_indexed_jobs,
     build_learner_jobset,
 )
-from stoker.operator.manifests import (
-    ACTOR_CONFIG_FIELDS,
-    ACTOR_HASH_IGNORES,
-    CONFIG_HASH_ANNOTATION,
-    JobContext,
-    build_actor_deployment,
-    build_buffer_token_secret,
-    config_hash,
-)
+from stoker.operator.manifests import CONFIG_HASH_ANNOTATION, JobContext, build_actor_deployment, build_buffer_token_secret
+from stoker.operator.rollout import ACTOR_CONFIG_FIELDS, ACTOR_HASH_IGNORES, config_hash
 from stoker.operator.settings import OperatorSettings
 from stoker.operator.tpu import ACCELERATOR_LABEL, TOPOLOGY_LABEL, TPU_RESOURCE
 from stoker.spec import RLJob, RLJobSpec

@@ -11,7 +11,7 @@ import pytest
 from stoker.actor.settings import ActorSettings
 from stoker.buffer.settings import BufferSettings
 from stoker.operator.handlers import replicas_changed
-from stoker.operator.manifests import ACTOR_CONFIG_FIELDS, ACTOR_HASH_IGNORES, BUFFER_CONFIG_FIELDS, config_hash
+from stoker.operator.rollout import ACTOR_CONFIG_FIELDS, ACTOR_HASH_IGNORES, BUFFER_CONFIG_FIELDS, config_hash
 from stoker.spec import RLJobSpec
 
 
