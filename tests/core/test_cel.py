@@ -214,3 +214,18 @@ UPDATES: list[tuple[str, dict[str, Any], dict[str, Any], str | None]] = [
 def test_immutable_fields(case: str, old: dict[str, Any], new: dict[str, Any], message: str | None) -> None:
     refusals = [m for _, m in failures(manifest("lake", new), old=manifest("lake", old))]
     assert refusals == ([message] if message else [])
+
+
+def test_stoker_validate_names_the_limit(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """The command a user runs before `kubectl apply`: exit 2 and the limit for the job's shape."""
+    import argparse
+
+    import yaml
+
+    from stoker.validate_cmd import main
+
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(manifest("a" * 39, learner(accelerator="tpu-v5p-slice", topology="4x4x8"))))
+    assert main(argparse.Namespace(files=[str(path)])) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: metadata.name: got 39 characters; expected at most 38 for 1 slice(s) of 32 host(s)" in err
