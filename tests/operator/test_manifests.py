@@ -404,3 +404,19 @@ def test_kueue_check_refuses_a_misspelt_field() -> None:
     queue = copy.deepcopy(next(d for d in KUEUE_DOCS if d["kind"] == "LocalQueue"))
     queue["spec"]["clusterQueu"] = queue["spec"].pop("clusterQueue")
     assert peer_errors("kueue-v1beta2.json", queue)
+
+
+@pytest.mark.parametrize("example", ["gke-v5e-frozenlake.yaml", "gke-v6e-swe-multislice.yaml"])
+def test_gke_docs_grant_the_bucket_to_the_account_learners_run_as(example: str) -> None:
+    """docs/gke.md's Workload Identity binding names the account the example's learner pods
+    really run as; the chart's values do not send users to the operator's account instead."""
+    from stoker.manifest import load_job
+
+    repo = Path(__file__).resolve().parents[2]
+    job = load_job(repo / "examples" / example)
+    assert "gs://" in job.spec.learner.checkpoint.dir
+    ctx = JobContext(job.metadata.name, "rl", "uid", job.spec, OperatorSettings(), actor_replicas=1)
+    pod = build_learner_jobset(ctx)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    account = pod["serviceAccountName"]
+    assert f"/subject/ns/rl/sa/{account}" in (repo / "docs" / "gke.md").read_text()
+    assert "gcp-service-account" not in (repo / "helm" / "stoker" / "values.yaml").read_text()
