@@ -383,6 +383,8 @@ class BufferCore:
             self._replay_put(segment, payload, completed)
         elif kind == CONSUME:
             consume = buffer_pb2.LogConsume.FromString(bytes(payload))
+            for episode_id in consume.episode_ids:
+                self._consumed_episodes.add(episode_id)
             for group_id in consume.group_ids:
                 group = self._groups.get(group_id)
                 if group is not None:
@@ -670,7 +672,11 @@ class BufferCore:
         self._consumed_groups.add(group.group_id)
 
     def _log_consume(self, groups: Sequence[Group], reason: str) -> Position:
-        payload = buffer_pb2.LogConsume(group_ids=[g.group_id for g in groups], reason=reason).SerializeToString()
+        payload = buffer_pb2.LogConsume(
+            group_ids=[g.group_id for g in groups],
+            reason=reason,
+            episode_ids=[episode_id for g in groups for episode_id in g.entries],
+        ).SerializeToString()
         return self.wal.append(CONSUME, [payload])
 
     def _drop(self, groups: Sequence[Group], reason: str) -> None:

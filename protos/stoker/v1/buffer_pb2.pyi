@@ -222,12 +222,14 @@ class BufferStats(_message.Message):
     def __init__(self, capacity: _Optional[int] = ..., stored_trajectories: _Optional[int] = ..., complete_groups: _Optional[int] = ..., incomplete_groups: _Optional[int] = ..., leased_batches: _Optional[int] = ..., fill: _Optional[float] = ..., policy_version: _Optional[int] = ..., admission_credit: _Optional[int] = ..., in_flight_groups: _Optional[int] = ..., accepted_total: _Optional[int] = ..., sampled_total: _Optional[int] = ..., committed_total: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., per_actor_accepted: _Optional[_Mapping[str, int]] = ..., put_rate: _Optional[float] = ..., sample_rate: _Optional[float] = ..., stale_incomplete_groups: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., duplicates_total: _Optional[int] = ..., redelivered_groups: _Optional[int] = ..., masked_groups_delivered: _Optional[int] = ..., committed_groups_total: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_segments: _Optional[int] = ..., replayed_trajectories: _Optional[int] = ..., corrupt_log_tails: _Optional[int] = ..., full_rejections: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., admission_scale: _Optional[float] = ..., learner_duty_cycle: _Optional[float] = ...) -> None: ...
 
 class LogConsume(_message.Message):
-    __slots__ = ("group_ids", "reason")
+    __slots__ = ("group_ids", "reason", "episode_ids")
     GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_IDS_FIELD_NUMBER: _ClassVar[int]
     group_ids: _containers.RepeatedScalarFieldContainer[str]
     reason: str
-    def __init__(self, group_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ...) -> None: ...
+    episode_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, group_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., episode_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LogCheckpoint(_message.Message):
     __slots__ = ("policy_version", "committed_groups", "consumed_episode_ids", "consumed_group_ids")
