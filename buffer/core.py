@@ -10,277 +10,59 @@ consumed ids, written first in every new segment; ``VERSION`` = the learner's po
 Replay applies them in order, so a trajectory is live iff its Put record is not followed by a
 consumption of its group.
 
-Admission (the AReaL rule, counted in groups)::
-
-    credit = (max_staleness + version + 1) * batch_groups - (accepted + in_flight)
-
-where ``accepted`` = groups committed so far plus complete groups waiting or leased (dropped groups
-do not count: their work must be redone), and ``in_flight`` = credit granted whose group has not
-completed yet. A group whose oldest model token has version ``v_old`` is stale, and dropped,
-once ``version - v_old > max_staleness``.
-
-The operator can tighten admission with a scale ``s`` in (0, 1] (``AdmissionScale``, a file it
-writes). It scales the rule's allowance of untrained groups, not what is left of it::
-
-    allowance   = (max_staleness + version + 1) * batch_groups - min(committed, version * batch_groups)
-    outstanding = ready + leased + in_flight
-    credit      = floor(s * allowance) - outstanding
-
-(``min``: a batch the learner commits without making an update leaves the version where it was, so
-its groups must not use up credit; ``version * batch_groups`` is what the updates so far consumed.)
-
-With ``s = 1`` this is the rule above. Scaling the remainder instead would let repeated small
-Acquires creep back to nearly the full allowance (each gets a fraction of what is left), so the
-operator's halving would barely reduce how far actors run ahead of the learner.
+Admission credit follows the AReaL rule, scaled by the operator (``stoker.buffer.admission``).
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import math
-import os
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
+from stoker.buffer.admission import AdmissionScale, Clock
+from stoker.buffer.counters import BoundedSet, RateWindow
 from stoker.buffer.settings import BufferSettings
+from stoker.buffer.state import (
+    CODE_INVALID_ARGUMENT,
+    CODE_OK,
+    BatchTooLarge,
+    BufferFull,
+    Entry,
+    Group,
+    Lease,
+    PendingPut,
+    PutOutcome,
+    SampledBatch,
+    Unavailable,
+    UnknownBatch,
+)
 from stoker.buffer.validate import Invalid, TrajectoryMeta, parse_meta, validate_batch
 from stoker.buffer.wal import HEADER, Position, Wal, WalError
 from stoker.v1 import buffer_pb2
 
+__all__ = [
+    "CODE_INVALID_ARGUMENT",
+    "CODE_OK",
+    "BatchTooLarge",
+    "BufferCore",
+    "BufferFull",
+    "PendingPut",
+    "PutOutcome",
+    "SampledBatch",
+    "Unavailable",
+    "UnknownBatch",
+]
+
 log = logging.getLogger("stoker.buffer")
 
 PUT, CONSUME, CHECKPOINT, VERSION = 1, 2, 3, 4
-
-# google.rpc.Code values used in PutResult.code
-CODE_OK, CODE_INVALID_ARGUMENT = 0, 3
-
-Clock = Callable[[], float]
-
-
-class BufferFull(Exception):
-    """The batch does not fit; nothing was stored. Retry after ``retry_after`` seconds."""
-
-    def __init__(self, message: str, retry_after: float):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class BatchTooLarge(ValueError):
-    """A batch that could never fit, however long the client waits."""
-
-
-class UnknownBatch(KeyError):
-    """Commit of a batch the buffer does not hold a lease for (restarted, expired or committed)."""
-
-
-class Unavailable(Exception):
-    """The buffer cannot durably accept anything (closed, or its log is unusable)."""
-
-
-@dataclass(slots=True, eq=False)
-class Entry:
-    meta: TrajectoryMeta
-    raw: bytes | memoryview
-    segment: int
-
-    @property
-    def record_bytes(self) -> int:
-        return HEADER.size + len(self.raw)
-
-
-@dataclass(eq=False)
-class Group:
-    group_id: str
-    size: int
-    created: float
-    entries: dict[str, Entry] = field(default_factory=dict)
-    failed: int = 0
-    oldest_version: int = -1  # over model tokens of every episode; -1 = none
-    state: str = "incomplete"  # incomplete | ready | leased
-    timeout_reported: bool = False
-
-    @property
-    def masked(self) -> bool:
-        return self.failed > 0
-
-
-@dataclass(eq=False)
-class Lease:
-    batch_id: str
-    learner_id: str
-    session_id: str
-    groups: list[Group]
-    deadline: float
-
-
-@dataclass
-class PutOutcome:
-    results: list[tuple[int, str, str]]  # per trajectory: (google.rpc code, field, message)
-    stored: int = 0
-    duplicates: int = 0
-
-    @property
-    def rejected(self) -> list[tuple[int, str, str]]:
-        return [(i, f, m) for i, (c, f, m) in enumerate(self.results) if c == CODE_INVALID_ARGUMENT]
-
-
-@dataclass(slots=True)
-class PendingPut:
-    """A Put between ``BufferCore.begin_put`` and ``finish_put``: logged, not yet durable."""
-
-    outcome: PutOutcome
-    new: list[tuple[bytes | memoryview, TrajectoryMeta]]  # what it stores, once durable
-    logged: Position | None  # the end of its records; None when it logged nothing
-    durable_at: Position  # what must be flushed before it is acknowledged
-    client_id: str
-
-
-@dataclass
-class SampledBatch:
-    batch_id: str
-    groups: list[tuple[str, list[bytes | memoryview], bool]]  # (group id, raw trajectories, masked)
-    policy_version: int
-
-
-ADMISSION_SCALE_KEY = "admissionScale"
-
-
-def parse_admission_scale(text: str) -> float:
-    """``{"admissionScale": x}`` -> x; ``ValueError`` naming the problem unless 0 < x <= 1."""
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(document, dict) or ADMISSION_SCALE_KEY not in document:
-        raise ValueError(f'expected an object {{"{ADMISSION_SCALE_KEY}": x}} with 0 < x <= 1')
-    value = document[ADMISSION_SCALE_KEY]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:  # NaN fails too
-        raise ValueError(f"{ADMISSION_SCALE_KEY}: got {value!r}; expected a number in (0, 1]")
-    return float(value)
-
-
-class AdmissionScale:
-    """The operator's admission scale, re-read from its JSON file whenever the file changes.
-
-    The file is a mounted ConfigMap, which Kubernetes replaces by swapping a symlink, so a change
-    shows as a new (mtime, inode, size) of the file the path resolves to; ``maybe_reload`` looks at
-    most once per ``interval`` seconds of ``clock``. A missing, unreadable or malformed file means
-    scale 1 (the buffer's own rule, untightened), logged once per distinct problem: the operator's
-    control is advisory and must never stop the buffer or starve the actors.
-    """
-
-    def __init__(self, path: str | Path | None, *, clock: Clock = time.monotonic, interval: float = 1.0):
-        self.path = Path(path) if path else None
-        self.clock = clock
-        self.interval = interval
-        self.value = 1.0
-        self._stamp: tuple[int, int, int] | None = None
-        self._problem: str | None = None
-        self._next_check = -math.inf
-        self._lock = threading.Lock()
-
-    def maybe_reload(self) -> float:
-        """The scale, after re-reading the file if ``interval`` has passed and it changed."""
-        if self.path is None or self.clock() < self._next_check:
-            return self.value
-        if not self._lock.acquire(blocking=False):
-            return self.value  # another thread is looking at the file right now
-        try:
-            self._check()
-        finally:
-            self._lock.release()
-        return self.value
-
-    def reload(self) -> float:
-        """Look at the file now, whatever the interval; returns the scale in use."""
-        if self.path is not None:
-            with self._lock:
-                self._check()
-        return self.value
-
-    def _check(self) -> None:
-        assert self.path is not None
-        self._next_check = self.clock() + self.interval
-        try:
-            info = os.stat(self.path)
-            stamp = (info.st_mtime_ns, info.st_ino, info.st_size)
-            if stamp == self._stamp:
-                return
-            text = self.path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            self._stamp = None  # look again next time
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            self._use(1.0, f"cannot read ({reason})")
-            return
-        self._stamp = stamp
-        try:
-            self._use(parse_admission_scale(text), None)
-        except ValueError as exc:
-            self._use(1.0, str(exc))
-
-    def _use(self, scale: float, problem: str | None) -> None:
-        if problem is not None:
-            if problem != self._problem:
-                log.warning("admission file %s: %s; using admission scale 1", self.path, problem)
-        elif scale != self.value or self._problem is not None:
-            log.info("admission scale %g -> %g (from %s)", self.value, scale, self.path)
-        self.value, self._problem = scale, problem
-
-
-class RateWindow:
-    """Events per second over the last ``seconds``, in one-second buckets."""
-
-    def __init__(self, seconds: int = 60):
-        self.seconds = seconds
-        self._buckets: collections.deque[list[float]] = collections.deque()  # [second, count]
-
-    def add(self, now: float, count: int) -> None:
-        second = float(int(now))
-        if self._buckets and self._buckets[-1][0] == second:
-            self._buckets[-1][1] += count
-        else:
-            self._buckets.append([second, float(count)])
-        self._trim(now)
-
-    def _trim(self, now: float) -> None:
-        while self._buckets and self._buckets[0][0] <= now - self.seconds:
-            self._buckets.popleft()
-
-    def rate(self, now: float, started: float) -> float:
-        self._trim(now)
-        span = min(float(self.seconds), max(now - started, 1.0))
-        return sum(c for _, c in self._buckets) / span
-
-
-class BoundedSet:
-    """Remembers the most recent ``limit`` keys (insertion order)."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._keys: dict[str, None] = {}
-
-    def add(self, key: str) -> None:
-        self._keys.pop(key, None)
-        self._keys[key] = None
-        while len(self._keys) > self.limit:
-            del self._keys[next(iter(self._keys))]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def keys(self) -> list[str]:
-        return list(self._keys)
 
 
 class BufferCore:
