@@ -34,6 +34,7 @@ from stoker.buffer.state import (
     CODE_OK,
     BatchTooLarge,
     BufferFull,
+    DiskFull,
     Entry,
     Group,
     Lease,
@@ -44,7 +45,7 @@ from stoker.buffer.state import (
     UnknownBatch,
 )
 from stoker.buffer.validate import Invalid, TrajectoryMeta, parse_meta, validate_batch
-from stoker.buffer.wal import HEADER, Position, Wal, WalError
+from stoker.buffer.wal import HEADER, Position, Wal, WalError, WalFull
 from stoker.v1 import buffer_pb2
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "BatchTooLarge",
     "BufferCore",
     "BufferFull",
+    "DiskFull",
     "PendingPut",
     "PutOutcome",
     "SampledBatch",
@@ -76,6 +78,7 @@ class BufferCore:
             fsync=settings.sync == "batch",
             segment_bytes=settings.segment_bytes,
             max_record=settings.max_message_bytes,
+            reserve=settings.disk_reserve_bytes,
         )
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -109,6 +112,8 @@ class BufferCore:
         self.redelivered_groups = 0
         self.masked_delivered = 0
         self.full_rejections = 0
+        self.disk_full_rejections = 0
+        self._disk_full_logged: str | None = None
         self.replayed = 0
         self.corrupt_tails = 0
         self.dropped: collections.Counter[str] = collections.Counter()
@@ -144,7 +149,15 @@ class BufferCore:
                     entry.raw = bytes(entry.raw)
             self.corrupt_tails = len(report.corrupt)
             self.replayed = self._stored
-            self.wal.start((CHECKPOINT, self._checkpoint()))
+            self._free_space_before_start(report.clean_ends)
+            try:
+                self.wal.start((CHECKPOINT, self._checkpoint()))
+            except WalFull as exc:
+                raise WalFull(
+                    exc.errno,
+                    f"cannot start: the log's volume {self.wal.directory} is full ({self.wal.free_bytes()} bytes free) "
+                    f"and {self._stored_bytes} bytes of it are live trajectories: grow the volume",
+                ) from exc
             self._opened = True
             for group in completed:
                 if self._groups.get(group.group_id) is group and group.state == "incomplete":
@@ -159,6 +172,21 @@ class BufferCore:
                 self.policy_version,
             )
         self.compact()
+
+    def _free_space_before_start(self, clean_ends: dict[int, int]) -> None:
+        """Give back what a crash left preallocated and delete consumed segments before the new
+        segment is created, so a restart on a full volume finds room for it. The newest segment
+        stays: its records after its head checkpoint are known nowhere else."""
+        for number, end in clean_ends.items():
+            try:
+                self.wal.trim(number, end)
+            except OSError as exc:
+                log.warning("write-ahead log: could not trim segment %d: %s", number, exc.strerror or exc)
+        numbers = sorted(self.wal.segments)
+        for number in numbers[:-1]:
+            if self.wal.segments[number].pins:
+                break  # strictly oldest first
+            self.wal.delete_segment(number)
 
     def _replay_record(self, segment: int, kind: int, payload: memoryview, completed: list[Group]) -> None:
         if kind == PUT:
@@ -264,6 +292,17 @@ class BufferCore:
                 pending.logged = self.wal.append(PUT, [raw for raw, _ in new], pin=True)
             # Even a batch of duplicates waits for a flush: their originals may still be pending.
             pending.durable_at = pending.logged or self.wal.written
+        except WalFull as exc:
+            self.abandon_put(pending)
+            with self._lock:
+                self.disk_full_rejections += 1
+                self._note_disk_full(str(exc))
+            retry = max(1.0, self.settings.retry_after_seconds)
+            raise DiskFull(
+                f"disk full: {exc.strerror or exc} ({self.wal.free_bytes()} bytes free); Puts are refused until "
+                f"the learner's commits free log space (Commits still go through); retry after {retry:g}s",
+                retry,
+            ) from exc
         except WalError as exc:
             self.abandon_put(pending)
             raise Unavailable(str(exc)) from exc
@@ -459,7 +498,7 @@ class BufferCore:
             reason=reason,
             episode_ids=[episode_id for g in groups for episode_id in g.entries],
         ).SerializeToString()
-        return self.wal.append(CONSUME, [payload])
+        return self.wal.append(CONSUME, [payload], reserved=True)
 
     def _drop(self, groups: Sequence[Group], reason: str) -> None:
         """Drop groups for good, counted by reason. Logged without waiting for the flush: if the
@@ -628,7 +667,7 @@ class BufferCore:
                 return
             self.policy_version = version
             try:
-                self.wal.append(VERSION, [buffer_pb2.LogPolicyVersion(policy_version=version).SerializeToString()])
+                self.wal.append(VERSION, [buffer_pb2.LogPolicyVersion(policy_version=version).SerializeToString()], reserved=True)
             except WalError as exc:
                 log.error("could not log policy version %d: %s", version, exc)
             self._drop([g for g in self._ready if self._is_stale(g)], "stale")
@@ -687,13 +726,48 @@ class BufferCore:
                         group.size,
                     )
         self.compact()
+        self.recover_space()
 
-    def _rotate(self) -> None:
-        """Start a new segment (caller holds the lock) headed by a checkpoint."""
+    def _rotate(self) -> bool:
+        """Start a new segment (caller holds the lock) headed by a checkpoint; False if it failed."""
         try:
             self.wal.rotate((CHECKPOINT, self._checkpoint()))
+        except WalFull as exc:
+            self._note_disk_full(str(exc))
+            return False
         except WalError as exc:
             log.error("log rotation failed: %s", exc)
+            return False
+        return True
+
+    def _note_disk_full(self, reason: str | None) -> None:
+        """Log the disk-full state once when it begins and once when it ends (caller holds the lock)."""
+        if (reason is None) == (self._disk_full_logged is None):
+            return
+        if reason is None:
+            log.info("write-ahead log volume has room again: accepting Puts")
+        else:
+            log.warning("write-ahead log volume full (%s): refusing Puts until commits free space", reason)
+        self._disk_full_logged = reason
+
+    def recover_space(self) -> None:
+        """While the volume is full: move to a fresh segment once the active one is mostly consumed
+        (so compaction can delete it), delete what is consumed, and take the reserve back."""
+        with self._lock:
+            if not self._opened or self._closed:
+                return
+            if self.wal.full is None:
+                self._note_disk_full(None)
+                return
+            active = self.wal.segments.get(self.wal.active_segment)
+            if active is not None and active.size - active.pinned_bytes > max(self.settings.disk_reserve_bytes, active.size // 2):
+                self._rotate()
+        self.compact()
+        with self._lock:
+            if self._closed:
+                return
+            self.wal.ensure_reserve()
+            self._note_disk_full(self.wal.full)
 
     def compact(self) -> None:
         """Bound the log: delete fully consumed segments (oldest first); when old segments are
@@ -711,13 +785,16 @@ class BufferCore:
             for segment in segments:
                 if segment.pins == 0:
                     continue
-                if disk <= budget:
+                # A full volume also gains from copying a segment's few live records forward.
+                if disk <= budget and (self.wal.full is None or segment.pinned_bytes >= segment.size // 2):
                     break
                 entries = [e for g in self._groups.values() for e in g.entries.values() if e.segment == segment.number]
                 if len(entries) != segment.pins:
                     break  # a Put into this segment is still being logged; try next time
                 try:
                     position = self.wal.append(PUT, [e.raw for e in entries], pin=True)
+                except WalFull:
+                    break  # no room to copy into: the disk-full state says so
                 except WalError as exc:
                     log.error("log compaction failed: %s", exc)
                     break
@@ -777,6 +854,9 @@ class BufferCore:
                 replayed_trajectories=self.replayed,
                 corrupt_log_tails=self.corrupt_tails,
                 full_rejections=self.full_rejections,
+                disk_full=self.wal.full is not None,
+                disk_free_bytes=self.wal.free_bytes(),
+                disk_full_rejections=self.disk_full_rejections,
                 stored_bytes=self._stored_bytes,
                 admission_scale=self.admission.value,
                 learner_duty_cycle=self.learner_duty_cycle,

@@ -46,6 +46,7 @@ from stoker.buffer.core import (
     BatchTooLarge,
     BufferCore,
     BufferFull,
+    DiskFull,
     PendingPut,
     PutOutcome,
     Unavailable,
@@ -109,7 +110,7 @@ class BufferService:
                 outcome = await self._put_off_loop(raws, client_id)
             else:
                 outcome = await self._put_on_loop(raws, client_id)
-        except BufferFull as exc:
+        except (BufferFull, DiskFull) as exc:
             retry = ((RETRY_AFTER_KEY, str(int(exc.retry_after * 1000))),)
             await _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), retry)
         except BatchTooLarge as exc:

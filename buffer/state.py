@@ -19,6 +19,14 @@ class BufferFull(Exception):
         self.retry_after = retry_after
 
 
+class DiskFull(Exception):
+    """The log's volume has no room for the batch; nothing was stored. Commits still go through."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class BatchTooLarge(ValueError):
     """A batch that could never fit, however long the client waits."""
 
