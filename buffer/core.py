@@ -66,6 +66,11 @@ log = logging.getLogger("stoker.buffer")
 
 PUT, CONSUME, CHECKPOINT, VERSION = 1, 2, 3, 4
 
+# The largest policy version accepted: far past any real run (a step a millisecond for 30 years),
+# and small enough that no admission arithmetic leaves int64.
+MAX_POLICY_VERSION = 1 << 40
+INT64_MAX = (1 << 63) - 1
+
 
 class BufferCore:
     """Thread-safe buffer state over a write-ahead log in ``data_dir``; call ``open()`` first."""
@@ -204,7 +209,7 @@ class BufferCore:
                     self.committed_groups += 1
         elif kind == CHECKPOINT:
             checkpoint = buffer_pb2.LogCheckpoint.FromString(bytes(payload))
-            self.policy_version = checkpoint.policy_version
+            self._replay_version(checkpoint.policy_version, segment)
             # A checkpoint is a snapshot of the counters as of its place in the log.
             self.committed_groups = checkpoint.committed_groups
             for episode_id in checkpoint.consumed_episode_ids:
@@ -212,9 +217,16 @@ class BufferCore:
             for group_id in checkpoint.consumed_group_ids:
                 self._consumed_groups.add(group_id)
         elif kind == VERSION:
-            self.policy_version = buffer_pb2.LogPolicyVersion.FromString(bytes(payload)).policy_version
+            self._replay_version(buffer_pb2.LogPolicyVersion.FromString(bytes(payload)).policy_version, segment)
         else:
             log.warning("write-ahead log: unknown record type %d in segment %d skipped", kind, segment)
+
+    def _replay_version(self, version: int, segment: int) -> None:
+        """A logged version; one out of range (logged before versions were checked) is skipped."""
+        if 0 <= version <= MAX_POLICY_VERSION:
+            self.policy_version = version
+        else:
+            log.warning("write-ahead log: policy version %d in segment %d out of range; skipped", version, segment)
 
     def _replay_put(self, segment: int, payload: memoryview, completed: list[Group]) -> None:
         meta = parse_meta(payload)
@@ -660,7 +672,16 @@ class BufferCore:
         ``duty_cycle`` (when given) is kept for Stats only: the operator's starvation check."""
         if duty_cycle is not None and not 0.0 <= duty_cycle <= 1.0:  # NaN fails too
             raise ValueError(f"learner_duty_cycle: got {duty_cycle}; expected 0..1")
+        if not 0 <= version <= MAX_POLICY_VERSION:
+            raise ValueError(f"policy_version: got {version}; expected 0..{MAX_POLICY_VERSION}")
         with self._cond:
+            if version < self.policy_version:
+                # A restarted learner resumes at the buffer's version + 1 (it asks Stats first), so
+                # a smaller number is a second learner or a bug: its weights would reuse a number.
+                raise ValueError(
+                    f"policy_version: got {version}, below the current {self.policy_version}; versions never go "
+                    "backwards (a restarted learner continues from the buffer's version + 1)"
+                )
             if duty_cycle is not None:
                 self.learner_duty_cycle = duty_cycle
             if version == self.policy_version:
@@ -833,7 +854,7 @@ class BufferCore:
                 leased_batches=len(self._leases),
                 fill=(self._stored - self._leased) / self.settings.capacity,
                 policy_version=self.policy_version,
-                admission_credit=self._credit(),
+                admission_credit=max(-INT64_MAX, min(INT64_MAX, self._credit())),
                 in_flight_groups=self._in_flight,
                 accepted_total=self.accepted_total,
                 sampled_total=self.sampled_total,
