@@ -28,6 +28,7 @@ from stoker.buffer.flusher import Flusher
 from stoker.buffer.metrics import build_registry
 from stoker.buffer.service import PUT_RESPONSE_KEY, RETRY_AFTER_KEY, SERVICE, BufferService
 from stoker.buffer.settings import BufferSettings
+from stoker.buffer.stream import PutStreamHandler
 
 __all__ = ["PUT_RESPONSE_KEY", "RETRY_AFTER_KEY", "SERVICE", "BearerAuth", "BufferServer", "TlsFiles", "write_ready_file"]
 
@@ -131,7 +132,7 @@ class BufferServer:
             ("grpc.so_reuseport", 0),
         ]
         self.grpc_server = grpc.aio.server(
-            handlers=[self.service.handler()],
+            handlers=[self.service.handler({"PutStream": PutStreamHandler(self.service).method()})],
             interceptors=[BearerAuth(token)] if token else [],
             options=options,
         )

@@ -172,13 +172,51 @@ class BufferService:
             if sum(len(raw) for raw in raws) >= OFF_LOOP_PUT_BYTES:
                 return await self._put_off_loop(raws, client_id)
             return await self._finish_put(self.core.begin_put(raws, client_id))
-        except (BufferFull, DiskFull) as exc:
-            retry = ((RETRY_AFTER_KEY, str(int(exc.retry_after * 1000))),)
-            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), retry) from None
-        except BatchTooLarge as exc:
-            raise invalid(str(exc)) from None
-        except Unavailable as exc:
-            raise Refused(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        except (BufferFull, DiskFull, BatchTooLarge, Unavailable) as exc:
+            raise refusal(exc) from None
+
+    def submit(self, raws: Sequence[memoryview], client_id: str) -> asyncio.Future[PutOutcome]:
+        """Start a Put without waiting for it (``PutStream``): the future gives its outcome once it
+        is durable, or a ``Refused``. The Put runs to its end whether or not anyone still waits."""
+        work: asyncio.Future[PutOutcome] = self.loop.create_future()
+        work.add_done_callback(_retrieve)
+        if sum(len(raw) for raw in raws) >= OFF_LOOP_PUT_BYTES:
+            task = self.loop.create_task(self._begin_in_worker(raws, client_id, work))
+            self._unfinished.add(task)
+            task.add_done_callback(self._put_in_worker_ended)
+            return work
+        try:
+            pending = self.core.begin_put(raws, client_id)
+        except Exception as exc:  # noqa: BLE001 - handed to whoever acknowledges the batch
+            work.set_exception(refusal(exc))
+            return work
+        self._settle_when_durable(pending, work)
+        return work
+
+    async def _begin_in_worker(self, raws: Sequence[memoryview], client_id: str, work: asyncio.Future[PutOutcome]) -> None:
+        try:
+            pending = await self.loop.run_in_executor(self.io_pool, self.core.begin_put, raws, client_id)
+        except Exception as exc:  # noqa: BLE001 - handed to whoever acknowledges the batch
+            work.set_exception(refusal(exc))
+            return
+        self._settle_when_durable(pending, work)
+
+    def _settle_when_durable(self, pending: PendingPut, work: asyncio.Future[PutOutcome]) -> None:
+        flushed = self.flusher.durable(pending.durable_at)
+        self._unfinished.add(flushed)
+
+        def settle(done: asyncio.Future[None]) -> None:
+            self._unfinished.discard(done)
+            if done.cancelled() or done.exception() is not None:
+                self.core.abandon_put(pending)
+                if not work.done():
+                    work.set_exception(Refused(grpc.StatusCode.UNAVAILABLE, str(done.exception() or "the buffer is shutting down")))
+            else:
+                outcome = self.core.finish_put(pending)
+                if not work.done():
+                    work.set_result(outcome)
+
+        flushed.add_done_callback(settle)
 
     # Once admitted, a Put is finished (stored, or taken back) even if its caller goes away meanwhile.
 
@@ -365,6 +403,24 @@ class BufferService:
                 await _abort(context, grpc.StatusCode.INTERNAL, f"{name}: internal error ({type(exc).__name__})")
 
         return handle
+
+
+def refusal(exc: Exception) -> Exception:
+    """A Put's failure as the status it is answered with (anything unexpected stays as it is)."""
+    if isinstance(exc, (BufferFull, DiskFull)):
+        retry = ((RETRY_AFTER_KEY, str(int(exc.retry_after * 1000))),)
+        return Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), retry)
+    if isinstance(exc, BatchTooLarge):
+        return invalid(str(exc))
+    if isinstance(exc, Unavailable):
+        return Refused(grpc.StatusCode.UNAVAILABLE, str(exc))
+    return exc
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark a future's exception as seen: a batch whose stream went away must not log it at exit."""
+    if not future.cancelled():
+        future.exception()
 
 
 def parse_request(request_type: type[Message], data: bytes) -> Any:

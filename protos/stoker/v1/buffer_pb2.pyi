@@ -35,6 +35,40 @@ class PutResponse(_message.Message):
     duplicates: int
     def __init__(self, results: _Optional[_Iterable[_Union[PutResult, _Mapping]]] = ..., stored: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
 
+class PutStreamRequest(_message.Message):
+    __slots__ = ("client_id", "trajectories", "sequence")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    trajectories: _containers.RepeatedCompositeFieldContainer[_trajectory_pb2.Trajectory]
+    sequence: int
+    def __init__(self, client_id: _Optional[str] = ..., trajectories: _Optional[_Iterable[_Union[_trajectory_pb2.Trajectory, _Mapping]]] = ..., sequence: _Optional[int] = ...) -> None: ...
+
+class PutAck(_message.Message):
+    __slots__ = ("sequence", "code", "message", "stored", "duplicates", "results", "retry_after_ms")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    code: int
+    message: str
+    stored: int
+    duplicates: int
+    results: _containers.RepeatedCompositeFieldContainer[PutResult]
+    retry_after_ms: int
+    def __init__(self, sequence: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., stored: _Optional[int] = ..., duplicates: _Optional[int] = ..., results: _Optional[_Iterable[_Union[PutResult, _Mapping]]] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
+
+class PutStreamResponse(_message.Message):
+    __slots__ = ("acks",)
+    ACKS_FIELD_NUMBER: _ClassVar[int]
+    acks: _containers.RepeatedCompositeFieldContainer[PutAck]
+    def __init__(self, acks: _Optional[_Iterable[_Union[PutAck, _Mapping]]] = ...) -> None: ...
+
 class AcquireRequest(_message.Message):
     __slots__ = ("actor_id", "groups")
     ACTOR_ID_FIELD_NUMBER: _ClassVar[int]
