@@ -159,7 +159,11 @@ class PutStream:
                 if self._closing and not self._in_flight:
                     return
                 generation = self._generation
-            call = self._method(self._requests(generation), metadata=self.client._metadata)
+            try:
+                call = self._method(self._requests(generation), metadata=self.client._metadata)
+            except ValueError as exc:  # the client's channel was closed under the stream
+                self._fail(BufferUnavailableError(f"buffer at {self.client.address}: PutStream: {exc}"))
+                return
             try:
                 for data in call:
                     attempt, broken_since = 0, None
