@@ -116,6 +116,7 @@ class GrpcBuffer:
     def __init__(self, client: Any):
         self.client = client
         self.invalid = 0
+        self._stream: Any = None  # the client's PutStream, opened on the first Put
 
     async def acquire(self, groups: int) -> Grant:
         credit = await self._call(self.client.acquire, groups)
@@ -124,11 +125,28 @@ class GrpcBuffer:
     async def put(self, episodes: list[Episode]) -> None:
         from stoker.buffer.client import InvalidTrajectoryError
 
+        from stoker.buffer.client import BufferUnavailableError
+
+        # On the client's PutStream: the group's episodes go out without a round trip each, and
+        # the Put is answered once every one of them is durable.
+        if self._stream is None:
+            self._stream = self.client.put_stream()
+        stream = self._stream
         try:
-            await self._call(self.client.put, episodes)
-        except InvalidTrajectoryError as exc:
-            self.invalid += len(exc.rejections)
-            log.error("buffer refused trajectories: %s", exc)
+            acks = await asyncio.to_thread(lambda: [stream.put(episode) for episode in episodes])
+            outcomes = await asyncio.gather(*(asyncio.wrap_future(ack) for ack in acks), return_exceptions=True)
+        except BufferUnavailableError as exc:
+            self._stream = None  # that stream gave up; the next Put opens a new one
+            raise BufferUnavailable(str(exc)) from None
+        for outcome in outcomes:
+            if isinstance(outcome, InvalidTrajectoryError):
+                self.invalid += len(outcome.rejections)
+                log.error("buffer refused trajectories: %s", outcome)
+            elif isinstance(outcome, BufferUnavailableError):
+                self._stream = None
+                raise BufferUnavailable(str(outcome))
+            elif isinstance(outcome, BaseException):
+                raise outcome
 
     async def release(self, groups: int) -> None:
         await self._call(self.client.release, groups)

@@ -126,7 +126,11 @@ def main(args: argparse.Namespace) -> int:
         extra={"port": server.port, "data_dir": str(args.data_dir), "auth": token is not None, "tls": tls is not None},
     )
     if args.ready_file:
-        write_ready_file(args.ready_file, server.port)
+        try:
+            write_ready_file(args.ready_file, server.port)
+        except OSError as exc:
+            server.stop(grace=0)
+            return _fail(f"--ready-file {args.ready_file}: cannot write ({exc.strerror or exc})")
     stop.wait()
     server.stop()
     log.info("buffer stopped")

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -40,6 +40,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stoker.buffer.wire import encode_put_request, encode_trajectory
 from stoker.trajectory import Episode, from_proto
 from stoker.v1 import buffer_pb2, trajectory_pb2
+
+if TYPE_CHECKING:
+    from stoker.buffer.put_stream import PutStream
 
 SERVICE = "/stoker.v1.Buffer/"
 PUT_RESPONSE_KEY = "stoker-put-response-bin"
@@ -286,6 +289,14 @@ class BufferClient:
             if result.code != 0
         ]
         return PutSummary(response.stored, response.duplicates), rejections
+
+    def put_stream(self, *, window: int = 64) -> PutStream:
+        """A ``PutStream``: ``put`` one trajectory at a time without waiting for it; each returns a
+        future that completes once the buffer has it durably. Close it (or use ``with``) to wait
+        for the last acknowledgements."""
+        from stoker.buffer.put_stream import PutStream
+
+        return PutStream(self, window=window, max_batch_trajectories=self.max_batch_trajectories, max_batch_bytes=self.max_batch_bytes)
 
     def acquire(self, groups: int, *, actor_id: str = "", wait: float = 0.0) -> Credit:
         """Ask for credit to start ``groups`` episode groups (admission control). With ``wait`` > 0,

@@ -10,277 +10,66 @@ consumed ids, written first in every new segment; ``VERSION`` = the learner's po
 Replay applies them in order, so a trajectory is live iff its Put record is not followed by a
 consumption of its group.
 
-Admission (the AReaL rule, counted in groups)::
-
-    credit = (max_staleness + version + 1) * batch_groups - (accepted + in_flight)
-
-where ``accepted`` = groups committed so far plus complete groups waiting or leased (dropped groups
-do not count: their work must be redone), and ``in_flight`` = credit granted whose group has not
-completed yet. A group whose oldest model token has version ``v_old`` is stale, and dropped,
-once ``version - v_old > max_staleness``.
-
-The operator can tighten admission with a scale ``s`` in (0, 1] (``AdmissionScale``, a file it
-writes). It scales the rule's allowance of untrained groups, not what is left of it::
-
-    allowance   = (max_staleness + version + 1) * batch_groups - min(committed, version * batch_groups)
-    outstanding = ready + leased + in_flight
-    credit      = floor(s * allowance) - outstanding
-
-(``min``: a batch the learner commits without making an update leaves the version where it was, so
-its groups must not use up credit; ``version * batch_groups`` is what the updates so far consumed.)
-
-With ``s = 1`` this is the rule above. Scaling the remainder instead would let repeated small
-Acquires creep back to nearly the full allowance (each gets a fraction of what is left), so the
-operator's halving would barely reduce how far actors run ahead of the learner.
+Admission credit follows the AReaL rule, scaled by the operator (``stoker.buffer.admission``).
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import math
-import os
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
+from stoker.buffer.admission import AdmissionScale, Clock
+from stoker.buffer.counters import BoundedSet, RateWindow
 from stoker.buffer.settings import BufferSettings
+from stoker.buffer.state import (
+    CODE_INVALID_ARGUMENT,
+    CODE_OK,
+    BatchTooLarge,
+    BufferFull,
+    DiskFull,
+    Entry,
+    Group,
+    Lease,
+    PendingPut,
+    PutOutcome,
+    SampledBatch,
+    Unavailable,
+    UnknownBatch,
+)
 from stoker.buffer.validate import Invalid, TrajectoryMeta, parse_meta, validate_batch
-from stoker.buffer.wal import HEADER, Position, Wal, WalError
+from stoker.buffer.wal import HEADER, Position, Wal, WalError, WalFull
 from stoker.v1 import buffer_pb2
+
+__all__ = [
+    "CODE_INVALID_ARGUMENT",
+    "CODE_OK",
+    "BatchTooLarge",
+    "BufferCore",
+    "BufferFull",
+    "DiskFull",
+    "PendingPut",
+    "PutOutcome",
+    "SampledBatch",
+    "Unavailable",
+    "UnknownBatch",
+]
 
 log = logging.getLogger("stoker.buffer")
 
 PUT, CONSUME, CHECKPOINT, VERSION = 1, 2, 3, 4
 
-# google.rpc.Code values used in PutResult.code
-CODE_OK, CODE_INVALID_ARGUMENT = 0, 3
-
-Clock = Callable[[], float]
-
-
-class BufferFull(Exception):
-    """The batch does not fit; nothing was stored. Retry after ``retry_after`` seconds."""
-
-    def __init__(self, message: str, retry_after: float):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class BatchTooLarge(ValueError):
-    """A batch that could never fit, however long the client waits."""
-
-
-class UnknownBatch(KeyError):
-    """Commit of a batch the buffer does not hold a lease for (restarted, expired or committed)."""
-
-
-class Unavailable(Exception):
-    """The buffer cannot durably accept anything (closed, or its log is unusable)."""
-
-
-@dataclass(slots=True, eq=False)
-class Entry:
-    meta: TrajectoryMeta
-    raw: bytes | memoryview
-    segment: int
-
-    @property
-    def record_bytes(self) -> int:
-        return HEADER.size + len(self.raw)
-
-
-@dataclass(eq=False)
-class Group:
-    group_id: str
-    size: int
-    created: float
-    entries: dict[str, Entry] = field(default_factory=dict)
-    failed: int = 0
-    oldest_version: int = -1  # over model tokens of every episode; -1 = none
-    state: str = "incomplete"  # incomplete | ready | leased
-    timeout_reported: bool = False
-
-    @property
-    def masked(self) -> bool:
-        return self.failed > 0
-
-
-@dataclass(eq=False)
-class Lease:
-    batch_id: str
-    learner_id: str
-    session_id: str
-    groups: list[Group]
-    deadline: float
-
-
-@dataclass
-class PutOutcome:
-    results: list[tuple[int, str, str]]  # per trajectory: (google.rpc code, field, message)
-    stored: int = 0
-    duplicates: int = 0
-
-    @property
-    def rejected(self) -> list[tuple[int, str, str]]:
-        return [(i, f, m) for i, (c, f, m) in enumerate(self.results) if c == CODE_INVALID_ARGUMENT]
-
-
-@dataclass(slots=True)
-class PendingPut:
-    """A Put between ``BufferCore.begin_put`` and ``finish_put``: logged, not yet durable."""
-
-    outcome: PutOutcome
-    new: list[tuple[bytes | memoryview, TrajectoryMeta]]  # what it stores, once durable
-    logged: Position | None  # the end of its records; None when it logged nothing
-    durable_at: Position  # what must be flushed before it is acknowledged
-    client_id: str
-
-
-@dataclass
-class SampledBatch:
-    batch_id: str
-    groups: list[tuple[str, list[bytes | memoryview], bool]]  # (group id, raw trajectories, masked)
-    policy_version: int
-
-
-ADMISSION_SCALE_KEY = "admissionScale"
-
-
-def parse_admission_scale(text: str) -> float:
-    """``{"admissionScale": x}`` -> x; ``ValueError`` naming the problem unless 0 < x <= 1."""
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(document, dict) or ADMISSION_SCALE_KEY not in document:
-        raise ValueError(f'expected an object {{"{ADMISSION_SCALE_KEY}": x}} with 0 < x <= 1')
-    value = document[ADMISSION_SCALE_KEY]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:  # NaN fails too
-        raise ValueError(f"{ADMISSION_SCALE_KEY}: got {value!r}; expected a number in (0, 1]")
-    return float(value)
-
-
-class AdmissionScale:
-    """The operator's admission scale, re-read from its JSON file whenever the file changes.
-
-    The file is a mounted ConfigMap, which Kubernetes replaces by swapping a symlink, so a change
-    shows as a new (mtime, inode, size) of the file the path resolves to; ``maybe_reload`` looks at
-    most once per ``interval`` seconds of ``clock``. A missing, unreadable or malformed file means
-    scale 1 (the buffer's own rule, untightened), logged once per distinct problem: the operator's
-    control is advisory and must never stop the buffer or starve the actors.
-    """
-
-    def __init__(self, path: str | Path | None, *, clock: Clock = time.monotonic, interval: float = 1.0):
-        self.path = Path(path) if path else None
-        self.clock = clock
-        self.interval = interval
-        self.value = 1.0
-        self._stamp: tuple[int, int, int] | None = None
-        self._problem: str | None = None
-        self._next_check = -math.inf
-        self._lock = threading.Lock()
-
-    def maybe_reload(self) -> float:
-        """The scale, after re-reading the file if ``interval`` has passed and it changed."""
-        if self.path is None or self.clock() < self._next_check:
-            return self.value
-        if not self._lock.acquire(blocking=False):
-            return self.value  # another thread is looking at the file right now
-        try:
-            self._check()
-        finally:
-            self._lock.release()
-        return self.value
-
-    def reload(self) -> float:
-        """Look at the file now, whatever the interval; returns the scale in use."""
-        if self.path is not None:
-            with self._lock:
-                self._check()
-        return self.value
-
-    def _check(self) -> None:
-        assert self.path is not None
-        self._next_check = self.clock() + self.interval
-        try:
-            info = os.stat(self.path)
-            stamp = (info.st_mtime_ns, info.st_ino, info.st_size)
-            if stamp == self._stamp:
-                return
-            text = self.path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            self._stamp = None  # look again next time
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-            self._use(1.0, f"cannot read ({reason})")
-            return
-        self._stamp = stamp
-        try:
-            self._use(parse_admission_scale(text), None)
-        except ValueError as exc:
-            self._use(1.0, str(exc))
-
-    def _use(self, scale: float, problem: str | None) -> None:
-        if problem is not None:
-            if problem != self._problem:
-                log.warning("admission file %s: %s; using admission scale 1", self.path, problem)
-        elif scale != self.value or self._problem is not None:
-            log.info("admission scale %g -> %g (from %s)", self.value, scale, self.path)
-        self.value, self._problem = scale, problem
-
-
-class RateWindow:
-    """Events per second over the last ``seconds``, in one-second buckets."""
-
-    def __init__(self, seconds: int = 60):
-        self.seconds = seconds
-        self._buckets: collections.deque[list[float]] = collections.deque()  # [second, count]
-
-    def add(self, now: float, count: int) -> None:
-        second = float(int(now))
-        if self._buckets and self._buckets[-1][0] == second:
-            self._buckets[-1][1] += count
-        else:
-            self._buckets.append([second, float(count)])
-        self._trim(now)
-
-    def _trim(self, now: float) -> None:
-        while self._buckets and self._buckets[0][0] <= now - self.seconds:
-            self._buckets.popleft()
-
-    def rate(self, now: float, started: float) -> float:
-        self._trim(now)
-        span = min(float(self.seconds), max(now - started, 1.0))
-        return sum(c for _, c in self._buckets) / span
-
-
-class BoundedSet:
-    """Remembers the most recent ``limit`` keys (insertion order)."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._keys: dict[str, None] = {}
-
-    def add(self, key: str) -> None:
-        self._keys.pop(key, None)
-        self._keys[key] = None
-        while len(self._keys) > self.limit:
-            del self._keys[next(iter(self._keys))]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def keys(self) -> list[str]:
-        return list(self._keys)
+# The largest policy version accepted: far past any real run (a step a millisecond for 30 years),
+# and small enough that no admission arithmetic leaves int64.
+MAX_POLICY_VERSION = 1 << 40
+INT64_MAX = (1 << 63) - 1
 
 
 class BufferCore:
@@ -294,6 +83,7 @@ class BufferCore:
             fsync=settings.sync == "batch",
             segment_bytes=settings.segment_bytes,
             max_record=settings.max_message_bytes,
+            reserve=settings.disk_reserve_bytes,
         )
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -327,6 +117,8 @@ class BufferCore:
         self.redelivered_groups = 0
         self.masked_delivered = 0
         self.full_rejections = 0
+        self.disk_full_rejections = 0
+        self._disk_full_logged: str | None = None
         self.replayed = 0
         self.corrupt_tails = 0
         self.dropped: collections.Counter[str] = collections.Counter()
@@ -362,7 +154,15 @@ class BufferCore:
                     entry.raw = bytes(entry.raw)
             self.corrupt_tails = len(report.corrupt)
             self.replayed = self._stored
-            self.wal.start((CHECKPOINT, self._checkpoint()))
+            self._free_space_before_start(report.clean_ends)
+            try:
+                self.wal.start((CHECKPOINT, self._checkpoint()))
+            except WalFull as exc:
+                raise WalFull(
+                    exc.errno,
+                    f"cannot start: the log's volume {self.wal.directory} is full ({self.wal.free_bytes()} bytes free) "
+                    f"and {self._stored_bytes} bytes of it are live trajectories: grow the volume",
+                ) from exc
             self._opened = True
             for group in completed:
                 if self._groups.get(group.group_id) is group and group.state == "incomplete":
@@ -378,11 +178,28 @@ class BufferCore:
             )
         self.compact()
 
+    def _free_space_before_start(self, clean_ends: dict[int, int]) -> None:
+        """Give back what a crash left preallocated and delete consumed segments before the new
+        segment is created, so a restart on a full volume finds room for it. The newest segment
+        stays: its records after its head checkpoint are known nowhere else."""
+        for number, end in clean_ends.items():
+            try:
+                self.wal.trim(number, end)
+            except OSError as exc:
+                log.warning("write-ahead log: could not trim segment %d: %s", number, exc.strerror or exc)
+        numbers = sorted(self.wal.segments)
+        for number in numbers[:-1]:
+            if self.wal.segments[number].pins:
+                break  # strictly oldest first
+            self.wal.delete_segment(number)
+
     def _replay_record(self, segment: int, kind: int, payload: memoryview, completed: list[Group]) -> None:
         if kind == PUT:
             self._replay_put(segment, payload, completed)
         elif kind == CONSUME:
             consume = buffer_pb2.LogConsume.FromString(bytes(payload))
+            for episode_id in consume.episode_ids:
+                self._consumed_episodes.add(episode_id)
             for group_id in consume.group_ids:
                 group = self._groups.get(group_id)
                 if group is not None:
@@ -392,7 +209,7 @@ class BufferCore:
                     self.committed_groups += 1
         elif kind == CHECKPOINT:
             checkpoint = buffer_pb2.LogCheckpoint.FromString(bytes(payload))
-            self.policy_version = checkpoint.policy_version
+            self._replay_version(checkpoint.policy_version, segment)
             # A checkpoint is a snapshot of the counters as of its place in the log.
             self.committed_groups = checkpoint.committed_groups
             for episode_id in checkpoint.consumed_episode_ids:
@@ -400,9 +217,16 @@ class BufferCore:
             for group_id in checkpoint.consumed_group_ids:
                 self._consumed_groups.add(group_id)
         elif kind == VERSION:
-            self.policy_version = buffer_pb2.LogPolicyVersion.FromString(bytes(payload)).policy_version
+            self._replay_version(buffer_pb2.LogPolicyVersion.FromString(bytes(payload)).policy_version, segment)
         else:
             log.warning("write-ahead log: unknown record type %d in segment %d skipped", kind, segment)
+
+    def _replay_version(self, version: int, segment: int) -> None:
+        """A logged version; one out of range (logged before versions were checked) is skipped."""
+        if 0 <= version <= MAX_POLICY_VERSION:
+            self.policy_version = version
+        else:
+            log.warning("write-ahead log: policy version %d in segment %d out of range; skipped", version, segment)
 
     def _replay_put(self, segment: int, payload: memoryview, completed: list[Group]) -> None:
         meta = parse_meta(payload)
@@ -480,6 +304,17 @@ class BufferCore:
                 pending.logged = self.wal.append(PUT, [raw for raw, _ in new], pin=True)
             # Even a batch of duplicates waits for a flush: their originals may still be pending.
             pending.durable_at = pending.logged or self.wal.written
+        except WalFull as exc:
+            self.abandon_put(pending)
+            with self._lock:
+                self.disk_full_rejections += 1
+                self._note_disk_full(str(exc))
+            retry = max(1.0, self.settings.retry_after_seconds)
+            raise DiskFull(
+                f"disk full: {exc.strerror or exc} ({self.wal.free_bytes()} bytes free); Puts are refused until "
+                f"the learner's commits free log space (Commits still go through); retry after {retry:g}s",
+                retry,
+            ) from exc
         except WalError as exc:
             self.abandon_put(pending)
             raise Unavailable(str(exc)) from exc
@@ -670,8 +505,12 @@ class BufferCore:
         self._consumed_groups.add(group.group_id)
 
     def _log_consume(self, groups: Sequence[Group], reason: str) -> Position:
-        payload = buffer_pb2.LogConsume(group_ids=[g.group_id for g in groups], reason=reason).SerializeToString()
-        return self.wal.append(CONSUME, [payload])
+        payload = buffer_pb2.LogConsume(
+            group_ids=[g.group_id for g in groups],
+            reason=reason,
+            episode_ids=[episode_id for g in groups for episode_id in g.entries],
+        ).SerializeToString()
+        return self.wal.append(CONSUME, [payload], reserved=True)
 
     def _drop(self, groups: Sequence[Group], reason: str) -> None:
         """Drop groups for good, counted by reason. Logged without waiting for the flush: if the
@@ -833,14 +672,23 @@ class BufferCore:
         ``duty_cycle`` (when given) is kept for Stats only: the operator's starvation check."""
         if duty_cycle is not None and not 0.0 <= duty_cycle <= 1.0:  # NaN fails too
             raise ValueError(f"learner_duty_cycle: got {duty_cycle}; expected 0..1")
+        if not 0 <= version <= MAX_POLICY_VERSION:
+            raise ValueError(f"policy_version: got {version}; expected 0..{MAX_POLICY_VERSION}")
         with self._cond:
+            if version < self.policy_version:
+                # A restarted learner resumes at the buffer's version + 1 (it asks Stats first), so
+                # a smaller number is a second learner or a bug: its weights would reuse a number.
+                raise ValueError(
+                    f"policy_version: got {version}, below the current {self.policy_version}; versions never go "
+                    "backwards (a restarted learner continues from the buffer's version + 1)"
+                )
             if duty_cycle is not None:
                 self.learner_duty_cycle = duty_cycle
             if version == self.policy_version:
                 return
             self.policy_version = version
             try:
-                self.wal.append(VERSION, [buffer_pb2.LogPolicyVersion(policy_version=version).SerializeToString()])
+                self.wal.append(VERSION, [buffer_pb2.LogPolicyVersion(policy_version=version).SerializeToString()], reserved=True)
             except WalError as exc:
                 log.error("could not log policy version %d: %s", version, exc)
             self._drop([g for g in self._ready if self._is_stale(g)], "stale")
@@ -899,13 +747,48 @@ class BufferCore:
                         group.size,
                     )
         self.compact()
+        self.recover_space()
 
-    def _rotate(self) -> None:
-        """Start a new segment (caller holds the lock) headed by a checkpoint."""
+    def _rotate(self) -> bool:
+        """Start a new segment (caller holds the lock) headed by a checkpoint; False if it failed."""
         try:
             self.wal.rotate((CHECKPOINT, self._checkpoint()))
+        except WalFull as exc:
+            self._note_disk_full(str(exc))
+            return False
         except WalError as exc:
             log.error("log rotation failed: %s", exc)
+            return False
+        return True
+
+    def _note_disk_full(self, reason: str | None) -> None:
+        """Log the disk-full state once when it begins and once when it ends (caller holds the lock)."""
+        if (reason is None) == (self._disk_full_logged is None):
+            return
+        if reason is None:
+            log.info("write-ahead log volume has room again: accepting Puts")
+        else:
+            log.warning("write-ahead log volume full (%s): refusing Puts until commits free space", reason)
+        self._disk_full_logged = reason
+
+    def recover_space(self) -> None:
+        """While the volume is full: move to a fresh segment once the active one is mostly consumed
+        (so compaction can delete it), delete what is consumed, and take the reserve back."""
+        with self._lock:
+            if not self._opened or self._closed:
+                return
+            if self.wal.full is None:
+                self._note_disk_full(None)
+                return
+            active = self.wal.segments.get(self.wal.active_segment)
+            if active is not None and active.size - active.pinned_bytes > max(self.settings.disk_reserve_bytes, active.size // 2):
+                self._rotate()
+        self.compact()
+        with self._lock:
+            if self._closed:
+                return
+            self.wal.ensure_reserve()
+            self._note_disk_full(self.wal.full)
 
     def compact(self) -> None:
         """Bound the log: delete fully consumed segments (oldest first); when old segments are
@@ -923,13 +806,16 @@ class BufferCore:
             for segment in segments:
                 if segment.pins == 0:
                     continue
-                if disk <= budget:
+                # A full volume also gains from copying a segment's few live records forward.
+                if disk <= budget and (self.wal.full is None or segment.pinned_bytes >= segment.size // 2):
                     break
                 entries = [e for g in self._groups.values() for e in g.entries.values() if e.segment == segment.number]
                 if len(entries) != segment.pins:
                     break  # a Put into this segment is still being logged; try next time
                 try:
                     position = self.wal.append(PUT, [e.raw for e in entries], pin=True)
+                except WalFull:
+                    break  # no room to copy into: the disk-full state says so
                 except WalError as exc:
                     log.error("log compaction failed: %s", exc)
                     break
@@ -968,7 +854,7 @@ class BufferCore:
                 leased_batches=len(self._leases),
                 fill=(self._stored - self._leased) / self.settings.capacity,
                 policy_version=self.policy_version,
-                admission_credit=self._credit(),
+                admission_credit=max(-INT64_MAX, min(INT64_MAX, self._credit())),
                 in_flight_groups=self._in_flight,
                 accepted_total=self.accepted_total,
                 sampled_total=self.sampled_total,
@@ -989,6 +875,9 @@ class BufferCore:
                 replayed_trajectories=self.replayed,
                 corrupt_log_tails=self.corrupt_tails,
                 full_rejections=self.full_rejections,
+                disk_full=self.wal.full is not None,
+                disk_free_bytes=self.wal.free_bytes(),
+                disk_full_rejections=self.disk_full_rejections,
                 stored_bytes=self._stored_bytes,
                 admission_scale=self.admission.value,
                 learner_duty_cycle=self.learner_duty_cycle,

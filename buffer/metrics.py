@@ -37,6 +37,8 @@ class StatsCollector(Collector):
             "sample_rate": ("Trajectories sampled per second over the last minute.", s.sample_rate),
             "log_bytes": ("Write-ahead log size on disk.", s.log_bytes),
             "log_segments": ("Write-ahead log segment files.", s.log_segments),
+            "disk_full": ("1 while the log's volume is full and Puts are refused (Commits still go through).", s.disk_full),
+            "disk_free_bytes": ("Free space on the log's volume.", s.disk_free_bytes),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))
@@ -48,6 +50,7 @@ class StatsCollector(Collector):
             "redelivered_groups": ("Leased groups returned to the queue.", s.redelivered_groups),
             "masked_groups_delivered": ("Groups with a failed episode delivered masked.", s.masked_groups_delivered),
             "full_rejections": ("Put batches refused because the buffer was full.", s.full_rejections),
+            "disk_full_rejections": ("Put batches refused because the log's volume was full.", s.disk_full_rejections),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(value))

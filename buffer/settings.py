@@ -43,6 +43,8 @@ class BufferSettings:
     max_message_bytes: int = 256 * 1024 * 1024
     # The log rolls to a new segment file after this many bytes; compaction works segment-wise.
     segment_bytes: int = 256 * 1024 * 1024
+    # Log space kept preallocated for Commits (and version records) when Puts fill the volume.
+    disk_reserve_bytes: int = 8 * 1024 * 1024
     # Consumed episode ids remembered (also across restarts) so a late retry is not stored again.
     dedup_memory: int = 1 << 17
     # Hint sent with RESOURCE_EXHAUSTED (buffer full) and with a zero Acquire grant.
@@ -71,6 +73,7 @@ class BufferSettings:
             (self.lease_timeout_seconds > 0, "lease_timeout_seconds: expected > 0"),
             (self.max_trajectory_tokens >= 1, "max_trajectory_tokens: expected >= 1"),
             (self.segment_bytes >= 4096, "segment_bytes: expected >= 4096"),
+            (self.disk_reserve_bytes >= 4096, "disk_reserve_bytes: expected >= 4096"),
             (self.max_message_bytes >= 1024, "max_message_bytes: expected >= 1024"),
             (self.admission_check_seconds >= 0, "admission_check_seconds: expected >= 0"),
         ]

@@ -28,6 +28,7 @@ _ARRAY_FIELDS = frozenset({7, 8, 9, 10})  # token_ids, loss_mask, logprobs, poli
 
 OK_STATUSES = (trajectory_pb2.EPISODE_STATUS_OK, trajectory_pb2.EPISODE_STATUS_TRUNCATED)
 FAILED_STATUSES = (trajectory_pb2.EPISODE_STATUS_FAILED, trajectory_pb2.EPISODE_STATUS_TIMEOUT)
+KNOWN_STATUSES = frozenset(OK_STATUSES + FAILED_STATUSES)
 
 
 class TrajectoryMeta(NamedTuple):
@@ -97,8 +98,10 @@ def _check_scalars(message: trajectory_pb2.Trajectory, settings: BufferSettings)
         raise Invalid("group_size", f"got {message.group_size}; expected {settings.group_size} (buffer.groupSize)")
     if message.num_tokens > settings.max_trajectory_tokens:
         raise Invalid("num_tokens", f"{message.num_tokens} tokens; expected at most {settings.max_trajectory_tokens}")
-    if len(message.turn_rewards) > settings.max_trajectory_tokens:
-        raise Invalid("turn_rewards", f"{len(message.turn_rewards)} entries; expected at most one per token")
+    if message.status not in KNOWN_STATUSES and message.status != trajectory_pb2.EPISODE_STATUS_UNSPECIFIED:
+        raise Invalid("status", f"got {message.status}; expected one of {sorted(KNOWN_STATUSES)} (EpisodeStatus)")
+    if len(message.turn_rewards) > message.num_tokens:
+        raise Invalid("turn_rewards", f"{len(message.turn_rewards)} entries for {message.num_tokens} tokens; expected at most one per token")
     if len(message.metrics) > settings.max_metrics:
         raise Invalid("metrics", f"{len(message.metrics)} entries; expected at most {settings.max_metrics}")
     if not math.isfinite(message.reward):
@@ -171,7 +174,8 @@ def validate_batch(raws: Sequence[bytes | memoryview], settings: BufferSettings)
         turn_rewards = m.turn_rewards
         if (
             not 0 < n <= max_tokens
-            or status == trajectory_pb2.EPISODE_STATUS_UNSPECIFIED
+            or status not in KNOWN_STATUSES
+            or len(turn_rewards) > n
             or not episode_id
             or not group_id
             or size < 1
@@ -224,7 +228,7 @@ def _validate_long(raw: bytes | memoryview, settings: BufferSettings) -> Traject
     except (WireError, DecodeError):
         return _validate_or_invalid(raw, settings)
     n = message.num_tokens
-    if message.status == trajectory_pb2.EPISODE_STATUS_UNSPECIFIED or not n or _scalar_problem(message, settings):
+    if message.status not in KNOWN_STATUSES or not n or _scalar_problem(message, settings):
         return _validate_or_invalid(raw, settings)
     views = [arrays.get(number, memoryview(b"")) for number in sorted(_ARRAY_FIELDS)]
     if any(len(view) != n * dtype.itemsize for view, (_, dtype) in zip(views, TOKEN_ARRAYS, strict=True)):

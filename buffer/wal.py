@@ -69,6 +69,13 @@ class WalError(OSError):
     """The log could not be written or flushed; nothing written since the last sync is durable."""
 
 
+class WalFull(WalError):
+    """No space on the log's volume for this append; nothing was written and the log stays usable."""
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
 @dataclass
 class Segment:
     number: int
@@ -102,6 +109,7 @@ class ReplayReport:
     segments: int = 0
     records: int = 0
     corrupt: list[str] = field(default_factory=list)  # one line per skipped tail
+    clean_ends: dict[int, int] = field(default_factory=dict)  # segment -> end of its records, when the rest is zeros
 
 
 # crc32 of the type byte alone, the starting value of each record's checksum
@@ -153,31 +161,37 @@ def _segment_name(number: int) -> str:
 
 def read_records(data: bytes, source: str, max_record: int) -> tuple[list[tuple[int, memoryview]], str | None]:
     """Every intact record of one segment's bytes, and a warning if a bad tail was skipped."""
+    records, warning, _ = read_segment(data, source, max_record)
+    return records, warning
+
+
+def read_segment(data: bytes, source: str, max_record: int) -> tuple[list[tuple[int, memoryview]], str | None, int | None]:
+    """``read_records`` plus where the records end when only zeros follow (None after a bad tail)."""
     view = memoryview(data)
     if view[: len(MAGIC)] != MAGIC:
         if len(data) < len(MAGIC) and MAGIC.startswith(bytes(view)):
-            return [], f"{source}: truncated segment header ({len(data)} bytes); segment skipped"
-        return [], f"{source}: not a Stoker log segment (bad magic); segment skipped"
+            return [], f"{source}: truncated segment header ({len(data)} bytes); segment skipped", None
+        return [], f"{source}: not a Stoker log segment (bad magic); segment skipped", None
     records: list[tuple[int, memoryview]] = []
     pos, end = len(MAGIC), len(data)
     while pos < end:
         if pos + HEADER.size > end:
-            return records, f"{source}: truncated record header at offset {pos}; {end - pos} trailing bytes skipped"
+            return records, f"{source}: truncated record header at offset {pos}; {end - pos} trailing bytes skipped", None
         length, crc, kind = HEADER.unpack_from(view, pos)
         if length == 0 and crc == 0 and kind == 0 and _all_zero(view[pos:]):
-            return records, None  # unused preallocated space: a clean end
+            return records, None, pos  # unused preallocated space: a clean end
         start = pos + HEADER.size
         if length > max_record:
-            return records, f"{source}: implausible record length {length} at offset {pos}; {end - pos} bytes skipped"
+            return records, f"{source}: implausible record length {length} at offset {pos}; {end - pos} bytes skipped", None
         if start + length > end:
-            return records, f"{source}: truncated record at offset {pos}; {end - pos} trailing bytes skipped"
+            return records, f"{source}: truncated record at offset {pos}; {end - pos} trailing bytes skipped", None
         payload = view[start : start + length]
         if checksum(kind, payload) != crc:
-            return records, f"{source}: checksum mismatch at offset {pos}; {end - pos} bytes skipped"
+            return records, f"{source}: checksum mismatch at offset {pos}; {end - pos} bytes skipped", None
         if kind != PAD:
             records.append((kind, payload))
         pos = start + length
-    return records, None
+    return records, None, pos
 
 
 class Wal:
@@ -187,11 +201,23 @@ class Wal:
     take only the log's locks.
     """
 
-    def __init__(self, directory: Path, *, fsync: bool = True, segment_bytes: int = 256 << 20, max_record: int = 1 << 30):
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        fsync: bool = True,
+        segment_bytes: int = 256 << 20,
+        max_record: int = 1 << 30,
+        reserve: int = 0,
+    ):
         self.directory = Path(directory)
         self.fsync = fsync
         self.segment_bytes = segment_bytes
         self.max_record = max_record
+        # Bytes kept preallocated past every ordinary append, for ``reserved`` ones (the consumption
+        # records that free space): a full volume refuses Puts but still takes Commits.
+        self.reserve = reserve
+        self.full: str | None = None  # why the last ordinary append found no space; None once one fits
         self.segments: dict[int, Segment] = {}
         self._lock = threading.Lock()  # file appends, segment table
         self._landed = threading.Condition(self._lock)  # a direct write finished
@@ -226,7 +252,9 @@ class Wal:
             for number in numbers:
                 segment = self.segments[number]
                 data = segment.path.read_bytes()
-                found, warning = read_records(data, segment.path.name, self.max_record)
+                found, warning, clean_end = read_segment(data, segment.path.name, self.max_record)
+                if clean_end is not None:
+                    report.clean_ends[number] = clean_end
                 if warning:
                     log.warning("write-ahead log: %s", warning)
                     report.corrupt.append(warning)
@@ -244,23 +272,37 @@ class Wal:
             self._open_segment(max(self.segments, default=0) + 1, first_record)
 
     def _open_segment(self, number: int, first_record: tuple[int, bytes] | None) -> None:
+        """Create segment ``number`` and make it the active one. On a nearly full volume it holds
+        only its first record (``full`` says so); ``WalFull`` when not even that fits."""
         path = self.directory / _segment_name(number)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         chunks: list[bytes | memoryview] = [MAGIC]
         if first_record is not None:
             chunks += record_chunks(*first_record)
         data = b"".join(chunks)
-        allocated = max(min(PREALLOCATE_FIRST, self.segment_bytes), len(data))
+        allocated = 0
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            _preallocate(fd, 0, allocated)
+            for want in (max(min(PREALLOCATE_FIRST, self.segment_bytes), len(data)) + self.reserve, len(data)):
+                try:
+                    _preallocate(fd, 0, want)
+                except OSError as exc:
+                    if exc.errno not in NO_SPACE or want == len(data):
+                        raise
+                    continue
+                allocated = want
+                break
             _write_all(fd, [data], 0)
             if self.fsync:
                 os.fdatasync(fd)
                 _fsync_dir(self.directory)
-        except OSError:
+        except OSError as exc:
             os.close(fd)
             path.unlink(missing_ok=True)
+            if exc.errno in NO_SPACE:
+                raise WalFull(errno.ENOSPC, f"no space for a new log segment ({exc.strerror or exc})") from exc
             raise
+        fits = allocated >= len(data) + self.reserve
+        self.full = None if fits else f"no space to preallocate the new segment {path.name}"
         segment = Segment(number, path, size=len(data), allocated=allocated)
         self.segments[number] = segment
         self._active, self._fd = segment, fd
@@ -276,11 +318,13 @@ class Wal:
             self._direct_ok = False
             return -1
 
-    def append(self, kind: int, payloads: Sequence[bytes | memoryview], *, pin: bool = False) -> Position:
+    def append(self, kind: int, payloads: Sequence[bytes | memoryview], *, pin: bool = False, reserved: bool = False) -> Position:
         """Append one record per payload in a single write; return the end position (not yet durable).
 
         With ``pin`` each record counts as live in its segment until ``unpin``; the segment is
-        then kept until every pin is released.
+        then kept until every pin is released. An ordinary append leaves ``reserve`` bytes
+        preallocated after it, a ``reserved`` one may use them; ``WalFull`` (nothing written) when
+        the volume has no room.
         """
         chunks: list[bytes | memoryview] = []
         for payload in payloads:
@@ -292,9 +336,10 @@ class Wal:
             segment = self._active
             assert segment is not None, "Wal.start() not called"
             pins = len(payloads) if pin else 0
-            direct = self._reserve_direct(segment, total) if DIRECT_MIN <= total <= DIRECT_MAX else None
+            keep = 0 if reserved else self.reserve
+            direct = self._reserve_direct(segment, total, keep) if DIRECT_MIN <= total <= DIRECT_MAX else None
             if direct is None:
-                self._write_buffered(segment, chunks, total)
+                self._write_buffered(segment, chunks, total, keep)
                 self._count(segment, total, pins)
                 return self._written
         return self._write_direct(direct, segment, chunks, total, pins)
@@ -305,24 +350,32 @@ class Wal:
         segment.pinned_bytes += total if pins else 0
         self.bytes_written += total
 
-    def _write_buffered(self, segment: Segment, chunks: Sequence[bytes | memoryview], total: int) -> None:
+    def _write_buffered(self, segment: Segment, chunks: Sequence[bytes | memoryview], total: int, keep: int) -> None:
         """Write at the end of the active segment through the page cache (caller holds the lock)."""
         before = segment.size
-        self._grow(segment, before + total)
+        self._grow(segment, before + total, keep)
         try:
             _write_all(self._fd, chunks, before)
         except OSError as exc:
             # Overwrite the partial record with zeros (a clean end) so later appends, which
-            # start at the same offset, stay readable.
+            # start at the same offset, stay readable; where even that finds no space (a file
+            # system that cannot preallocate), cut the file back to where the append began.
             try:
                 os.pwrite(self._fd, bytes(total), before)
-            except OSError as undo_exc:
-                self._broken = f"append failed ({exc}) and could not be undone ({undo_exc})"
+            except OSError:
+                try:
+                    os.ftruncate(self._fd, before)
+                    segment.allocated = min(segment.allocated, before)
+                except OSError as undo_exc:
+                    self._broken = f"append failed ({exc}) and could not be undone ({undo_exc})"
+            if exc.errno in NO_SPACE and not self._broken:
+                self.full = f"no space left on the log's volume ({exc.strerror})"
+                raise WalFull(exc.errno, self.full) from exc
             raise WalError(f"write-ahead log append failed: {exc.strerror or exc}") from exc
         segment.size += total
         self._written = (segment.number, segment.size)
 
-    def _reserve_direct(self, segment: Segment, total: int) -> _DirectWrite | None:
+    def _reserve_direct(self, segment: Segment, total: int, keep: int) -> _DirectWrite | None:
         """Claim an aligned stretch at the end of the active segment for a direct write of ``total``
         bytes of records (caller holds the lock); None when this append should go buffered.
 
@@ -335,7 +388,7 @@ class Wal:
         lead = padding_after(start)
         offset = start + lead
         length = total + padding_after(offset + total)
-        self._grow(segment, offset + length)
+        self._grow(segment, offset + length, keep)
         if lead:
             try:
                 _write_all(self._fd, [padding_record(lead)], start)
@@ -392,14 +445,61 @@ class Wal:
                 self._landed.notify_all()
         return (write.segment, write.offset + write.length)
 
-    def _grow(self, segment: Segment, end: int) -> None:
-        """Preallocate the active segment up to ``end`` at least (caller holds the lock): double
-        what it has, up to the segment size."""
-        if end <= segment.allocated:
+    def _grow(self, segment: Segment, end: int, keep: int) -> None:
+        """Preallocate the active segment up to ``end + keep`` at least (caller holds the lock):
+        double what it has, up to the segment size. ``WalFull`` when the volume has no room for
+        ``end + keep`` (``full`` is set for ordinary appends, cleared when one fits)."""
+        need = end + keep
+        if need <= segment.allocated:
+            if keep:
+                self.full = None
             return
-        target = max(end, min(2 * segment.allocated, self.segment_bytes))
-        _preallocate(self._fd, segment.allocated, target)
-        segment.allocated = target
+        target = max(need, min(2 * segment.allocated, self.segment_bytes) + keep)
+        for want in (target, need) if target > need else (need,):
+            try:
+                _preallocate(self._fd, segment.allocated, want)
+            except OSError as exc:
+                if exc.errno not in NO_SPACE:
+                    raise WalError(f"write-ahead log preallocation failed: {exc.strerror or exc}") from exc
+                continue
+            segment.allocated = want
+            if keep:
+                self.full = None
+            return
+        message = f"no space left on the log's volume for {need - segment.size} more bytes"
+        if keep:
+            self.full = message
+        raise WalFull(errno.ENOSPC, message)
+
+    def ensure_reserve(self) -> bool:
+        """Try to preallocate the reserve past the active segment's end; True (and ``full``
+        cleared) when it is in place."""
+        with self._lock:
+            segment = self._active
+            if segment is None or self._broken:
+                return False
+            try:
+                self._grow(segment, segment.size, max(self.reserve, 1))
+            except WalError:
+                return False
+            return True
+
+    def free_bytes(self) -> int:
+        """Bytes the log's volume has free for this process (``statvfs``); 0 when unknown."""
+        try:
+            info = os.statvfs(self.directory)
+        except OSError:
+            return 0
+        return info.f_bavail * info.f_frsize
+
+    def trim(self, number: int, end: int) -> None:
+        """Cut an inactive segment's unused tail (preallocated zeros past ``end``, its last record)."""
+        with self._lock:
+            segment = self.segments[number]
+            assert self._active is None or number != self._active.number, "cannot trim the active segment"
+        if segment.size > end:
+            os.truncate(segment.path, end)
+            segment.size = end
 
     def _take_staging(self, length: int) -> mmap.mmap:
         """A page-aligned buffer of at least ``length`` bytes (caller holds the lock)."""
@@ -495,13 +595,24 @@ class Wal:
                 old_fd, old_direct_fd, old = self._fd, self._direct_fd, self._active
                 assert old is not None
                 try:
-                    os.ftruncate(old_fd, old.size)  # give back the unused preallocated space
                     if self.fsync:
                         os.fdatasync(old_fd)
-                    self._open_segment(old.number + 1, first_record)
+                    try:
+                        self._open_segment(old.number + 1, first_record)
+                    except WalFull:
+                        # A full volume: give back the old segment's unused preallocated space
+                        # first, then try again; if that fails too the old segment stays active.
+                        os.ftruncate(old_fd, old.size)
+                        old.allocated = old.size
+                        self._open_segment(old.number + 1, first_record)
+                    os.ftruncate(old_fd, old.size)  # give back the unused preallocated space
+                except WalFull:
+                    self.full = "no space left on the log's volume for a new segment"
+                    raise
                 except OSError as exc:
                     self._broken = f"segment rotation failed: {exc}"
                     raise WalError(f"write-ahead log rotation failed: {exc.strerror or exc}") from exc
+                old.allocated = old.size
                 os.close(old_fd)
                 if old_direct_fd >= 0:
                     os.close(old_direct_fd)
@@ -600,10 +711,15 @@ def _write_aligned(fd: int, view: memoryview, offset: int) -> None:
 
 
 def _preallocate(fd: int, start: int, end: int) -> None:
+    """Allocate ``[start, end)``; raises only when the volume is full (``NO_SPACE``)."""
+    if end <= start:
+        return
     try:
         os.posix_fallocate(fd, start, end - start)
-    except OSError:
-        pass  # the file system cannot preallocate (or is full): the write itself reports what fails
+    except OSError as exc:
+        if exc.errno in NO_SPACE:
+            raise
+        # The file system cannot preallocate: the write itself reports what fails.
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -88,11 +88,20 @@ def _fields(data: bytes | memoryview) -> Iterable[tuple[int, int, int, int]]:
 
 def split_put_request(data: bytes) -> tuple[str, list[memoryview]]:
     """``PutRequest`` bytes -> (client_id, each trajectory's serialized bytes, zero-copy)."""
+    _, client_id, trajectories = split_put_stream_request(data)
+    return client_id, trajectories
+
+
+def split_put_stream_request(data: bytes) -> tuple[int, str, list[memoryview]]:
+    """``PutStreamRequest`` (or ``PutRequest``) bytes -> (sequence, client_id, trajectories)."""
     view = memoryview(data)
     client_id = ""
+    sequence = 0
     trajectories: list[memoryview] = []
     for number, kind, start, end in _fields(view):
         if kind != LEN:
+            if number == 3 and kind == VARINT:
+                sequence = start  # for a varint ``_fields`` yields its value here
             continue  # unknown scalar field: ignore, as protobuf would
         if number == 1:
             try:
@@ -101,7 +110,7 @@ def split_put_request(data: bytes) -> tuple[str, list[memoryview]]:
                 raise WireError("client_id is not UTF-8") from exc
         elif number == 2:
             trajectories.append(view[start:end])
-    return client_id, trajectories
+    return sequence, client_id, trajectories
 
 
 def split_fields(data: bytes | memoryview, numbers: frozenset[int]) -> tuple[dict[int, memoryview], bytes]:
@@ -165,6 +174,11 @@ def encode_put_request(client_id: str, trajectories: Sequence[bytes | memoryview
     for raw in trajectories:
         chunks += len_field(2, raw)
     return b"".join(chunks)
+
+
+def encode_put_stream_request(sequence: int, client_id: str, trajectories: Sequence[bytes | memoryview]) -> bytes:
+    """A serialized ``PutStreamRequest``: a ``PutRequest`` plus its sequence number."""
+    return encode_put_request(client_id, trajectories) + b"\x18" + encode_varint(sequence)
 
 
 def encode_trajectory(episode: Episode) -> bytes:

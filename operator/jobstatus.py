@@ -108,6 +108,19 @@ def _actors_condition(o: Observed) -> Cond:
     return Cond("ActorsAvailable", "False", "MinimumReplicasUnavailable", message)
 
 
+def disk_full_condition(stats: StatsSnapshot) -> Cond | None:
+    """``BufferReady=False/DiskFull`` while the buffer's log volume refuses Puts; None otherwise."""
+    if not stats.disk_full:
+        return None
+    return Cond(
+        "BufferReady",
+        "False",
+        "DiskFull",
+        f"the buffer's log volume is full ({stats.disk_free_bytes} bytes free): Puts are refused until the "
+        "learner's commits free space; raise spec.buffer.storageSize if this persists",
+    )
+
+
 def _buffer_condition(o: Observed) -> Cond:
     if o.buffer is None:
         return Cond("BufferReady", "True", "Colocated", "colocated mode: no buffer")
@@ -117,6 +130,9 @@ def _buffer_condition(o: Observed) -> Cond:
         return Cond("BufferReady", "False", "Pending", "the buffer pod is not ready")
     if o.stats is None:
         return Cond("BufferReady", "False", "StatsUnavailable", o.stats_error or "no Stats from the buffer")
+    disk_full = disk_full_condition(o.stats)
+    if disk_full is not None:
+        return disk_full
     return Cond("BufferReady", "True", "Serving", f"fill {o.stats.fill:.0%}, {o.stats.complete_groups} complete groups")
 
 

@@ -39,6 +39,8 @@ class StatsSnapshot:
     staleness_histogram: Mapping[int, int] = field(default_factory=dict)
     dropped: Mapping[str, int] = field(default_factory=dict)
     learner_duty_cycle: float | None = None
+    disk_full: bool = False  # the log's volume is full: the buffer refuses Puts
+    disk_free_bytes: int = 0
 
 
 def _conditions(obj: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
@@ -120,4 +122,6 @@ def snapshot_from_proto(stats: Any) -> StatsSnapshot:
         staleness_histogram={int(k): int(v) for k, v in stats.staleness_histogram.items()},
         dropped={str(k): int(v) for k, v in stats.dropped.items()},
         learner_duty_cycle=duty,
+        disk_full=bool(getattr(stats, "disk_full", False)),
+        disk_free_bytes=int(getattr(stats, "disk_free_bytes", 0)),
     )

@@ -228,6 +228,29 @@ def test_retried_put_is_stored_once_even_across_restart_and_consumption(
     assert core.sample(1, 1, 0) is None
 
 
+def test_a_retry_after_its_group_was_consumed_and_its_segment_deleted_is_a_duplicate_after_restart(
+    tmp_path: Path, settings: BufferSettings, make_group: Groups
+) -> None:
+    # Put; restart; consume; the Put's segment is deleted; restart; retry: the retry must count as
+    # a duplicate, not as an invalid episode of a consumed group (issue 25, defect 1).
+    core = open_core(tmp_path, settings)
+    raws = [encode_trajectory(e) for e in make_group(2)]
+    assert core.put(raws).stored == 2
+    core.close()
+    core = open_core(tmp_path, settings)
+    first_segment = min(core.wal.segments)
+    batch_id, _ = sampled_ids(core)
+    core.commit(batch_id)
+    core.compact()
+    assert first_segment not in core.wal.segments  # the Put records are gone from disk
+    core.close()
+    core = open_core(tmp_path, settings)
+    retry = core.put(raws)
+    assert retry.results == [(CODE_OK, "", "")] * 2
+    assert (retry.stored, retry.duplicates) == (0, 2)
+    assert core.sample(1, 1, 0) is None
+
+
 def test_group_consistency_is_enforced(tmp_path: Path, make_episode: Callable[..., Episode]) -> None:
     core = open_core(tmp_path, BufferSettings(group_size=0, capacity=64))
     put(core, [make_episode("g", group_size=2)])

@@ -35,6 +35,40 @@ class PutResponse(_message.Message):
     duplicates: int
     def __init__(self, results: _Optional[_Iterable[_Union[PutResult, _Mapping]]] = ..., stored: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
 
+class PutStreamRequest(_message.Message):
+    __slots__ = ("client_id", "trajectories", "sequence")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    trajectories: _containers.RepeatedCompositeFieldContainer[_trajectory_pb2.Trajectory]
+    sequence: int
+    def __init__(self, client_id: _Optional[str] = ..., trajectories: _Optional[_Iterable[_Union[_trajectory_pb2.Trajectory, _Mapping]]] = ..., sequence: _Optional[int] = ...) -> None: ...
+
+class PutAck(_message.Message):
+    __slots__ = ("sequence", "code", "message", "stored", "duplicates", "results", "retry_after_ms")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    code: int
+    message: str
+    stored: int
+    duplicates: int
+    results: _containers.RepeatedCompositeFieldContainer[PutResult]
+    retry_after_ms: int
+    def __init__(self, sequence: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., stored: _Optional[int] = ..., duplicates: _Optional[int] = ..., results: _Optional[_Iterable[_Union[PutResult, _Mapping]]] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
+
+class PutStreamResponse(_message.Message):
+    __slots__ = ("acks",)
+    ACKS_FIELD_NUMBER: _ClassVar[int]
+    acks: _containers.RepeatedCompositeFieldContainer[PutAck]
+    def __init__(self, acks: _Optional[_Iterable[_Union[PutAck, _Mapping]]] = ...) -> None: ...
+
 class AcquireRequest(_message.Message):
     __slots__ = ("actor_id", "groups")
     ACTOR_ID_FIELD_NUMBER: _ClassVar[int]
@@ -128,7 +162,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BufferStats(_message.Message):
-    __slots__ = ("capacity", "stored_trajectories", "complete_groups", "incomplete_groups", "leased_batches", "fill", "policy_version", "admission_credit", "in_flight_groups", "accepted_total", "sampled_total", "committed_total", "dropped", "staleness_histogram", "per_actor_accepted", "put_rate", "sample_rate", "stale_incomplete_groups", "rejected", "duplicates_total", "redelivered_groups", "masked_groups_delivered", "committed_groups_total", "log_bytes", "log_segments", "replayed_trajectories", "corrupt_log_tails", "full_rejections", "stored_bytes", "admission_scale", "learner_duty_cycle")
+    __slots__ = ("capacity", "stored_trajectories", "complete_groups", "incomplete_groups", "leased_batches", "fill", "policy_version", "admission_credit", "in_flight_groups", "accepted_total", "sampled_total", "committed_total", "dropped", "staleness_histogram", "per_actor_accepted", "put_rate", "sample_rate", "stale_incomplete_groups", "rejected", "duplicates_total", "redelivered_groups", "masked_groups_delivered", "committed_groups_total", "log_bytes", "log_segments", "replayed_trajectories", "corrupt_log_tails", "full_rejections", "stored_bytes", "admission_scale", "disk_full", "disk_free_bytes", "disk_full_rejections", "learner_duty_cycle")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +221,9 @@ class BufferStats(_message.Message):
     FULL_REJECTIONS_FIELD_NUMBER: _ClassVar[int]
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_SCALE_FIELD_NUMBER: _ClassVar[int]
+    DISK_FULL_FIELD_NUMBER: _ClassVar[int]
+    DISK_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_FULL_REJECTIONS_FIELD_NUMBER: _ClassVar[int]
     LEARNER_DUTY_CYCLE_FIELD_NUMBER: _ClassVar[int]
     capacity: int
     stored_trajectories: int
@@ -218,16 +255,21 @@ class BufferStats(_message.Message):
     full_rejections: int
     stored_bytes: int
     admission_scale: float
+    disk_full: bool
+    disk_free_bytes: int
+    disk_full_rejections: int
     learner_duty_cycle: float
-    def __init__(self, capacity: _Optional[int] = ..., stored_trajectories: _Optional[int] = ..., complete_groups: _Optional[int] = ..., incomplete_groups: _Optional[int] = ..., leased_batches: _Optional[int] = ..., fill: _Optional[float] = ..., policy_version: _Optional[int] = ..., admission_credit: _Optional[int] = ..., in_flight_groups: _Optional[int] = ..., accepted_total: _Optional[int] = ..., sampled_total: _Optional[int] = ..., committed_total: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., per_actor_accepted: _Optional[_Mapping[str, int]] = ..., put_rate: _Optional[float] = ..., sample_rate: _Optional[float] = ..., stale_incomplete_groups: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., duplicates_total: _Optional[int] = ..., redelivered_groups: _Optional[int] = ..., masked_groups_delivered: _Optional[int] = ..., committed_groups_total: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_segments: _Optional[int] = ..., replayed_trajectories: _Optional[int] = ..., corrupt_log_tails: _Optional[int] = ..., full_rejections: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., admission_scale: _Optional[float] = ..., learner_duty_cycle: _Optional[float] = ...) -> None: ...
+    def __init__(self, capacity: _Optional[int] = ..., stored_trajectories: _Optional[int] = ..., complete_groups: _Optional[int] = ..., incomplete_groups: _Optional[int] = ..., leased_batches: _Optional[int] = ..., fill: _Optional[float] = ..., policy_version: _Optional[int] = ..., admission_credit: _Optional[int] = ..., in_flight_groups: _Optional[int] = ..., accepted_total: _Optional[int] = ..., sampled_total: _Optional[int] = ..., committed_total: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., per_actor_accepted: _Optional[_Mapping[str, int]] = ..., put_rate: _Optional[float] = ..., sample_rate: _Optional[float] = ..., stale_incomplete_groups: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., duplicates_total: _Optional[int] = ..., redelivered_groups: _Optional[int] = ..., masked_groups_delivered: _Optional[int] = ..., committed_groups_total: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_segments: _Optional[int] = ..., replayed_trajectories: _Optional[int] = ..., corrupt_log_tails: _Optional[int] = ..., full_rejections: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., admission_scale: _Optional[float] = ..., disk_full: _Optional[bool] = ..., disk_free_bytes: _Optional[int] = ..., disk_full_rejections: _Optional[int] = ..., learner_duty_cycle: _Optional[float] = ...) -> None: ...
 
 class LogConsume(_message.Message):
-    __slots__ = ("group_ids", "reason")
+    __slots__ = ("group_ids", "reason", "episode_ids")
     GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_IDS_FIELD_NUMBER: _ClassVar[int]
     group_ids: _containers.RepeatedScalarFieldContainer[str]
     reason: str
-    def __init__(self, group_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ...) -> None: ...
+    episode_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, group_ids: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ..., episode_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LogCheckpoint(_message.Message):
     __slots__ = ("policy_version", "committed_groups", "consumed_episode_ids", "consumed_group_ids")

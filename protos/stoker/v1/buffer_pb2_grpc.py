@@ -39,6 +39,11 @@ class BufferStub:
                 request_serializer=stoker_dot_v1_dot_buffer__pb2.PutRequest.SerializeToString,
                 response_deserializer=stoker_dot_v1_dot_buffer__pb2.PutResponse.FromString,
                 _registered_method=True)
+        self.PutStream = channel.stream_stream(
+                '/stoker.v1.Buffer/PutStream',
+                request_serializer=stoker_dot_v1_dot_buffer__pb2.PutStreamRequest.SerializeToString,
+                response_deserializer=stoker_dot_v1_dot_buffer__pb2.PutStreamResponse.FromString,
+                _registered_method=True)
         self.Acquire = channel.unary_unary(
                 '/stoker.v1.Buffer/Acquire',
                 request_serializer=stoker_dot_v1_dot_buffer__pb2.AcquireRequest.SerializeToString,
@@ -80,6 +85,19 @@ class BufferServicer:
         INVALID_ARGUMENT naming the first (index, field, reason) and the full PutResponse travels in
         the trailing metadata "stoker-put-response-bin". A full buffer answers RESOURCE_EXHAUSTED
         (nothing stored) with the hint "stoker-retry-after-ms" in the trailing metadata.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutStream(self, request_iterator, context):
+        """Put as a stream, for clients that produce trajectories one at a time: the client sends
+        numbered batches as they come, without waiting, and the server answers with one
+        PutStreamResponse per durable flush, acknowledging every batch that flush covered (an
+        acknowledgement means fsynced, as for Put). A refused batch is acknowledged with its code
+        (INVALID_ARGUMENT with per-trajectory results, RESOURCE_EXHAUSTED with a retry hint) and the
+        stream stays open. After a broken stream the client resends what was not acknowledged: the
+        buffer stores each episode id once, so nothing is stored twice.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -133,6 +151,11 @@ def add_BufferServicer_to_server(servicer, server):
                     servicer.Put,
                     request_deserializer=stoker_dot_v1_dot_buffer__pb2.PutRequest.FromString,
                     response_serializer=stoker_dot_v1_dot_buffer__pb2.PutResponse.SerializeToString,
+            ),
+            'PutStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PutStream,
+                    request_deserializer=stoker_dot_v1_dot_buffer__pb2.PutStreamRequest.FromString,
+                    response_serializer=stoker_dot_v1_dot_buffer__pb2.PutStreamResponse.SerializeToString,
             ),
             'Acquire': grpc.unary_unary_rpc_method_handler(
                     servicer.Acquire,
@@ -192,6 +215,33 @@ class Buffer:
             '/stoker.v1.Buffer/Put',
             stoker_dot_v1_dot_buffer__pb2.PutRequest.SerializeToString,
             stoker_dot_v1_dot_buffer__pb2.PutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/stoker.v1.Buffer/PutStream',
+            stoker_dot_v1_dot_buffer__pb2.PutStreamRequest.SerializeToString,
+            stoker_dot_v1_dot_buffer__pb2.PutStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

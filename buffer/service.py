@@ -1,0 +1,449 @@
+"""The ``stoker.v1.Buffer`` RPC handlers over ``BufferCore``, as coroutines on the server's loop.
+
+A Put validates, admits and appends on the loop, then awaits its flush (``stoker.buffer.flusher``):
+no thread is held while the disk works. A Put large enough to be written with ``O_DIRECT``
+(``stoker.buffer.wal``) does its part before the flush in a worker thread instead, so the loop does
+not wait for the device. A long-polling Sample waits on the loop too, so any number of learners
+can wait without starving the actors.
+
+Put takes the request as raw bytes (``stoker.buffer.wire``) so trajectories reach the log exactly
+as sent, and Sample answers with bytes assembled from stored trajectories: the service never
+re-encodes a trajectory.
+
+Put batch policy: every valid trajectory of a batch is stored, whatever its neighbours. If any
+trajectory is invalid the RPC ends with ``INVALID_ARGUMENT`` naming the first bad one (index,
+field, reason) and carries the full per-trajectory ``PutResponse`` in the trailing metadata key
+``stoker-put-response-bin``; otherwise it returns that ``PutResponse``. A full buffer (or a full
+log volume) answers ``RESOURCE_EXHAUSTED`` (nothing stored) with the hint ``stoker-retry-after-ms``
+in the trailing metadata.
+
+Every method parses its own request bytes and checks every field, so a malformed or out-of-range
+request is ``INVALID_ARGUMENT`` with one (rate-limited) log line, never ``UNKNOWN`` with a
+traceback; an unexpected failure is ``INTERNAL``, also one line. Messages are bounded in size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent import futures
+from typing import Any, NoReturn, TypeAlias
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+from prometheus_client import Histogram
+
+from stoker.buffer.core import BatchTooLarge, BufferCore, BufferFull, DiskFull, PendingPut, PutOutcome, Unavailable, UnknownBatch
+from stoker.buffer.flusher import Flusher
+from stoker.buffer.wal import DIRECT_MIN, WalError
+from stoker.buffer.wire import WireError, encode_sample_response, split_put_request
+from stoker.v1 import buffer_pb2
+
+log = logging.getLogger("stoker.buffer.server")
+
+SERVICE = "stoker.v1.Buffer"
+PUT_RESPONSE_KEY = "stoker-put-response-bin"
+RETRY_AFTER_KEY = "stoker-retry-after-ms"
+# Puts at least this big validate and append in a worker thread: their log write goes direct and
+# waits for the device, which would stall every other call on the loop.
+OFF_LOOP_PUT_BYTES = DIRECT_MIN
+MAX_DETAIL = 300  # characters of any status message; a client's bytes never make it longer
+MAX_SAMPLE_GROUPS = 1 << 16
+MAX_CREDIT_GROUPS = 1 << 20
+MAX_TIMEOUT_SECONDS = 3600.0
+BATCH_ID_LENGTH = 32  # uuid4().hex
+
+Metadata = Sequence[tuple[str, str | bytes]]
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+
+
+def bounded(text: str, limit: int = MAX_DETAIL) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was left out."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+class Refused(Exception):
+    """A request the service answers with ``code`` and ``message`` (logged once, no traceback)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, trailing: Metadata = ()):
+        super().__init__(message)
+        self.code = code
+        self.message = bounded(message)
+        self.trailing = trailing
+
+
+def invalid(message: str, trailing: Metadata = ()) -> Refused:
+    return Refused(grpc.StatusCode.INVALID_ARGUMENT, message, trailing)
+
+
+class LogLimiter:
+    """At most ``per_second`` log lines a second for refused requests; the rest are counted and
+    reported with the next line let through, so a flood of bad requests cannot flood the log."""
+
+    def __init__(self, per_second: float = 10.0, clock: Callable[[], float] = time.monotonic):
+        self.per_second = per_second
+        self.clock = clock
+        self._allowance = per_second
+        self._last = clock()
+        self._suppressed = 0
+        self._lock = threading.Lock()
+
+    def warning(self, message: str, *args: object) -> None:
+        with self._lock:
+            now = self.clock()
+            self._allowance = min(self.per_second, self._allowance + (now - self._last) * self.per_second)
+            self._last = now
+            if self._allowance < 1.0:
+                self._suppressed += 1
+                return
+            self._allowance -= 1.0
+            suppressed, self._suppressed = self._suppressed, 0
+        if suppressed:
+            log.warning(message + " (and %d similar lines suppressed)", *args, suppressed)
+        else:
+            log.warning(message, *args)
+
+
+async def _abort(context: Context, code: grpc.StatusCode, message: str, trailing: Metadata = ()) -> NoReturn:
+    await context.abort(code, message, trailing_metadata=trailing)
+    raise AssertionError("unreachable: context.abort raises")
+
+
+def check_id(name: str, value: str, limit: int = 256) -> None:
+    if len(value) > limit:
+        raise invalid(f"{name}: {len(value)} characters; expected at most {limit}")
+
+
+class BufferService:
+    """RPC handlers (coroutines on the server's loop); each maps ``BufferCore`` exceptions to
+    status codes. Construct it on the loop."""
+
+    def __init__(self, core: BufferCore, flusher: Flusher, io_pool: futures.Executor, put_latency: Histogram | None = None):
+        self.core = core
+        self.flusher = flusher
+        self.io_pool = io_pool
+        self.put_latency = put_latency
+        self.loop = asyncio.get_running_loop()
+        self.refusals = LogLimiter()
+        self._loop_thread_id = threading.get_ident()
+        self._all_stored: dict[int, bytes] = {}  # serialized PutResponse by batch size
+        self._samplers: list[tuple[int, asyncio.Event]] = []  # waiting Samples: (min groups, wake-up)
+        self._unfinished: set[asyncio.Future[Any]] = set()  # Puts whose callers left, and large Puts
+        core.ready_listener = self._on_ready
+
+    # ------------------------------------------------------------------ Put
+
+    async def put(self, data: bytes, context: Context) -> bytes:
+        started = time.perf_counter()
+        client_id, raws = self.split_put(data)
+        outcome = await self.store(raws, client_id)
+        if self.put_latency is not None:
+            self.put_latency.observe(time.perf_counter() - started)
+        if outcome.stored == len(outcome.results):  # the common case: every trajectory stored
+            return self.all_stored(outcome.stored)
+        response = put_response(outcome)
+        rejected = outcome.rejected
+        if rejected:
+            raise invalid(rejection_summary(outcome), ((PUT_RESPONSE_KEY, response.SerializeToString()),))
+        return response.SerializeToString()
+
+    def split_put(self, data: bytes | memoryview) -> tuple[str, list[memoryview]]:
+        try:
+            client_id, raws = split_put_request(bytes(data) if isinstance(data, memoryview) else data)
+        except WireError as exc:
+            raise invalid(f"request: malformed PutRequest ({exc})") from None
+        check_id("client_id", client_id, self.core.settings.max_id_length)
+        return client_id, raws
+
+    def all_stored(self, count: int) -> bytes:
+        cached = self._all_stored.get(count)
+        if cached is None:
+            cached = self._all_stored[count] = buffer_pb2.PutResponse(results=[buffer_pb2.PutResult()] * count, stored=count).SerializeToString()
+        return cached
+
+    async def store(self, raws: Sequence[memoryview], client_id: str) -> PutOutcome:
+        """Validate, admit, log and flush one batch; ``Refused`` for a full buffer or volume."""
+        try:
+            if sum(len(raw) for raw in raws) >= OFF_LOOP_PUT_BYTES:
+                return await self._put_off_loop(raws, client_id)
+            return await self._finish_put(self.core.begin_put(raws, client_id))
+        except (BufferFull, DiskFull, BatchTooLarge, Unavailable) as exc:
+            raise refusal(exc) from None
+
+    def submit(self, raws: Sequence[memoryview], client_id: str) -> asyncio.Future[PutOutcome]:
+        """Start a Put without waiting for it (``PutStream``): the future gives its outcome once it
+        is durable, or a ``Refused``. The Put runs to its end whether or not anyone still waits."""
+        work: asyncio.Future[PutOutcome] = self.loop.create_future()
+        work.add_done_callback(_retrieve)
+        if sum(len(raw) for raw in raws) >= OFF_LOOP_PUT_BYTES:
+            task = self.loop.create_task(self._begin_in_worker(raws, client_id, work))
+            self._unfinished.add(task)
+            task.add_done_callback(self._put_in_worker_ended)
+            return work
+        try:
+            pending = self.core.begin_put(raws, client_id)
+        except Exception as exc:  # noqa: BLE001 - handed to whoever acknowledges the batch
+            work.set_exception(refusal(exc))
+            return work
+        self._settle_when_durable(pending, work)
+        return work
+
+    async def _begin_in_worker(self, raws: Sequence[memoryview], client_id: str, work: asyncio.Future[PutOutcome]) -> None:
+        try:
+            pending = await self.loop.run_in_executor(self.io_pool, self.core.begin_put, raws, client_id)
+        except Exception as exc:  # noqa: BLE001 - handed to whoever acknowledges the batch
+            work.set_exception(refusal(exc))
+            return
+        self._settle_when_durable(pending, work)
+
+    def _settle_when_durable(self, pending: PendingPut, work: asyncio.Future[PutOutcome]) -> None:
+        flushed = self.flusher.durable(pending.durable_at)
+        self._unfinished.add(flushed)
+
+        def settle(done: asyncio.Future[None]) -> None:
+            self._unfinished.discard(done)
+            if done.cancelled() or done.exception() is not None:
+                self.core.abandon_put(pending)
+                if not work.done():
+                    work.set_exception(Refused(grpc.StatusCode.UNAVAILABLE, str(done.exception() or "the buffer is shutting down")))
+            else:
+                outcome = self.core.finish_put(pending)
+                if not work.done():
+                    work.set_result(outcome)
+
+        flushed.add_done_callback(settle)
+
+    # Once admitted, a Put is finished (stored, or taken back) even if its caller goes away meanwhile.
+
+    async def _finish_put(self, pending: PendingPut) -> PutOutcome:
+        try:
+            await self.flusher.durable(pending.durable_at)
+        except WalError as exc:
+            self.core.abandon_put(pending)
+            raise Unavailable(str(exc)) from exc
+        except asyncio.CancelledError:  # the call was cancelled (the server is stopping)
+            flushed = self.flusher.durable(pending.durable_at)
+            self._unfinished.add(flushed)
+            flushed.add_done_callback(functools.partial(self._finish_left_put, pending))
+            raise
+        return self.core.finish_put(pending)
+
+    def _finish_left_put(self, pending: PendingPut, flushed: asyncio.Future[None]) -> None:
+        self._unfinished.discard(flushed)
+        if flushed.cancelled() or flushed.exception() is not None:
+            self.core.abandon_put(pending)
+        else:
+            self.core.finish_put(pending)
+
+    async def _put_off_loop(self, raws: Sequence[memoryview], client_id: str) -> PutOutcome:
+        """A large Put validates and appends in a worker thread, as a task of its own that its
+        caller's leaving does not cancel."""
+        task = self.loop.create_task(self._put_in_worker(raws, client_id))
+        self._unfinished.add(task)
+        task.add_done_callback(self._put_in_worker_ended)
+        return await asyncio.shield(task)
+
+    async def _put_in_worker(self, raws: Sequence[memoryview], client_id: str) -> PutOutcome:
+        pending = await self.loop.run_in_executor(self.io_pool, self.core.begin_put, raws, client_id)
+        return await self._finish_put(pending)
+
+    def _put_in_worker_ended(self, task: asyncio.Future[Any]) -> None:
+        self._unfinished.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a Put whose caller left must not log "never retrieved"
+
+    async def drain(self) -> None:
+        """Wait for every admitted Put to finish (at shutdown, once no new calls come in)."""
+        while self._unfinished:
+            await asyncio.wait(list(self._unfinished))
+
+    # ------------------------------------------------------------------ admission
+
+    async def acquire(self, request: buffer_pb2.AcquireRequest, context: Context) -> buffer_pb2.AcquireResponse:
+        check_id("actor_id", request.actor_id, self.core.settings.max_id_length)
+        if request.groups > MAX_CREDIT_GROUPS:
+            raise invalid(f"groups: got {request.groups}; expected at most {MAX_CREDIT_GROUPS}")
+        granted, version, retry = self.core.acquire(request.groups, request.actor_id)
+        return buffer_pb2.AcquireResponse(granted=granted, policy_version=version, retry_after_seconds=retry)
+
+    async def release(self, request: buffer_pb2.ReleaseRequest, context: Context) -> buffer_pb2.ReleaseResponse:
+        check_id("actor_id", request.actor_id, self.core.settings.max_id_length)
+        if request.groups > MAX_CREDIT_GROUPS:
+            raise invalid(f"groups: got {request.groups}; expected at most {MAX_CREDIT_GROUPS}")
+        self.core.release(request.groups, request.actor_id)
+        return buffer_pb2.ReleaseResponse()
+
+    # ------------------------------------------------------------------ Sample, Commit
+
+    async def sample(self, request: buffer_pb2.SampleRequest, context: Context) -> bytes:
+        check_id("learner_id", request.learner_id, self.core.settings.max_id_length)
+        check_id("session_id", request.session_id, self.core.settings.max_id_length)
+        if not 1 <= request.max_groups <= MAX_SAMPLE_GROUPS:
+            raise invalid(f"max_groups: got {request.max_groups}; expected 1..{MAX_SAMPLE_GROUPS}")
+        if request.min_groups > request.max_groups:
+            raise invalid(f"min_groups: got {request.min_groups}; expected at most max_groups ({request.max_groups})")
+        if not 0 <= request.timeout_seconds <= MAX_TIMEOUT_SECONDS:  # NaN fails too
+            raise invalid(f"timeout_seconds: got {request.timeout_seconds}; expected 0..{MAX_TIMEOUT_SECONDS:g}")
+        remaining = context.time_remaining()
+        timeout = request.timeout_seconds if remaining is None else min(request.timeout_seconds, max(0.0, remaining - 0.05))
+        deadline = self.loop.time() + timeout
+        # Registered before the first look, so a group made ready by another thread in between
+        # still wakes this Sample.
+        waiter = (max(1, min(request.min_groups, request.max_groups)), asyncio.Event())
+        self._samplers.append(waiter)
+        try:
+            while True:
+                waiter[1].clear()
+                batch = self.core.sample(
+                    request.max_groups, request.min_groups, 0.0, learner_id=request.learner_id, session_id=request.session_id
+                )
+                left = deadline - self.loop.time()
+                if batch is not None or left <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(waiter[1].wait(), left)
+                except TimeoutError:
+                    pass
+        finally:
+            self._samplers.remove(waiter)
+        if batch is None:
+            return encode_sample_response("", [], self.core.policy_version)
+        return encode_sample_response(batch.batch_id, batch.groups, batch.policy_version)
+
+    def _on_ready(self, ready: int) -> None:
+        """``BufferCore.ready_listener``: wake the Samples that can now return."""
+        if not self._samplers:
+            return
+        if threading.get_ident() == self._loop_thread_id:
+            self._wake_samplers(ready)
+        else:
+            self.loop.call_soon_threadsafe(self._wake_samplers, ready)
+
+    def _wake_samplers(self, ready: int) -> None:
+        for wanted, event in self._samplers:
+            if ready >= wanted:
+                event.set()
+
+    async def commit(self, request: buffer_pb2.CommitRequest, context: Context) -> buffer_pb2.CommitResponse:
+        if not request.batch_id or len(request.batch_id) > 4 * BATCH_ID_LENGTH:
+            raise invalid(f"batch_id: {len(request.batch_id)} characters; expected the batch_id a Sample returned")
+        try:
+            count, position = self.core.begin_commit(request.batch_id)
+        except UnknownBatch:
+            raise Refused(
+                grpc.StatusCode.NOT_FOUND,
+                f"batch_id: {bounded(request.batch_id, 2 * BATCH_ID_LENGTH)!r} is not leased (already committed, lease "
+                "expired, or the buffer restarted); its groups, if uncommitted, are delivered again",
+            ) from None
+        except Unavailable as exc:
+            raise Refused(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        try:
+            await self.flusher.durable(position)
+        except WalError as exc:
+            raise Refused(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        return buffer_pb2.CommitResponse(committed_trajectories=count)
+
+    # ------------------------------------------------------------------ learner, everyone
+
+    async def set_policy_version(self, request: buffer_pb2.SetPolicyVersionRequest, context: Context) -> buffer_pb2.SetPolicyVersionResponse:
+        duty = request.learner_duty_cycle if request.HasField("learner_duty_cycle") else None
+        try:
+            self.core.set_policy_version(request.policy_version, duty)
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+        return buffer_pb2.SetPolicyVersionResponse()
+
+    async def stats(self, request: buffer_pb2.StatsRequest, context: Context) -> buffer_pb2.BufferStats:
+        return self.core.stats()
+
+    def handler(self, extra: dict[str, grpc.RpcMethodHandler] | None = None) -> grpc.GenericRpcHandler:
+        def unary(name: str, fn: Callable[..., Awaitable[Any]], request_type: type[Message] | None, response_type: Any) -> grpc.RpcMethodHandler:
+            return grpc.unary_unary_rpc_method_handler(
+                self.guarded(name, fn, request_type),
+                request_deserializer=None,  # raw bytes: a malformed request is INVALID_ARGUMENT, not UNKNOWN
+                response_serializer=response_type.SerializeToString if response_type else None,
+            )
+
+        methods = {
+            "Put": unary("Put", self.put, None, None),
+            "Acquire": unary("Acquire", self.acquire, buffer_pb2.AcquireRequest, buffer_pb2.AcquireResponse),
+            "Release": unary("Release", self.release, buffer_pb2.ReleaseRequest, buffer_pb2.ReleaseResponse),
+            "Sample": unary("Sample", self.sample, buffer_pb2.SampleRequest, None),
+            "Commit": unary("Commit", self.commit, buffer_pb2.CommitRequest, buffer_pb2.CommitResponse),
+            "SetPolicyVersion": unary(
+                "SetPolicyVersion", self.set_policy_version, buffer_pb2.SetPolicyVersionRequest, buffer_pb2.SetPolicyVersionResponse
+            ),
+            "Stats": unary("Stats", self.stats, buffer_pb2.StatsRequest, buffer_pb2.BufferStats),
+            **(extra or {}),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE, methods)
+
+    def guarded(
+        self, name: str, fn: Callable[[Any, Context], Awaitable[Any]], request_type: type[Message] | None
+    ) -> Callable[[bytes, Context], Awaitable[Any]]:
+        """``fn`` with its request parsed from bytes, ``Refused`` turned into a status (one log
+        line) and any other failure into ``INTERNAL`` (one log line, no traceback)."""
+
+        async def handle(data: bytes, context: Context) -> Any:
+            try:
+                request = parse_request(request_type, data) if request_type is not None else data
+                return await fn(request, context)
+            except Refused as refused:
+                self.refusals.warning("%s from %s: %s: %s", name, context.peer(), refused.code.name, refused.message)
+                await _abort(context, refused.code, refused.message, refused.trailing)
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - one line, not a traceback per request
+                log.error("%s failed: %s: %s", name, type(exc).__name__, bounded(str(exc)))
+                await _abort(context, grpc.StatusCode.INTERNAL, f"{name}: internal error ({type(exc).__name__})")
+
+        return handle
+
+
+def refusal(exc: Exception) -> Exception:
+    """A Put's failure as the status it is answered with (anything unexpected stays as it is)."""
+    if isinstance(exc, (BufferFull, DiskFull)):
+        retry = ((RETRY_AFTER_KEY, str(int(exc.retry_after * 1000))),)
+        return Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), retry)
+    if isinstance(exc, BatchTooLarge):
+        return invalid(str(exc))
+    if isinstance(exc, Unavailable):
+        return Refused(grpc.StatusCode.UNAVAILABLE, str(exc))
+    return exc
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark a future's exception as seen: a batch whose stream went away must not log it at exit."""
+    if not future.cancelled():
+        future.exception()
+
+
+def parse_request(request_type: type[Message], data: bytes) -> Any:
+    try:
+        request = request_type.FromString(data)
+    except DecodeError as exc:
+        raise invalid(f"request: malformed {request_type.DESCRIPTOR.name} ({bounded(str(exc), 100)})") from None
+    for field, value in request.ListFields():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise invalid(f"{field.name}: got {value}; expected a finite number")
+    return request
+
+
+def put_response(outcome: PutOutcome) -> buffer_pb2.PutResponse:
+    return buffer_pb2.PutResponse(
+        results=[buffer_pb2.PutResult(code=c, field=f, message=bounded(m, 200)) for c, f, m in outcome.results],
+        stored=outcome.stored,
+        duplicates=outcome.duplicates,
+    )
+
+
+def rejection_summary(outcome: PutOutcome) -> str:
+    rejected = outcome.rejected
+    index, name, message = rejected[0]
+    more = f" (and {len(rejected) - 1} more invalid)" if len(rejected) > 1 else ""
+    return f"trajectories[{index}]: {name}: {bounded(message, 200)}{more}; {outcome.stored} stored"
