@@ -64,7 +64,7 @@ import numpy as np
 
 from stoker.learner import algorithms, packing
 from stoker.learner.algorithms import LossConfig
-from stoker.learner.optimizer import OptimizerConfig
+from stoker.learner.optimizer import OptimizerConfig, learning_rate_schedule
 from stoker.learner.packing import TrainSequence
 from stoker.learner.outbox import Outbox
 from stoker.learner.prefetch import Prefetcher
@@ -445,7 +445,8 @@ class Learner:
         if options.needs_value:
             value_model = train.ValueNetwork(model.config, rngs=nnx.Rngs(params=settings.seed + 1), dtype=dtype)
         optimizer = train.make_optimizer(settings.learning_rate, settings.max_grad_norm, settings.optimizer)
-        self.trainer = train.Trainer(model, options, optimizer, self.mesh, value_model=value_model)
+        schedule = learning_rate_schedule(settings.learning_rate, settings.optimizer)
+        self.trainer = train.Trainer(model, options, optimizer, self.mesh, value_model=value_model, schedule=schedule)
         self.rows = packing.rows_for_buckets(
             settings.buckets, settings.microbatch_tokens, sharding.data_parallel_size(self.mesh)
         )
@@ -567,6 +568,7 @@ class Learner:
             "compile_cache_hits": self.compiles.cache_hits,
             "grad_norm": sums["grad_norm"],
             "nonfinite_updates": sums["nonfinite_updates"],
+            **({"learning_rate": sums["learning_rate"]} if "learning_rate" in sums else {}),
         }
         return out
 

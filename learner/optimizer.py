@@ -83,3 +83,11 @@ def make_optimizer(
         return optax.chain(clip, optax.adam(learning_rate))
     schedule = learning_rate_schedule(learning_rate, config)
     return optax.chain(clip, optax.adamw(schedule, weight_decay=config.weight_decay, mask=_decays))
+
+
+def updates_applied(opt_state: Any) -> int:
+    """How many updates the optimizer state has taken (Adam's own step count)."""
+    found = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+    if not found:
+        raise ValueError("the optimizer state holds no step count")
+    return int(found[0][1])

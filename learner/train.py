@@ -32,6 +32,7 @@ from stoker.learner.model import (
     Block, RMSNorm, Transformer, packed_mask, restrict_logits, token_log_not_taken, token_logprobs,
 )
 from stoker.learner.optimizer import make_optimizer as make_optimizer  # re-exported: train.make_optimizer
+from stoker.learner.optimizer import updates_applied
 from stoker.learner.packing import MicroBatch
 from stoker.spec import TransformerConfig
 
@@ -174,8 +175,10 @@ class Trainer:
         mesh: Mesh,
         *,
         value_model: nnx.Module | None = None,
+        schedule: optax.Schedule | None = None,
     ):
         self.options = options
+        self.schedule = schedule  # the optimizer's learning rate per update, for the metrics
         self.mesh = mesh
         self.optimizer = optimizer
         self.nonfinite_updates = 0  # updates skipped for a non-finite gradient (``step``)
@@ -306,6 +309,8 @@ class Trainer:
             self.nonfinite_updates += 1
         total["nonfinite_grads"] = 0.0 if bool(finite) else 1.0
         total["nonfinite_updates"] = float(self.nonfinite_updates)
+        if self.schedule is not None and bool(finite):  # the rate the update just applied used
+            total["learning_rate"] = float(self.schedule(updates_applied(self.opt_state) - 1))
         return total
 
     def compiled_programs(self) -> dict[str, int]:

@@ -84,3 +84,42 @@ def test_default_is_plain_adam_and_spec_sets_the_schedule() -> None:
 def test_a_minimum_above_the_peak_is_refused() -> None:
     with pytest.raises(ValueError, match="minLearningRate"):
         make_optimizer(1e-3, 1.0, OptimizerConfig("cosine", 0, 10, 1e-2))
+
+
+@pytest.mark.usefixtures("xla_cache")
+def test_the_learner_reports_and_applies_the_scheduled_rate() -> None:
+    """Warmup from 0: the first update's rate is 0, so it leaves the policy exactly as it was; the
+    metrics report each update's rate as the schedule gives it."""
+    import uuid
+
+    from stoker.learner.loop import Group, Learner, LearnerSettings
+    from stoker.spec import TransformerConfig
+    from stoker.trajectory import Episode
+
+    tiny = TransformerConfig(
+        vocab_size=8, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32, max_seq_len=64
+    )
+    learner = Learner(
+        LearnerSettings(
+            architecture=tiny, buckets=(8,), microbatch_tokens=64, learning_rate=0.05, group_size=4,
+            optimizer=OptimizerConfig("linear", 2, 10, 0.0, 0.0),
+        )
+    )
+
+    def group() -> Group:
+        return Group([
+            Episode(
+                episode_id=uuid.uuid4().hex, group_id="g", group_size=4, task_id="t",
+                token_ids=np.asarray([1, 2, t], np.int32), loss_mask=np.asarray([0, 0, 1], np.uint8),
+                logprobs=np.asarray([0, 0, -2.0], np.float32),
+                policy_versions=np.asarray([-1, -1, learner.version], np.int32), reward=float(t == 3), status=1,
+            )
+            for t in (3, 4, 3, 5)
+        ])
+
+    before = jax.device_get(learner.trainer.params)
+    rates = [learner.train_on([group()])["learning_rate"]]
+    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(learner.trainer.params)), strict=True):
+        np.testing.assert_array_equal(x, y)
+    rates += [learner.train_on([group()])["learning_rate"] for _ in range(3)]
+    np.testing.assert_allclose(rates, [0.0, 0.025, 0.05, 0.045], rtol=1e-6)
