@@ -82,8 +82,21 @@ class ModelSpec(SpecModel):
         None, description="Directory with safetensors weights and config.json; random init when unset."
     )
     tokenizer: str | None = Field(
-        None, description="Path to a tokenizers tokenizer.json; the built-in environment tokenizer when unset."
+        None,
+        description=(
+            "A tokenizers tokenizer.json, or a Hugging Face tokenizer directory (tokenizer_config.json and "
+            "its chat template beside it); the checkpoint's own when unset, the environment's built-in "
+            "without a checkpoint. 'builtin' pairs even a checkpoint with the built-in tokenizer."
+        ),
     )
+    chat_template: str | None = Field(
+        None,
+        description=(
+            "A jinja chat template file for the opening and the turn wrapper; the tokenizer's own "
+            "(tokenizer_config.json) when unset; 'none' for Stoker's plain turn format."
+        ),
+    )
+    system_prompt: str | None = Field(None, description="System message rendered by the chat template.")
     architecture: TransformerConfig = Field(default_factory=TransformerConfig)
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter and compute dtype.")
 
