@@ -2,8 +2,10 @@
 
 The trajectory is built from ids only (``TrajectoryBuilder``)::
 
-    <bos> | obs_0 <act> | sampled_0 | obs_1 <act> | sampled_1 | ...
-    mask:  0     0          1          0             1
+    <bos> obs_0 <act> | sampled_0 | obs_1 <act> | sampled_1 | ...
+    mask:  0               1          0             1
+
+(with a chat template, ``TextInterface`` lays out the opening and the ids between turns instead).
     logprob/version: 0/-1 on context tokens, the sampler's values on sampled ones
 
 Sampled ids enter the trajectory exactly as the sampler returned them; they are decoded to text
@@ -108,7 +110,7 @@ async def run_episode(
     The episode is one conversation (``session``) of the policy from its first turn to the end."""
     episode_id = episode_id or uuid.uuid4().hex
     builder = TrajectoryBuilder()
-    builder.add_context(interface.bos_ids)
+    sampled: Sampled | None = None
     turn_rewards: list[float] = []
     metrics: dict[str, float] = {}
     status, reason = TRUNCATED, f"turn limit ({limits.max_turns})"
@@ -121,7 +123,11 @@ async def run_episode(
             env_s += time.perf_counter() - t0
             metrics = _metrics(observation)
             for _ in range(limits.max_turns):
-                context = [*interface.encode(observation.text), *interface.prompt_ids]
+                context = (
+                    interface.first_turn_ids(observation.text)
+                    if sampled is None
+                    else interface.next_turn_ids(observation.text, sampled.token_ids)
+                )
                 if len(builder) + len(context) + limits.max_new_tokens > limits.max_tokens:
                     status, reason = TRUNCATED, f"context limit ({limits.max_tokens} tokens)"
                     break

@@ -55,23 +55,25 @@ def make_sampler(settings: ActorSettings, dtype: str = "float32") -> Any:
         # then reads them back instead of compiling again.
         jax.config.update("jax_compilation_cache_dir", settings.compilation_cache_dir)
     config, params = settings.model, None
-    if settings.checkpoint:
-        try:
+    try:
+        if settings.checkpoint:
             config, params = read_config(settings.checkpoint), read_weights(settings.checkpoint)
-        except CheckpointError as exc:
-            raise ActorSetupError(f"spec.model.checkpoint: {exc}") from None
-    return Sampler(
-        config,
-        settings.sampling,
-        seed=settings.seed,
-        buckets=settings.sampler_buckets,
-        params=params,
-        dtype=dtype_from_name(dtype),
-        allowed_token_ids=settings.allowed_token_ids,
-        min_batch=min(settings.concurrency, MIN_SAMPLER_BATCH),
-        session_rows=conversation_rows(settings, config, dtype),
-        pin_sessions=settings.weight_sync == "between-episodes",
-    )
+        # Inside the try: loading the weights into the model is where a missing or misshapen
+        # tensor shows, with the same message the learner gives.
+        return Sampler(
+            config,
+            settings.sampling,
+            seed=settings.seed,
+            buckets=settings.sampler_buckets,
+            params=params,
+            dtype=dtype_from_name(dtype),
+            allowed_token_ids=settings.allowed_token_ids,
+            min_batch=min(settings.concurrency, MIN_SAMPLER_BATCH),
+            session_rows=conversation_rows(settings, config, dtype),
+            pin_sessions=settings.weight_sync == "between-episodes",
+        )
+    except CheckpointError as exc:
+        raise ActorSetupError(f"spec.model.checkpoint: {exc}") from None
 
 
 def conversation_rows(settings: ActorSettings, config: Any, dtype: str) -> int:

@@ -59,6 +59,13 @@ import numpy as np
 Array = Any  # a jax.Array or np.ndarray; both are accepted everywhere
 Aggregation = Literal["token-mean", "sequence-mean"]
 OffPolicy = Literal["clip", "decoupled", "none"]
+AdvantageNormalization = Literal["population-std", "sample-std", "none"]
+
+# Every log-ratio (pi/mu, pi/pi_old, pi_ref/pi) is clamped to +-LOG_RATIO_LIMIT before exp. exp
+# overflows float32 past 88.7, and then even the branch a min/max/where did not select turns its
+# zero cotangent into 0 * inf = NaN. e^20 ~ 4.9e8 is far past any clip range, dual clip or
+# importance cap, so a token clamped here is one those have already stopped from training.
+LOG_RATIO_LIMIT = 20.0
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,12 @@ def _gather(table: jax.Array, segment_ids: jax.Array) -> jax.Array:
     return table[segment_ids.reshape(-1)].reshape(segment_ids.shape)
 
 
+def exp_log_ratio(log_ratio: Array) -> jax.Array:
+    """exp(clip(log_ratio, -L, L)), L = ``LOG_RATIO_LIMIT``: finite values and gradients everywhere
+    (the gradient is 0 where the clamp binds)."""
+    return jnp.exp(jnp.clip(jnp.asarray(log_ratio), -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+
+
 def aggregation_weights(mask: Array, sequence_ids: Array, mode: Aggregation) -> Array:
     """Per-token weights that turn a per-token loss into its aggregate by a weighted sum.
 
@@ -150,26 +163,43 @@ def aggregation_weights(mask: Array, sequence_ids: Array, mode: Aggregation) -> 
     return xp.where(m > 0, m / (xp.maximum(per_token, 1.0) * num_sequences), 0.0).astype(xp.float32)
 
 
-def group_advantages(rewards: Array, valid: Array, *, normalize_std: bool = True, eps: float = 1e-6) -> Array:
+def group_advantages(
+    rewards: Array, valid: Array, *, normalization: AdvantageNormalization = "population-std", eps: float = 1e-6
+) -> Array:
     """GRPO's group-relative advantage (Shao et al. 2024, DeepSeekMath, eq. 3 outcome supervision).
 
-        A_i = (r_i - mean_j r_j) / (std_j r_j + eps)       over the valid episodes j of i's group
+        A_i = (r_i - mean_j r_j) / (s + eps),   s = sqrt( sum_j (r_j - mean r)^2 / (n - ddof) )
+
+    over the n valid episodes j of i's group. ``normalization`` picks the scale:
+
+    "population-std" (Stoker's default)
+        ddof = 0, the group's own spread: a two-episode group scores +-1.
+    "sample-std"
+        ddof = 1 (Bessel's correction), the convention of TRL, verl and Tunix (torch's ``std()`` and
+        ``jnp.std(ddof=1)``). The advantages are sqrt((n-1)/n) times the population-std ones (eps
+        aside): 0.935x at n = 8, 0.707x at n = 2. A per-group constant factor, so it changes the
+        step size, not the direction within a group.
+    "none"
+        Dr. GRPO's unscaled ``r_i - mean r`` (Liu et al. 2025).
 
     ``rewards`` and ``valid`` are [G, N] (groups x episodes, padded; ``valid`` 0 on padding and on
-    failed episodes, which get advantage 0). ``normalize_std=False`` gives Dr. GRPO's unscaled
-    ``r_i - mean r`` (Liu et al. 2025). A group with fewer than two valid episodes carries no
+    failed episodes, which get advantage 0). A group with fewer than two valid episodes carries no
     signal and gets all-zero advantages. Works on numpy and jax arrays.
     """
     _check_rank("rewards", rewards, 2)
     _check_same_shape(rewards=rewards, valid=valid)
+    ddof = {"population-std": 0.0, "sample-std": 1.0, "none": None}
+    if normalization not in ddof:
+        raise ValueError(f"normalization {normalization!r}; expected one of {', '.join(ddof)}")
     xp = _xp(rewards, valid)
     r = xp.asarray(rewards, dtype=xp.float32)
     v = xp.asarray(valid, dtype=xp.float32)
     count = v.sum(axis=-1, keepdims=True)
     mean = (r * v).sum(axis=-1, keepdims=True) / xp.maximum(count, 1.0)
     centred = (r - mean) * v
-    if normalize_std:
-        std = xp.sqrt((centred**2).sum(axis=-1, keepdims=True) / xp.maximum(count, 1.0))
+    correction = ddof[normalization]
+    if correction is not None:
+        std = xp.sqrt((centred**2).sum(axis=-1, keepdims=True) / xp.maximum(count - correction, 1.0))
         centred = centred / (std + eps)
     return xp.where(count >= 2, centred, 0.0).astype(xp.float32)
 
@@ -192,7 +222,7 @@ def truncated_importance_weights(
     _check_same_shape(old_logprobs=old_logprobs, behaviour_logprobs=behaviour_logprobs, mask=mask)
     on = jnp.asarray(mask) > 0
     log_rho = jnp.where(on, jax.lax.stop_gradient(jnp.asarray(old_logprobs)) - jnp.asarray(behaviour_logprobs), 0.0)
-    rho = jnp.exp(log_rho)
+    rho = exp_log_ratio(log_rho)
     weights = jnp.minimum(rho, cap) if enabled else jnp.ones_like(rho)
     stats = {
         "is_weight_sum": jnp.sum(jnp.where(on, rho, 0.0)),
@@ -278,8 +308,10 @@ def kl_k3(logprobs: Array, ref_logprobs: Array) -> jax.Array:
     """Per-token KL(pi_theta || pi_ref) estimator k3 = exp(q - p) - (q - p) - 1, q = log pi_ref, p = log pi_theta.
 
     Unbiased and always >= 0 (Schulman 2020, "Approximating KL divergence"), as in GRPO's eq. 4.
+    q - p is clamped to +-``LOG_RATIO_LIMIT`` first: past it the penalty is constant (no gradient)
+    instead of overflowing to inf.
     """
-    delta = jnp.asarray(ref_logprobs) - jnp.asarray(logprobs)
+    delta = jnp.clip(jnp.asarray(ref_logprobs) - jnp.asarray(logprobs), -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     return jnp.exp(delta) - delta - 1.0
 
 
@@ -318,7 +350,7 @@ def grpo_loss(
     is_w, stats = truncated_importance_weights(
         old_logprobs, behaviour_logprobs, mask, config.importance_cap, config.importance_correction
     )
-    ratio = jnp.exp(jnp.asarray(logprobs) - jax.lax.stop_gradient(jnp.asarray(old_logprobs)))
+    ratio = exp_log_ratio(jnp.asarray(logprobs) - jax.lax.stop_gradient(jnp.asarray(old_logprobs)))
     adv = jnp.asarray(advantages)
     per_token = _with_stuck(-is_w * _clipped_surrogate(ratio, adv, config), adv, stuck, log_not_taken)
     stats["pg_loss"] = jnp.sum(weights * per_token)
@@ -393,9 +425,9 @@ def gspo_loss(
     old = jax.lax.stop_gradient(jnp.asarray(old_logprobs))
     length = jnp.maximum(_segment_sum(mask, ids), 1.0)
     mean_log_ratio = _segment_sum(mask * (logp - old), ids) / length
-    seq_ratio = _gather(jnp.exp(mean_log_ratio), ids)
+    seq_ratio = _gather(exp_log_ratio(mean_log_ratio), ids)
     mean_log_rho = jax.lax.stop_gradient(_segment_sum(mask * (old - jnp.asarray(behaviour_logprobs)), ids) / length)
-    rho = _gather(jnp.exp(mean_log_rho), ids)
+    rho = _gather(exp_log_ratio(mean_log_rho), ids)
     is_w = jnp.minimum(rho, config.importance_cap) if config.importance_correction else jnp.ones_like(rho)
     on = mask > 0
     adv = jnp.asarray(advantages)
@@ -541,7 +573,7 @@ def dpo_loss(
     known = m * (jnp.asarray(behaviour_known) > 0)
     log_rho_tok = known * (jax.lax.stop_gradient(jnp.asarray(old_logprobs)) - jnp.asarray(behaviour_logprobs))
     log_rho = _segment_sum(log_rho_tok, ids) / jnp.maximum(_segment_sum(known, ids), 1.0)
-    rho = jnp.exp(jax.lax.stop_gradient(log_rho))
+    rho = exp_log_ratio(jax.lax.stop_gradient(log_rho))
     is_w = jnp.minimum(rho, config.importance_cap) if config.importance_correction else jnp.ones_like(rho)
     count = jnp.sum(present.astype(jnp.float32))
     denom = jnp.maximum(count if num_pairs is None else jnp.asarray(num_pairs, jnp.float32), 1.0)

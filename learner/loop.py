@@ -64,6 +64,7 @@ import numpy as np
 
 from stoker.learner import algorithms, packing
 from stoker.learner.algorithms import LossConfig
+from stoker.learner.optimizer import OptimizerConfig, learning_rate_schedule
 from stoker.learner.packing import TrainSequence
 from stoker.learner.outbox import Outbox
 from stoker.learner.prefetch import Prefetcher
@@ -99,6 +100,8 @@ class LearnerSettings:
     loss_aggregation: str = "token-mean"
     learning_rate: float = 3e-3
     max_grad_norm: float = 1.0
+    optimizer: OptimizerConfig = OptimizerConfig()  # schedule and weight decay
+    advantage_normalization: algorithms.AdvantageNormalization = "population-std"  # group_advantages
     temperature: float = 1.0
     dpo_dataset: str | None = None
     buckets: tuple[int, ...] = (128, 256, 512, 1024)
@@ -151,6 +154,8 @@ class LearnerSettings:
             loss_aggregation=algorithm.loss_aggregation,
             learning_rate=algorithm.learning_rate,
             max_grad_norm=algorithm.max_grad_norm,
+            optimizer=OptimizerConfig.from_spec(algorithm, learner.max_steps),
+            advantage_normalization=algorithm.advantage_normalization,
             temperature=spec.actors.sampling.temperature,
             dpo_dataset=resolve(algorithm.dpo_dataset),
             buckets=tuple(learner.sequence_buckets),
@@ -274,7 +279,10 @@ def stuck_advantages(rewards: np.ndarray, best: float) -> np.ndarray:
 
 
 def prepare_groups(
-    groups: Sequence[GroupLike], algorithm: str, best_rewards: dict[str, float] | None = None
+    groups: Sequence[GroupLike],
+    algorithm: str,
+    best_rewards: dict[str, float] | None = None,
+    normalization: algorithms.AdvantageNormalization = "population-std",
 ) -> Prepared:
     """Episodes of the groups -> items to pack, per algorithm (see the module docstring).
 
@@ -299,7 +307,7 @@ def prepare_groups(
         for i, episodes in enumerate(trainable):
             dense[i, : len(episodes)] = [e.reward for e in episodes]
             valid[i, : len(episodes)] = 1.0
-        advantages = algorithms.group_advantages(dense, valid)
+        advantages = algorithms.group_advantages(dense, valid, normalization=normalization)
         best = {} if best_rewards is None else best_rewards
         keep: list[tuple[int, np.ndarray | None]] = []  # (group index, stuck advantages or None)
         for i, episodes in enumerate(trainable):
@@ -436,8 +444,9 @@ class Learner:
         value_model = None
         if options.needs_value:
             value_model = train.ValueNetwork(model.config, rngs=nnx.Rngs(params=settings.seed + 1), dtype=dtype)
-        optimizer = train.make_optimizer(settings.learning_rate, settings.max_grad_norm)
-        self.trainer = train.Trainer(model, options, optimizer, self.mesh, value_model=value_model)
+        optimizer = train.make_optimizer(settings.learning_rate, settings.max_grad_norm, settings.optimizer)
+        schedule = learning_rate_schedule(settings.learning_rate, settings.optimizer)
+        self.trainer = train.Trainer(model, options, optimizer, self.mesh, value_model=value_model, schedule=schedule)
         self.rows = packing.rows_for_buckets(
             settings.buckets, settings.microbatch_tokens, sharding.data_parallel_size(self.mesh)
         )
@@ -472,7 +481,7 @@ class Learner:
         ``maxStaleness + SAMPLE_LAG_VERSIONS``. The staleness metrics count from the learner's own
         version: what a token really lagged when it was trained.
         """
-        prepared = prepare_groups(groups, self.settings.algorithm, self._best_rewards)
+        prepared = prepare_groups(groups, self.settings.algorithm, self._best_rewards, self.settings.advantage_normalization)
         return self._train_items(prepared, sampled_at)
 
     def train_on_pairs(self, pairs: Sequence[list[TrainSequence]]) -> dict[str, float]:
@@ -532,7 +541,8 @@ class Learner:
 
         assign_weights(micros, trainable, s.loss_aggregation)
         sums = self.trainer.step(micros, self.version, num_pairs=prepared.num_pairs)
-        self.version += 1
+        applied = not sums["nonfinite_grads"]  # a non-finite gradient: no update (Trainer.step)
+        self.version += applied
         self.steps += 1
         elapsed = time.perf_counter() - started
         self.busy_seconds += elapsed
@@ -543,7 +553,7 @@ class Learner:
             **algorithms.finalize_stats(sums),
             "policy_version": self.version,
             "step": self.steps,
-            "trained": 1.0,
+            "trained": float(applied),
             "step_seconds": elapsed,
             "tokens": real,
             "trained_tokens": sums.get("trained_tokens", 0.0),
@@ -557,6 +567,8 @@ class Learner:
             "compile_seconds": self.compiles.seconds,
             "compile_cache_hits": self.compiles.cache_hits,
             "grad_norm": sums["grad_norm"],
+            "nonfinite_updates": sums["nonfinite_updates"],
+            **({"learning_rate": sums["learning_rate"]} if "learning_rate" in sums else {}),
         }
         return out
 

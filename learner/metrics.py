@@ -1,4 +1,4 @@
-"""Learner metrics: XLA compilation counting, duty cycle, JSONL and Prometheus sinks.
+"""Learner metrics: XLA compilation counting, duty cycle, JSONL, TensorBoard, W&B and Prometheus sinks.
 
 Duty cycle = time spent inside train steps / wall time since the loop started: the fraction of
 the run the accelerator had work. A learner waiting on the buffer (actors too slow) shows it first.
@@ -7,6 +7,9 @@ the run the accelerator had work. A learner waiting on the buffer (actors too sl
 from __future__ import annotations
 
 import json
+import logging
+import math
+import os
 import threading
 import time
 from collections import Counter
@@ -15,6 +18,8 @@ from types import TracebackType
 from typing import IO, Any
 
 import prometheus_client as prom
+
+log = logging.getLogger(__name__)
 
 # The event JAX records around every backend compilation (a persistent-cache hit included).
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -141,13 +146,56 @@ PROMETHEUS_GAUGES: dict[str, str] = {
     "tito_logprob_diff_mean": "Trainer minus sampler log-prob on same-version tokens (mean)",
     "tito_logprob_diff_std": "Trainer minus sampler log-prob on same-version tokens (std)",
     "grad_norm": "Global gradient norm before clipping",
+    "nonfinite_updates": "Updates skipped for a non-finite gradient, this process",
+    "learning_rate": "Learning rate of the last update",
 }
 
 
+TENSORBOARD_DIR = "tensorboard"  # beside the JSONL file: <dir>/tensorboard/<jsonl stem>/events.out.tfevents.*
+
+
+def scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """The plottable entries of a metrics record: real numbers (bools and strings left out)."""
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+class WandbLogger:
+    """Weights & Biases, when the ``wandb`` package is installed and ``WANDB_PROJECT`` is set.
+
+    Offline unless ``WANDB_MODE`` says otherwise or ``WANDB_API_KEY`` is set: runs are written
+    under ``directory`` and uploaded later with ``wandb sync``, so a cluster without internet access
+    still records them. wandb is never a dependency of Stoker; ``create`` returns None without it."""
+
+    def __init__(self, run: Any):
+        self.run = run
+
+    @classmethod
+    def create(cls, directory: Path, name: str) -> WandbLogger | None:
+        project = os.environ.get("WANDB_PROJECT")
+        if not project:
+            return None
+        try:
+            import wandb
+        except ImportError:
+            log.warning("WANDB_PROJECT is set but wandb is not installed; not logging to Weights & Biases")
+            return None
+        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        directory.mkdir(parents=True, exist_ok=True)
+        return cls(wandb.init(project=project, name=name, dir=str(directory), mode=mode))
+
+    def log(self, values: dict[str, float], step: int | None) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class MetricsSink:
-    """Writes each step's metrics as one JSON line, and keeps Prometheus gauges current.
+    """Writes each step's metrics as one JSON line, as TensorBoard scalars beside it (and to W&B,
+    see ``WandbLogger``), and keeps Prometheus gauges current.
 
     ``port``: serve ``/metrics`` on it (0 = do not serve; the gauges still live in ``registry``).
+    The TensorBoard and W&B step is the record's ``step`` (batches consumed), else a count of records.
     """
 
     def __init__(self, jsonl_path: str | Path | None, *, port: int = 0, prefix: str = "stoker_learner"):
@@ -158,25 +206,49 @@ class MetricsSink:
         }
         self.steps = prom.Counter(f"{prefix}_steps", "Train steps taken", registry=self.registry)
         self._file: IO[str] | None = None
+        self._tensorboard: Any = None
+        self._wandb: WandbLogger | None = None
+        self._records = 0
         if jsonl_path is not None:
-            Path(jsonl_path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(jsonl_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            path = Path(jsonl_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+            from tensorboardX import SummaryWriter
+
+            self._tensorboard = SummaryWriter(str(path.parent / TENSORBOARD_DIR / path.stem))
+            self._wandb = WandbLogger.create(path.parent, path.stem)
         if port:
             prom.start_http_server(port, registry=self.registry)
 
     def record(self, metrics: dict[str, float]) -> None:
         self.steps.inc()
+        self._records += 1
         for key, gauge in self.gauges.items():
             if key in metrics:
                 gauge.set(metrics[key])
         if self._file is not None:
             self._file.write(json.dumps({"time": time.time(), **metrics}, sort_keys=True) + "\n")
             self._file.flush()
+        values = scalars(metrics)
+        step = int(values.get("step", self._records))
+        if self._tensorboard is not None:
+            for key, value in values.items():
+                if math.isfinite(value):
+                    self._tensorboard.add_scalar(key, value, global_step=step)
+            self._tensorboard.flush()
+        if self._wandb is not None:
+            self._wandb.log(values, step)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
     def __enter__(self) -> MetricsSink:
         return self

@@ -31,6 +31,8 @@ from stoker.learner.algorithms import LossConfig
 from stoker.learner.model import (
     Block, RMSNorm, Transformer, packed_mask, restrict_logits, token_log_not_taken, token_logprobs,
 )
+from stoker.learner.optimizer import make_optimizer as make_optimizer  # re-exported: train.make_optimizer
+from stoker.learner.optimizer import updates_applied
 from stoker.learner.packing import MicroBatch
 from stoker.spec import TransformerConfig
 
@@ -90,11 +92,6 @@ class ValueNetwork(nnx.Module):
         h = h + self.block.self_attn(x, positions, k, v, packed_mask(segment_ids))
         h = h + self.block.mlp(self.block.post_attention_layernorm(h))
         return self.head(self.norm(h))[..., 0].astype(jnp.float32)
-
-
-def make_optimizer(learning_rate: float, max_grad_norm: float) -> optax.GradientTransformation:
-    """Adam after global-norm clipping (clipping first so one outlier batch cannot blow up Adam)."""
-    return optax.chain(optax.clip_by_global_norm(max_grad_norm), optax.adam(learning_rate))
 
 
 def batch_to_device(micro: MicroBatch, mesh: Mesh) -> dict[str, jax.Array]:
@@ -178,10 +175,13 @@ class Trainer:
         mesh: Mesh,
         *,
         value_model: nnx.Module | None = None,
+        schedule: optax.Schedule | None = None,
     ):
         self.options = options
+        self.schedule = schedule  # the optimizer's learning rate per update, for the metrics
         self.mesh = mesh
         self.optimizer = optimizer
+        self.nonfinite_updates = 0  # updates skipped for a non-finite gradient (``step``)
         self.policy_def, policy_state = nnx.split(model)
         # Mixed precision: the model computes in its own dtype (bfloat16, say) but the optimizer
         # keeps float32 master weights; an Adam step of lr ~1e-6 is below bfloat16's resolution
@@ -214,7 +214,7 @@ class Trainer:
         self._apply = jax.jit(
             self._apply_impl,
             in_shardings=(self.param_shardings, self.opt_shardings, self.param_shardings),
-            out_shardings=(self.param_shardings, self.opt_shardings, rep),
+            out_shardings=(self.param_shardings, self.opt_shardings, rep, rep),
             donate_argnums=(0, 1),
         )
         self._accumulate = jax.jit(
@@ -269,14 +269,25 @@ class Trainer:
         (_, stats), grads = jax.value_and_grad(self._loss, has_aux=True)(params, reference, batch, scalars)
         return grads, stats
 
-    def _apply_impl(self, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any, jax.Array]:
-        updates, opt_state = self.optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+    def _apply_impl(self, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any, jax.Array, jax.Array]:
+        """One optimizer update, or none when a gradient is not finite: an inf or NaN would reach
+        every parameter through Adam's moments and never leave. Skipped, the parameters and the
+        optimizer state (its step count, so the learning-rate schedule too) stay as they were."""
+        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+
+        def update() -> tuple[Any, Any]:
+            updates, new_state = self.optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), new_state
+
+        new_params, new_state = jax.lax.cond(finite, update, lambda: (params, opt_state))
+        return new_params, new_state, optax.tree.norm(grads), finite
 
     # ---------------------------------------------------------------------------------- host
 
     def step(self, micros: list[MicroBatch], version: int, num_pairs: int = 0) -> dict[str, float]:
-        """One optimizer update from the micro-batches of one batch (weights already set)."""
+        """One optimizer update from the micro-batches of one batch (weights already set); none when a
+        gradient is not finite (``nonfinite_grads`` 1 in the returned stats, ``nonfinite_updates``
+        the count so far)."""
         if not micros:
             raise ValueError("no micro-batches to train on")
         scalars = {
@@ -289,11 +300,17 @@ class Trainer:
             g, stats = self._grad(self.params, self.reference, batch_to_device(micro, self.mesh), scalars)
             grads = g if grads is None else self._accumulate(grads, g)
             device_stats.append(stats)
-        self.params, self.opt_state, grad_norm = self._apply(self.params, self.opt_state, grads)
+        self.params, self.opt_state, grad_norm, finite = self._apply(self.params, self.opt_state, grads)
         total: dict[str, float] = {}
         for stats in jax.device_get(device_stats):
             total = algorithms.combine_stats(total, {k: float(v) for k, v in stats.items()})
         total["grad_norm"] = float(grad_norm)
+        if not bool(finite):
+            self.nonfinite_updates += 1
+        total["nonfinite_grads"] = 0.0 if bool(finite) else 1.0
+        total["nonfinite_updates"] = float(self.nonfinite_updates)
+        if self.schedule is not None and bool(finite):  # the rate the update just applied used
+            total["learning_rate"] = float(self.schedule(updates_applied(self.opt_state) - 1))
         return total
 
     def compiled_programs(self) -> dict[str, int]:

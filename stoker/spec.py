@@ -90,8 +90,21 @@ class ModelSpec(SpecModel):
         None, description="Directory with safetensors weights and config.json; random init when unset."
     )
     tokenizer: str | None = Field(
-        None, description="Path to a tokenizers tokenizer.json; the built-in environment tokenizer when unset."
+        None,
+        description=(
+            "A tokenizers tokenizer.json, or a Hugging Face tokenizer directory (tokenizer_config.json and "
+            "its chat template beside it); the checkpoint's own when unset, the environment's built-in "
+            "without a checkpoint. 'builtin' pairs even a checkpoint with the built-in tokenizer."
+        ),
     )
+    chat_template: str | None = Field(
+        None,
+        description=(
+            "A jinja chat template file for the opening and the turn wrapper; the tokenizer's own "
+            "(tokenizer_config.json) when unset; 'none' for Stoker's plain turn format."
+        ),
+    )
+    system_prompt: str | None = Field(None, description="System message rendered by the chat template.")
     architecture: TransformerConfig = Field(default_factory=TransformerConfig)
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter and compute dtype.")
 
@@ -108,11 +121,24 @@ class AlgorithmName(StrEnum):
     GSPO = "gspo"
 
 
+class LearningRateScheduleSpec(SpecModel):
+    """Linear warmup from 0 to ``learningRate``, then constant, or a decay to ``minLearningRate``."""
+
+    kind: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="constant | cosine | linear: the shape after the warmup."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Updates of linear warmup from 0 to learningRate.")
+    decay_steps: int | None = Field(
+        None, ge=1, description="Updates of decay after the warmup; to learner.maxSteps when unset."
+    )
+    min_learning_rate: float = Field(0.0, ge=0, description="Where the cosine or linear decay ends.")
+
+
 class AlgorithmSpec(SpecModel):
     """The RL objective and its hyperparameters."""
 
     name: AlgorithmName = Field(AlgorithmName.GRPO, description="grpo | ppo | dpo | gspo.")
-    learning_rate: float = Field(3e-3, gt=0, description="Adam learning rate.")
+    learning_rate: float = Field(3e-3, gt=0, description="Adam learning rate (the peak, under a schedule).")
     clip_epsilon: float = Field(0.2, gt=0, description="PPO-style ratio clip (low side).")
     clip_epsilon_high: float | None = Field(None, gt=0, description="Upper ratio clip; clipEpsilon when unset.")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference policy (0 disables it).")
@@ -139,6 +165,18 @@ class AlgorithmSpec(SpecModel):
     dpo_beta: float = Field(0.1, gt=0, description="DPO inverse temperature.")
     dpo_dataset: str | None = Field(None, description="JSONL of chosen/rejected pairs; buffer groups ranked by reward when unset.")
     max_grad_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    learning_rate_schedule: LearningRateScheduleSpec = Field(default_factory=LearningRateScheduleSpec)
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW decoupled weight decay on weight matrices (not norms or biases); 0 is Adam."
+    )
+    advantage_normalization: Literal["population-std", "sample-std", "none"] = Field(
+        "population-std",
+        description=(
+            "GRPO/GSPO group advantage (r - mean) / (std + 1e-6). population-std: std with ddof=0; "
+            "sample-std: ddof=1, as TRL, verl and Tunix compute it (advantages sqrt((G-1)/G) as large); "
+            "none: r - mean (Dr. GRPO)."
+        ),
+    )
 
 
 # --------------------------------------------------------------------------------- environment

@@ -34,7 +34,7 @@ def test_group_advantages_hand_computed() -> None:
     np.testing.assert_allclose(adv, [[1, -1, -1, 1], [0, 0, 0, 0], [0, 0, 0, 0]], atol=1e-5)
     jitted = jax.jit(alg.group_advantages)(jnp.asarray(rewards), jnp.asarray(valid))
     np.testing.assert_allclose(jitted, adv, atol=1e-6)
-    dr = alg.group_advantages(rewards, valid, normalize_std=False)
+    dr = alg.group_advantages(rewards, valid, normalization="none")
     np.testing.assert_allclose(dr[0], [0.5, -0.5, -0.5, 0.5], atol=1e-6)
 
 
