@@ -233,6 +233,8 @@ class SandboxServicer:
                 observation = self._env.reset(request.task_id, int(request.seed))
             except (EnvironmentProblem, ValueError) as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except Exception as exc:  # noqa: BLE001 - a plugin's crash fails this episode, not the sandbox server
+                context.abort(grpc.StatusCode.INTERNAL, f"environment raised {type(exc).__name__}: {exc}")
             self._latency = StepLatency(request.step_latency.distribution or "none", request.step_latency.seconds)
             self._rng = random.Random(int(request.seed))
             return _observation(observation)
@@ -254,6 +256,8 @@ class SandboxServicer:
                 result = self._env.step(request.action)
             except EnvironmentProblem as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            except Exception as exc:  # noqa: BLE001 - as in Reset: the episode fails with a readable reason
+                context.abort(grpc.StatusCode.INTERNAL, f"environment raised {type(exc).__name__}: {exc}")
             self._touch()
             return sandbox_pb2.StepResult(
                 observation=_observation(result.observation),

@@ -67,11 +67,15 @@ class ActorSettings:
         if env.name == "frozenlake":
             tasks = tuple(str(s) for s in env.frozenlake.map_seeds)
             options = options_json(env.frozenlake)
-        else:
+        elif env.name == "swe":
             from stoker.actor.swe import bundled_tasks
 
-            tasks = tuple(env.swe.tasks) or tuple(bundled_tasks())
+            tasks = tuple(env.tasks or env.swe.tasks) or tuple(bundled_tasks())
             options = options_json(env.swe)
+        else:  # answers, or a plugin: environment.options and environment.tasks
+            from stoker.actor.datasets import environment_tasks
+
+            tasks, options = environment_tasks(env)
         arch = spec.model.architecture
         # A whole conversation must fit the model's context and the learner's longest packed row.
         max_tokens = min(arch.max_seq_len, spec.learner.sequence_buckets[-1])

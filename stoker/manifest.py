@@ -98,6 +98,18 @@ def validate_document(doc: Any, source: str) -> tuple[RLJob | None, list[Problem
     return (None if problems else job), problems
 
 
+def environment_problems(job: RLJob, source: str) -> list[Problem]:
+    """The environment's own checks: task files load, a plugin imports and accepts its options.
+
+    Kept out of ``validate_document`` because it imports user code: ``stoker validate`` and
+    ``stoker run`` call it, the buffer and the learner (which never run environments) do not.
+    """
+    from stoker.actor.plugins import environment_problems as found
+
+    env = job.spec.environment
+    return [Problem(source, f"spec.{path}", message) for path, message in found(env.name, env.options, env.tasks)]
+
+
 def load_text(text: str, source: str) -> tuple[list[RLJob], list[Problem]]:
     """Every RLJob in a (multi-document) YAML text, and every problem found."""
     try:

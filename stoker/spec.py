@@ -182,7 +182,22 @@ class SandboxSpec(SpecModel):
 
 
 class EnvironmentSpec(SpecModel):
-    name: Literal["frozenlake", "swe"] = Field("frozenlake", description="frozenlake | swe.")
+    name: str = Field(
+        "frozenlake",
+        min_length=1,
+        description=(
+            "frozenlake | swe | answers (built in), a name registered in the stoker.environments "
+            "entry-point group, or an import reference package.module:factory."
+        ),
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options for a plugin or the answers environment; checked by the plugin's options model.",
+    )
+    tasks: list[str] = Field(
+        default_factory=list,
+        description="Task ids, or paths of JSONL task files (entries ending in .jsonl); the environment's own when empty.",
+    )
     frozenlake: FrozenLakeOptions = Field(default_factory=FrozenLakeOptions)
     swe: SweOptions = Field(default_factory=SweOptions)
     max_turns: int = Field(8, ge=1, description="Turn limit per episode.")
