@@ -45,7 +45,7 @@ class Environment(Protocol):
 def make_environment(name: str, options: dict[str, Any], workdir: str) -> Environment:
     """Build a named environment from its RLJob options (camelCase or snake_case keys).
 
-    ``name`` is a built-in (frozenlake, swe, answers), an entry-point name or a
+    ``name`` is a built-in (frozenlake, swe, swebench, answers), an entry-point name or a
     ``package.module:factory`` reference (``stoker.actor.plugins``). ``workdir`` is the sandbox's
     private directory; environments that touch files stay inside it.
     """
@@ -57,6 +57,10 @@ def make_environment(name: str, options: dict[str, Any], workdir: str) -> Enviro
         from stoker.actor.swe import SweEnvironment
 
         return SweEnvironment.from_options(options, workdir)
+    if name == "swebench":
+        from stoker.actor.swebench import SweBenchEnvironment
+
+        return SweBenchEnvironment.from_options(options, workdir)
     if name == "answers":
         from stoker.actor.answers import AnswersEnvironment
 

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,8 +54,13 @@ def judge_unittest(
     test_modules: list[str],
     judge_dir: Path,
     timeout_seconds: float,
+    prepare: Callable[[Path], None] | None = None,
 ) -> Verdict:
-    """Run ``test_modules`` against a copy of ``agent_tree`` with ``pristine`` files written over it."""
+    """Run ``test_modules`` against a copy of ``agent_tree`` with ``pristine`` files written over it.
+
+    ``test_modules`` are names unittest loads (modules, or test ids such as ``mod.Class.test``);
+    ``prepare`` then changes the copy (applies a test patch) before the run.
+    """
     if judge_dir.exists():
         shutil.rmtree(judge_dir)
     repo = judge_dir / "repo"
@@ -65,6 +71,8 @@ def judge_unittest(
             shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(content)
+    if prepare is not None:
+        prepare(repo)
     make_readable_by_nobody(judge_dir)
     nonce = secrets.token_hex(16)
     read_end, write_end = os.pipe()

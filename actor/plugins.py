@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from stoker.actor.environments import Environment, EnvironmentProblem
 
-BUILTIN = ("frozenlake", "swe", "answers")
+BUILTIN = ("frozenlake", "swe", "swebench", "answers")
 ENTRY_POINT_GROUP = "stoker.environments"
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -89,6 +89,12 @@ class Plugin:
                 "a tasks(options) attribute or its environments a tasks list"
             )
         return [str(task) for task in found]
+
+
+@dataclass(frozen=True)
+class _Tasks:
+    tasks: list[str]
+    options: dict[str, Any]
 
 
 class OptionsProblem(EnvironmentProblem):
@@ -165,6 +171,14 @@ def environment_problems(name: str, options: dict[str, Any], tasks: list[str]) -
     from stoker.actor.datasets import is_task_file, load_task_file
 
     problems: list[tuple[str, str]] = []
+    if name == "swebench":
+        from stoker.actor.swebench import instance_tasks
+
+        try:
+            instance_tasks(_Tasks(tasks, options))
+        except EnvironmentProblem as exc:
+            problems.append(("environment.tasks", str(exc)))
+        return problems
     for index, entry in enumerate(tasks):
         if is_task_file(entry):
             try:

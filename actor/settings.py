@@ -72,6 +72,10 @@ class ActorSettings:
 
             tasks = tuple(env.tasks or env.swe.tasks) or tuple(bundled_tasks())
             options = options_json(env.swe)
+        elif env.name == "swebench":
+            from stoker.actor.swebench import instance_tasks
+
+            tasks, options = instance_tasks(env)
         else:  # answers, or a plugin: environment.options and environment.tasks
             from stoker.actor.datasets import environment_tasks
 

@@ -164,14 +164,17 @@ class SweEnvironment:
 
     def _resolve(self, name: str) -> Path | None:
         path = (self.repo / name).resolve()
-        return path if path.is_relative_to(self.repo.resolve()) else None
+        root = self.repo.resolve()
+        if not path.is_relative_to(root) or ".git" in path.relative_to(root).parts:
+            return None  # outside the repository, or its git store (the judge's, not the agent's)
+        return path
 
     def _replace(self, command: Command) -> str:
         assert self.task is not None
         path = self._resolve(command.path)
         if path is None or not path.is_file():
             return f"no such file: {command.path}"
-        if path.name in self.task.test_files:
+        if str(path.relative_to(self.repo.resolve())) in self.task.test_files:
             return f"{command.path} is a test file; tests are read-only"
         content = path.read_text()
         count = content.count(command.old) if command.old else 0

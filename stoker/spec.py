@@ -186,7 +186,7 @@ class EnvironmentSpec(SpecModel):
         "frozenlake",
         min_length=1,
         description=(
-            "frozenlake | swe | answers (built in), a name registered in the stoker.environments "
+            "frozenlake | swe | swebench | answers (built in), a name registered in the stoker.environments "
             "entry-point group, or an import reference package.module:factory."
         ),
     )

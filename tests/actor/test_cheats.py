@@ -11,6 +11,8 @@ import pytest
 from stoker.actor import isolation
 from stoker.actor.swe import SweEnvironment, solution_commands
 
+from .conftest import CHEATS
+
 BUBBLEWRAP = isolation.isolation() == isolation.BUBBLEWRAP
 
 
@@ -38,18 +40,6 @@ def _prepend(env: SweEnvironment, code: str) -> None:
     assert "replaced" in result.observation.text
 
 
-CHEATS = {
-    "os._exit(0) at import": "import os\nos._exit(0)",
-    "sys.exit(0) at import": "import sys\nsys.exit(0)",
-    "patch unittest assertions": "import unittest\nunittest.TestCase.assertEqual = lambda self, a, b, msg=None: None",
-    "patch unittest results": (
-        "import unittest.result\nunittest.result.TestResult.addFailure = unittest.result.TestResult.addSuccess"
-    ),
-    "patch unittest's runner": (
-        "import unittest\nunittest.TestCase.run = lambda self, result=None: result.addSuccess(self)"
-    ),
-    "exit from inside a test": "import atexit, os\natexit.register(lambda: os._exit(0))\nraise SystemExit(0)",
-}
 
 
 @pytest.mark.parametrize("cheat", sorted(CHEATS))

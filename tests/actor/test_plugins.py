@@ -105,7 +105,7 @@ def test_a_reference_and_an_entry_point_make_the_same_environment(on_path: Path,
 def test_bad_references_import_errors_and_bad_options_are_clear(on_path: Path) -> None:
     assert environment_problems("sayletter:make", {"letters": "ab"}, []) == []
     [(path, message)] = environment_problems("nope", {}, [])
-    assert path == "environment.name" and "frozenlake, swe, answers, say-letter" in message
+    assert path == "environment.name" and "frozenlake, swe, swebench, answers, say-letter" in message
     [(path, message)] = environment_problems("sayletter:nothing", {}, [])
     assert "has no attribute 'nothing'" in message
     [(path, message)] = environment_problems("broken:make", {}, [])
