@@ -109,7 +109,7 @@ class OptionsProblem(EnvironmentProblem):
 def resolve(name: str) -> Plugin:
     """The plugin a non-built-in ``environment.name`` refers to, or a clear ``EnvironmentProblem``."""
     if ":" in name:
-        target = _import_reference(name)
+        target = import_reference(name)
     else:
         found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
         if not found:
@@ -137,7 +137,7 @@ def resolve(name: str) -> Plugin:
     )
 
 
-def _import_reference(reference: str) -> Any:
+def import_reference(reference: str) -> Any:
     module_name, _, attribute = reference.partition(":")
     if not module_name or not attribute:
         raise EnvironmentProblem(f"environment {reference!r}: expected an import reference package.module:factory")

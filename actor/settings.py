@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from stoker.actor.environments import StepLatency, options_json
 from stoker.actor.episode import EpisodeLimits
 from stoker.actor.labels import SANDBOX_POD_PORT
+from stoker.actor.rewards import RewardTerm
 from stoker.actor.sandbox import SandboxConfig
 from stoker.actor.tokenization import allowed_token_ids
 from stoker.spec import RLJobSpec, SamplingSpec, TransformerConfig
@@ -50,6 +51,8 @@ class ActorSettings:
     compilation_cache_dir: str | None = None  # JAX persistent cache: the sampler compiles once per shape
     allowed_token_ids: tuple[int, ...] | None = None  # constrained decoding (sampling.allowedTokens)
     conversation_cache_mib: int = 0
+    reward_terms: tuple[RewardTerm, ...] = ()  # environment.reward: plugins added to each step's reward
+    environment_reward_weight: float = 1.0
 
     @classmethod
     def from_spec(
@@ -130,6 +133,8 @@ class ActorSettings:
             compilation_cache_dir=spec.learner.compilation_cache_dir,
             allowed_token_ids=allowed_token_ids(spec),
             conversation_cache_mib=spec.actors.conversation_cache_mib,
+            reward_terms=tuple(RewardTerm(t.function, t.weight) for t in env.reward.terms),
+            environment_reward_weight=env.reward.environment_weight,
         )
 
 

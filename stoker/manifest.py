@@ -99,15 +99,17 @@ def validate_document(doc: Any, source: str) -> tuple[RLJob | None, list[Problem
 
 
 def environment_problems(job: RLJob, source: str) -> list[Problem]:
-    """The environment's own checks: task files load, a plugin imports and accepts its options.
+    """The environment's own checks: task files load, plugins (environment, rewards) import.
 
     Kept out of ``validate_document`` because it imports user code: ``stoker validate`` and
     ``stoker run`` call it, the buffer and the learner (which never run environments) do not.
     """
     from stoker.actor.plugins import environment_problems as found
+    from stoker.actor.rewards import reward_problems
 
     env = job.spec.environment
-    return [Problem(source, f"spec.{path}", message) for path, message in found(env.name, env.options, env.tasks)]
+    problems = [*found(env.name, env.options, env.tasks), *reward_problems(env.reward.terms)]
+    return [Problem(source, f"spec.{path}", message) for path, message in problems]
 
 
 def load_text(text: str, source: str) -> tuple[list[RLJob], list[Problem]]:

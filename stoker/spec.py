@@ -181,6 +181,19 @@ class SandboxSpec(SpecModel):
     heartbeat_ttl_seconds: float = Field(120.0, gt=0, description="A sandbox pod silent this long is a zombie.")
 
 
+class RewardTermSpec(SpecModel):
+    function: str = Field(
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$",
+        description="A reward function package.module:function, called after every step (stoker.actor.rewards).",
+    )
+    weight: float = Field(1.0, description="Its weight in the step's reward.")
+
+
+class RewardSpec(SpecModel):
+    environment_weight: float = Field(1.0, description="Weight of the environment's own reward.")
+    terms: list[RewardTermSpec] = Field(default_factory=list, description="Reward plugins added to it.")
+
+
 class EnvironmentSpec(SpecModel):
     name: str = Field(
         "frozenlake",
@@ -200,6 +213,7 @@ class EnvironmentSpec(SpecModel):
     )
     frozenlake: FrozenLakeOptions = Field(default_factory=FrozenLakeOptions)
     swe: SweOptions = Field(default_factory=SweOptions)
+    reward: RewardSpec = Field(default_factory=RewardSpec)
     max_turns: int = Field(8, ge=1, description="Turn limit per episode.")
     max_episode_seconds: float = Field(300.0, gt=0, description="Wall-clock limit per episode.")
     step_latency: StepLatency = Field(default_factory=StepLatency)
