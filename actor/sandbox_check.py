@@ -205,7 +205,7 @@ def _step_result(result: Any, what: str) -> None:
 
 def _code(err: grpc.RpcError) -> str:
     details = err.details() if hasattr(err, "details") else ""
-    return f"{err.code().name}{': ' + _short(details) if details else ''}"  # type: ignore[attr-defined]
+    return f"{err.code().name}{': ' + _short(details) if details else ''}"
 
 
 def _short(text: str, limit: int = 80) -> str:
