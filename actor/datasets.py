@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,26 +24,35 @@ def is_task_file(entry: str) -> bool:
     return entry.endswith(".jsonl")
 
 
+def jsonl_lines(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON) for each non-blank line, or ``EnvironmentProblem`` naming the line."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except OSError as exc:
+        raise EnvironmentProblem(f"{path}: {exc.strerror or exc}") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise EnvironmentProblem(f"{path}:{number}: not JSON: {exc.msg}") from None
+
+
 @functools.lru_cache(maxsize=16)
 def _load(path: str, mtime_ns: int) -> tuple[dict[str, Any], ...]:
     del mtime_ns  # part of the cache key: an edited file is read again
     records: list[dict[str, Any]] = []
     seen: set[str] = set()
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise EnvironmentProblem(f"{path}:{number}: not JSON: {exc.msg}") from None
-            if not isinstance(record, dict) or not isinstance(record.get("id"), str | int):
-                raise EnvironmentProblem(f"{path}:{number}: expected an object with an id")
-            record["id"] = str(record["id"])
-            if record["id"] in seen:
-                raise EnvironmentProblem(f"{path}:{number}: duplicate task id {record['id']!r}")
-            seen.add(record["id"])
-            records.append(record)
+    for number, record in jsonl_lines(path):
+        if not isinstance(record, dict) or not isinstance(record.get("id"), str | int):
+            raise EnvironmentProblem(f"{path}:{number}: expected an object with an id")
+        record["id"] = str(record["id"])
+        if record["id"] in seen:
+            raise EnvironmentProblem(f"{path}:{number}: duplicate task id {record['id']!r}")
+        seen.add(record["id"])
+        records.append(record)
     if not records:
         raise EnvironmentProblem(f"{path}: no tasks")
     return tuple(records)

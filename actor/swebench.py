@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stoker.actor.datasets import jsonl_lines
 from stoker.actor.environments import EnvironmentProblem, Observation
 from stoker.actor.judge import Verdict, judge_unittest
 from stoker.actor.swe import TOOLS_HELP, SweEnvironment, SweTask, _tail, bundled_tasks, summarize, tasks_root
@@ -104,17 +105,9 @@ def load_instances(paths: list[str]) -> dict[str, SweInstance]:
         if not files:
             raise EnvironmentProblem(f"{entry}: no *.jsonl instance files")
         for file in files:
-            try:
-                lines = file.read_text(encoding="utf-8").splitlines()
-            except OSError as exc:
-                raise EnvironmentProblem(f"{file}: {exc.strerror or exc}") from None
-            for number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise EnvironmentProblem(f"{file}:{number}: not JSON: {exc.msg}") from None
+            for number, record in jsonl_lines(file):
+                if not isinstance(record, dict):
+                    raise EnvironmentProblem(f"{file}:{number}: expected an instance object")
                 instance = SweInstance.from_record(record, file.parent, f"{file}:{number}")
                 found.setdefault(instance.instance_id, instance)
     return found
