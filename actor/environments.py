@@ -45,7 +45,9 @@ class Environment(Protocol):
 def make_environment(name: str, options: dict[str, Any], workdir: str) -> Environment:
     """Build a named environment from its RLJob options (camelCase or snake_case keys).
 
-    ``workdir`` is the sandbox's private directory; environments that touch files stay inside it.
+    ``name`` is a built-in (frozenlake, swe, swebench, answers), an entry-point name or a
+    ``package.module:factory`` reference (``stoker.actor.plugins``). ``workdir`` is the sandbox's
+    private directory; environments that touch files stay inside it.
     """
     if name == "frozenlake":
         from stoker.actor.frozenlake import FrozenLake
@@ -55,12 +57,22 @@ def make_environment(name: str, options: dict[str, Any], workdir: str) -> Enviro
         from stoker.actor.swe import SweEnvironment
 
         return SweEnvironment.from_options(options, workdir)
-    raise EnvironmentProblem(f"unknown environment {name!r}; expected frozenlake or swe")
+    if name == "swebench":
+        from stoker.actor.swebench import SweBenchEnvironment
+
+        return SweBenchEnvironment.from_options(options, workdir)
+    if name == "answers":
+        from stoker.actor.answers import AnswersEnvironment
+
+        return AnswersEnvironment.from_options(options, workdir)
+    from stoker.actor.plugins import resolve
+
+    return resolve(name).make(options, workdir)
 
 
 def uses_workdir(name: str) -> bool:
-    """Whether the named environment touches files, and so needs a private directory per episode."""
-    return name == "swe"
+    """Whether the named environment may touch files, and so needs a private directory per episode."""
+    return name != "frozenlake"
 
 
 def may_block(name: str) -> bool:

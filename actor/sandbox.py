@@ -422,6 +422,8 @@ class SandboxEnvironment:
                 raise SandboxTimeout(f"{what} exceeded the {limit:g} s step limit; sandbox killed") from None
             if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
                 raise SandboxFailed(f"{what} rejected: {err.details()}") from None
+            if code == grpc.StatusCode.INTERNAL and (err.details() or "").startswith("environment raised"):
+                raise SandboxFailed(f"{what}: {err.details()}") from None  # the sandbox is fine, the episode is not
             # An RPC can fail a moment before the child is reaped; give the reaper a short chance.
             reason = await self.handle.exit_reason(wait=1.0)
             if reason is not None:

@@ -133,7 +133,10 @@ def zygote_main() -> int:
 
     import stoker.actor.frozenlake  # noqa: F401
     import stoker.actor.swe  # noqa: F401
+    from stoker.actor.isolation import describe
     from stoker.v1 import sandbox_pb2_grpc  # noqa: F401
+
+    print(f"sandbox isolation: {describe()}", file=sys.stderr, flush=True)  # probes once; forks inherit
 
     zygote_pid = os.getpid()
     children: dict[int, str] = {}  # pid -> request id
@@ -178,6 +181,10 @@ def _child(request: dict[str, Any], zygote_pid: int, say: Callable[[str], None])
         os.chdir(workdir)
         os.environ["HOME"] = os.environ["TMPDIR"] = workdir
         logfile = os.open(os.path.join(workdir, "sandbox.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        from stoker.actor.isolation import drop_root
+
+        drop_root(workdir)  # a root actor's sandboxes run as nobody
+        die_with_parent(zygote_pid)  # a credential change clears the parent-death signal: set it again
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.dup2(logfile, 2)
@@ -226,6 +233,8 @@ class SandboxServicer:
                 observation = self._env.reset(request.task_id, int(request.seed))
             except (EnvironmentProblem, ValueError) as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except Exception as exc:  # noqa: BLE001 - a plugin's crash fails this episode, not the sandbox server
+                context.abort(grpc.StatusCode.INTERNAL, f"environment raised {type(exc).__name__}: {exc}")
             self._latency = StepLatency(request.step_latency.distribution or "none", request.step_latency.seconds)
             self._rng = random.Random(int(request.seed))
             return _observation(observation)
@@ -247,6 +256,8 @@ class SandboxServicer:
                 result = self._env.step(request.action)
             except EnvironmentProblem as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            except Exception as exc:  # noqa: BLE001 - as in Reset: the episode fails with a readable reason
+                context.abort(grpc.StatusCode.INTERNAL, f"environment raised {type(exc).__name__}: {exc}")
             self._touch()
             return sandbox_pb2.StepResult(
                 observation=_observation(result.observation),

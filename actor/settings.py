@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from stoker.actor.environments import StepLatency, options_json
 from stoker.actor.episode import EpisodeLimits
 from stoker.actor.labels import SANDBOX_POD_PORT
+from stoker.actor.rewards import RewardTerm
 from stoker.actor.sandbox import SandboxConfig
 from stoker.actor.tokenization import allowed_token_ids
 from stoker.spec import RLJobSpec, SamplingSpec, TransformerConfig
@@ -52,6 +53,8 @@ class ActorSettings:
     compilation_cache_dir: str | None = None  # JAX persistent cache: the sampler compiles once per shape
     allowed_token_ids: tuple[int, ...] | None = None  # constrained decoding (sampling.allowedTokens)
     conversation_cache_mib: int = 0
+    reward_terms: tuple[RewardTerm, ...] = ()  # environment.reward: plugins added to each step's reward
+    environment_reward_weight: float = 1.0
 
     @classmethod
     def from_spec(
@@ -69,11 +72,19 @@ class ActorSettings:
         if env.name == "frozenlake":
             tasks = tuple(str(s) for s in env.frozenlake.map_seeds)
             options = options_json(env.frozenlake)
-        else:
+        elif env.name == "swe":
             from stoker.actor.swe import bundled_tasks
 
-            tasks = tuple(env.swe.tasks) or tuple(bundled_tasks())
+            tasks = tuple(env.tasks or env.swe.tasks) or tuple(bundled_tasks())
             options = options_json(env.swe)
+        elif env.name == "swebench":
+            from stoker.actor.swebench import instance_tasks
+
+            tasks, options = instance_tasks(env)
+        else:  # answers, or a plugin: environment.options and environment.tasks
+            from stoker.actor.datasets import environment_tasks
+
+            tasks, options = environment_tasks(env)
         arch = spec.model.architecture
         # A whole conversation must fit the model's context and the learner's longest packed row.
         max_tokens = min(arch.max_seq_len, spec.learner.sequence_buckets[-1])
@@ -125,6 +136,8 @@ class ActorSettings:
             compilation_cache_dir=spec.learner.compilation_cache_dir,
             allowed_token_ids=allowed_token_ids(spec),
             conversation_cache_mib=spec.actors.conversation_cache_mib,
+            reward_terms=tuple(RewardTerm(t.function, t.weight) for t in env.reward.terms),
+            environment_reward_weight=env.reward.environment_weight,
         )
 
 

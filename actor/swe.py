@@ -16,17 +16,14 @@ protocol, one command per turn::
     >>>
     run_tests
 
-``run_tests`` first restores the pristine test files (tests are read-only, so editing them cannot
-win), then runs ``python -m unittest`` in the repository with a time limit. Reward 1 and the
-episode ends when every test passes.
+``run_tests`` judges a copy of the repository with the pristine test files written over it, in a
+fresh confined process whose verdict is a report the agent's code cannot forge (see
+``stoker.actor.judge``). Reward 1 and the episode ends when every test passes.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
@@ -34,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from stoker.actor.environments import EnvironmentProblem, Observation, StepResult
+from stoker.actor.judge import Verdict, judge_unittest, module_name
 
 TOOLS_HELP = (
     "tools, one per turn: ls | view <path> | replace <path> then lines <<< old === new >>> | run_tests"
@@ -118,6 +116,7 @@ class SweEnvironment:
         self.repo = self.workdir / "repo"
         self._test_runs = 0
         self._steps = 0
+        self.last_verdict: Verdict | None = None  # the latest test run's, for tests and debugging
 
     @classmethod
     def from_options(cls, options: dict[str, Any], workdir: str) -> SweEnvironment:
@@ -165,14 +164,17 @@ class SweEnvironment:
 
     def _resolve(self, name: str) -> Path | None:
         path = (self.repo / name).resolve()
-        return path if path.is_relative_to(self.repo.resolve()) else None
+        root = self.repo.resolve()
+        if not path.is_relative_to(root) or ".git" in path.relative_to(root).parts:
+            return None  # outside the repository, or its git store (the judge's, not the agent's)
+        return path
 
     def _replace(self, command: Command) -> str:
         assert self.task is not None
         path = self._resolve(command.path)
         if path is None or not path.is_file():
             return f"no such file: {command.path}"
-        if path.name in self.task.test_files:
+        if str(path.relative_to(self.repo.resolve())) in self.task.test_files:
             return f"{command.path} is a test file; tests are read-only"
         content = path.read_text()
         count = content.count(command.old) if command.old else 0
@@ -184,26 +186,17 @@ class SweEnvironment:
     def _run_tests(self) -> tuple[bool, str]:
         assert self.task is not None
         self._test_runs += 1
-        for name in self.task.test_files:  # restore: the agent cannot pass by editing tests
-            (self.repo / name).write_text(self.task.files[name])
-        env = {"PATH": os.environ.get("PATH", ""), "PYTHONDONTWRITEBYTECODE": "1"}
-        try:
-            done = subprocess.run(
-                [sys.executable, "-m", "unittest", "-q"],
-                cwd=self.repo,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=self.test_timeout_seconds,
-            )
-        except subprocess.TimeoutExpired:
-            return False, f"tests timed out after {self.test_timeout_seconds:g} s"
-        passed = done.returncode == 0
-        lines = (done.stdout + done.stderr).strip().splitlines()
-        # Failing test names, their assertion messages and the verdict: enough to act on, and short.
-        keep = [line for line in lines if line.startswith(("FAIL:", "ERROR:")) or "Error" in line.split(":")[0]]
-        summary = "\n".join([*keep, *lines[-1:]])
-        return passed, _tail(("PASSED\n" if passed else "FAILED\n") + summary)
+        pristine = {name: self.task.files[name] for name in self.task.test_files}
+        verdict = judge_unittest(
+            self.repo,
+            pristine,
+            [module_name(name) for name in self.task.test_files],
+            self.workdir / "judge",
+            self.test_timeout_seconds,
+        )
+        self.last_verdict = verdict
+        passed = verdict.passed()
+        return passed, _tail(("PASSED\n" if passed else "FAILED\n") + summarize(verdict))
 
     def _info(self, success: bool) -> dict[str, Any]:
         return {
@@ -213,6 +206,14 @@ class SweEnvironment:
                 "steps": float(self._steps),
             }
         }
+
+
+def summarize(verdict: Verdict) -> str:
+    """Failing test names, the run's problem and its last lines: enough to act on, and short."""
+    failing = [f"{kind.upper()}: {test_id}" for test_id, kind in sorted(verdict.outcomes.items()) if kind != "passed"]
+    lines = verdict.output.strip().splitlines()
+    keep = [line for line in lines if "Error" in line.split(":")[0]]
+    return "\n".join([*([verdict.problem] if verdict.problem else []), *failing, *keep[-5:], *lines[-1:]])
 
 
 def solution_commands(task: str) -> list[str]:

@@ -32,7 +32,16 @@ class ActorSetupError(Exception):
 
 
 def environment_factory(settings: ActorSettings) -> EnvironmentFactory:
-    """One fresh environment per episode, in the sandbox kind the spec asks for."""
+    """One fresh environment per episode, in the sandbox kind the spec asks for, with its reward plugins."""
+    factory = _sandbox_factory(settings)
+    if settings.reward_terms or settings.environment_reward_weight != 1.0:
+        from stoker.actor.rewards import RewardedFactory
+
+        return RewardedFactory(factory, list(settings.reward_terms), settings.environment_reward_weight)
+    return factory
+
+
+def _sandbox_factory(settings: ActorSettings) -> EnvironmentFactory:
     if settings.sandbox_kind == "inline":
         return inline_factory(settings.sandbox)
     if settings.sandbox_kind == "pod":

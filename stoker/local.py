@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from stoker.manifest import load_job
+from stoker.manifest import ManifestError, environment_problems, load_job
 from stoker.parent import PARENT_ENV
 from stoker.spec import RLJob
 
@@ -84,6 +84,9 @@ class RunOptions:
 
 def resolve_options(args: argparse.Namespace) -> RunOptions:
     job = load_job(args.file)
+    problems = environment_problems(job, str(args.file))
+    if problems:
+        raise ManifestError(problems)  # before any process starts: a bad plugin is a start-up error
     run_dir = args.run_dir or Path("runs") / job.metadata.name
     return RunOptions(
         manifest=Path(args.file).resolve(),

@@ -99,6 +99,20 @@ def validate_document(doc: Any, source: str) -> tuple[RLJob | None, list[Problem
     return (None if problems else job), problems
 
 
+def environment_problems(job: RLJob, source: str) -> list[Problem]:
+    """The environment's own checks: task files load, plugins (environment, rewards) import.
+
+    Kept out of ``validate_document`` because it imports user code: ``stoker validate`` and
+    ``stoker run`` call it, the buffer and the learner (which never run environments) do not.
+    """
+    from stoker.actor.plugins import environment_problems as found
+    from stoker.actor.rewards import reward_problems
+
+    env = job.spec.environment
+    problems = [*found(env.name, env.options, env.tasks), *reward_problems(env.reward.terms)]
+    return [Problem(source, f"spec.{path}", message) for path, message in problems]
+
+
 def load_text(text: str, source: str) -> tuple[list[RLJob], list[Problem]]:
     """Every RLJob in a (multi-document) YAML text, and every problem found."""
     try:

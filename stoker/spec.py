@@ -227,10 +227,39 @@ class SandboxSpec(SpecModel):
     heartbeat_ttl_seconds: float = Field(120.0, gt=0, description="A sandbox pod silent this long is a zombie.")
 
 
+class RewardTermSpec(SpecModel):
+    function: str = Field(
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$",
+        description="A reward function package.module:function, called after every step (stoker.actor.rewards).",
+    )
+    weight: float = Field(1.0, description="Its weight in the step's reward.")
+
+
+class RewardSpec(SpecModel):
+    environment_weight: float = Field(1.0, description="Weight of the environment's own reward.")
+    terms: list[RewardTermSpec] = Field(default_factory=list, description="Reward plugins added to it.")
+
+
 class EnvironmentSpec(SpecModel):
-    name: Literal["frozenlake", "swe"] = Field("frozenlake", description="frozenlake | swe.")
+    name: str = Field(
+        "frozenlake",
+        min_length=1,
+        description=(
+            "frozenlake | swe | swebench | answers (built in), a name registered in the stoker.environments "
+            "entry-point group, or an import reference package.module:factory."
+        ),
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options for a plugin or the answers environment; checked by the plugin's options model.",
+    )
+    tasks: list[str] = Field(
+        default_factory=list,
+        description="Task ids, or paths of JSONL task files (entries ending in .jsonl); the environment's own when empty.",
+    )
     frozenlake: FrozenLakeOptions = Field(default_factory=FrozenLakeOptions)
     swe: SweOptions = Field(default_factory=SweOptions)
+    reward: RewardSpec = Field(default_factory=RewardSpec)
     max_turns: int = Field(8, ge=1, description="Turn limit per episode.")
     max_episode_seconds: float = Field(300.0, gt=0, description="Wall-clock limit per episode.")
     step_latency: StepLatency = Field(default_factory=StepLatency)

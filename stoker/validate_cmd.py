@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from stoker.manifest import load_file
+from stoker.manifest import environment_problems, load_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,6 +16,8 @@ def main(args: argparse.Namespace) -> int:
     failed = False
     for path in args.files:
         jobs, problems = load_file(path)
+        for job in jobs:
+            problems += environment_problems(job, path)
         for problem in problems:
             print(problem, file=sys.stderr)
         if problems:

@@ -1,0 +1,102 @@
+"""Task datasets: JSONL files of tasks, one JSON object a line with an ``id`` and its fields.
+
+``environment.tasks`` mixes task ids and paths of JSONL files (entries ending in ``.jsonl``). For
+the answers environment each record carries ``prompt`` and the verifier's fields (see
+``stoker.actor.answers``); for a plugin only the ids are used, and the plugin reads its own data.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from stoker.actor.environments import EnvironmentProblem
+
+MAX_TASK_FILE_BYTES = 256 * 1024 * 1024
+
+
+def is_task_file(entry: str) -> bool:
+    return entry.endswith(".jsonl")
+
+
+def jsonl_lines(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON) for each non-blank line, or ``EnvironmentProblem`` naming the line."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except OSError as exc:
+        raise EnvironmentProblem(f"{path}: {exc.strerror or exc}") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise EnvironmentProblem(f"{path}:{number}: not JSON: {exc.msg}") from None
+
+
+@functools.lru_cache(maxsize=16)
+def _load(path: str, mtime_ns: int) -> tuple[dict[str, Any], ...]:
+    del mtime_ns  # part of the cache key: an edited file is read again
+    records: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for number, record in jsonl_lines(path):
+        if not isinstance(record, dict) or not isinstance(record.get("id"), str | int):
+            raise EnvironmentProblem(f"{path}:{number}: expected an object with an id")
+        record["id"] = str(record["id"])
+        if record["id"] in seen:
+            raise EnvironmentProblem(f"{path}:{number}: duplicate task id {record['id']!r}")
+        seen.add(record["id"])
+        records.append(record)
+    if not records:
+        raise EnvironmentProblem(f"{path}: no tasks")
+    return tuple(records)
+
+
+def load_task_file(path: str | Path) -> tuple[dict[str, Any], ...]:
+    """Every record of a JSONL task file, or a clear ``EnvironmentProblem``."""
+    try:
+        stat = os.stat(path)
+    except OSError as exc:
+        raise EnvironmentProblem(f"task file {path}: {exc.strerror or exc}") from None
+    if stat.st_size > MAX_TASK_FILE_BYTES:
+        raise EnvironmentProblem(f"task file {path}: {stat.st_size} bytes; expected under {MAX_TASK_FILE_BYTES}")
+    return _load(str(Path(path).resolve()), stat.st_mtime_ns)
+
+
+def records_by_id(files: list[str]) -> dict[str, dict[str, Any]]:
+    found: dict[str, dict[str, Any]] = {}
+    for path in files:
+        for record in load_task_file(path):
+            found.setdefault(record["id"], record)
+    return found
+
+
+def split_entries(entries: list[str]) -> tuple[list[str], list[str]]:
+    """(task ids, absolute paths of task files) from an ``environment.tasks`` list."""
+    ids = [entry for entry in entries if not is_task_file(entry)]
+    files = [str(Path(entry).resolve()) for entry in entries if is_task_file(entry)]
+    return ids, files
+
+
+def environment_tasks(env: Any) -> tuple[tuple[str, ...], str]:
+    """The task ids to play and the options JSON a sandbox gets, for answers or a plugin."""
+    ids, files = split_entries(list(env.tasks))
+    for path in files:
+        ids.extend(record["id"] for record in load_task_file(path))
+    options = dict(env.options)
+    if env.name == "answers":
+        if not files:
+            raise EnvironmentProblem("the answers environment needs environment.tasks to name a JSONL task file")
+        options["taskFiles"] = files
+    elif not ids:
+        from stoker.actor.plugins import resolve
+
+        with tempfile.TemporaryDirectory(prefix="stoker-tasks-") as workdir:
+            ids = resolve(env.name).tasks(options, workdir)
+    return tuple(dict.fromkeys(ids)), json.dumps(options)
