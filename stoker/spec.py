@@ -131,6 +131,13 @@ class ModelSpec(SpecModel):
         description="Read from the checkpoint's config.json when checkpoint is set; fields given here must agree with it.",
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter and compute dtype.")
+    remat: Literal["none", "full", "save-matmuls"] = Field(
+        "full",
+        description=(
+            "Per-layer rematerialisation in the learner's step: full keeps only each layer's input and "
+            "recomputes the rest in the backward pass; save-matmuls also keeps matmul outputs; none keeps all."
+        ),
+    )
 
 
 # ----------------------------------------------------------------------------------- algorithm
