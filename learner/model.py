@@ -226,6 +226,32 @@ def _remat_block(block: Block, policy: RematPolicy) -> Callable[[jax.Array, jax.
     return lambda h, positions, vis: stepped(state, h, positions, vis)
 
 
+def _scan_layers(
+    layers: list[Block], h: jax.Array, positions: jax.Array, vis: Visibility, policy: RematPolicy, period: int
+) -> tuple[jax.Array, list[Block]]:
+    """Run the leading groups of ``period`` layers (layers alike at the same place in their group:
+    Gemma's local/global pattern) as a ``lax.scan`` over their stacked parameters, each group
+    rematerialised; return h and the layers left over (fewer than ``period``).
+
+    A loop, unlike unrolled checkpointed layers, keeps each group's recomputation inside the
+    backward loop's body, where no compiler pass can merge it into the forward pass. The stacked
+    copy of the layers' parameters (and of their gradients) is the price: ~2x the layers' weights."""
+    groups = len(layers) // period
+    if groups < 2:
+        return h, layers
+    graphdef, _ = nnx.split(nnx.List(layers[:period]))
+    states = [nnx.split(nnx.List(layers[g * period : (g + 1) * period]))[1] for g in range(groups)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+
+    def body(h: jax.Array, state: Any) -> tuple[jax.Array, None]:
+        for block in nnx.merge(graphdef, state):
+            h = block(h, positions, vis)[0]
+        return h, None
+
+    h, _ = jax.lax.scan(jax.checkpoint(body, policy=_REMAT_POLICIES[policy], prevent_cse=True), h, stacked)
+    return h, layers[groups * period :]
+
+
 class Transformer(nnx.Module):
     """Decoder-only language model sized by ``TransformerConfig``."""
 
@@ -279,7 +305,10 @@ class Transformer(nnx.Module):
         ``remat``: rematerialise each layer (``ModelSpec.remat``); the values are the same."""
         vis = packed_visibility(segment_ids)
         h = self.embed(token_ids)
-        for block in self.layers:
+        layers = list(self.layers)
+        if remat != "none":
+            h, layers = _scan_layers(layers, h, positions, vis, remat, self.config.global_layer_every or 1)
+        for block in layers:
             h = _remat_block(block, remat)(h, positions, vis)
         return self.norm(h)
 

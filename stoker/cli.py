@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "actor": ("stoker.actor.cli", "run an actor: episodes in sandboxes, trajectories to the buffer"),
     "learner": ("stoker.learner.cli", "run the learner: pull batches, train, publish weights"),
     "operator": ("stoker.operator.cli", "run the Kubernetes operator (kopf) that reconciles RLJobs"),
+    "export": ("stoker.learner.export", "write a run's newest policy (or a checkpoint) as a Hugging Face-format directory"),
     "audit": ("stoker.audit", "measure latencies and size the actor pool that keeps the learner fed"),
 }
 
