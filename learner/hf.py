@@ -12,9 +12,10 @@ The NNX modules carry Hugging Face's names, so the mapping is mechanical:
 
 (``nnx.Linear`` keeps kernels as [in, out]; PyTorch's ``nn.Linear`` keeps weights as [out, in].)
 
-Supported families: ``llama``, ``mistral`` (without a sliding window), ``qwen2`` (q/k/v biases) and
-``qwen3`` (per-head q/k norms). Anything else, or rope scaling, is refused with a clear message
-rather than loaded subtly wrong.
+Supported families (``stoker.hfconfig`` reads config.json): ``llama`` (Llama 3.1+ rope scaling
+too), ``mistral`` (without a sliding window), ``qwen2`` (q/k/v biases), ``qwen3`` (per-head q/k
+norms), ``gemma2`` and ``gemma3_text``. Anything else is refused with a clear message rather than
+loaded subtly wrong.
 """
 
 from __future__ import annotations
@@ -31,14 +32,17 @@ import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, TensorSpec, deserialize, serialize
 
+from stoker.hfconfig import CONFIG_FILE, CheckpointError, config_from_hf, config_to_hf, read_config
 from stoker.learner.model import Transformer
-from stoker.spec import TransformerConfig
 
-CONFIG_FILE = "config.json"
+__all__ = [
+    "CheckpointError", "config_from_hf", "config_to_hf", "read_config", "load_checkpoint", "save_checkpoint",
+    "read_weights", "load_hf", "to_hf", "dtype_from_name", "encode_safetensors", "decode_safetensors",
+]
+
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Present in some older Llama exports; recomputed on the fly here, so safe to skip.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -55,10 +59,6 @@ _SAFETENSORS_DTYPES: dict[str, Any] = {
     "BOOL": np.bool_,
 }
 _DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded into (or does not match) the model."""
 
 
 # ------------------------------------------------------------------------------ safetensors
@@ -92,74 +92,6 @@ def decode_safetensors(data: bytes) -> dict[str, np.ndarray]:
 
 def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     return decode_safetensors(Path(path).read_bytes())
-
-
-# ----------------------------------------------------------------------------------- config
-
-
-def config_from_hf(hf: Mapping[str, Any]) -> TransformerConfig:
-    """``TransformerConfig`` from a Hugging Face ``config.json`` dict."""
-    model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}")
-    if hf.get("rope_scaling"):
-        raise CheckpointError(f"rope_scaling {hf['rope_scaling']!r} is not supported")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"hidden_act {hf['hidden_act']!r} is not supported; expected silu")
-    if hf.get("use_sliding_window") or (model_type == "mistral" and hf.get("sliding_window") is not None):
-        raise CheckpointError("sliding-window attention is not supported")
-    explicit_head_dim = hf.get("head_dim")
-    heads, hidden = hf.get("num_attention_heads", 0), hf.get("hidden_size", 0)
-    if heads and explicit_head_dim == hidden // heads and hidden % heads == 0:
-        explicit_head_dim = None  # the default; keeps config round trips equal
-    try:
-        return TransformerConfig(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=hf["num_attention_heads"],
-            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            head_dim=explicit_head_dim,
-            intermediate_size=hf["intermediate_size"],
-            max_seq_len=hf.get("max_position_embeddings", 2048),
-            rope_theta=hf.get("rope_theta", 10000.0),
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            tie_embeddings=hf.get("tie_word_embeddings", False),
-            attention_bias=hf.get("attention_bias", model_type == "qwen2"),
-            qk_norm=model_type == "qwen3",
-        )
-    except KeyError as err:
-        raise CheckpointError(f"config.json lacks {err.args[0]!r}") from err
-
-
-def config_to_hf(config: TransformerConfig, dtype: str = "float32") -> dict[str, Any]:
-    """A Hugging Face ``config.json`` dict that ``transformers`` (and ``config_from_hf``) load."""
-    if config.qk_norm:
-        model_type, arch = "qwen3", "Qwen3ForCausalLM"
-    elif config.attention_bias:
-        model_type, arch = "qwen2", "Qwen2ForCausalLM"
-    else:
-        model_type, arch = "llama", "LlamaForCausalLM"
-    hf: dict[str, Any] = {
-        "architectures": [arch],
-        "model_type": model_type,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim if config.head_dim is not None else config.hidden_size // config.num_heads,
-        "intermediate_size": config.intermediate_size,
-        "max_position_embeddings": config.max_seq_len,
-        "rope_theta": config.rope_theta,
-        "rms_norm_eps": config.rms_norm_eps,
-        "tie_word_embeddings": config.tie_embeddings,
-        "hidden_act": "silu",
-        "torch_dtype": dtype,
-    }
-    if model_type == "llama" or model_type == "qwen3":
-        hf["attention_bias"] = config.attention_bias
-    return hf
 
 
 # ------------------------------------------------------------------------------ name mapping
@@ -228,17 +160,6 @@ def load_hf(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
 
 
 # ---------------------------------------------------------------------------- checkpoints
-
-
-def read_config(directory: str | Path) -> TransformerConfig:
-    path = Path(directory) / CONFIG_FILE
-    try:
-        hf = json.loads(path.read_text())
-    except FileNotFoundError as err:
-        raise CheckpointError(f"{path} not found; a checkpoint directory needs config.json") from err
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path} is not valid JSON: {err}") from err
-    return config_from_hf(hf)
 
 
 def read_weights(directory: str | Path) -> dict[str, np.ndarray]:

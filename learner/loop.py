@@ -94,6 +94,7 @@ class LearnerSettings:
     architecture: TransformerConfig = field(default_factory=TransformerConfig)
     dtype: str = "float32"
     model_checkpoint: str | None = None  # Hugging Face-format directory; random init when None
+    remat: str = "full"  # spec.model.remat
     seed: int = 0
     algorithm: str = "grpo"
     loss: LossConfig = LossConfig()
@@ -136,6 +137,7 @@ class LearnerSettings:
             architecture=spec.model.architecture,
             dtype=spec.model.dtype,
             model_checkpoint=spec.model.checkpoint,
+            remat=spec.model.remat,
             seed=spec.seed,
             algorithm=str(algorithm.name),
             loss=LossConfig(
@@ -439,7 +441,8 @@ class Learner:
         else:
             model = init_model(settings.architecture, settings.seed, dtype)
         options = train.StepOptions(
-            settings.algorithm, settings.loss, settings.temperature, allowed_token_ids=settings.allowed_token_ids
+            settings.algorithm, settings.loss, settings.temperature, allowed_token_ids=settings.allowed_token_ids,
+            remat=settings.remat,  # type: ignore[arg-type]  # a RematPolicy, checked by the spec
         )
         value_model = None
         if options.needs_value:

@@ -1,18 +1,27 @@
-"""The policy: a decoder-only transformer of the Llama/Qwen family, in Flax NNX.
+"""The policy: a decoder-only transformer of the Llama, Qwen and Gemma families, in Flax NNX.
 
 One implementation serves the learner (packed training forward) and the actors' sampler (prefill
 plus KV-cached decode, see ``stoker.learner.sampling``). Submodules carry Hugging Face's names
 (``embed_tokens``, ``layers.N.self_attn.q_proj`` ...) so the checkpoint mapping in
 ``stoker.learner.hf`` is a rename plus a transpose, nothing more.
 
-Each block is the pre-norm residual pair
+Llama/Qwen blocks are the pre-norm residual pair
 
     h = x + Attn(RMSNorm(x)),        y = h + MLP(RMSNorm(h)),
     RMSNorm(x) = w * x / sqrt(mean(x^2) + eps),
     MLP(x) = W_down (silu(W_gate x) * W_up x)                       (SwiGLU),
 
-with rotary position embeddings on queries and keys and grouped-query attention (each key/value
-head serves ``num_heads / num_kv_heads`` query heads).
+with rotary position embeddings on queries and keys (``stoker.learner.rope``) and grouped-query
+attention (``stoker.learner.attention``). Gemma 2 (arXiv:2408.00118) and Gemma 3 (its technical
+report, arXiv:2503.19786) change, each behind a ``TransformerConfig`` field:
+
+    h = x + RMSNorm(Attn(RMSNorm(x))),  y = h + RMSNorm(MLP(RMSNorm(h)))    (sandwichNorms)
+    RMSNorm scales by (1 + w)                                           (normUnitOffset)
+    MLP gate gelu(tanh approximation), i.e. GeGLU                       (mlpActivation)
+    token embeddings times sqrt(hidden)                                 (embeddingScale)
+    scores scaled by query_pre_attn_scalar^-1/2, soft-capped            (Gemma 2)
+    local layers attend within a sliding window; Gemma 3 gives them their own rotary base
+    and normalises each query/key head (qkNorm); final logits soft-capped (Gemma 2).
 
 Packed rows: ``segment_ids`` label which sequence each token belongs to (0 = padding). A query
 attends to key j only if both share the same nonzero segment and j is not after it, so sequences
@@ -21,19 +30,31 @@ packed side by side never see each other; ``positions`` restart at 0 for each se
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import math
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from stoker.learner.attention import Visibility, attention
+from stoker.learner.logprobs import (  # noqa: F401 - re-exported: callers import them from here
+    OutputHead, restrict_logits, sequence_logprobs, token_log_not_taken, token_logprobs,
+)
+from stoker.learner.rope import inverse_frequencies, rotary
 from stoker.spec import TransformerConfig
 
 # Hugging Face's ``initializer_range``: small embeddings keep the initial policy near uniform,
 # which is what exploration in RL wants when the head is tied to the embedding.
 EMBED_INIT_STDDEV = 0.02
-# Added to masked attention scores; finite so fully-masked (padding) rows stay NaN-free.
-_MASKED = -1e30
+
+# What a rematerialised layer keeps for the backward pass (``ModelSpec.remat``).
+RematPolicy = Literal["none", "full", "save-matmuls"]
+_REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
+    "full": None,  # only the layer's input: everything inside is recomputed
+    "save-matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 def head_dim(config: TransformerConfig) -> int:
@@ -42,43 +63,31 @@ def head_dim(config: TransformerConfig) -> int:
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square norm, computed in float32 like Hugging Face's ``LlamaRMSNorm``:
+    """Root-mean-square norm, computed in float32:
 
-    y = w * (x / sqrt(mean(x^2) + eps)).
+    y = w * (x / sqrt(mean(x^2) + eps))        (Llama: the normed x is cast back first)
+    y = (1 + w) * (x / sqrt(mean(x^2) + eps))  (Gemma, ``unit_offset``: w starts at 0).
     """
 
-    def __init__(self, size: int, eps: float, *, dtype: jnp.dtype):
+    def __init__(self, size: int, eps: float, *, dtype: jnp.dtype, unit_offset: bool = False):
         self.eps = eps
-        self.weight = nnx.Param(jnp.ones((size,), dtype=dtype))
+        self.unit_offset = unit_offset
+        self.weight = nnx.Param((jnp.zeros if unit_offset else jnp.ones)((size,), dtype=dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return self.weight[...] * normed.astype(x.dtype)
-
-
-def rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding in Hugging Face's "rotate half" layout.
-
-    For a head vector split into halves (x1, x2) and frequencies f_i = theta^(-2i/d):
-
-        rope(x, p) = (x1 cos(p f) - x2 sin(p f),  x2 cos(p f) + x1 sin(p f)).
-
-    ``x`` is [B, T, H, D]; ``positions`` is [B, T].
-    """
-    dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-    angles = positions.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]  # [B, T, D/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    x32 = x.astype(jnp.float32)
-    x1, x2 = x32[..., : dim // 2], x32[..., dim // 2 :]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
 
 
 def _linear(n_in: int, n_out: int, *, dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
     return nnx.Linear(n_in, n_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+
+
+def _norm(config: TransformerConfig, size: int, dtype: jnp.dtype) -> RMSNorm:
+    return RMSNorm(size, config.rms_norm_eps, dtype=dtype, unit_offset=config.norm_unit_offset)
 
 
 class LayerCache(NamedTuple):
@@ -97,20 +106,29 @@ class KVCache(NamedTuple):
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: TransformerConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = head_dim(config)
-        self.rope_theta = config.rope_theta
+        local = config.is_local_layer(layer)
+        self.window = config.sliding_window if local else None
+        if local:  # Gemma 3's local layers: their own base, never rescaled
+            theta = config.rope_local_theta if config.rope_local_theta is not None else config.rope_theta
+            self.inv_freq = tuple(inverse_frequencies(self.head_dim, theta, None).tolist())
+        else:
+            freq = inverse_frequencies(self.head_dim, config.rope_theta, config.rope_scaling)
+            self.inv_freq = tuple(freq.tolist())
+        scalar = config.query_pre_attn_scalar if config.query_pre_attn_scalar is not None else self.head_dim
+        self.scale = 1.0 / math.sqrt(scalar)
+        self.softcap = config.attn_logit_softcap
         hidden, bias = config.hidden_size, config.attention_bias
         self.q_proj = _linear(hidden, self.num_heads * self.head_dim, dtype=dtype, rngs=rngs, bias=bias)
         self.k_proj = _linear(hidden, self.num_kv_heads * self.head_dim, dtype=dtype, rngs=rngs, bias=bias)
         self.v_proj = _linear(hidden, self.num_kv_heads * self.head_dim, dtype=dtype, rngs=rngs, bias=bias)
         self.o_proj = _linear(self.num_heads * self.head_dim, hidden, dtype=dtype, rngs=rngs)
-        # Qwen3 normalises each query/key head before the rotation.
-        eps = config.rms_norm_eps
-        self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, eps, dtype=dtype) if config.qk_norm else None
-        self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, eps, dtype=dtype) if config.qk_norm else None
+        # Qwen3 and Gemma 3 normalise each query/key head before the rotation.
+        self.q_norm: RMSNorm | None = _norm(config, self.head_dim, dtype) if config.qk_norm else None
+        self.k_norm: RMSNorm | None = _norm(config, self.head_dim, dtype) if config.qk_norm else None
 
     def project_kv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Rotated keys and values for tokens ``x`` [B, T, hidden] at ``positions`` [B, T]."""
@@ -119,50 +137,123 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        return rotary(k, positions, self.rope_theta), v
+        return rotary(k, positions, self.inv_freq), v
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array
+        self, x: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array, vis: Visibility
     ) -> jax.Array:
-        """Attend from ``x`` [B, T, hidden] to ``keys``/``values`` [B, S, kv_heads, D] where
-        ``mask`` [B, T, S] is true. Scores are softmax(q k^T / sqrt(D)) in float32."""
+        """Attend from ``x`` [B, T, hidden] to ``keys``/``values`` [B, S, kv_heads, D] that ``vis``
+        makes visible (a local layer only the last ``window`` of them)."""
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        q = rotary(q, positions, self.rope_theta)
-        out = jax.nn.dot_product_attention(q, keys, values, mask=mask[:, None, :, :], implementation="xla")
+        q = rotary(q, positions, self.inv_freq)
+        out = attention(q, keys, values, vis, scale=self.scale, softcap=self.softcap, window=self.window)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
 
 
 class MLP(nnx.Module):
     def __init__(self, config: TransformerConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.gelu = config.mlp_activation == "gelu-tanh"
         self.gate_proj = _linear(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs)
         self.up_proj = _linear(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs)
         self.down_proj = _linear(config.intermediate_size, config.hidden_size, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        act = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
+        return self.down_proj(act * self.up_proj(x))
 
 
 class Block(nnx.Module):
-    def __init__(self, config: TransformerConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.self_attn = Attention(config, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+    """One layer. Hugging Face's names: in a Llama block ``post_attention_layernorm`` is the norm
+    before the MLP; in a Gemma block it normalises the attention output, and the MLP has its own
+    ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm``."""
+
+    def __init__(self, config: TransformerConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, layer: int = 0):
+        hidden = config.hidden_size
+        self.input_layernorm = _norm(config, hidden, dtype)
+        self.self_attn = Attention(config, layer, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = _norm(config, hidden, dtype)
+        self.pre_feedforward_layernorm: RMSNorm | None = _norm(config, hidden, dtype) if config.sandwich_norms else None
+        self.post_feedforward_layernorm: RMSNorm | None = _norm(config, hidden, dtype) if config.sandwich_norms else None
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
+
+    def finish(self, h: jax.Array, attended: jax.Array) -> jax.Array:
+        """The residual stream after this layer, given its attention output."""
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            h = h + attended
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.post_attention_layernorm(attended)
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+    def __call__(self, h: jax.Array, positions: jax.Array, vis: Visibility) -> tuple[jax.Array, LayerCache]:
+        """Self-attention over the tokens themselves (training, prefill): new h and their k/v."""
+        x = self.input_layernorm(h)
+        k, v = self.self_attn.project_kv(x, positions)
+        return self.finish(h, self.self_attn(x, positions, k, v, vis)), LayerCache(k, v)
+
+
+def packed_visibility(segment_ids: jax.Array) -> Visibility:
+    """Query t sees key s iff s <= t and both lie in the same nonzero segment (token indices)."""
+    index = jnp.broadcast_to(jnp.arange(segment_ids.shape[1], dtype=jnp.int32), segment_ids.shape)
+    return Visibility(index, index, segment_ids, segment_ids)
 
 
 def packed_mask(segment_ids: jax.Array) -> jax.Array:
     """[B, T, T] mask: query t sees key s iff s <= t and both lie in the same nonzero segment."""
-    t = segment_ids.shape[1]
-    causal = jnp.tril(jnp.ones((t, t), dtype=jnp.bool_))
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return causal[None] & same & (segment_ids != 0)[:, :, None]
+    from stoker.learner.attention import visible
+
+    return visible(packed_visibility(segment_ids), None)
+
+
+def _remat_block(block: Block, policy: RematPolicy) -> Callable[[jax.Array, jax.Array, Visibility], jax.Array]:
+    """``block`` as h -> h, rematerialised under ``policy`` (the backward recomputes its insides)."""
+    if policy == "none":
+        return lambda h, positions, vis: block(h, positions, vis)[0]
+    if policy not in _REMAT_POLICIES:
+        raise ValueError(f"remat policy {policy!r}; expected one of none, {', '.join(_REMAT_POLICIES)}")
+    graphdef, state = nnx.split(block)
+
+    def step(state: Any, h: jax.Array, positions: jax.Array, vis: Visibility) -> jax.Array:
+        return nnx.merge(graphdef, state)(h, positions, vis)[0]
+
+    # On TPU and GPU each layer's insides are recomputed in the backward pass. XLA's CPU pipeline
+    # drops the barriers that keep the recomputation apart and merges it back into the forward
+    # pass (benchmarks/README.md, "Learner memory"), so on the CPU this saves little.
+    stepped = jax.checkpoint(step, policy=_REMAT_POLICIES[policy], prevent_cse=True)
+    return lambda h, positions, vis: stepped(state, h, positions, vis)
+
+
+def _scan_layers(
+    layers: list[Block], h: jax.Array, positions: jax.Array, vis: Visibility, policy: RematPolicy, period: int
+) -> tuple[jax.Array, list[Block]]:
+    """Run the leading groups of ``period`` layers (layers alike at the same place in their group:
+    Gemma's local/global pattern) as a ``lax.scan`` over their stacked parameters, each group
+    rematerialised; return h and the layers left over (fewer than ``period``).
+
+    A loop, unlike unrolled checkpointed layers, keeps each group's recomputation inside the
+    backward loop's body, where no compiler pass can merge it into the forward pass. The stacked
+    copy of the layers' parameters (and of their gradients) is the price: ~2x the layers' weights."""
+    groups = len(layers) // period
+    if groups < 2:
+        return h, layers
+    graphdef, _ = nnx.split(nnx.List(layers[:period]))
+    states = [nnx.split(nnx.List(layers[g * period : (g + 1) * period]))[1] for g in range(groups)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+
+    def body(h: jax.Array, state: Any) -> tuple[jax.Array, None]:
+        for block in nnx.merge(graphdef, state):
+            h = block(h, positions, vis)[0]
+        return h, None
+
+    h, _ = jax.lax.scan(jax.checkpoint(body, policy=_REMAT_POLICIES[policy], prevent_cse=True), h, stacked)
+    return h, layers[groups * period :]
 
 
 class Transformer(nnx.Module):
-    """Decoder-only Llama/Qwen-style language model sized by ``TransformerConfig``."""
+    """Decoder-only language model sized by ``TransformerConfig``."""
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
         self.config = config
@@ -175,8 +266,8 @@ class Transformer(nnx.Module):
             embedding_init=nnx.initializers.normal(EMBED_INIT_STDDEV),
             rngs=rngs,
         )
-        self.layers = nnx.List([Block(config, dtype=dtype, rngs=rngs) for _ in range(config.num_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.layers = nnx.List([Block(config, dtype=dtype, rngs=rngs, layer=i) for i in range(config.num_layers)])
+        self.norm = _norm(config, config.hidden_size, dtype)
         self.lm_head: nnx.Linear | None = (
             None
             if config.tie_embeddings
@@ -191,20 +282,41 @@ class Transformer(nnx.Module):
             )
         )
 
-    def _logits(self, h: jax.Array) -> jax.Array:
-        h = self.norm(h)
+    def embed(self, token_ids: jax.Array) -> jax.Array:
+        h = self.embed_tokens(token_ids)
+        if self.config.embedding_scale:  # Gemma: the normaliser is rounded to the model's dtype
+            h = h * jnp.asarray(math.sqrt(self.config.hidden_size), h.dtype)
+        return h
+
+    def output_head(self) -> OutputHead:
+        """The final projection (applied to ``self.norm``'s output), for ``logprobs.token_stats``."""
         if self.lm_head is None:
-            table = self.embed_tokens.embedding[...]
-            return jnp.einsum("btd,vd->btv", h, table, preferred_element_type=jnp.float32)
-        kernel = self.lm_head.kernel[...]
-        return jnp.einsum("btd,dv->btv", h, kernel, preferred_element_type=jnp.float32)
+            return OutputHead(self.embed_tokens.embedding[...], True, self.config.final_logit_softcap)
+        return OutputHead(self.lm_head.kernel[...], False, self.config.final_logit_softcap)
+
+    def _logits(self, h: jax.Array) -> jax.Array:
+        return self.output_head().logits(self.norm(h))
+
+    def hidden_states(
+        self, token_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array, *, remat: RematPolicy = "none"
+    ) -> jax.Array:
+        """Training forward over packed rows up to the final norm: [B, T] x3 -> [B, T, hidden].
+
+        ``remat``: rematerialise each layer (``ModelSpec.remat``); the values are the same."""
+        vis = packed_visibility(segment_ids)
+        h = self.embed(token_ids)
+        layers = list(self.layers)
+        if remat != "none":
+            h, layers = _scan_layers(layers, h, positions, vis, remat, self.config.global_layer_every or 1)
+        for block in layers:
+            h = _remat_block(block, remat)(h, positions, vis)
+        return self.norm(h)
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
         """Training forward over packed rows: int32 [B, T] x3 -> float32 logits [B, T, V].
 
         ``logits[b, t]`` predicts the token after ``token_ids[b, t]``."""
-        logits, _ = self.prefill(token_ids, positions, segment_ids, cache_len=None)
-        return logits
+        return self.output_head().logits(self.hidden_states(token_ids, positions, segment_ids))
 
     def prefill(
         self,
@@ -220,14 +332,11 @@ class Transformer(nnx.Module):
 
         ``logits_at`` [B]: return logits [B, V] at just that index of each row (the head is then
         applied to B vectors instead of B * T)."""
-        mask = packed_mask(segment_ids)
-        h = self.embed_tokens(token_ids)
+        vis = packed_visibility(segment_ids)
+        h = self.embed(token_ids)
         layer_caches: list[LayerCache] = []
         for block in self.layers:
-            x = block.input_layernorm(h)
-            k, v = block.self_attn.project_kv(x, positions)
-            h = h + block.self_attn(x, positions, k, v, mask)
-            h = h + block.mlp(block.post_attention_layernorm(h))
+            h, (k, v) = block(h, positions, vis)
             if cache_len is not None:
                 pad = ((0, 0), (0, cache_len - k.shape[1]), (0, 0), (0, 0))
                 layer_caches.append(LayerCache(jnp.pad(k, pad), jnp.pad(v, pad)))
@@ -253,12 +362,13 @@ class Transformer(nnx.Module):
         Returns logits [B, V] at chunk index ``logits_at[b]`` and the cache with the chunk's
         keys and values written."""
         batch, num_slots = cache.segment_ids.shape
-        slots = jnp.arange(num_slots)
+        slots = jnp.arange(num_slots, dtype=jnp.int32)
         rows = jnp.arange(batch)[:, None]
         write = jnp.where(valid, positions, num_slots)  # out of range: dropped by the scatter
         filled = jnp.max(jnp.where(valid, positions + 1, 0), axis=1)
-        mask = slots[None, None, :] <= positions[:, :, None]  # [B, C, S]
-        h = self.embed_tokens(token_ids)
+        ones_q = jnp.ones(positions.shape, jnp.int32)
+        vis = Visibility(positions, jnp.broadcast_to(slots, (batch, num_slots)), ones_q, jnp.ones((batch, num_slots), jnp.int32))
+        h = self.embed(token_ids)
         new_layers: list[LayerCache] = []
         for block, layer in zip(self.layers, cache.layers, strict=True):
             x = block.input_layernorm(h)
@@ -266,8 +376,7 @@ class Transformer(nnx.Module):
             keys = layer.keys.at[rows, write].set(k, mode="drop")
             values = layer.values.at[rows, write].set(v, mode="drop")
             new_layers.append(LayerCache(keys, values))
-            h = h + block.self_attn(x, positions, keys, values, mask)
-            h = h + block.mlp(block.post_attention_layernorm(h))
+            h = block.finish(h, block.self_attn(x, positions, keys, values, vis))
         logits = self._logits(jnp.take_along_axis(h, logits_at[:, None, None], axis=1))[:, 0]
         segments = (slots[None, :] < filled[:, None]).astype(jnp.int32)
         return logits, KVCache(tuple(new_layers), segments)
@@ -277,13 +386,15 @@ class Transformer(nnx.Module):
 
         Writes the token's keys/values into slot ``positions[b]`` of row b, then attends over the
         filled slots up to and including it."""
-        num_slots = cache.segment_ids.shape[1]
-        slots = jnp.arange(num_slots)
+        batch, num_slots = cache.segment_ids.shape
+        slots = jnp.arange(num_slots, dtype=jnp.int32)
         write = slots[None, :] == positions[:, None]  # [B, S] one-hot of the slot to fill
         segments = jnp.where(write, 1, cache.segment_ids)
-        mask = ((segments != 0) & (slots[None, :] <= positions[:, None]))[:, None, :]  # [B, 1, S]
         pos = positions[:, None]
-        h = self.embed_tokens(token_ids[:, None])
+        vis = Visibility(
+            pos, jnp.broadcast_to(slots, (batch, num_slots)), jnp.ones_like(pos), (segments != 0).astype(jnp.int32)
+        )
+        h = self.embed(token_ids[:, None])
         new_layers: list[LayerCache] = []
         for block, layer in zip(self.layers, cache.layers, strict=True):
             x = block.input_layernorm(h)
@@ -291,8 +402,7 @@ class Transformer(nnx.Module):
             keys = jnp.where(write[:, :, None, None], k, layer.keys)
             values = jnp.where(write[:, :, None, None], v, layer.values)
             new_layers.append(LayerCache(keys, values))
-            h = h + block.self_attn(x, pos, keys, values, mask)
-            h = h + block.mlp(block.post_attention_layernorm(h))
+            h = block.finish(h, block.self_attn(x, pos, keys, values, vis))
         return self._logits(h)[:, 0], KVCache(tuple(new_layers), segments)
 
 
@@ -300,56 +410,6 @@ def init_model(config: TransformerConfig, seed: int, dtype: jnp.dtype = jnp.floa
     """The random initialisation every component agrees on: the learner's version 0 and an actor's
     weights before its first fetch are the same arrays for the same seed."""
     return Transformer(config, rngs=nnx.Rngs(params=seed), dtype=dtype)
-
-
-def restrict_logits(logits: jax.Array, allowed_token_ids: tuple[int, ...] | None) -> jax.Array:
-    """Logits with every token outside ``allowed_token_ids`` made impossible (constrained decoding).
-
-    The sampler and the trainer both call this, so the distribution tokens are sampled from and
-    the one the trainer scores them under are the same. ``None`` allows every token."""
-    if allowed_token_ids is None:
-        return logits
-    allowed = jnp.zeros((logits.shape[-1],), jnp.bool_).at[jnp.asarray(allowed_token_ids)].set(True)
-    # A large finite value rather than -inf keeps softmax and its gradient free of NaNs.
-    return jnp.where(allowed, logits, jnp.asarray(-1e9, logits.dtype))
-
-
-def token_logprobs(logits: jax.Array, targets: jax.Array, *, temperature: float = 1.0) -> jax.Array:
-    """log softmax(logits / temperature) gathered at ``targets``: [B, T, V], [B, T] -> [B, T] float32.
-
-    log p(y) = z_y / tau - logsumexp(z / tau). ``targets`` are the next tokens, so the usual call is
-    ``token_logprobs(logits[:, :-1], token_ids[:, 1:])``. With the sampler's temperature this is
-    exactly what the sampler recorded for the same ids (see ``stoker.learner.sampling``)."""
-    z = logits.astype(jnp.float32) / temperature
-    picked = jnp.take_along_axis(z, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return picked - jax.nn.logsumexp(z, axis=-1)
-
-
-def token_log_not_taken(logits: jax.Array, targets: jax.Array, *, temperature: float = 1.0) -> jax.Array:
-    """log(1 - p(y)) for the ``targets`` y, from the logits: [B, T, V], [B, T] -> [B, T] float32.
-
-    Computed as logsumexp over the other tokens minus logsumexp over all, which stays exact (and
-    its gradient finite) when p(y) rounds to 1 in float32 -- where ``log(-expm1(log p))`` is -inf.
-    """
-    z = logits.astype(jnp.float32) / temperature
-    taken = jax.nn.one_hot(targets, z.shape[-1], dtype=jnp.bool_)
-    # A large finite value rather than -inf keeps logsumexp's gradient free of NaNs.
-    others = jax.nn.logsumexp(jnp.where(taken, jnp.asarray(-1e30, jnp.float32), z), axis=-1)
-    return others - jax.nn.logsumexp(z, axis=-1)
-
-
-def sequence_logprobs(
-    logits: jax.Array, token_ids: jax.Array, segment_ids: jax.Array, *, temperature: float = 1.0
-) -> jax.Array:
-    """Log-probs aligned with the tokens, as trajectories store them: [B, T] float32 with
-
-    out[b, t] = log p(token_ids[b, t] | earlier tokens of its segment)
-
-    and 0 where token t opens a segment (nothing predicts it) or is padding."""
-    lp = token_logprobs(logits[:, :-1], token_ids[:, 1:], temperature=temperature)
-    continues = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
-    lp = jnp.where(continues, lp, 0.0)
-    return jnp.pad(lp, ((0, 0), (1, 0)))
 
 
 def count_params(model: nnx.Module) -> int:

@@ -28,12 +28,11 @@ from jax.sharding import Mesh, PartitionSpec
 
 from stoker.learner import algorithms, sharding
 from stoker.learner.algorithms import LossConfig
-from stoker.learner.model import (
-    Block, RMSNorm, Transformer, packed_mask, restrict_logits, token_log_not_taken, token_logprobs,
-)
+from stoker.learner.logprobs import TokenStats, token_stats
+from stoker.learner.model import Block, RematPolicy, RMSNorm, Transformer, packed_visibility
 from stoker.learner.optimizer import make_optimizer as make_optimizer  # re-exported: train.make_optimizer
 from stoker.learner.optimizer import updates_applied
-from stoker.learner.packing import MicroBatch
+from stoker.learner.packing import FIELDS, MicroBatch
 from stoker.spec import TransformerConfig
 
 ALGORITHMS = ("grpo", "ppo", "gspo", "dpo")
@@ -54,6 +53,8 @@ class StepOptions:
     # Constrained decoding (spec.actors.sampling.allowedTokens): the policy is the model restricted
     # to these tokens, exactly as the sampler restricts it.
     allowed_token_ids: tuple[int, ...] | None = None
+    # Per-layer rematerialisation (spec.model.remat): what the backward recomputes instead of storing.
+    remat: RematPolicy = "full"
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -86,11 +87,7 @@ class ValueNetwork(nnx.Module):
 
     def __call__(self, token_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
         """[B, T] int32 x3 -> float32 values [B, T]."""
-        h = self.embed_tokens(token_ids)
-        x = self.block.input_layernorm(h)
-        k, v = self.block.self_attn.project_kv(x, positions)
-        h = h + self.block.self_attn(x, positions, k, v, packed_mask(segment_ids))
-        h = h + self.block.mlp(self.block.post_attention_layernorm(h))
+        h, _ = self.block(self.embed_tokens(token_ids), positions, packed_visibility(segment_ids))
         return self.head(self.norm(h))[..., 0].astype(jnp.float32)
 
 
@@ -195,14 +192,20 @@ class Trainer:
             self.value_def, value_state = nnx.split(value_model)
             params["value"] = _cast(value_state, jnp.float32)
         self.param_shardings = sharding.tree_shardings(params, mesh)
-        self.params = jax.device_put(params, self.param_shardings)
+        # An abstract model (nnx.eval_shape) gives a trainer that only compiles: see memory_analysis.
+        self.abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+        self.params = _abstract(params, self.param_shardings) if self.abstract else jax.device_put(params, self.param_shardings)
         # A copy in the compute dtype, not an alias: the live parameters are donated to updates.
-        self.reference = (
-            jax.tree.map(jnp.copy, _cast(self.params["policy"], self.compute_dtype)) if options.needs_reference else None
-        )
+        self.reference = None
+        if options.needs_reference:
+            reference = _cast(self.params["policy"], self.compute_dtype)
+            self.reference = reference if self.abstract else jax.tree.map(jnp.copy, reference)
         opt_state = jax.eval_shape(optimizer.init, self.params)
         self.opt_shardings = sharding.tree_shardings(opt_state, mesh)
-        self.opt_state = jax.jit(optimizer.init, out_shardings=self.opt_shardings)(self.params)
+        self.opt_state = (
+            _abstract(opt_state, self.opt_shardings) if self.abstract
+            else jax.jit(optimizer.init, out_shardings=self.opt_shardings)(self.params)
+        )
         rep = sharding.replicated(mesh)
         batch_spec = sharding.batch_sharding(mesh)
         ref_shardings = self.param_shardings["policy"] if options.needs_reference else None
@@ -226,30 +229,36 @@ class Trainer:
 
     # -------------------------------------------------------------------------------- device
 
-    def _forward_logprobs(self, policy: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    def _forward_logprobs(self, policy: Any, batch: dict[str, jax.Array], *, full: bool = True) -> TokenStats:
+        """The policy's per-token stats at the targets, the logits a chunk at a time
+        (``logprobs.token_stats``); ``full=False``: log-probs only (the reference policy)."""
         model = nnx.merge(self.policy_def, _cast(policy, self.compute_dtype))
-        logits = restrict_logits(
-            model(batch["tokens"], batch["positions"], batch["segment_ids"]), self.options.allowed_token_ids
+        hidden = model.hidden_states(
+            batch["tokens"], batch["positions"], batch["segment_ids"], remat=self.options.remat if full else "none"
         )
-        return logits, token_logprobs(logits, batch["targets"], temperature=self.options.temperature)
+        return token_stats(
+            hidden,
+            model.output_head(),
+            batch["targets"],
+            temperature=self.options.temperature,
+            allowed_token_ids=self.options.allowed_token_ids,
+            entropy=full and self.options.loss.entropy_coef > 0,
+            # For stuck groups' tokens (algorithms.stuck_unlikelihood).
+            log_not_taken=full and self.options.algorithm in ("grpo", "gspo"),
+        )
 
     def _loss(
         self, params: dict[str, Any], reference: Any, batch: dict[str, jax.Array], scalars: dict[str, jax.Array]
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        logits, logp = self._forward_logprobs(params["policy"], batch)
+        policy = self._forward_logprobs(params["policy"], batch)
+        logp = policy.logprobs
         extras: dict[str, jax.Array] = {}
-        if self.options.loss.entropy_coef > 0:
-            z = jax.nn.log_softmax(logits.astype(jnp.float32) / self.options.temperature, axis=-1)
-            extras["entropy"] = -jnp.sum(jnp.exp(z) * z, axis=-1)
-        if self.options.algorithm in ("grpo", "gspo"):  # for stuck groups' tokens (algorithms.stuck_unlikelihood)
-            # A second pass over [B, T, V] logits, so only for batches that hold a stuck token.
-            extras["log_not_taken"] = jax.lax.cond(
-                jnp.any(batch["stuck"] > 0),
-                lambda: token_log_not_taken(logits, batch["targets"], temperature=self.options.temperature),
-                lambda: jnp.zeros_like(logp),
-            )
+        if policy.entropy is not None:
+            extras["entropy"] = policy.entropy
+        if policy.log_not_taken is not None:
+            extras["log_not_taken"] = policy.log_not_taken
         if reference is not None:
-            extras["ref_logprobs"] = jax.lax.stop_gradient(self._forward_logprobs(reference, batch)[1])
+            extras["ref_logprobs"] = jax.lax.stop_gradient(self._forward_logprobs(reference, batch, full=False).logprobs)
         if self.value_def is not None:
             critic = nnx.merge(self.value_def, _cast(params["value"], self.compute_dtype))
             extras["values"] = critic(batch["tokens"], batch["positions"], batch["segment_ids"])
@@ -313,6 +322,19 @@ class Trainer:
             total["learning_rate"] = float(self.schedule(updates_applied(self.opt_state) - 1))
         return total
 
+    def memory_analysis(self, rows: int, length: int) -> Any:
+        """XLA's compiled memory analysis of ``grad`` on one [rows, length] micro-batch (its
+        ``temp_size_in_bytes`` is the activations and workspace of a step). Compiles, runs nothing:
+        with an abstract model, at any size on the CPU."""
+        batch = {
+            name: jax.ShapeDtypeStruct((rows, length), FIELDS.get(name, np.dtype(np.float32)))
+            for name in DEVICE_FIELDS
+        }
+        scalars = {"version": jax.ShapeDtypeStruct((), jnp.int32), "num_pairs": jax.ShapeDtypeStruct((), jnp.float32)}
+        params = jax.eval_shape(lambda: self.params)
+        reference = None if self.reference is None else jax.eval_shape(lambda: self.reference)
+        return self._grad.lower(params, reference, batch, scalars).compile().memory_analysis()
+
     def compiled_programs(self) -> dict[str, int]:
         """How many programs each step function holds (one per distinct input shape)."""
         return {
@@ -348,8 +370,21 @@ def _float_dtype(tree: Any) -> Any:
 
 
 def _cast(tree: Any, dtype: Any) -> Any:
-    """Floating-point leaves as ``dtype`` (a no-op for leaves already in it)."""
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+    """Floating-point leaves as ``dtype`` (a no-op for leaves already in it); abstract leaves too."""
+
+    def cast(x: Any) -> Any:
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+        return x.astype(dtype)
+
+    return jax.tree.map(cast, tree)
+
+
+def _abstract(tree: Any, shardings: Any) -> Any:
+    """Shapes and dtypes of ``tree`` placed as ``shardings``, allocating nothing."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
 def assign_weights(micros: list[MicroBatch], trainable: list[np.ndarray], mode: str) -> None:

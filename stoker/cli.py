@@ -27,6 +27,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "learner": ("stoker.learner.cli", "run the learner: pull batches, train, publish weights"),
     "operator": ("stoker.operator.cli", "run the Kubernetes operator (kopf) that reconciles RLJobs"),
     "sandbox": ("stoker.actor.sandbox_check", "check that a sandbox server keeps the stoker.v1.Sandbox contract"),
+    "export": ("stoker.learner.export", "write a run's newest policy (or a checkpoint) as a Hugging Face-format directory"),
     "audit": ("stoker.audit", "measure latencies and size the actor pool that keeps the learner fed"),
 }
 

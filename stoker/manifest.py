@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from stoker.hfconfig import resolve_architecture
 from stoker.spec import API_VERSION, KIND, RLJob, cross_field_problems, name_problems
 
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
@@ -95,7 +96,11 @@ def validate_document(doc: Any, source: str) -> tuple[RLJob | None, list[Problem
             problems.append(Problem(source, path, message))
         return None, problems
     problems = [Problem(source, "metadata.name", message) for message in name_problems(job.metadata.name, job.spec)]
-    problems += [Problem(source, f"spec.{path}", message) for path, message in cross_field_problems(job.spec)]
+    # The checkpoint's config.json is the architecture; the cross-field rules then check that one.
+    resolved, found = resolve_architecture(job.spec)
+    job = job.model_copy(update={"spec": resolved})
+    found += cross_field_problems(job.spec)
+    problems += [Problem(source, f"spec.{path}", message) for path, message in found]
     return (None if problems else job), problems
 
 

@@ -57,8 +57,25 @@ class SpecModel(BaseModel):
 # --------------------------------------------------------------------------------------- model
 
 
+class RopeScaling(SpecModel):
+    """Rotary frequency rescaling for long contexts, as Hugging Face's ``rope_type`` names it.
+
+    llama3 (Llama 3.1+): by wavelength band; high frequencies kept, low ones divided by
+    ``factor``, a smooth blend between. linear (Gemma 3's global layers): all divided by ``factor``.
+    """
+
+    type: Literal["llama3", "linear"] = Field(description="llama3 | linear.")
+    factor: float = Field(gt=0, description="How much longer the context is than the one trained on.")
+    low_freq_factor: float = Field(1.0, gt=0, description="llama3: wavelengths above originalMaxPositionEmbeddings / this are scaled.")
+    high_freq_factor: float = Field(4.0, gt=0, description="llama3: wavelengths below originalMaxPositionEmbeddings / this are kept.")
+    original_max_position_embeddings: int = Field(8192, ge=1, description="llama3: the pre-extension context.")
+
+
 class TransformerConfig(SpecModel):
-    """Architecture of the decoder-only policy (Llama/Qwen family)."""
+    """Architecture of the decoder-only policy (Llama, Qwen2/3, Gemma 2/3 families).
+
+    With ``model.checkpoint`` set, this is read from the checkpoint's config.json; fields written
+    in the manifest must then agree with it."""
 
     vocab_size: int = Field(64, ge=2, description="Tokenizer vocabulary size.")
     hidden_size: int = Field(64, ge=8, description="Width of the residual stream.")
@@ -72,7 +89,26 @@ class TransformerConfig(SpecModel):
     rms_norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon.")
     tie_embeddings: bool = Field(True, description="Share the input embedding with the output head.")
     attention_bias: bool = Field(False, description="Biases on the query/key/value projections (Qwen2).")
-    qk_norm: bool = Field(False, description="RMSNorm on each query and key head before rotary (Qwen3).")
+    qk_norm: bool = Field(False, description="RMSNorm on each query and key head before rotary (Qwen3, Gemma 3).")
+    rope_scaling: RopeScaling | None = Field(None, description="Rotary frequency rescaling (global layers only).")
+    mlp_activation: Literal["silu", "gelu-tanh"] = Field(
+        "silu", description="Gate activation: silu (SwiGLU, Llama/Qwen) or gelu-tanh (GeGLU, Gemma)."
+    )
+    norm_unit_offset: bool = Field(False, description="RMSNorm scales by (1 + weight) (Gemma).")
+    sandwich_norms: bool = Field(False, description="Also normalise the attention and MLP outputs (Gemma 2/3).")
+    embedding_scale: bool = Field(False, description="Multiply token embeddings by sqrt(hiddenSize) (Gemma).")
+    query_pre_attn_scalar: float | None = Field(
+        None, gt=0, description="Scale queries by this^-1/2 instead of headDim^-1/2 (Gemma)."
+    )
+    attn_logit_softcap: float | None = Field(None, gt=0, description="cap * tanh(score / cap) on attention scores (Gemma 2).")
+    final_logit_softcap: float | None = Field(None, gt=0, description="cap * tanh(logit / cap) on the output logits (Gemma 2).")
+    sliding_window: int | None = Field(
+        None, ge=1, description="Local layers see only the last slidingWindow tokens (the token itself included)."
+    )
+    global_layer_every: int | None = Field(
+        None, ge=1, description="With slidingWindow: layer i is global iff (i + 1) % this == 0, the rest local (Gemma 2: 2, Gemma 3: 6)."
+    )
+    rope_local_theta: float | None = Field(None, gt=0, description="Rotary base of local layers; ropeTheta when unset (Gemma 3).")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TransformerConfig:
@@ -80,7 +116,13 @@ class TransformerConfig(SpecModel):
             raise ValueError("numHeads must be a multiple of numKvHeads")
         if self.head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError("hiddenSize must be a multiple of numHeads when headDim is unset")
+        if (self.sliding_window is None) != (self.global_layer_every is None):
+            raise ValueError("slidingWindow and globalLayerEvery go together")
         return self
+
+    def is_local_layer(self, index: int) -> bool:
+        """Whether layer ``index`` attends through the sliding window."""
+        return self.global_layer_every is not None and (index + 1) % self.global_layer_every != 0
 
 
 class ModelSpec(SpecModel):
@@ -105,8 +147,18 @@ class ModelSpec(SpecModel):
         ),
     )
     system_prompt: str | None = Field(None, description="System message rendered by the chat template.")
-    architecture: TransformerConfig = Field(default_factory=TransformerConfig)
+    architecture: TransformerConfig = Field(
+        default_factory=TransformerConfig,
+        description="Read from the checkpoint's config.json when checkpoint is set; fields given here must agree with it.",
+    )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter and compute dtype.")
+    remat: Literal["none", "full", "save-matmuls"] = Field(
+        "full",
+        description=(
+            "Per-layer rematerialisation in the learner's step: full keeps only each layer's input and "
+            "recomputes the rest in the backward pass; save-matmuls also keeps matmul outputs; none keeps all."
+        ),
+    )
 
 
 # ----------------------------------------------------------------------------------- algorithm

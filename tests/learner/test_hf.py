@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from stoker.learner.hf import (
     save_checkpoint,
     to_hf,
 )
+from stoker import validate_cmd
 from stoker.learner.model import init_model
 from stoker.learner.tokenizer import (
     TokenizerError,
@@ -28,6 +30,7 @@ from stoker.learner.tokenizer import (
     token_id,
     train_word_tokenizer,
 )
+from stoker.manifest import load_text
 from stoker.spec import TransformerConfig
 
 LLAMA_CONFIG: dict[str, Any] = {
@@ -155,9 +158,9 @@ def test_mismatched_checkpoints_are_refused_clearly(tmp_path: Path) -> None:
     ("change", "message"),
     [
         ({"model_type": "gpt2"}, "not supported"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"model_type": "mistral", "sliding_window": 4096}, "sliding-window"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 8.0}}, "rope_type 'longrope' is not supported"),
     ],
 )
 def test_unsupported_configs_are_refused(change: dict[str, object], message: str) -> None:
@@ -212,3 +215,51 @@ def test_tokenizer_errors_are_clear(tmp_path: Path) -> None:
     tok = train_word_tokenizer(["a b"], ["<eos>"])
     with pytest.raises(TokenizerError, match="'<bos>'"):
         token_id(tok, "<bos>")
+
+
+# ------------------------------------------------------------- config.json is the source of truth
+
+
+def _manifest(checkpoint: Path, architecture: str = "") -> str:
+    return (
+        "apiVersion: stoker.dev/v1alpha1\nkind: RLJob\nmetadata: {name: tiny}\n"
+        f"spec:\n  model:\n    checkpoint: {checkpoint}\n{architecture}"
+    )
+
+
+def test_a_manifest_takes_the_architecture_from_the_checkpoint(tmp_path: Path) -> None:
+    write_llama_checkpoint(tmp_path / "ckpt", np.random.default_rng(3))
+    resaved = {k: v for k, v in LLAMA_CONFIG.items() if k != "rope_theta"} | {
+        "max_position_embeddings": 512, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+    }
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(resaved))
+    jobs, problems = load_text(_manifest(tmp_path / "ckpt"), "job.yaml")
+    assert problems == []
+    arch = jobs[0].spec.model.architecture
+    assert arch == read_config(tmp_path / "ckpt") and arch.rope_theta == 500000.0 and arch.hidden_size == 16
+    # Fields that agree may be repeated; one that disagrees names both values.
+    agreeing = "    architecture: {hiddenSize: 16, ropeTheta: 500000}\n"
+    assert load_text(_manifest(tmp_path / "ckpt", agreeing), "job.yaml")[1] == []
+    disagreeing = "    architecture: {hiddenSize: 16, ropeTheta: 10000, tieEmbeddings: true}\n"
+    _, problems = load_text(_manifest(tmp_path / "ckpt", disagreeing), "job.yaml")
+    assert [str(p) for p in problems] == [
+        "job.yaml: spec.model.architecture.ropeTheta: got 10000.0; the checkpoint's config.json says 500000.0",
+        "job.yaml: spec.model.architecture.tieEmbeddings: got True; the checkpoint's config.json says False",
+    ]
+
+
+def test_validate_reads_a_local_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_llama_checkpoint(tmp_path / "ckpt", np.random.default_rng(4))
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(LLAMA_CONFIG | {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(_manifest(tmp_path / "ckpt"))
+    assert validate_cmd.main(argparse.Namespace(files=[str(manifest)])) == 2
+    err = capsys.readouterr().err
+    assert "spec.model.checkpoint: rope_scaling: rope_type 'yarn' is not supported" in err
+    # The checkpoint's context bounds the packed rows too (128 here, the default buckets reach 512).
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(LLAMA_CONFIG))
+    assert validate_cmd.main(argparse.Namespace(files=[str(manifest)])) == 2
+    assert "expected <= model.architecture.maxSeqLen (128)" in capsys.readouterr().err
+    # A path that is not local (a bucket, a volume only the cluster has) is left to the pods.
+    manifest.write_text(_manifest(Path("/models/not-here")))
+    assert validate_cmd.main(argparse.Namespace(files=[str(manifest)])) == 0

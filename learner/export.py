@@ -1,0 +1,102 @@
+"""``stoker export RUN_DIR|CHECKPOINT --to DIR``: a Hugging Face-format directory of the policy.
+
+From a run directory (``stoker run``'s: ``runs.jsonl`` records the spec, ``weights/`` the published
+versions) it takes the newest published weights; from a checkpoint directory, its weights. Either
+way it writes ``config.json`` (``stoker.hfconfig.config_to_hf``: the keys transformers documents,
+rope settings in both its formats), ``model.safetensors`` with Hugging Face's tensor names, and
+the tokenizer files of the checkpoint the run started from. ``stoker.learner.hf.load_checkpoint``
+(or transformers) reads it back to the same logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from flax import nnx
+from pydantic import ValidationError
+
+from stoker.hfconfig import CONFIG_FILE, CheckpointError
+from stoker.learner.hf import dtype_from_name, load_checkpoint, load_hf, save_checkpoint
+from stoker.learner.model import Transformer
+from stoker.spec import RLJobSpec
+
+RUN_RECORD = "runs.jsonl"
+RUN_WEIGHTS = "weights"
+# Everything a tokenizer and chat template need (transformers' file names).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+)
+
+
+class ExportError(Exception):
+    """The source cannot be exported (said in user terms)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", metavar="RUN_DIR|CHECKPOINT", help="a stoker run directory or a checkpoint directory")
+    parser.add_argument("--to", required=True, metavar="DIR", help="where to write the Hugging Face-format directory")
+
+
+def _from_run(run_dir: Path) -> tuple[Transformer, Path | None, int]:
+    """The newest published policy of a run, the directory its tokenizer files are in, its version."""
+    from stoker.learner.weights import WeightsError, WeightSubscriber
+
+    lines = [line for line in (run_dir / RUN_RECORD).read_text().splitlines() if line.strip()]
+    try:
+        spec = RLJobSpec.model_validate(json.loads(lines[-1])["spec"])
+    except (IndexError, KeyError, json.JSONDecodeError, ValidationError) as err:
+        raise ExportError(f"{run_dir / RUN_RECORD}: no readable run record ({err})") from None
+    try:
+        latest = WeightSubscriber(directory=run_dir / RUN_WEIGHTS).fetch_latest()
+    except WeightsError as err:
+        raise ExportError(f"{run_dir / RUN_WEIGHTS}: {err}") from None
+    if latest is None:
+        raise ExportError(f"{run_dir / RUN_WEIGHTS}: no published weights yet")
+    version, flat = latest
+    dtype = dtype_from_name(spec.model.dtype)
+    config = spec.model.architecture
+    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype))
+    load_hf(model, flat)
+    tokenizer_dir = None
+    if spec.model.checkpoint:
+        tokenizer_dir = Path(spec.model.checkpoint)
+    elif spec.model.tokenizer:
+        tokenizer_dir = Path(spec.model.tokenizer).parent if Path(spec.model.tokenizer).is_file() else Path(spec.model.tokenizer)
+    return model, tokenizer_dir, version
+
+
+def export(source: str | Path, target: str | Path) -> tuple[Path, list[str]]:
+    """Write the HF directory; returns it and the tokenizer files copied."""
+    source, target = Path(source), Path(target)
+    if (source / CONFIG_FILE).exists():
+        model, tokenizer_dir = load_checkpoint(source), source
+    elif (source / RUN_RECORD).exists():
+        model, tokenizer_dir, _ = _from_run(source)
+    else:
+        raise ExportError(f"{source}: neither a checkpoint (no {CONFIG_FILE}) nor a run directory (no {RUN_RECORD})")
+    if (target / CONFIG_FILE).exists():
+        raise ExportError(f"{target} already holds a {CONFIG_FILE}; export to a new directory")
+    if target.resolve() == source.resolve():
+        raise ExportError("--to must differ from the source")
+    save_checkpoint(model, target)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if tokenizer_dir is not None and (tokenizer_dir / name).is_file():
+            shutil.copyfile(tokenizer_dir / name, target / name)
+            copied.append(name)
+    return target, copied
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        target, copied = export(args.source, args.to)
+    except (ExportError, CheckpointError) as err:
+        print(f"stoker export: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {target} (config.json, model.safetensors{''.join(', ' + c for c in copied)})")
+    return 0
