@@ -107,7 +107,8 @@ class RunLoop:
                         self.source, max_groups=s.batch_groups, min_groups=s.batch_groups, timeout=s.sample_timeout_s
                     )
                 )
-            made = self._run_steps(dataset, prefetcher, outbox, limit, duty)
+            with multihost.collective("training") if self.processes.multi else contextlib.nullcontext():
+                made = self._run_steps(dataset, prefetcher, outbox, limit, duty)
             if made:
                 duty.busy_seconds = learner.busy_seconds
                 self._publish(outbox, duty.value)
