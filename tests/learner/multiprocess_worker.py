@@ -50,8 +50,8 @@ def main() -> int:
         max_seq_len=64,
     )
 
-    def fixed_batches(count: int) -> list[SampledBatch]:
-        rng = np.random.default_rng(7)
+    def fixed_batches(count: int, seed: int) -> list[SampledBatch]:
+        rng = np.random.default_rng(seed)
         batches = []
         for b in range(count):
             groups = []
@@ -119,7 +119,11 @@ def main() -> int:
             checkpoint_interval=2, publish_interval=1, max_steps=args.steps,
         )
         learner = Learner(settings)
-        source, publisher, sink = Source(fixed_batches(args.steps)), Publisher(), Sink()
+        # Every process is handed a source, publisher and sink, as every pod gets --buffer; each
+        # source holds other batches (as a second buffer client would sample other groups), so a
+        # process that sampled for itself would train apart. Only the primary's may be used.
+        source = Source(fixed_batches(args.steps, seed=7 + processes.index))
+        publisher, sink = Publisher(), Sink()
         made = learner.run(source, publisher, sink=sink)
         params = multihost.replicate(processes, learner.trainer.params, learner.mesh)
         final = flatten_params(learner.trainer.policy_model(params["policy"]))
@@ -131,6 +135,9 @@ def main() -> int:
         restored_flat = flatten_params(resumed.trainer.policy_model(restored["policy"]))
         resumed_at = (resumed.steps, resumed.version)
         resumed.close()
+        used = {"sampled": source.sampled, "committed": source.committed, "versions": source.versions,
+                "published": sorted(publisher.published), "records": len(sink.records)}
+        (out / f"{mesh}-process{processes.index}.json").write_text(json.dumps(used))
         if processes.primary:
             arrays = {f"param/{k}": v for k, v in final.items()}
             arrays.update({f"published/{k}": v for k, v in publisher.published[learner.version].items()})
