@@ -17,6 +17,7 @@ step's end), updates per second, mean train-step seconds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -26,6 +27,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,29 @@ def fill(address: str, group_size: int, vocab: int, stop: Any) -> None:
                 client.put(episodes_for(credit.policy_version, rng, group_size, vocab))
 
 
+@contextlib.contextmanager
+def filled_buffer(manifest: Path, work: Path, group_size: int, vocab: int) -> Iterator[str]:
+    """A ``stoker buffer`` process kept full by a filler process; yields its address."""
+    ready = work / "buffer.ready"
+    buffer = subprocess.Popen(
+        [sys.executable, "-m", "stoker.cli", "buffer", "--manifest", str(manifest), "--host", "127.0.0.1",
+         "--port", "0", "--data-dir", str(work / "buffer"), "--ready-file", str(ready), "--log-level", "warning"],
+    )
+    stop = multiprocessing.Event()
+    filler = None
+    try:
+        address = f"127.0.0.1:{wait_ready_file(ready, buffer, timeout=60)}"
+        filler = multiprocessing.Process(target=fill, args=(address, group_size, vocab, stop), daemon=True)
+        filler.start()
+        yield address
+    finally:
+        stop.set()
+        if filler is not None:
+            filler.join(timeout=10)
+        buffer.terminate()
+        buffer.wait(timeout=30)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--manifest", type=Path, default=REPO / "examples" / "frozenlake.yaml")
@@ -94,19 +119,7 @@ def main() -> int:
         checkpoint_dir=None,
         batch_groups=args.batch_groups or spec.learner.batch_groups,
     )
-    ready = work / "buffer.ready"
-    buffer = subprocess.Popen(
-        [sys.executable, "-m", "stoker.cli", "buffer", "--manifest", str(args.manifest), "--host", "127.0.0.1",
-         "--port", "0", "--data-dir", str(work / "buffer"), "--ready-file", str(ready), "--log-level", "warning"],
-    )
-    stop = multiprocessing.Event()
-    filler = None
-    try:
-        address = f"127.0.0.1:{wait_ready_file(ready, buffer, timeout=60)}"
-        filler = multiprocessing.Process(
-            target=fill, args=(address, settings.group_size, settings.architecture.vocab_size, stop), daemon=True
-        )
-        filler.start()
+    with filled_buffer(args.manifest, work, settings.group_size, settings.architecture.vocab_size) as address:
         learner = Learner(settings, resume=False)
         steps: list[tuple[float, float]] = []  # (end time, train-step seconds)
 
@@ -119,12 +132,6 @@ def main() -> int:
             client.wait_ready()
             learner.run(client, publisher, max_steps=args.steps, sink=Sink(), stop=threading.Event())
         learner.close()
-    finally:
-        stop.set()
-        if filler is not None:
-            filler.join(timeout=10)
-        buffer.terminate()
-        buffer.wait(timeout=30)
 
     steady = steps[len(steps) // 10 :]  # after compilation and the first publishes
     wall = steady[-1][0] - (steady[0][0] - steady[0][1])

@@ -38,7 +38,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stoker.buffer.wire import encode_put_request, encode_trajectory
-from stoker.trajectory import Episode, from_proto
+from stoker.trajectory import Episode, from_proto, to_proto
 from stoker.v1 import buffer_pb2, trajectory_pb2
 
 if TYPE_CHECKING:
@@ -139,6 +139,29 @@ class SampledBatch:
 
 
 Encodable = Episode | trajectory_pb2.Trajectory | bytes
+
+
+def decode_sample(response: buffer_pb2.SampleResponse) -> SampledBatch | None:
+    """A Sample response as arrays; None when it holds no batch (nothing arrived in time)."""
+    if not response.batch_id:
+        return None
+    return SampledBatch(
+        response.batch_id,
+        [SampledGroup(g.group_id, g.masked, [from_proto(t) for t in g.trajectories]) for g in response.groups],
+        response.policy_version,
+    )
+
+
+def encode_sample(batch: SampledBatch) -> buffer_pb2.SampleResponse:
+    """Inverse of ``decode_sample``: the batch as the buffer sent it."""
+    return buffer_pb2.SampleResponse(
+        batch_id=batch.batch_id,
+        groups=[
+            buffer_pb2.Group(group_id=g.group_id, masked=g.masked, trajectories=[to_proto(e) for e in g.episodes])
+            for g in batch.groups
+        ],
+        policy_version=batch.policy_version,
+    )
 
 
 def _encode(item: Encodable) -> bytes:
@@ -328,14 +351,7 @@ class BufferClient:
             min_groups=min_groups,
             timeout_seconds=timeout,
         )
-        response = self._call(self._sample, request, timeout=timeout + self.timeout)
-        if not response.batch_id:
-            return None
-        return SampledBatch(
-            response.batch_id,
-            [SampledGroup(g.group_id, g.masked, [from_proto(t) for t in g.trajectories]) for g in response.groups],
-            response.policy_version,
-        )
+        return decode_sample(self._call(self._sample, request, timeout=timeout + self.timeout))
 
     def commit(self, batch_id: str) -> int:
         """Mark a sampled batch as trained on; returns its trajectory count. ``LeaseLostError``

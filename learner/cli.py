@@ -6,19 +6,28 @@
 Resumes from the latest checkpoint under the spec's ``learner.checkpoint.dir`` (relative to
 ``--run-dir``). SIGTERM/SIGINT stop it after the current step with a final checkpoint. Metrics go to
 ``RUN_DIR/learner_metrics.jsonl`` and, with ``--metrics-port``, to Prometheus.
+
+On a multi-host slice every host runs this same command (``stoker.learner.distributed`` reads the
+topology from the environment); only process 0 connects to the buffer, publishes weights and
+writes metrics. If another process dies, this one exits with ``EXIT_PEER_FAILED`` at once, without
+a final checkpoint: the group restarts from the last one.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
 from types import FrameType
+from typing import NoReturn
 
 log = logging.getLogger("stoker.learner")
+
+EXIT_PEER_FAILED = 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,9 +75,10 @@ def main(args: argparse.Namespace) -> int:
     from stoker.learner import distributed
 
     try:
-        distributed.initialize()
+        topology = distributed.initialize()
     except distributed.DistributedEnvError as exc:
         return _fail(f"TPU environment: {exc}")
+    primary = topology is None or topology.process_id == 0
 
     from stoker.learner.loop import DatasetError, Learner, LearnerSettings
     from stoker.learner.metrics import MetricsSink
@@ -83,7 +93,7 @@ def main(args: argparse.Namespace) -> int:
     from stoker.buffer.client import BufferClient, BufferClientError, BufferUnavailableError
 
     source = None
-    if args.buffer is not None:
+    if args.buffer is not None and primary:
         source = BufferClient(args.buffer, token, learner_id="learner")
         try:
             source.wait_ready(timeout=120.0)
@@ -91,7 +101,7 @@ def main(args: argparse.Namespace) -> int:
             learner.close()
             return _fail(f"buffer {args.buffer}: {exc}", 1)
     publisher = None
-    if args.weights_dir or args.weights_port is not None:
+    if (args.weights_dir or args.weights_port is not None) and primary:
         publisher = WeightPublisher(
             directory=args.weights_dir,
             address=f"0.0.0.0:{args.weights_port}" if args.weights_port is not None else None,
@@ -104,12 +114,21 @@ def main(args: argparse.Namespace) -> int:
         stop.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    from stoker.learner.multihost import PeerFailure
+
     try:
-        with MetricsSink(run_dir / "learner_metrics.jsonl", port=args.metrics_port) as sink:
-            made = learner.run(source, publisher, sink=sink, stop=stop)
+        if primary:
+            with MetricsSink(run_dir / "learner_metrics.jsonl", port=args.metrics_port) as sink:
+                made = learner.run(source, publisher, sink=sink, stop=stop)
+        else:
+            made = learner.run(None, None, stop=stop)
+    except PeerFailure as exc:
+        _peer_failed(str(exc), learner.steps)
     except DatasetError as exc:
         return _fail(str(exc))
     except BufferClientError as exc:  # the buffer stayed unreachable past the client's retry deadline
+        if topology is not None:  # a checkpoint is a collective the peers are not making
+            _peer_failed(f"buffer {args.buffer}: {exc}", learner.steps)
         learner.save()
         return _fail(f"buffer {args.buffer}: {exc} (checkpointed at step {learner.steps})", 1)
     finally:
@@ -120,3 +139,12 @@ def main(args: argparse.Namespace) -> int:
             publisher.close()
     log.info("stopped at step %d, policy version %d (%d updates this run)", learner.steps, learner.version, made)
     return 0
+
+
+def _peer_failed(message: str, step: int) -> NoReturn:
+    """Leave now: any further collective (a checkpoint, JAX's shutdown barrier) would wait for a
+    process that is gone. Its last complete checkpoint is where the restarted group resumes."""
+    print(f"stoker learner: {message}\nstoker learner: exiting at step {step} without a final checkpoint", file=sys.stderr)
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(EXIT_PEER_FAILED)

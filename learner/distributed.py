@@ -14,6 +14,17 @@ and, for multislice, every host of every slice::
 Processes are numbered slice-major: ``process_id = worker_id + slice_id * hosts_per_slice``, out of
 ``hosts_per_slice * num_slices``. The JAX coordinator is the megascale coordinator's host for
 multislice, else the slice's first worker, on ``COORDINATOR_PORT``.
+
+Off TPU (``stoker run --learner-processes N``, any other launcher) the topology is given directly,
+and wins over the TPU variables::
+
+    STOKER_COORDINATOR_ADDRESS   host:port of process 0's coordinator
+    STOKER_NUM_PROCESSES         number of processes
+    STOKER_PROCESS_ID            this process's index
+
+A dead process is noticed by the others through JAX's coordination service: a process that stops
+heartbeating for ``STOKER_HEARTBEAT_TIMEOUT_SECONDS`` (default ``HEARTBEAT_TIMEOUT_SECONDS``) is
+declared failed and every other process is terminated (see docs/architecture.md for the bound).
 """
 
 from __future__ import annotations
@@ -28,6 +39,13 @@ from stoker.ports import JAX_COORDINATOR_PORT
 log = logging.getLogger(__name__)
 
 COORDINATOR_PORT = JAX_COORDINATOR_PORT  # not the Megascale port: both run on slice 0's first host
+# A peer silent this long is failed and the group ends (JobSet then restarts it). Long enough for a
+# host busy compiling (heartbeats run on their own thread), short next to a restart.
+HEARTBEAT_TIMEOUT_SECONDS = 60
+# How long processes wait for each other at start (pods of a JobSet start minutes apart) and at
+# a clean exit.
+INITIALIZATION_TIMEOUT_SECONDS = 600
+SHUTDOWN_TIMEOUT_SECONDS = 120
 
 
 class DistributedEnvError(ValueError):
@@ -39,6 +57,7 @@ class DistributedConfig:
     coordinator_address: str
     num_processes: int
     process_id: int
+    heartbeat_timeout_seconds: int = HEARTBEAT_TIMEOUT_SECONDS
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -62,6 +81,11 @@ def _host(address: str) -> str:
 def from_environment(env: Mapping[str, str] | None = None) -> DistributedConfig | None:
     """The distributed setup the environment describes, or None for a single process."""
     env = os.environ if env is None else env
+    heartbeat = _int(env, "STOKER_HEARTBEAT_TIMEOUT_SECONDS", HEARTBEAT_TIMEOUT_SECONDS)
+    if heartbeat < 1:
+        raise DistributedEnvError(f"STOKER_HEARTBEAT_TIMEOUT_SECONDS={heartbeat}; expected >= 1")
+    if env.get("STOKER_NUM_PROCESSES", "").strip():
+        return _explicit(env, heartbeat)
     hostnames = [h.strip() for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
     hosts = max(len(hostnames), 1)
     worker = _int(env, "TPU_WORKER_ID", 0)
@@ -83,7 +107,20 @@ def from_environment(env: Mapping[str, str] | None = None) -> DistributedConfig 
         host = _host(coordinator)
     else:
         host = hostnames[0]
-    return DistributedConfig(f"{host}:{COORDINATOR_PORT}", num_processes, worker + slice_id * hosts)
+    return DistributedConfig(f"{host}:{COORDINATOR_PORT}", num_processes, worker + slice_id * hosts, heartbeat)
+
+
+def _explicit(env: Mapping[str, str], heartbeat: int) -> DistributedConfig | None:
+    count = _int(env, "STOKER_NUM_PROCESSES", 1)
+    index = _int(env, "STOKER_PROCESS_ID", 0)
+    if count < 1 or not 0 <= index < count:
+        raise DistributedEnvError(f"STOKER_PROCESS_ID={index}; expected 0..{count - 1} for STOKER_NUM_PROCESSES={count}")
+    if count == 1:
+        return None
+    address = env.get("STOKER_COORDINATOR_ADDRESS", "").strip()
+    if not address:
+        raise DistributedEnvError("STOKER_NUM_PROCESSES > 1 but STOKER_COORDINATOR_ADDRESS is unset")
+    return DistributedConfig(address, count, index, heartbeat)
 
 
 def initialize(env: Mapping[str, str] | None = None) -> DistributedConfig | None:
@@ -103,5 +140,8 @@ def initialize(env: Mapping[str, str] | None = None) -> DistributedConfig | None
         coordinator_address=config.coordinator_address,
         num_processes=config.num_processes,
         process_id=config.process_id,
+        initialization_timeout=INITIALIZATION_TIMEOUT_SECONDS,
+        heartbeat_timeout_seconds=config.heartbeat_timeout_seconds,
+        shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_SECONDS,
     )
     return config

@@ -12,67 +12,42 @@ commit the batch, bump the policy version, publish weights every k steps and rep
 the buffer, checkpoint every n steps; on start it resumes from the latest checkpoint, so the version
 continues monotonically after a kill.
 
-Host-side preparation of one update: episodes -> advantages (GRPO/GSPO group-relative; PPO's GAE
-runs on the device) or DPO pairs -> first-fit-decreasing packing into bucket shapes -> tokens past
-``buffer.maxStaleness`` masked out -> aggregation weights over the whole batch -> ``Trainer.step``.
+Host-side preparation of one update (advantages, which flat groups train) is in
+``stoker.learner.batches``; the buffer loop (prefetch, commits, publishing, and the one logical
+learner over several JAX processes) in ``stoker.learner.driver``.
 
-GRPO/GSPO groups whose episodes all scored alike carry no policy gradient. A flat group at its
-task's best reward so far is *solved* and is left out (DAPO's dynamic-sampling filter, Yu et al.
-2025); a batch of nothing else makes no update at all. Training on them anyway gives a step made of
-the entropy bonus and numerical noise that Adam scales up to a full learning-rate step, and
-shrinks Adam's second moment so that the next real gradient makes an outsized step: on FrozenLake
-a policy that had solved every map then drifted off two of them and never came back.
-
-A flat group *below* its task's best reward is *stuck* -- the policy fails there the same way every
-time -- and does train: its episodes share the advantage one of them would have had if one more
-sample had reached the best reward again (``stuck_advantages``: -1/sqrt(n) over n episodes, each
--n^-1.5, as the n samples of a deterministic policy are one trajectory), and its tokens train by
-unlikelihood (``algorithms.stuck_unlikelihood``: A log(1 - pi(y_t))) instead of the
-policy-gradient surrogate. Both obvious pushes vanish exactly when they are needed: on a policy
-that has turned deterministic on the failing moves, the entropy bonus's gradient is ~pi log pi and
-the policy gradient's is A (1 - pi), both ~0, and Adam, whose second moment still remembers the
-large gradients of earlier steps, scales such a gradient to nothing. That is how a 400-step on-policy
-FrozenLake run lost a solved map for good: an outsized step knocked it onto one losing path, its
-entropy fell to ~0.001, and 100 steps of entropy bonus (then the stuck rule's only push) never
-brought it back. The unlikelihood gradient on the failing token's logit is -A pi(y_t), largest on a
-saturated policy, and fades once pi(y_t) falls -- by then the group's samples differ and GRPO's own
-signal takes over. Counted at full weight per episode (-1/sqrt(n) each), a
-stuck group's push was eight coherent copies of one trajectory: in a maxStaleness-4 run its
-gradient norm was 12 against the batch's usual 0.5-2, and the next steps broke every map (success
-0.75 -> 0.09). The rule cannot change the optimum: a group at its task's best reward is never
-stuck, so on a policy that reaches the best reward every time (deterministic environments) it is
-inactive. (A stochastic environment can leave a flat group below a lucky best under an optimal
-policy; the push then makes the policy explore, and the spread groups that follow pull it back.)
 A batch without any update still counts as a step (``steps`` counts batches consumed, ``version``
 counts updates), so ``maxSteps`` ends a run whose policy has nothing left to learn.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import json
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from stoker.learner import algorithms, packing
 from stoker.learner.algorithms import LossConfig
 from stoker.learner.optimizer import OptimizerConfig, learning_rate_schedule
+from stoker.learner.batches import (  # noqa: F401 - Group, DatasetError, load_dpo_pairs: the loop's API
+    DatasetError,
+    Group,
+    GroupLike,
+    Prepared,
+    load_dpo_pairs,
+    prepare_groups,
+)
 from stoker.learner.packing import TrainSequence
-from stoker.learner.outbox import Outbox
-from stoker.learner.prefetch import Prefetcher
 from stoker.spec import RLJobSpec, TransformerConfig
-from stoker.trajectory import Episode
 
-if TYPE_CHECKING:  # the client pulls in grpc; the loop only needs the batch's shape
-    from stoker.buffer.client import SampledBatch
+if TYPE_CHECKING:
+    from stoker.learner.driver import BatchSource, Publisher
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +55,6 @@ log = logging.getLogger(__name__)
 # one batch trains while the next is fetched, and one version report may still be in flight. A
 # trained token lags at most maxStaleness + this (see train_on).
 SAMPLE_LAG_VERSIONS = 2
-# After a stop request, how long the prefetcher and the last commits get to reach the buffer.
-STOP_WAIT_SECONDS = 5.0
 
 
 # ------------------------------------------------------------------------------------ settings
@@ -194,230 +167,7 @@ def _allowed_token_ids(spec: RLJobSpec) -> tuple[int, ...] | None:
     return allowed_token_ids(spec)
 
 
-# ---------------------------------------------------------------------------------- data in
-
-
-class GroupLike(Protocol):
-    """What ``train_on`` needs of a group: the buffer client's ``SampledGroup`` and ``Group`` fit."""
-
-    @property
-    def episodes(self) -> Sequence[Episode]: ...
-
-    @property
-    def masked(self) -> bool: ...
-
-
-@dataclass
-class Group:
-    """A group of episodes of one task, for callers that build groups themselves."""
-
-    episodes: list[Episode]
-    masked: bool = False
-
-
-def _trainable(episode: Episode) -> bool:
-    return episode.ok and episode.num_tokens > 1 and bool(np.asarray(episode.loss_mask).any())
-
-
-def _sequence(episode: Episode, *, advantage: float = 0.0, pair_sign: int = 0, stuck: bool = False) -> TrainSequence:
-    return TrainSequence(
-        token_ids=np.asarray(episode.token_ids, np.int32),
-        loss_mask=np.asarray(episode.loss_mask, np.uint8),
-        logprobs=np.asarray(episode.logprobs, np.float32),
-        versions=np.asarray(episode.policy_versions, np.int32),
-        advantage=advantage,
-        reward=float(episode.reward),
-        pair_sign=pair_sign,
-        stuck=stuck,
-    )
-
-
-@dataclass
-class Prepared:
-    """One batch turned into packable items, plus what the metrics need to know about it."""
-
-    items: list[list[TrainSequence]]
-    rewards: list[float]
-    episodes: int
-    skipped_episodes: int  # failed/empty episodes that never train
-    zero_signal_groups: int = 0  # groups whose rewards were all equal (no GRPO signal)
-    stuck_groups: int = 0  # of those, the ones below their task's best reward (they train)
-    masked_groups: int = 0  # groups holding a failed episode (its ok members still train)
-    num_pairs: int = 0
-    episode_metrics: dict[str, float] = field(default_factory=dict)
-
-
-def episode_metric_means(episodes: Sequence[Episode]) -> dict[str, float]:
-    """Batch means of what the environments reported (``Episode.metrics``).
-
-    ``success`` becomes ``success_rate`` over *all* episodes (a failed episode did not succeed);
-    other keys become ``episode_<key>`` over the episodes that reported them."""
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    for episode in episodes:
-        for key, value in episode.metrics.items():
-            sums[key] = sums.get(key, 0.0) + float(value)
-            counts[key] = counts.get(key, 0) + 1
-    out = {f"episode_{key}": sums[key] / counts[key] for key in sums if key != "success"}
-    if episodes:
-        out["success_rate"] = sums.get("success", 0.0) / len(episodes)
-    return out
-
-
-REWARD_TOLERANCE = 1e-6  # relative: group rewards closer than this count as equal
-
-
-def stuck_advantages(rewards: np.ndarray, best: float) -> np.ndarray:
-    """Advantages for a stuck group's episodes (``rewards``, all alike, below ``best``): GRPO's
-    group-relative advantage had one more episode reached ``best``, shared by the n episodes
-
-        A_i = (1/n) (r - mean) / std over [r] * n + [best]   =   -1 / (n sqrt(n))
-
-    The n episodes are n copies of the one path a deterministic policy takes, so together they
-    weigh as one failure (module docstring). Negative, independent of the reward's units."""
-    n = rewards.shape[0]
-    with_best = np.concatenate([rewards, [best]]).astype(np.float32)[None, :]
-    return np.asarray(algorithms.group_advantages(with_best, np.ones_like(with_best)))[0, :n] / n
-
-
-def prepare_groups(
-    groups: Sequence[GroupLike],
-    algorithm: str,
-    best_rewards: dict[str, float] | None = None,
-    normalization: algorithms.AdvantageNormalization = "population-std",
-) -> Prepared:
-    """Episodes of the groups -> items to pack, per algorithm (see the module docstring).
-
-    Failed or empty episodes never train; GRPO/GSPO advantages are normalised over a group's
-    trainable episodes only (a masked group's failed member is left out, not scored 0).
-    ``best_rewards`` (task id -> best group reward so far) tells solved flat groups from stuck ones
-    (module docstring) and is updated in place."""
-    trainable = [[e for e in g.episodes if _trainable(e)] for g in groups]
-    total = sum(len(g.episodes) for g in groups)
-    kept = sum(len(t) for t in trainable)
-    rewards = [float(e.reward) for t in trainable for e in t]
-    prepared = Prepared(
-        [], rewards, total, total - kept, masked_groups=sum(bool(g.masked) for g in groups),
-        episode_metrics=episode_metric_means([e for g in groups for e in g.episodes]),
-    )
-    if algorithm in ("grpo", "gspo"):
-        width = max((len(t) for t in trainable), default=0)
-        if width == 0:
-            return prepared
-        dense = np.zeros((len(trainable), width), np.float32)
-        valid = np.zeros((len(trainable), width), np.float32)
-        for i, episodes in enumerate(trainable):
-            dense[i, : len(episodes)] = [e.reward for e in episodes]
-            valid[i, : len(episodes)] = 1.0
-        advantages = algorithms.group_advantages(dense, valid, normalization=normalization)
-        best = {} if best_rewards is None else best_rewards
-        keep: list[tuple[int, np.ndarray | None]] = []  # (group index, stuck advantages or None)
-        for i, episodes in enumerate(trainable):
-            if not episodes:
-                continue
-            task, top = episodes[0].task_id, float(dense[i, : len(episodes)].max())
-            # Rewards summed over different paths differ in the last bits; that is not a spread.
-            tolerance = REWARD_TOLERANCE * (1.0 + abs(top))
-            flat = len(episodes) < 2 or bool(np.ptp(dense[i, : len(episodes)]) <= tolerance)
-            prepared.zero_signal_groups += flat
-            task_best = best.get(task, top)
-            if not flat:
-                keep.append((i, None))
-            elif top < task_best - tolerance:  # stuck, not solved: pushed off its path (module docstring)
-                prepared.stuck_groups += 1
-                keep.append((i, stuck_advantages(dense[i, : len(episodes)], task_best)))
-            best[task] = max(task_best, top)
-        if not keep:
-            return prepared  # nothing to learn from: no update at all (module docstring)
-        for i, stuck in keep:
-            for j, e in enumerate(trainable[i]):
-                if stuck is None:
-                    prepared.items.append([_sequence(e, advantage=float(advantages[i, j]))])
-                else:
-                    prepared.items.append([_sequence(e, advantage=float(stuck[j]), stuck=True)])
-    elif algorithm == "ppo":
-        prepared.items.extend([_sequence(e)] for episodes in trainable for e in episodes)
-    elif algorithm == "dpo":
-        for episodes in trainable:
-            if len(episodes) < 2:
-                continue
-            ranked = sorted(episodes, key=lambda e: e.reward)
-            if ranked[-1].reward == ranked[0].reward:
-                prepared.zero_signal_groups += 1
-                continue
-            prepared.items.append([_sequence(ranked[-1], pair_sign=1), _sequence(ranked[0], pair_sign=-1)])
-        prepared.num_pairs = len(prepared.items)
-    else:
-        raise ValueError(f"algorithm {algorithm!r}; expected grpo, ppo, gspo or dpo")
-    return prepared
-
-
-class DatasetError(ValueError):
-    """A DPO dataset file that cannot be read; the message names the line and field."""
-
-
-def load_dpo_pairs(path: str | Path) -> list[list[TrainSequence]]:
-    """Chosen/rejected pairs from a JSONL file, one pair per line::
-
-        {"prompt_ids": [1, 2], "chosen_ids": [3, 4], "rejected_ids": [5]}
-
-    Token ids as the policy's tokenizer produces them; the prompt is shared and never trains.
-    Each pair becomes two sequences (prompt + response) with no sampler log-probs, so its
-    importance weight is 1."""
-    pairs: list[list[TrainSequence]] = []
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise DatasetError(f"{path}: cannot read: {exc.strerror or exc}") from exc
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{path}:{number}: not JSON: {exc.msg}") from exc
-        if not isinstance(record, dict):
-            raise DatasetError(f"{path}:{number}: expected an object with prompt_ids, chosen_ids, rejected_ids")
-        fields = {}
-        for key in ("prompt_ids", "chosen_ids", "rejected_ids"):
-            value = record.get(key)
-            if not isinstance(value, list) or not all(isinstance(x, int) and x >= 0 for x in value):
-                raise DatasetError(f"{path}:{number}: {key} must be a list of non-negative token ids")
-            fields[key] = value
-        if not fields["prompt_ids"] or not fields["chosen_ids"] or not fields["rejected_ids"]:
-            raise DatasetError(f"{path}:{number}: prompt_ids, chosen_ids and rejected_ids must be non-empty")
-        pair = []
-        for key, sign in (("chosen_ids", 1), ("rejected_ids", -1)):
-            ids = np.asarray(fields["prompt_ids"] + fields[key], np.int32)
-            mask = np.zeros(ids.shape, np.uint8)
-            mask[len(fields["prompt_ids"]) :] = 1
-            pair.append(
-                TrainSequence(
-                    ids, mask, np.zeros(ids.shape, np.float32), np.full(ids.shape, -1, np.int32),
-                    behaviour_known=False, pair_sign=sign,
-                )
-            )
-        pairs.append(pair)
-    if not pairs:
-        raise DatasetError(f"{path}: no pairs")
-    return pairs
-
-
 # ------------------------------------------------------------------------------------ learner
-
-
-class BatchSource(Protocol):
-    """The buffer as the loop sees it (``stoker.buffer.client.BufferClient`` fits)."""
-
-    def sample(self, max_groups: int, min_groups: int, timeout: float) -> SampledBatch | None: ...
-
-    def commit(self, batch_id: str) -> Any: ...
-
-    def set_policy_version(self, version: int, duty_cycle: float | None = None) -> Any: ...
-
-
-class Publisher(Protocol):
-    def publish(self, version: int, flat: Any) -> Any: ...
 
 
 class Learner:
@@ -462,10 +212,6 @@ class Learner:
             Checkpointer(settings.checkpoint_dir, keep=settings.checkpoint_keep) if settings.checkpoint_dir else None
         )
         self._saved_step = -1
-        self._reported_version = -1  # written by the outbox's thread only, once running
-        self._copied_version = -1
-        self._unpublished: tuple[int, Any] | None = None  # (version, parameters copied for publishing)
-        self._unpublished_lock = threading.Lock()
         self.resumed = bool(resume and self.restore())
 
     # ----------------------------------------------------------------------------- training
@@ -617,21 +363,6 @@ class Learner:
 
     # ----------------------------------------------------------------------------------- loop
 
-    def _dataset_batches(self) -> Iterator[list[list[TrainSequence]]]:
-        """Endless shuffled epochs over the DPO dataset, batch_groups pairs at a time."""
-        import jax
-        import jax.numpy as jnp
-
-        assert self.settings.dpo_dataset is not None
-        pairs = load_dpo_pairs(self.settings.dpo_dataset)
-        while True:
-            key = jax.random.wrap_key_data(jnp.asarray(self.rng))
-            key, sub = jax.random.split(key)
-            self.rng = np.asarray(jax.random.key_data(key), np.uint32)
-            order = np.asarray(jax.random.permutation(sub, len(pairs)))
-            for start in range(0, len(order), self.settings.batch_groups):
-                yield [pairs[i] for i in order[start : start + self.settings.batch_groups]]
-
     def run(
         self,
         source: BatchSource | None,
@@ -641,171 +372,14 @@ class Learner:
         sink: Any = None,
         stop: threading.Event | None = None,
     ) -> int:
-        """Train until ``max_steps`` total steps (resumed steps count) or ``stop`` is set.
+        """Train until ``max_steps`` total steps (resumed steps count) or ``stop`` is set
+        (``stoker.learner.driver``). Over several JAX processes every process calls it; only the
+        primary's ``source``, ``publisher`` and ``sink`` are used.
 
         Returns the number of updates made by this call."""
-        from stoker.learner.metrics import DutyCycle
+        from stoker.learner.driver import RunLoop
+        from stoker.learner.multihost import Processes
 
-        s = self.settings
-        limit = s.max_steps if max_steps is None else max_steps
-        stop = stop or threading.Event()
-        started_at_step = self.steps
-        duty = DutyCycle()
-        self.busy_seconds = 0.0
-        self._skip_reported_versions(source)
-        dataset = self._dataset_batches() if s.algorithm == "dpo" and s.dpo_dataset else None
-        if dataset is None and source is None:
-            raise ValueError("no buffer to sample from (and no DPO dataset)")
-        with contextlib.ExitStack() as cleanup:
-            # Entered first, so it closes last: every commit and the final weights are sent
-            # before run() returns, after the prefetcher has stopped.
-            outbox = cleanup.enter_context(Outbox())
-            self._publish(outbox, publisher, source)
-            prefetcher = None
-            if dataset is None:
-                assert source is not None
-                prefetcher = cleanup.enter_context(
-                    Prefetcher(source, max_groups=s.batch_groups, min_groups=s.batch_groups, timeout=s.sample_timeout_s)
-                )
-            made = self._run_steps(source, publisher, dataset, prefetcher, outbox, limit, stop, duty, sink)
-            if made:
-                duty.busy_seconds = self.busy_seconds
-                self._publish(outbox, publisher, source, duty.value)
-            if stop.is_set():
-                # Stopped from outside -- maybe because the buffer is gone, when every commit would
-                # retry for minutes: checkpoint first (it needs nothing from the buffer), then give
-                # the buffer a bounded time. A commit not sent means the batch is trained again.
-                if self.steps > started_at_step:
-                    self.save()
-                if prefetcher is not None:
-                    prefetcher.close(wait=STOP_WAIT_SECONDS)
-                abandoned = outbox.close(timeout=STOP_WAIT_SECONDS)
-                if abandoned:
-                    log.warning(
-                        "buffer unreachable while stopping: %d commits/version reports not sent after %.0f s "
-                        "(their batches are delivered again)", abandoned, STOP_WAIT_SECONDS,
-                    )
-        if self.steps > started_at_step:  # batches without an update are steps too: resume after them
-            self.save()
-        if self.checkpointer is not None:
-            self.checkpointer.wait()
-        return made
-
-    def _run_steps(
-        self,
-        source: BatchSource | None,
-        publisher: Publisher | None,
-        dataset: Iterator[list[list[TrainSequence]]] | None,
-        prefetcher: Prefetcher | None,
-        outbox: Outbox,
-        limit: int,
-        stop: threading.Event,
-        duty: Any,
-        sink: Any,
-    ) -> int:
-        s = self.settings
-        made = 0
-        while self.steps < limit and not stop.is_set():
-            batch_id = None
-            if dataset is not None:
-                metrics = self.train_on_pairs(next(dataset))
-            else:
-                assert prefetcher is not None and source is not None
-                batch = prefetcher.get()
-                if batch is None:
-                    if made:
-                        duty.busy_seconds = self.busy_seconds
-                        outbox.send(functools.partial(self._report_idle, source, duty.value))
-                    continue
-                batch_id = batch.batch_id
-                metrics = self.train_on(batch.groups, sampled_at=batch.policy_version)
-            if batch_id is not None and source is not None:
-                outbox.send(functools.partial(self._commit, source, batch_id))
-            if not metrics.get("trained"):
-                if sink is not None:
-                    sink.record(metrics)  # its episodes still count toward the success rate
-                continue
-            made += 1
-            duty.busy_seconds = self.busy_seconds
-            metrics["duty_cycle"] = duty.value
-            if self.steps % s.publish_interval == 0:
-                self._publish(outbox, publisher, source, metrics["duty_cycle"])
-            if self.steps % s.checkpoint_interval == 0:
-                self.save()
-            if sink is not None:
-                sink.record(metrics)
-            log.info(
-                "step %d v%d loss %.4f reward %.3f %.0f tok/s duty %.2f",
-                self.steps, self.version, metrics.get("loss", 0.0), metrics.get("reward_mean", 0.0),
-                metrics["tokens_per_second"], metrics["duty_cycle"],
-            )
-        return made
-
-    def _skip_reported_versions(self, source: BatchSource | None) -> None:
-        """Never hand out a version number twice.
-
-        After a kill the checkpoint may be older than the last version the buffer (and the actors)
-        saw; those versions' weights are lost. Numbering on from the checkpoint would give
-        different weights an already-used version, so the restored weights take the next unused
-        number instead."""
-        stats = getattr(source, "stats", None)
-        if stats is None:
-            return
-        reported = int(stats().policy_version)
-        if reported > self.version:
-            log.warning(
-                "checkpoint is at version %d but version %d was already reported; continuing as version %d",
-                self.version, reported, reported + 1,
-            )
-            self.version = reported + 1
-
-    @staticmethod
-    def _commit(source: BatchSource, batch_id: str) -> None:
-        from stoker.buffer.client import LeaseLostError
-
-        try:
-            source.commit(batch_id)
-        except LeaseLostError as exc:
-            # The lease ran out while we trained; the buffer will hand those groups out again.
-            log.warning("commit of batch %s refused (%s); its groups will be delivered again", batch_id, exc)
-
-    def _report_idle(self, source: BatchSource, duty_cycle: float) -> None:
-        """Waiting for data: send the falling duty cycle with the version already reported (never
-        an unpublished one), or the operator's starvation check would keep seeing the value from
-        the last step for as long as the learner is starved."""
-        if self._reported_version >= 0:
-            source.set_policy_version(self._reported_version, duty_cycle=duty_cycle)
-
-    def _publish(
-        self, outbox: Outbox, publisher: Publisher | None, source: BatchSource | None, duty_cycle: float | None = None
-    ) -> None:
-        """Publish the current version's weights (once per version) and then report it to the
-        buffer, with the duty cycle when there is one (not before the first step: the operator would
-        read a learner that has not started as a starved one).
-
-        Only the copy of the parameters happens here (the next step donates them); converting,
-        writing and reporting run on the outbox's thread, newest version wins."""
-        version = self.version
-        if publisher is not None and self._copied_version < version:
-            copy = self.trainer.policy_copy()
-            with self._unpublished_lock:
-                self._unpublished, self._copied_version = (version, copy), version
-
-        def publish_and_report() -> None:
-            # The newest copy, not necessarily this call's: if publishing fell behind training,
-            # actors get the latest weights rather than a backlog of older ones.
-            unpublished = self._unpublished
-            if unpublished is not None and getattr(publisher, "latest_version", -1) < unpublished[0]:
-                assert publisher is not None
-                publisher.publish(unpublished[0], self.flat_weights(unpublished[1]))
-            with self._unpublished_lock:  # unless a newer copy arrived meanwhile
-                if self._unpublished is unpublished:
-                    self._unpublished = None  # do not hold a second copy of the weights once published
-            if source is not None and self._reported_version != version:
-                if duty_cycle is None:
-                    source.set_policy_version(version)
-                else:
-                    source.set_policy_version(version, duty_cycle=duty_cycle)
-                self._reported_version = version
-
-        outbox.send(publish_and_report)
+        limit = self.settings.max_steps if max_steps is None else max_steps
+        loop = RunLoop(self, source, publisher, sink, stop or threading.Event(), Processes.current())
+        return loop.run(limit)

@@ -53,6 +53,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="stop once the rolling success rate reaches this value (e.g. 0.9)",
     )
     parser.add_argument("--max-steps", type=int, help="override spec.learner.maxSteps")
+    parser.add_argument(
+        "--learner-processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the learner as N JAX processes on loopback (jax.distributed, gloo), as on a multi-host slice",
+    )
+    parser.add_argument(
+        "--learner-devices",
+        type=int,
+        default=1,
+        metavar="D",
+        help="CPU devices per learner process (--xla_force_host_platform_device_count) with --learner-processes",
+    )
     parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of the live display")
 
 
@@ -68,6 +82,8 @@ class RunOptions:
     target_success: float | None = None
     max_steps: int | None = None
     live: bool = True
+    learner_processes: int = 1
+    learner_devices: int = 1
 
     @property
     def metrics_path(self) -> Path:
@@ -82,7 +98,16 @@ class RunOptions:
         return self.run_dir / "logs"
 
 
+class UsageError(ValueError):
+    """A command-line option that cannot work; the message says why."""
+
+
 def resolve_options(args: argparse.Namespace) -> RunOptions:
+    processes, devices = getattr(args, "learner_processes", 1), getattr(args, "learner_devices", 1)
+    if processes < 1 or devices < 1:
+        raise UsageError(f"--learner-processes {processes} --learner-devices {devices}; both must be >= 1")
+    if processes > 1 and args.mode == "sync":
+        raise UsageError("--learner-processes applies to --mode async (the sync baseline trains in this process)")
     job = load_job(args.file)
     problems = environment_problems(job, str(args.file))
     if problems:
@@ -97,11 +122,17 @@ def resolve_options(args: argparse.Namespace) -> RunOptions:
         target_success=args.target_success,
         max_steps=args.max_steps,
         live=not args.no_progress and sys.stderr.isatty(),
+        learner_processes=processes,
+        learner_devices=devices,
     )
 
 
 def main(args: argparse.Namespace) -> int:
-    options = resolve_options(args)
+    try:
+        options = resolve_options(args)
+    except UsageError as exc:
+        print(f"stoker run: {exc}", file=sys.stderr)
+        return 2
     options.run_dir.mkdir(parents=True, exist_ok=True)
     options.logs_dir.mkdir(exist_ok=True)
     _write_run_record(options)
@@ -244,15 +275,44 @@ def _terminate_on_signals() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def learner_process_envs(env: dict[str, str], processes: int, devices: int) -> list[dict[str, str]]:
+    """The environment of each of ``processes`` learner processes: one JAX process each on the CPU,
+    ``devices`` devices apiece, meeting at a coordinator on a free loopback port
+    (``stoker.learner.distributed``). One process gets ``env`` unchanged."""
+    if processes == 1:
+        return [env]
+    import socket
+
+    with socket.socket() as probe:  # a free port now; the coordinator binds it a moment later
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    shared = {
+        **env,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]),
+        "STOKER_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+        "STOKER_NUM_PROCESSES": str(processes),
+        # A local peer that dies closes its sockets and is seen at once; the heartbeat covers a
+        # hung one, and a short one keeps a broken local run from lingering.
+        "STOKER_HEARTBEAT_TIMEOUT_SECONDS": env.get("STOKER_HEARTBEAT_TIMEOUT_SECONDS", "20"),
+    }
+    return [{**shared, "STOKER_PROCESS_ID": str(index)} for index in range(processes)]
+
+
 @dataclass
 class AsyncRun:
     options: RunOptions
     buffer: Child | None = None
-    learner: Child | None = None
+    learners: list[Child] = field(default_factory=list)  # process 0 (the primary) first
     actors: list[Child] = field(default_factory=list)
 
+    @property
+    def learner(self) -> Child | None:
+        return self.learners[0] if self.learners else None
+
     def children(self) -> list[Child]:
-        return [c for c in (self.learner, *self.actors, self.buffer) if c is not None]
+        return [c for c in (*self.learners, *self.actors, self.buffer) if c is not None]
 
     def start(self, env: dict[str, str]) -> str:
         o = self.options
@@ -282,8 +342,11 @@ class AsyncRun:
         )
         if o.max_steps is not None:
             learner_argv += ["--max-steps", str(o.max_steps)]
-        self.learner = Child("learner", learner_argv, o.logs_dir / "learner.log")
-        self.learner.start(env)
+        for index, learner_env in enumerate(learner_process_envs(env, o.learner_processes, o.learner_devices)):
+            name, log_name = ("learner", "learner.log") if index == 0 else (f"learner-{index}", f"learner-{index}.log")
+            learner = Child(name, learner_argv, o.logs_dir / log_name)
+            learner.start(learner_env)
+            self.learners.append(learner)
         for index in range(o.job.spec.actors.replicas):
             actor = Child(
                 f"actor-{index}",
@@ -303,8 +366,12 @@ class AsyncRun:
     def stop(self) -> None:
         # Learner first (final checkpoint), then actors (and their sandboxes), the buffer last so
         # in-flight Puts still land. The actors stop together: one grace period for all of them.
-        if self.learner is not None:
-            self.learner.stop()
+        # Every learner process at once: they agree on the stop and checkpoint together.
+        for learner in self.learners:
+            learner.signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for learner in self.learners:
+            learner.finish(max(0.0, deadline - time.monotonic()))
         for actor in self.actors:
             actor.signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_SECONDS
@@ -318,7 +385,7 @@ class AsyncRun:
             code = child.returncode
             if code is not None and code != 0:
                 return child
-            if code == 0 and child is not self.learner:
+            if code == 0 and child not in self.learners:
                 return child  # only the learner is expected to finish
         return None
 
@@ -354,7 +421,7 @@ def run_async(options: RunOptions) -> Outcome:
             progress.attach_buffer(address)
             while True:
                 progress.refresh()
-                if run.learner is not None and run.learner.returncode == 0:
+                if run.learners and all(learner.returncode == 0 for learner in run.learners):
                     return Outcome(0, f"done: learner finished ({progress.summary()})")
                 failed = run.failed_child()
                 if failed is not None:

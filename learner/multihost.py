@@ -1,0 +1,134 @@
+"""One logical learner over every JAX process of a multi-host slice.
+
+Process 0, the *primary*, is the only one that talks to the buffer and the outside world: it
+samples, commits, publishes weights, reports the version and duty cycle and writes metrics. Every
+other process trains on exactly what the primary sampled. Each step starts with ``share_step``: one
+all-gather of a small header (every process's stop flag, the primary's batch size) and, when there
+is a batch, one broadcast of it as the buffer's own ``SampleResponse`` bytes. Every process then
+runs the same deterministic host-side preparation and packing on the same bytes, and hands
+``jax.device_put`` its full copy of each micro-batch: it transfers only the rows of the mesh's data
+axis that live on this process's devices, so the global array is built from each process's share.
+Why the primary broadcasts rather than every process fetching by batch id: docs/architecture.md.
+
+Every decision that leads to a collective (train, publish, checkpoint, stop) is taken from shared
+values, so all processes enter the same collectives in the same order and none waits for a peer
+that chose otherwise. With one process every function here is a pass-through.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from stoker.buffer.client import SampledBatch
+
+# Payloads are padded to a power of two no smaller than this, so the broadcast compiles one
+# program per size class (a handful per run), not one per batch.
+MIN_PAYLOAD_BYTES = 1 << 12
+
+
+class PeerFailure(RuntimeError):
+    """A collective failed: another process of the learner died or lost its connection."""
+
+
+@dataclass(frozen=True)
+class Processes:
+    """This process's place among the learner's JAX processes."""
+
+    index: int = 0
+    count: int = 1
+
+    @property
+    def primary(self) -> bool:
+        return self.index == 0
+
+    @property
+    def multi(self) -> bool:
+        return self.count > 1
+
+    @classmethod
+    def current(cls) -> Processes:
+        import jax
+
+        return cls(jax.process_index(), jax.process_count())
+
+
+def padded_size(size: int) -> int:
+    return max(MIN_PAYLOAD_BYTES, 1 << max(size - 1, 0).bit_length())
+
+
+def share_step(processes: Processes, batch: SampledBatch | None, stop: bool) -> tuple[bool, SampledBatch | None]:
+    """``(stop, batch)`` agreed by every process: stop if any process was asked to; the primary's
+    batch (None when the buffer had none in time, and always None when stopping: a batch sampled
+    but not trained is not committed, so the buffer delivers it again after its lease)."""
+    if not processes.multi:
+        return stop, batch
+    from jax.experimental import multihost_utils
+
+    from stoker.buffer.client import decode_sample, encode_sample
+    from stoker.v1 import buffer_pb2
+
+    payload = encode_sample(batch).SerializeToString() if processes.primary and batch is not None else b""
+    with collective("agreeing on the next step"):
+        headers = multihost_utils.process_allgather(np.asarray([int(stop), len(payload)], np.int64))
+    stop_any, size = bool(headers[:, 0].any()), int(headers[0, 1])
+    if stop_any or size == 0:
+        return stop_any, None
+    buf = np.zeros(padded_size(size), np.uint8)
+    if processes.primary:
+        buf[:size] = np.frombuffer(payload, np.uint8)
+    with collective("sharing the batch"):
+        data = multihost_utils.broadcast_one_to_all(buf)
+    if processes.primary:
+        return False, batch
+    return False, decode_sample(buffer_pb2.SampleResponse.FromString(np.asarray(data[:size]).tobytes()))
+
+
+def broadcast_int(processes: Processes, value: int) -> int:
+    """The primary's ``value`` on every process."""
+    if not processes.multi:
+        return value
+    from jax.experimental import multihost_utils
+
+    with collective("sharing a value"):
+        return int(multihost_utils.broadcast_one_to_all(np.asarray(value, np.int64)))
+
+
+@functools.lru_cache(maxsize=4)
+def _replicate_fn(mesh: Mesh) -> Any:
+    import jax
+
+    from stoker.learner.sharding import replicated
+
+    return jax.jit(lambda tree: tree, out_shardings=replicated(mesh))
+
+
+def replicate(processes: Processes, tree: Any, mesh: Mesh) -> Any:
+    """``tree`` (sharded over every process's devices) with a full copy on each device, so the
+    primary can read it to the host without another collective. Every process must call it."""
+    if not processes.multi:
+        return tree
+    with collective("gathering the weights"):
+        return _replicate_fn(mesh)(tree)
+
+
+class collective:  # noqa: N801 - used as a context manager, reads as a phrase
+    """Turns a failed collective into ``PeerFailure`` naming what the learner was doing."""
+
+    def __init__(self, doing: str):
+        self.doing = doing
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        import jax
+
+        if exc is not None and isinstance(exc, jax.errors.JaxRuntimeError):
+            raise PeerFailure(f"another learner process failed while {self.doing}: {exc}") from exc

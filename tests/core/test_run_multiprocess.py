@@ -1,0 +1,97 @@
+"""`stoker run --learner-processes 2`: the learner as two JAX processes on loopback, from the main
+command -- it trains, side effects happen once, and Ctrl-C stops every process with a checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stoker.local import UsageError, learner_process_envs, resolve_options
+
+pytestmark = pytest.mark.slow
+
+TINY_JOB = """\
+apiVersion: stoker.dev/v1alpha1
+kind: RLJob
+metadata: {name: tiny}
+spec:
+  model: {architecture: {vocabSize: 32, hiddenSize: 32, numLayers: 1, intermediateSize: 64, maxSeqLen: 128}}
+  environment: {name: frozenlake, maxTurns: 3, frozenlake: {mapSeeds: [1]}, sandbox: {kind: inline}}
+  actors: {replicas: 1, concurrency: 2}
+  buffer: {groupSize: 2, maxStaleness: 2}
+  learner: {batchGroups: 1, sequenceBuckets: [128], maxSteps: 50, checkpoint: {intervalSteps: 1}}
+"""
+
+
+def test_two_learner_processes_train_once_and_stop_together_on_ctrl_c(tmp_path: Path) -> None:
+    manifest = tmp_path / "tiny.yaml"
+    manifest.write_text(TINY_JOB)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache")}
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "stoker.cli", "run", str(manifest), "--run-dir", str(run_dir), "--no-progress",
+         "--learner-processes", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    metrics = run_dir / "learner_metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        assert runner.poll() is None, runner.communicate()[1][-3000:]
+        time.sleep(0.2)  # polling for training steps, not papering over a race
+    runner.send_signal(signal.SIGINT)
+    _, stderr = runner.communicate(timeout=180)
+    assert runner.returncode == 130, stderr[-3000:]
+    assert "interrupted" in stderr
+    # Both processes ran as one JAX job of two processes.
+    logs = run_dir / "logs"
+    assert (logs / "learner.log").exists() and (logs / "learner-1.log").exists()
+    assert "processes=2, process_id=1" in (logs / "learner-1.log").read_text()
+    # Training progressed, and each step was recorded once (only process 0 writes metrics).
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()]
+    assert len(steps) >= 3 and steps == list(range(1, len(steps) + 1))
+    # Weights were published (by process 0: only it has a publisher), and the final checkpoint
+    # was written by both processes together at the step both stopped at.
+    assert json.loads((run_dir / "weights" / "LATEST.json").read_text())["policy_version"] >= 1
+    saved = max(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved >= steps[-1]
+    assert (run_dir / "report.md").exists()
+
+
+def test_learner_process_environments() -> None:
+    base = {"XLA_FLAGS": "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=8", "PATH": "/bin"}
+    assert learner_process_envs(base, 1, 4) == [base]
+    envs = learner_process_envs(base, 3, 2)
+    assert [e["STOKER_PROCESS_ID"] for e in envs] == ["0", "1", "2"]
+    assert {e["STOKER_NUM_PROCESSES"] for e in envs} == {"3"}
+    assert len({e["STOKER_COORDINATOR_ADDRESS"] for e in envs}) == 1
+    assert envs[0]["STOKER_COORDINATOR_ADDRESS"].startswith("127.0.0.1:")
+    # Each process gets its own device count; other XLA flags are kept.
+    assert envs[1]["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=2"
+    assert envs[2]["JAX_PLATFORMS"] == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--learner-processes", "0"], "both must be >= 1"),
+        (["--learner-processes", "2", "--mode", "sync"], "applies to --mode async"),
+    ],
+)
+def test_bad_learner_process_options_are_explained(tmp_path: Path, argv: list[str], message: str) -> None:
+    import argparse
+
+    from stoker.local import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    manifest = tmp_path / "tiny.yaml"
+    manifest.write_text(TINY_JOB)
+    with pytest.raises(UsageError, match=message):
+        resolve_options(parser.parse_args([str(manifest), *argv]))
