@@ -4,9 +4,9 @@ The trajectory is built from ids only (``TrajectoryBuilder``)::
 
     <bos> obs_0 <act> | sampled_0 | obs_1 <act> | sampled_1 | ...
     mask:  0               1          0             1
+    logprob/version: 0/-1 on context tokens, the sampler's values on sampled ones
 
 (with a chat template, ``TextInterface`` lays out the opening and the ids between turns instead).
-    logprob/version: 0/-1 on context tokens, the sampler's values on sampled ones
 
 Sampled ids enter the trajectory exactly as the sampler returned them; they are decoded to text
 only to hand the environment its action. Each observation is tokenised once and appended. The final

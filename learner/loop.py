@@ -291,7 +291,9 @@ class Learner:
         assign_weights(micros, trainable, s.loss_aggregation)
         sums = self.trainer.step(micros, self.version, num_pairs=prepared.num_pairs)
         applied = not sums["nonfinite_grads"]  # a non-finite gradient: no update (Trainer.step)
-        self.version += applied
+        if not applied:
+            log.warning("update skipped: a gradient is not finite (%d so far)", sums["nonfinite_updates"])
+        self.version += int(applied)
         self.steps += 1
         elapsed = time.perf_counter() - started
         self.busy_seconds += elapsed
