@@ -18,7 +18,7 @@ may be lists or JSON-encoded lists (as SWE-bench ships them). ``test_command`` i
 one runner the harness can vouch for.
 
 ``python -m stoker.actor.swebench DIR`` converts the bundled TOML tasks into instances in DIR;
-the converted four ship in ``stoker/actor/tasks/swebench/``.
+the converted four ship in ``actor/tasks/swebench/``.
 """
 
 from __future__ import annotations
