@@ -53,6 +53,7 @@ RETRY_AFTER_KEY = "stoker-retry-after-ms"
 # waits for the device, which would stall every other call on the loop.
 OFF_LOOP_PUT_BYTES = DIRECT_MIN
 MAX_DETAIL = 300  # characters of any status message; a client's bytes never make it longer
+MAX_TRAILING_BYTES = 4096
 MAX_SAMPLE_GROUPS = 1 << 16
 MAX_CREDIT_GROUPS = 1 << 20
 MAX_TIMEOUT_SECONDS = 3600.0
@@ -149,7 +150,7 @@ class BufferService:
         response = put_response(outcome)
         rejected = outcome.rejected
         if rejected:
-            raise invalid(rejection_summary(outcome), ((PUT_RESPONSE_KEY, response.SerializeToString()),))
+            raise invalid(rejection_summary(outcome), ((PUT_RESPONSE_KEY, trailing_put_response(response)),))
         return response.SerializeToString()
 
     def split_put(self, data: bytes | memoryview) -> tuple[str, list[memoryview]]:
@@ -440,6 +441,17 @@ def put_response(outcome: PutOutcome) -> buffer_pb2.PutResponse:
         stored=outcome.stored,
         duplicates=outcome.duplicates,
     )
+
+
+def trailing_put_response(response: buffer_pb2.PutResponse) -> bytes:
+    """The PutResponse for trailing metadata, which gRPC clients accept up to 8 KiB by default:
+    past ``MAX_TRAILING_BYTES`` the per-trajectory messages go (codes and fields stay)."""
+    encoded = response.SerializeToString()
+    if len(encoded) <= MAX_TRAILING_BYTES:
+        return encoded
+    for result in response.results:
+        result.message = ""
+    return response.SerializeToString()
 
 
 def rejection_summary(outcome: PutOutcome) -> str:

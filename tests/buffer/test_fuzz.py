@@ -135,3 +135,13 @@ def test_a_ready_file_that_cannot_be_written_is_one_clear_line(tmp_path: Path) -
     )  # fmt: skip
     assert done.returncode == 2
     assert "--ready-file" in done.stderr and "cannot write" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_put_with_many_invalid_trajectories_still_reports_each_by_field(
+    buffer: BufferClient, make_episode: Callable[..., Episode]
+) -> None:
+    group = "g" * 250  # each refusal names the group: 64 of them are more than gRPC's 8 KiB of metadata
+    buffer.put([make_episode(group, group_size=2) for _ in range(2)])
+    with pytest.raises(InvalidTrajectoryError) as refused:
+        buffer.put([make_episode(group, group_size=2) for _ in range(64)])
+    assert refused.value.fields == ["group_id"] * 64

@@ -358,3 +358,31 @@ def test_concurrent_direct_and_buffered_appends_across_rotations_all_replay_once
     for index in range(threads):  # each writer's records in the order it wrote them
         mine = [t for t in tags if t.startswith(f"{index}-")]
         assert mine == [f"{index}-{j}" for j in range(per_thread)]
+
+
+@pytest.mark.parametrize("fsync", [True, False], ids=["direct", "buffered"])
+def test_a_failed_preallocation_is_not_booked_and_the_log_stays_usable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsync: bool) -> None:
+    # Issue 25, defect 2: an append that finds no space must not leave the log refusing everything.
+    size = 1536 << 10  # past the first preallocation (1 MiB); direct when fsync is on
+    wal = Wal(tmp_path, fsync=fsync, segment_bytes=4 << 20, reserve=64 << 10)
+    list(wal.replay()[0])
+    wal.start()
+    segment = wal.segments[wal.active_segment]
+    allocated, size_before = segment.allocated, segment.size
+    real_fallocate = wal_module.os.posix_fallocate
+
+    def full_volume(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(wal_module.os, "posix_fallocate", full_volume)
+    big = bytes(range(256)) * (size // 256)
+    with pytest.raises(wal_module.WalFull):
+        wal.append(1, [big])
+    assert (segment.allocated, segment.size) == (allocated, size_before) and wal.broken is None and wal.full
+    wal.sync(wal.append(2, [b"commit"], reserved=True))  # consumption records still fit in the reserve
+    monkeypatch.setattr(wal_module.os, "posix_fallocate", real_fallocate)
+    wal.sync(wal.append(1, [big]))
+    assert wal.full is None
+    wal.close()
+    records, _ = replayed(tmp_path)
+    assert records == [b"commit", big]
