@@ -73,6 +73,7 @@ def _from_run(run_dir: Path) -> tuple[Transformer, Path | None, int]:
 def export(source: str | Path, target: str | Path) -> tuple[Path, list[str]]:
     """Write the HF directory; returns it and the tokenizer files copied."""
     source, target = Path(source), Path(target)
+    tokenizer_dir: Path | None
     if (source / CONFIG_FILE).exists():
         model, tokenizer_dir = load_checkpoint(source), source
     elif (source / RUN_RECORD).exists():

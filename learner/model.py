@@ -201,13 +201,6 @@ def packed_visibility(segment_ids: jax.Array) -> Visibility:
     return Visibility(index, index, segment_ids, segment_ids)
 
 
-def packed_mask(segment_ids: jax.Array) -> jax.Array:
-    """[B, T, T] mask: query t sees key s iff s <= t and both lie in the same nonzero segment."""
-    from stoker.learner.attention import visible
-
-    return visible(packed_visibility(segment_ids), None)
-
-
 def _remat_block(block: Block, policy: RematPolicy) -> Callable[[jax.Array, jax.Array, Visibility], jax.Array]:
     """``block`` as h -> h, rematerialised under ``policy`` (the backward recomputes its insides)."""
     if policy == "none":
@@ -219,9 +212,9 @@ def _remat_block(block: Block, policy: RematPolicy) -> Callable[[jax.Array, jax.
     def step(state: Any, h: jax.Array, positions: jax.Array, vis: Visibility) -> jax.Array:
         return nnx.merge(graphdef, state)(h, positions, vis)[0]
 
-    # On TPU and GPU each layer's insides are recomputed in the backward pass. XLA's CPU pipeline
-    # drops the barriers that keep the recomputation apart and merges it back into the forward
-    # pass (benchmarks/README.md, "Learner memory"), so on the CPU this saves little.
+    # Unrolled checkpointed layers: XLA's CPU pipeline drops the barriers that keep the
+    # recomputation apart and merges it back into the forward pass (benchmarks/README.md,
+    # "Learner memory"), so most layers go through _scan_layers; this serves the few left over.
     stepped = jax.checkpoint(step, policy=_REMAT_POLICIES[policy], prevent_cse=True)
     return lambda h, positions, vis: stepped(state, h, positions, vis)
 
