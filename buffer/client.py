@@ -132,6 +132,7 @@ class SampledBatch:
     batch_id: str
     groups: list[SampledGroup]
     policy_version: int
+    max_staleness: int | None = None  # the buffer's limit for this batch; None from a buffer without Configure
 
     @property
     def episodes(self) -> list[Episode]:
@@ -149,6 +150,7 @@ def decode_sample(response: buffer_pb2.SampleResponse) -> SampledBatch | None:
         response.batch_id,
         [SampledGroup(g.group_id, g.masked, [from_proto(t) for t in g.trajectories]) for g in response.groups],
         response.policy_version,
+        response.max_staleness if response.HasField("max_staleness") else None,
     )
 
 
@@ -161,6 +163,7 @@ def encode_sample(batch: SampledBatch) -> buffer_pb2.SampleResponse:
             for g in batch.groups
         ],
         policy_version=batch.policy_version,
+        max_staleness=batch.max_staleness,
     )
 
 

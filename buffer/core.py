@@ -581,6 +581,7 @@ class BufferCore:
                 batch_id,
                 [(g.group_id, [e.raw for e in g.entries.values()], g.masked) for g in groups],
                 self.policy_version,
+                self.settings.max_staleness,
             )
 
     def _wait_ready(self, count: int, deadline: float) -> bool:

@@ -315,7 +315,7 @@ class BufferService:
             self._samplers.remove(waiter)
         if batch is None:
             return encode_sample_response("", [], self.core.policy_version)
-        return encode_sample_response(batch.batch_id, batch.groups, batch.policy_version)
+        return encode_sample_response(batch.batch_id, batch.groups, batch.policy_version, batch.max_staleness)
 
     def _on_ready(self, ready: int) -> None:
         """``BufferCore.ready_listener``: wake the Samples that can now return."""

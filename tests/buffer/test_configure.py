@@ -9,10 +9,20 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from stoker.buffer.client import AuthError, BufferClient, BufferUnavailableError, RetryPolicy
+from stoker.buffer.client import (
+    AuthError,
+    BufferClient,
+    BufferUnavailableError,
+    RetryPolicy,
+    SampledBatch,
+    decode_sample,
+    encode_sample,
+)
 from stoker.buffer.server import BufferServer
 from stoker.buffer.settings import BufferSettings
+from stoker.buffer.wire import encode_sample_response
 from stoker.trajectory import Episode
+from stoker.v1 import buffer_pb2
 
 Groups = Callable[..., list[Episode]]
 ServerFactory = Callable[..., BufferServer]
@@ -48,10 +58,21 @@ def test_a_lower_max_staleness_is_enforced_at_once(
         buffer.put(make_group(2, version=1))  # 1 behind: within the new limit
         batch = buffer.sample(1, timeout=5)
         assert batch is not None and len(batch.groups) == 1
+        assert batch.max_staleness == 1  # the learner drops stale tokens by the buffer's limit
         buffer.commit(batch.batch_id)
         buffer.put(make_group(2, version=1))
         buffer.set_policy_version(3)  # now 2 behind: the new limit drops it on the version change too
         assert buffer.stats().dropped["stale"] == 2
+
+
+def test_a_sample_response_says_the_limit_even_when_it_is_0() -> None:
+    data = encode_sample_response("b", [], 3, max_staleness=0)
+    response = buffer_pb2.SampleResponse.FromString(data)
+    assert response.HasField("max_staleness") and response.max_staleness == 0
+    assert not buffer_pb2.SampleResponse.FromString(encode_sample_response("b", [], 3)).HasField("max_staleness")
+    # as a multi-host learner's primary passes the batch on to the other processes
+    shared = decode_sample(encode_sample(SampledBatch("b", [], 3, max_staleness=0)))
+    assert shared is not None and shared.max_staleness == 0
 
 
 def test_a_higher_max_staleness_grants_more_credit(server_factory: ServerFactory, settings: BufferSettings) -> None:

@@ -124,14 +124,16 @@ class Group(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., trajectories: _Optional[_Iterable[_Union[_trajectory_pb2.Trajectory, _Mapping]]] = ..., masked: _Optional[bool] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
-    __slots__ = ("batch_id", "groups", "policy_version")
+    __slots__ = ("batch_id", "groups", "policy_version", "max_staleness")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     groups: _containers.RepeatedCompositeFieldContainer[Group]
     policy_version: int
-    def __init__(self, batch_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    max_staleness: int
+    def __init__(self, batch_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., policy_version: _Optional[int] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("batch_id",)
