@@ -132,6 +132,7 @@ class SampledBatch:
     batch_id: str
     groups: list[SampledGroup]
     policy_version: int
+    max_staleness: int | None = None  # the buffer's limit for this batch; None from a buffer without Configure
 
     @property
     def episodes(self) -> list[Episode]:
@@ -149,6 +150,7 @@ def decode_sample(response: buffer_pb2.SampleResponse) -> SampledBatch | None:
         response.batch_id,
         [SampledGroup(g.group_id, g.masked, [from_proto(t) for t in g.trajectories]) for g in response.groups],
         response.policy_version,
+        response.max_staleness if response.HasField("max_staleness") else None,
     )
 
 
@@ -161,6 +163,7 @@ def encode_sample(batch: SampledBatch) -> buffer_pb2.SampleResponse:
             for g in batch.groups
         ],
         policy_version=batch.policy_version,
+        max_staleness=batch.max_staleness,
     )
 
 
@@ -228,6 +231,7 @@ class BufferClient:
         self._commit = method("Commit", buffer_pb2.CommitResponse)
         self._set_version = method("SetPolicyVersion", buffer_pb2.SetPolicyVersionResponse)
         self._stats = method("Stats", buffer_pb2.BufferStats)
+        self._configure = method("Configure", buffer_pb2.ConfigureResponse)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self._committer: futures.ThreadPoolExecutor | None = None
         self._committer_lock = threading.Lock()
@@ -383,6 +387,15 @@ class BufferClient:
 
     def stats(self) -> buffer_pb2.BufferStats:
         return self._call(self._stats, buffer_pb2.StatsRequest())
+
+    def configure(self, *, capacity: int | None = None, max_staleness: int | None = None) -> None:
+        """Change the settings the buffer applies live (the operator's call); None leaves one as it is."""
+        request = buffer_pb2.ConfigureRequest()
+        if capacity is not None:
+            request.capacity = capacity
+        if max_staleness is not None:
+            request.max_staleness = max_staleness
+        self._call(self._configure, request)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Block until the buffer's health service reports SERVING; ``BufferUnavailableError`` if not in time."""

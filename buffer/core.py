@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
@@ -580,6 +581,7 @@ class BufferCore:
                 batch_id,
                 [(g.group_id, [e.raw for e in g.entries.values()], g.masked) for g in groups],
                 self.policy_version,
+                self.settings.max_staleness,
             )
 
     def _wait_ready(self, count: int, deadline: float) -> bool:
@@ -693,6 +695,37 @@ class BufferCore:
                 log.error("could not log policy version %d: %s", version, exc)
             self._drop([g for g in self._ready if self._is_stale(g)], "stale")
             self._cond.notify_all()
+
+    def configure(self, *, capacity: int | None = None, max_staleness: int | None = None) -> dict[str, tuple[int, int]]:
+        """Apply the settings the buffer takes live (``Configure``): all or nothing, checked as
+        ``BufferSettings`` checks them (``ValueError``). Returns what changed, ``{name: (old, new)}``.
+
+        A lower ``max_staleness`` drops the ready groups now past it, as a new policy version
+        would; a lower ``capacity`` refuses Puts until the learner has taken enough (nothing
+        stored is given up)."""
+        with self._cond:
+            old = self.settings
+            updated = replace(
+                old,
+                capacity=old.capacity if capacity is None else capacity,
+                max_staleness=old.max_staleness if max_staleness is None else max_staleness,
+            )
+            changed = {
+                name: (before, after)
+                for name, before, after in (
+                    ("capacity", old.capacity, updated.capacity),
+                    ("max_staleness", old.max_staleness, updated.max_staleness),
+                )
+                if before != after
+            }
+            if not changed:
+                return changed
+            self.settings = updated  # one reference: every reader sees the old settings or the new
+            if "max_staleness" in changed:
+                self._drop([g for g in self._ready if self._is_stale(g)], "stale")
+            self._cond.notify_all()
+        log.info("settings applied live: %s", ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))
+        return changed
 
     def _credit(self) -> int:
         """``floor(s * allowance) - outstanding`` (module docstring); may be negative."""
@@ -881,4 +914,5 @@ class BufferCore:
                 stored_bytes=self._stored_bytes,
                 admission_scale=self.admission.value,
                 learner_duty_cycle=self.learner_duty_cycle,
+                max_staleness=self.settings.max_staleness,
             )

@@ -57,6 +57,7 @@ MAX_TRAILING_BYTES = 4096
 MAX_SAMPLE_GROUPS = 1 << 16
 MAX_CREDIT_GROUPS = 1 << 20
 MAX_TIMEOUT_SECONDS = 3600.0
+MAX_CAPACITY = 1 << 40  # trajectories; far past any disk
 BATCH_ID_LENGTH = 32  # uuid4().hex
 
 Metadata = Sequence[tuple[str, str | bytes]]
@@ -314,7 +315,7 @@ class BufferService:
             self._samplers.remove(waiter)
         if batch is None:
             return encode_sample_response("", [], self.core.policy_version)
-        return encode_sample_response(batch.batch_id, batch.groups, batch.policy_version)
+        return encode_sample_response(batch.batch_id, batch.groups, batch.policy_version, batch.max_staleness)
 
     def _on_ready(self, ready: int) -> None:
         """``BufferCore.ready_listener``: wake the Samples that can now return."""
@@ -359,6 +360,17 @@ class BufferService:
             raise invalid(str(exc)) from None
         return buffer_pb2.SetPolicyVersionResponse()
 
+    async def configure(self, request: buffer_pb2.ConfigureRequest, context: Context) -> buffer_pb2.ConfigureResponse:
+        capacity = request.capacity if request.HasField("capacity") else None
+        max_staleness = request.max_staleness if request.HasField("max_staleness") else None
+        if capacity is not None and capacity > MAX_CAPACITY:
+            raise invalid(f"capacity: got {capacity}; expected 1..{MAX_CAPACITY}")
+        try:
+            self.core.configure(capacity=capacity, max_staleness=max_staleness)
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+        return buffer_pb2.ConfigureResponse()
+
     async def stats(self, request: buffer_pb2.StatsRequest, context: Context) -> buffer_pb2.BufferStats:
         return self.core.stats()
 
@@ -380,6 +392,7 @@ class BufferService:
                 "SetPolicyVersion", self.set_policy_version, buffer_pb2.SetPolicyVersionRequest, buffer_pb2.SetPolicyVersionResponse
             ),
             "Stats": unary("Stats", self.stats, buffer_pb2.StatsRequest, buffer_pb2.BufferStats),
+            "Configure": unary("Configure", self.configure, buffer_pb2.ConfigureRequest, buffer_pb2.ConfigureResponse),
             **(extra or {}),
         }
         return grpc.method_handlers_generic_handler(SERVICE, methods)

@@ -102,3 +102,4 @@ class SampledBatch:
     batch_id: str
     groups: list[tuple[str, list[bytes | memoryview], bool]]  # (group id, raw trajectories, masked)
     policy_version: int
+    max_staleness: int  # the limit the batch was judged against

@@ -154,6 +154,7 @@ def encode_sample_response(
     batch_id: str,
     groups: Sequence[tuple[str, Sequence[bytes | memoryview], bool]],
     policy_version: int,
+    max_staleness: int | None = None,
 ) -> bytes:
     """A serialized ``SampleResponse`` from stored trajectory bytes: one copy, no re-encoding."""
     chunks: list[bytes | memoryview] = []
@@ -165,6 +166,8 @@ def encode_sample_response(
         chunks += body
     if policy_version:
         chunks.append(b"\x18" + encode_varint(policy_version))  # field 3, varint
+    if max_staleness is not None:  # optional: present even when 0
+        chunks.append(b"\x20" + encode_varint(max_staleness))  # field 4, varint
     return b"".join(chunks)
 
 

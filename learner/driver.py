@@ -157,7 +157,7 @@ class RunLoop:
                         outbox.send(functools.partial(self._report_idle, source, duty.value))
                     continue
                 batch_id = batch.batch_id
-                metrics = learner.train_on(batch.groups, sampled_at=batch.policy_version)
+                metrics = learner.train_on(batch.groups, sampled_at=batch.policy_version, max_staleness=batch.max_staleness)
             if batch_id is not None and source is not None:
                 outbox.send(functools.partial(self._commit, source, batch_id))
             if not metrics.get("trained"):

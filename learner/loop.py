@@ -216,7 +216,9 @@ class Learner:
 
     # ----------------------------------------------------------------------------- training
 
-    def train_on(self, groups: Sequence[GroupLike], *, sampled_at: int | None = None) -> dict[str, float]:
+    def train_on(
+        self, groups: Sequence[GroupLike], *, sampled_at: int | None = None, max_staleness: int | None = None
+    ) -> dict[str, float]:
         """One update from a batch of groups; returns its metrics (version is then bumped).
 
         ``sampled_at`` is the policy version the buffer judged the batch's staleness against (the
@@ -229,18 +231,22 @@ class Learner:
         ``SAMPLE_LAG_VERSIONS`` is not trusted that far: a trained token never lags more than
         ``maxStaleness + SAMPLE_LAG_VERSIONS``. The staleness metrics count from the learner's own
         version: what a token really lagged when it was trained.
+
+        ``max_staleness`` is the buffer's limit for the batch (the Sample response's), which the
+        operator may have changed live since the learner started; None keeps the learner's own.
         """
         prepared = prepare_groups(groups, self.settings.algorithm, self._best_rewards, self.settings.advantage_normalization)
-        return self._train_items(prepared, sampled_at)
+        return self._train_items(prepared, sampled_at, max_staleness)
 
     def train_on_pairs(self, pairs: Sequence[list[TrainSequence]]) -> dict[str, float]:
         """One DPO update from chosen/rejected pairs (``load_dpo_pairs``)."""
         prepared = Prepared(list(pairs), [], 2 * len(pairs), 0, num_pairs=len(pairs))
         return self._train_items(prepared)
 
-    def _train_items(self, prepared: Prepared, sampled_at: int | None = None) -> dict[str, float]:
+    def _train_items(self, prepared: Prepared, sampled_at: int | None = None, max_staleness: int | None = None) -> dict[str, float]:
         started = time.perf_counter()
         s = self.settings
+        stale_limit = s.max_staleness if max_staleness is None else max_staleness
         judged_at = self.version
         if sampled_at is not None:
             judged_at = max(self.version - SAMPLE_LAG_VERSIONS, min(self.version, sampled_at))
@@ -276,14 +282,14 @@ class Learner:
         for micro in micros:
             a = micro.arrays
             known = a["behaviour_known"] > 0
-            too_old = algorithms.stale_tokens(a["versions"], a["mask"], judged_at, s.max_staleness) & known
+            too_old = algorithms.stale_tokens(a["versions"], a["mask"], judged_at, stale_limit) & known
             stale += int(too_old.sum())
             m = np.where(too_old, 0.0, a["mask"]).astype(np.float32)
             trainable.append(m)
             lags.append((self.version - a["versions"])[(m > 0) & known])
         if not any(m.any() for m in trainable):
             # Not even a zero-gradient step: Adam's momentum would still move the parameters.
-            log.warning("batch skipped: all %d model tokens are past maxStaleness=%d", stale, s.max_staleness)
+            log.warning("batch skipped: all %d model tokens are past maxStaleness=%d", stale, stale_limit)
             self.steps += 1
             return {**base, "policy_version": self.version, "step": self.steps, "trained": 0.0, "stale_tokens": stale}
         from stoker.learner.train import assign_weights

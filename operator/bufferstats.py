@@ -1,8 +1,11 @@
-"""Reading a job's buffer Stats over gRPC with its bearer token (``stoker.buffer.client``)."""
+"""Reading a job's buffer Stats, and applying its live settings (Configure), over gRPC with its
+bearer token (``stoker.buffer.client``)."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -41,19 +44,25 @@ class StatsReader:
         return client
 
     def read(self, address: str, token: str | None) -> StatsSnapshot:
+        return snapshot_from_proto(self._call(f"Stats from {address}", address, token, lambda client: client.stats()))
+
+    def configure(self, address: str, token: str | None, changes: dict[str, int]) -> None:
+        """``BufferClient.configure(**changes)``; ``StatsUnavailable`` when the call fails."""
+        self._call(f"Configure at {address}", address, token, lambda client: client.configure(**changes))
+
+    def _call(self, what: str, address: str, token: str | None, call: Callable[[BufferClient], Any]) -> Any:
         try:
-            stats = self._client(address, token).stats()
+            return call(self._client(address, token))
         except AuthError as exc:
-            raise StatsUnavailable(f"Stats from {address}: the buffer refused the token: {exc}", auth=True) from None
+            raise StatsUnavailable(f"{what}: the buffer refused the token: {exc}", auth=True) from None
         except BufferUnavailableError as exc:
             raise StatsUnavailable(str(exc)) from None
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
             details = exc.details() if hasattr(exc, "details") else str(exc)
-            raise StatsUnavailable(f"Stats from {address}: {code.name if code else 'error'}: {details}") from None
+            raise StatsUnavailable(f"{what}: {code.name if code else 'error'}: {details}") from None
         except ValueError as exc:  # grpc: "Cannot invoke RPC on closed channel" (forgotten meanwhile)
-            raise StatsUnavailable(f"Stats from {address}: {exc}") from None
-        return snapshot_from_proto(stats)
+            raise StatsUnavailable(f"{what}: {exc}") from None
 
     def forget(self, address: str) -> None:
         with self._lock:

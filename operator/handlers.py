@@ -16,6 +16,7 @@ import kopf
 
 from stoker.actor.labels import JOB_LABEL, ROLE_SANDBOX
 from stoker.operator import kube as kubeapi
+from stoker.operator.bufferstats import StatsUnavailable
 from stoker.operator.control import clamp_replicas, decide
 from stoker.operator.jobstatus import Observed, build_status, failed_status
 from stoker.operator.learner_workload import ephemeral_checkpoints
@@ -26,6 +27,7 @@ from stoker.operator.reconcile import (
     Runtime,
     apply_admission,
     apply_children,
+    apply_live_buffer_settings,
     applied_spec,
     heal_children,
     observe_children,
@@ -282,6 +284,13 @@ def monitor(
         reading = read_buffer(runtime, ctx, memo.get("last_stats"))
         if reading.stats is not None:
             memo["last_stats"] = reading.stats
+            try:  # live settings: level-based, so a failed call is made again on the next tick
+                configured = apply_live_buffer_settings(runtime, ctx, reading.stats)
+            except StatsUnavailable as exc:
+                logger.warning("buffer settings not applied yet: %s", exc)
+            else:
+                if configured:  # kopf.event, not kopf.info: posting.level filters out INFO
+                    kopf.event(body, type="Normal", reason="BufferConfigured", message=configured)
 
         finished = children.learner.completed or children.learner.failed
         if reading.window is not None and not parsed.suspend and not finished:

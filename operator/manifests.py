@@ -20,7 +20,7 @@ import yaml
 from stoker.actor.labels import JOB_LABEL, ROLE_LABEL, ROLE_SANDBOX, SANDBOX_POD_PORT
 from stoker.operator.naming import ROLE_ACTOR, ROLE_BUFFER, ROLE_LEARNER, Names, labels, selector
 from stoker.operator.rbac import SANDBOX_MANAGER_POD_VERBS
-from stoker.operator.rollout import ACTOR_CONFIG_FIELDS, ACTOR_HASH_IGNORES, BUFFER_CONFIG_FIELDS, config_hash
+from stoker.operator.rollout import ACTOR_CONFIG_FIELDS, ACTOR_HASH_IGNORES, BUFFER_CONFIG_FIELDS, LIVE_BUFFER_FIELDS, config_hash
 from stoker.operator.settings import OperatorSettings
 from stoker.spec import API_VERSION, KIND, ObjectMeta, RLJob, RLJobSpec
 
@@ -292,7 +292,7 @@ def build_buffer_deployment(ctx: JobContext) -> Manifest:
     port = ctx.buffer_port
     env = container_env(ctx, ROLE_BUFFER)
     env.append({"name": "STOKER_ADMISSION_FILE", "value": ADMISSION_FILE})
-    buffer_hash = config_hash(ctx.spec, include=BUFFER_CONFIG_FIELDS)
+    buffer_hash = config_hash(ctx.spec, include=BUFFER_CONFIG_FIELDS, ignore=LIVE_BUFFER_FIELDS)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

@@ -41,6 +41,9 @@ class StatsSnapshot:
     learner_duty_cycle: float | None = None
     disk_full: bool = False  # the log's volume is full: the buffer refuses Puts
     disk_free_bytes: int = 0
+    # The live settings in force (``stoker.operator.rollout.LIVE_BUFFER_FIELDS``); None = not reported.
+    capacity: int | None = None
+    max_staleness: int | None = None
 
 
 def _conditions(obj: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
@@ -113,6 +116,9 @@ def snapshot_from_proto(stats: Any) -> StatsSnapshot:
     duty: float | None = None
     if "learner_duty_cycle" in type(stats).DESCRIPTOR.fields_by_name and stats.HasField("learner_duty_cycle"):
         duty = float(stats.learner_duty_cycle)
+    max_staleness: int | None = None
+    if "max_staleness" in type(stats).DESCRIPTOR.fields_by_name and stats.HasField("max_staleness"):
+        max_staleness = int(stats.max_staleness)
     return StatsSnapshot(
         policy_version=int(stats.policy_version),
         fill=float(stats.fill),
@@ -124,4 +130,6 @@ def snapshot_from_proto(stats: Any) -> StatsSnapshot:
         learner_duty_cycle=duty,
         disk_full=bool(getattr(stats, "disk_full", False)),
         disk_free_bytes=int(getattr(stats, "disk_free_bytes", 0)),
+        capacity=int(stats.capacity) or None,
+        max_staleness=max_staleness,
     )

@@ -44,6 +44,7 @@ from stoker.operator.observe import (
     observe_indexed_jobs,
     observe_jobset,
 )
+from stoker.operator.rollout import LIVE_SPEC_NAMES, live_buffer_changes
 from stoker.operator.settings import OperatorSettings
 from stoker.operator.tpu import TopologyError
 from stoker.spec import RLJob, RLJobSpec, cross_field_problems, name_problems
@@ -295,6 +296,19 @@ def read_buffer(runtime: Runtime, ctx: JobContext, previous: StatsSnapshot | Non
         overproducing=overproducing(window, ctx.spec.buffer.max_staleness, ctx.spec.buffer.sample_order),
         starved=learner_starved(stats, runtime.settings.starved_duty_cycle),
     )
+
+
+def apply_live_buffer_settings(runtime: Runtime, ctx: JobContext, stats: StatsSnapshot) -> str:
+    """Configure the buffer's live settings (``LIVE_BUFFER_FIELDS``) where Stats shows them behind
+    the spec; says what changed ("" when nothing differs). ``StatsUnavailable`` if the call fails."""
+    changes = live_buffer_changes(ctx.spec, stats)
+    if not changes:
+        return ""
+    secret, key = ctx.token_secret
+    address = runtime.settings.buffer_address(ctx.name, ctx.namespace, ctx.buffer_port)
+    runtime.stats.configure(address, runtime.token(ctx.namespace, secret, key), changes)
+    described = ", ".join(f"{LIVE_SPEC_NAMES[k]} {getattr(stats, k)} -> {v}" for k, v in changes.items())
+    return f"applied to the buffer live, without a restart: {described}"
 
 
 def apply_admission(kube: Kube, ctx: JobContext) -> None:

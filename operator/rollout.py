@@ -2,7 +2,9 @@
 
 Actor and buffer pods read the job file when they start, so a change to a field one of them reads
 must roll its pods (the hash is the ``stoker.dev/config-hash`` annotation of the pod template);
-a change to anything else must not.
+a change to anything else must not. The buffer takes a few fields live instead
+(``LIVE_BUFFER_FIELDS``): the operator sends them with the ``Configure`` RPC, and a restarted
+buffer reads them from the job file, which is kept current either way.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import hashlib
 import json
 from typing import Any
 
+from stoker.operator.observe import StatsSnapshot
 from stoker.spec import RLJobSpec
 
 Paths = tuple[tuple[str, ...], ...]
@@ -47,3 +50,21 @@ ACTOR_CONFIG_FIELDS: Paths = (
 BUFFER_CONFIG_FIELDS: Paths = (("buffer",), ("learner", "batchGroups"))
 # Scaling is applied by patching replicas, never by rolling pods.
 ACTOR_HASH_IGNORES: Paths = (("actors", "replicas"), ("actors", "minReplicas"), ("actors", "maxReplicas"))
+
+# Buffer fields applied without a restart: the operator calls Configure whenever the value the
+# buffer reports in Stats differs from the spec's (level-based, so a call lost to a buffer restart
+# or a network error is made again on the next observation).
+LIVE_BUFFER_FIELDS: Paths = (("buffer", "capacity"), ("buffer", "maxStaleness"))
+# Configure's (and StatsSnapshot's) name for each, and the spec's.
+LIVE_SPEC_NAMES = {"capacity": "buffer.capacity", "max_staleness": "buffer.maxStaleness"}
+
+
+def live_buffer_changes(spec: RLJobSpec, stats: StatsSnapshot) -> dict[str, int]:
+    """The ``Configure`` arguments that bring the buffer to the spec: fields it reports otherwise.
+
+    A buffer that reports no ``max_staleness`` predates Configure and is left alone."""
+    if stats.max_staleness is None:
+        return {}
+    wanted = {"capacity": spec.buffer.capacity, "max_staleness": spec.buffer.max_staleness}
+    reported = {"capacity": stats.capacity, "max_staleness": stats.max_staleness}
+    return {k: v for k, v in wanted.items() if reported[k] != v}

@@ -133,6 +133,36 @@ def test_stale_tokens_never_reach_the_loss(grpo_learner: Learner) -> None:
     assert metrics["staleness_max"] == 0 and learner.version == version + 1
 
 
+def groups_sampled_by(learner: Learner, rng: np.random.Generator, version: int) -> list[Group]:
+    """A batch whose model tokens all carry policy ``version``."""
+    groups = with_reward_spread(bandit_groups(learner, rng))
+    for group in groups:
+        for ep in group.episodes:
+            ep.policy_versions = np.where(ep.loss_mask > 0, version, -1).astype(np.int32)
+    return groups
+
+
+def test_staleness_is_judged_by_the_limit_the_buffer_sampled_with(grpo_learner: Learner) -> None:
+    """buffer.maxStaleness edited live (Configure): the learner, started with the old limit, drops
+    stale tokens by the limit its batch came with, so a raised limit does not mask what the buffer
+    now delivers, and a lowered one is kept."""
+    learner = grpo_learner
+    rng = np.random.default_rng(5)
+    s = learner.settings.max_staleness
+    learner.version += 10
+    behind = s + 2  # past the learner's own limit, within a raised one
+
+    def batch_at(version: int) -> list[Group]:
+        return groups_sampled_by(learner, rng, version)
+
+    metrics = learner.train_on(batch_at(learner.version - behind), sampled_at=learner.version, max_staleness=behind)
+    assert metrics["trained"] == 1 and metrics["stale_tokens"] == 0
+    metrics = learner.train_on(batch_at(learner.version - behind), sampled_at=learner.version)  # its own limit
+    assert metrics["trained"] == 0 and metrics["stale_tokens"] == 16
+    metrics = learner.train_on(batch_at(learner.version - 1), sampled_at=learner.version, max_staleness=0)
+    assert metrics["trained"] == 0 and metrics["stale_tokens"] == 16
+
+
 def test_staleness_is_judged_at_the_version_the_buffer_sampled_at(grpo_learner: Learner) -> None:
     """A batch the buffer passed at version v trains whole although the learner is already ahead
     of v (it fetched the batch while training the previous one): the learner does not strip the
@@ -144,11 +174,7 @@ def test_staleness_is_judged_at_the_version_the_buffer_sampled_at(grpo_learner: 
     learner.version += 10  # room for versions behind it, whichever test used the learner first
 
     def batch_sampled_at(version: int) -> list[Group]:
-        groups = with_reward_spread(bandit_groups(learner, rng))
-        for group in groups:
-            for ep in group.episodes:
-                ep.policy_versions = np.where(ep.loss_mask > 0, version, -1).astype(np.int32)
-        return groups
+        return groups_sampled_by(learner, rng, version)
 
     # The buffer is two versions behind; the tokens are exactly maxStaleness behind the buffer.
     buffer_version = learner.version - 2

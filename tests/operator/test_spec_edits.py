@@ -11,7 +11,13 @@ import pytest
 from stoker.actor.settings import ActorSettings
 from stoker.buffer.settings import BufferSettings
 from stoker.operator.handlers import replicas_changed
-from stoker.operator.rollout import ACTOR_CONFIG_FIELDS, ACTOR_HASH_IGNORES, BUFFER_CONFIG_FIELDS, config_hash
+from stoker.operator.rollout import (
+    ACTOR_CONFIG_FIELDS,
+    ACTOR_HASH_IGNORES,
+    BUFFER_CONFIG_FIELDS,
+    LIVE_BUFFER_FIELDS,
+    config_hash,
+)
 from stoker.spec import RLJobSpec
 
 
@@ -59,8 +65,8 @@ EDITS: dict[str, dict[str, Any]] = {
 # What the users see: which pods each edit restarts.
 ROLLS = {
     "learningRate": set(), "algorithm": set(), "maxSteps": set(), "checkpoint": set(), "maxRestarts": set(),
-    "batchGroups": {"buffer"}, "sequenceBuckets": {"actors"}, "maxStaleness": {"buffer"},
-    "groupSize": {"actors", "buffer"}, "capacity": {"buffer"}, "temperature": {"actors"}, "concurrency": {"actors"},
+    "batchGroups": {"buffer"}, "sequenceBuckets": {"actors"}, "maxStaleness": set(),  # the buffer takes it live
+    "groupSize": {"actors", "buffer"}, "capacity": set(), "temperature": {"actors"}, "concurrency": {"actors"},
     "replicas": set(), "suspend": set(), "maxTurns": {"actors"}, "seed": {"actors"},
 }
 
@@ -70,7 +76,7 @@ def actor_hash(spec: RLJobSpec) -> str:
 
 
 def buffer_hash(spec: RLJobSpec) -> str:
-    return config_hash(spec, include=BUFFER_CONFIG_FIELDS)
+    return config_hash(spec, include=BUFFER_CONFIG_FIELDS, ignore=LIVE_BUFFER_FIELDS)
 
 
 @pytest.mark.parametrize("edit", EDITS)
@@ -89,5 +95,6 @@ def test_the_hashed_fields_are_all_the_components_read(edit: str, monkeypatch: p
     if actor_hash(base) == actor_hash(edited):
         kwargs = {"actor_id": "a", "job": "lake", "namespace": "ns", "pod_name": "p"}
         assert ActorSettings.from_spec(base, **kwargs) == ActorSettings.from_spec(edited, **kwargs)
-    if buffer_hash(base) == buffer_hash(edited):
-        assert BufferSettings.from_spec(base, environ={}) == BufferSettings.from_spec(edited, environ={})
+    if buffer_hash(base) == buffer_hash(edited):  # the live fields are the settings Configure changes
+        live = {"capacity": edited.buffer.capacity, "max_staleness": edited.buffer.max_staleness}
+        assert BufferSettings.from_spec(base, environ={}, **live) == BufferSettings.from_spec(edited, environ={})

@@ -124,14 +124,16 @@ class Group(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., trajectories: _Optional[_Iterable[_Union[_trajectory_pb2.Trajectory, _Mapping]]] = ..., masked: _Optional[bool] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
-    __slots__ = ("batch_id", "groups", "policy_version")
+    __slots__ = ("batch_id", "groups", "policy_version", "max_staleness")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     batch_id: str
     groups: _containers.RepeatedCompositeFieldContainer[Group]
     policy_version: int
-    def __init__(self, batch_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    max_staleness: int
+    def __init__(self, batch_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[Group, _Mapping]]] = ..., policy_version: _Optional[int] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("batch_id",)
@@ -161,8 +163,20 @@ class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ConfigureRequest(_message.Message):
+    __slots__ = ("capacity", "max_staleness")
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    capacity: int
+    max_staleness: int
+    def __init__(self, capacity: _Optional[int] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+
+class ConfigureResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class BufferStats(_message.Message):
-    __slots__ = ("capacity", "stored_trajectories", "complete_groups", "incomplete_groups", "leased_batches", "fill", "policy_version", "admission_credit", "in_flight_groups", "accepted_total", "sampled_total", "committed_total", "dropped", "staleness_histogram", "per_actor_accepted", "put_rate", "sample_rate", "stale_incomplete_groups", "rejected", "duplicates_total", "redelivered_groups", "masked_groups_delivered", "committed_groups_total", "log_bytes", "log_segments", "replayed_trajectories", "corrupt_log_tails", "full_rejections", "stored_bytes", "admission_scale", "disk_full", "disk_free_bytes", "disk_full_rejections", "learner_duty_cycle")
+    __slots__ = ("capacity", "stored_trajectories", "complete_groups", "incomplete_groups", "leased_batches", "fill", "policy_version", "admission_credit", "in_flight_groups", "accepted_total", "sampled_total", "committed_total", "dropped", "staleness_histogram", "per_actor_accepted", "put_rate", "sample_rate", "stale_incomplete_groups", "rejected", "duplicates_total", "redelivered_groups", "masked_groups_delivered", "committed_groups_total", "log_bytes", "log_segments", "replayed_trajectories", "corrupt_log_tails", "full_rejections", "stored_bytes", "admission_scale", "disk_full", "disk_free_bytes", "disk_full_rejections", "learner_duty_cycle", "max_staleness")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +239,7 @@ class BufferStats(_message.Message):
     DISK_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DISK_FULL_REJECTIONS_FIELD_NUMBER: _ClassVar[int]
     LEARNER_DUTY_CYCLE_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     capacity: int
     stored_trajectories: int
     complete_groups: int
@@ -259,7 +274,8 @@ class BufferStats(_message.Message):
     disk_free_bytes: int
     disk_full_rejections: int
     learner_duty_cycle: float
-    def __init__(self, capacity: _Optional[int] = ..., stored_trajectories: _Optional[int] = ..., complete_groups: _Optional[int] = ..., incomplete_groups: _Optional[int] = ..., leased_batches: _Optional[int] = ..., fill: _Optional[float] = ..., policy_version: _Optional[int] = ..., admission_credit: _Optional[int] = ..., in_flight_groups: _Optional[int] = ..., accepted_total: _Optional[int] = ..., sampled_total: _Optional[int] = ..., committed_total: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., per_actor_accepted: _Optional[_Mapping[str, int]] = ..., put_rate: _Optional[float] = ..., sample_rate: _Optional[float] = ..., stale_incomplete_groups: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., duplicates_total: _Optional[int] = ..., redelivered_groups: _Optional[int] = ..., masked_groups_delivered: _Optional[int] = ..., committed_groups_total: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_segments: _Optional[int] = ..., replayed_trajectories: _Optional[int] = ..., corrupt_log_tails: _Optional[int] = ..., full_rejections: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., admission_scale: _Optional[float] = ..., disk_full: _Optional[bool] = ..., disk_free_bytes: _Optional[int] = ..., disk_full_rejections: _Optional[int] = ..., learner_duty_cycle: _Optional[float] = ...) -> None: ...
+    max_staleness: int
+    def __init__(self, capacity: _Optional[int] = ..., stored_trajectories: _Optional[int] = ..., complete_groups: _Optional[int] = ..., incomplete_groups: _Optional[int] = ..., leased_batches: _Optional[int] = ..., fill: _Optional[float] = ..., policy_version: _Optional[int] = ..., admission_credit: _Optional[int] = ..., in_flight_groups: _Optional[int] = ..., accepted_total: _Optional[int] = ..., sampled_total: _Optional[int] = ..., committed_total: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., per_actor_accepted: _Optional[_Mapping[str, int]] = ..., put_rate: _Optional[float] = ..., sample_rate: _Optional[float] = ..., stale_incomplete_groups: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., duplicates_total: _Optional[int] = ..., redelivered_groups: _Optional[int] = ..., masked_groups_delivered: _Optional[int] = ..., committed_groups_total: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_segments: _Optional[int] = ..., replayed_trajectories: _Optional[int] = ..., corrupt_log_tails: _Optional[int] = ..., full_rejections: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., admission_scale: _Optional[float] = ..., disk_full: _Optional[bool] = ..., disk_free_bytes: _Optional[int] = ..., disk_full_rejections: _Optional[int] = ..., learner_duty_cycle: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class LogConsume(_message.Message):
     __slots__ = ("group_ids", "reason", "episode_ids")

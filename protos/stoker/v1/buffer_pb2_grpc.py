@@ -74,6 +74,11 @@ class BufferStub:
                 request_serializer=stoker_dot_v1_dot_buffer__pb2.StatsRequest.SerializeToString,
                 response_deserializer=stoker_dot_v1_dot_buffer__pb2.BufferStats.FromString,
                 _registered_method=True)
+        self.Configure = channel.unary_unary(
+                '/stoker.v1.Buffer/Configure',
+                request_serializer=stoker_dot_v1_dot_buffer__pb2.ConfigureRequest.SerializeToString,
+                response_deserializer=stoker_dot_v1_dot_buffer__pb2.ConfigureResponse.FromString,
+                _registered_method=True)
 
 
 class BufferServicer:
@@ -144,6 +149,16 @@ class BufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Configure(self, request, context):
+        """Change settings the buffer applies live, without a restart (the operator sends the RLJob's
+        current values when they differ from what Stats reports). Unset fields are left as they are;
+        an out-of-range value is INVALID_ARGUMENT and nothing changes. A restarted buffer takes its
+        settings from the job file again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BufferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +201,11 @@ def add_BufferServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=stoker_dot_v1_dot_buffer__pb2.StatsRequest.FromString,
                     response_serializer=stoker_dot_v1_dot_buffer__pb2.BufferStats.SerializeToString,
+            ),
+            'Configure': grpc.unary_unary_rpc_method_handler(
+                    servicer.Configure,
+                    request_deserializer=stoker_dot_v1_dot_buffer__pb2.ConfigureRequest.FromString,
+                    response_serializer=stoker_dot_v1_dot_buffer__pb2.ConfigureResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -404,6 +424,33 @@ class Buffer:
             '/stoker.v1.Buffer/Stats',
             stoker_dot_v1_dot_buffer__pb2.StatsRequest.SerializeToString,
             stoker_dot_v1_dot_buffer__pb2.BufferStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Configure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stoker.v1.Buffer/Configure',
+            stoker_dot_v1_dot_buffer__pb2.ConfigureRequest.SerializeToString,
+            stoker_dot_v1_dot_buffer__pb2.ConfigureResponse.FromString,
             options,
             channel_credentials,
             insecure,
