@@ -14,24 +14,12 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-TINY_JOB = """\
-apiVersion: stoker.dev/v1alpha1
-kind: RLJob
-metadata: {name: tiny}
-spec:
-  model: {architecture: {vocabSize: 32, hiddenSize: 32, numLayers: 1, intermediateSize: 64, maxSeqLen: 128}}
-  environment: {name: frozenlake, maxTurns: 3, frozenlake: {mapSeeds: [1]}, sandbox: {kind: inline}}
-  actors: {replicas: 1, concurrency: 2}
-  buffer: {groupSize: 2, maxStaleness: 2}
-  learner: {batchGroups: 1, sequenceBuckets: [128], maxSteps: 50, checkpoint: {intervalSteps: 1}}
-"""
-
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+def job(tmp_path_factory: pytest.TempPathFactory, tiny_job: str) -> tuple[Path, dict[str, str]]:
     root = tmp_path_factory.mktemp("run")
     manifest = root / "tiny.yaml"
-    manifest.write_text(TINY_JOB)
+    manifest.write_text(tiny_job)
     # One compilation cache for the module: later runs reuse what the first compiled.
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(root / "jax-cache")}
     return manifest, env

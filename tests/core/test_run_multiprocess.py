@@ -17,22 +17,10 @@ from stoker.local import UsageError, learner_process_envs, resolve_options
 
 pytestmark = pytest.mark.slow
 
-TINY_JOB = """\
-apiVersion: stoker.dev/v1alpha1
-kind: RLJob
-metadata: {name: tiny}
-spec:
-  model: {architecture: {vocabSize: 32, hiddenSize: 32, numLayers: 1, intermediateSize: 64, maxSeqLen: 128}}
-  environment: {name: frozenlake, maxTurns: 3, frozenlake: {mapSeeds: [1]}, sandbox: {kind: inline}}
-  actors: {replicas: 1, concurrency: 2}
-  buffer: {groupSize: 2, maxStaleness: 2}
-  learner: {batchGroups: 1, sequenceBuckets: [128], maxSteps: 50, checkpoint: {intervalSteps: 1}}
-"""
 
-
-def test_two_learner_processes_train_once_and_stop_together_on_ctrl_c(tmp_path: Path) -> None:
+def test_two_learner_processes_train_once_and_stop_together_on_ctrl_c(tmp_path: Path, tiny_job: str) -> None:
     manifest = tmp_path / "tiny.yaml"
-    manifest.write_text(TINY_JOB)
+    manifest.write_text(tiny_job)
     run_dir = tmp_path / "run"
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache")}
     runner = subprocess.Popen(
@@ -84,7 +72,7 @@ def test_learner_process_environments() -> None:
         (["--learner-processes", "2", "--mode", "sync"], "applies to --mode async"),
     ],
 )
-def test_bad_learner_process_options_are_explained(tmp_path: Path, argv: list[str], message: str) -> None:
+def test_bad_learner_process_options_are_explained(tmp_path: Path, argv: list[str], message: str, tiny_job: str) -> None:
     import argparse
 
     from stoker.local import add_arguments
@@ -92,6 +80,6 @@ def test_bad_learner_process_options_are_explained(tmp_path: Path, argv: list[st
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     manifest = tmp_path / "tiny.yaml"
-    manifest.write_text(TINY_JOB)
+    manifest.write_text(tiny_job)
     with pytest.raises(UsageError, match=message):
         resolve_options(parser.parse_args([str(manifest), *argv]))
