@@ -4,33 +4,9 @@ Host-side preparation of one update: episodes -> advantages (GRPO/GSPO group-rel
 runs on the device) or DPO pairs -> first-fit-decreasing packing into bucket shapes -> tokens past
 ``buffer.maxStaleness`` masked out -> aggregation weights over the whole batch -> ``Trainer.step``.
 
-GRPO/GSPO groups whose episodes all scored alike carry no policy gradient. A flat group at its
-task's best reward so far is *solved* and is left out (DAPO's dynamic-sampling filter, Yu et al.
-2025); a batch of nothing else makes no update at all. Training on them anyway gives a step made of
-the entropy bonus and numerical noise that Adam scales up to a full learning-rate step, and
-shrinks Adam's second moment so that the next real gradient makes an outsized step: on FrozenLake
-a policy that had solved every map then drifted off two of them and never came back.
-
-A flat group *below* its task's best reward is *stuck* -- the policy fails there the same way every
-time -- and does train: its episodes share the advantage one of them would have had if one more
-sample had reached the best reward again (``stuck_advantages``: -1/sqrt(n) over n episodes, each
--n^-1.5, as the n samples of a deterministic policy are one trajectory), and its tokens train by
-unlikelihood (``algorithms.stuck_unlikelihood``: A log(1 - pi(y_t))) instead of the
-policy-gradient surrogate. Both obvious pushes vanish exactly when they are needed: on a policy
-that has turned deterministic on the failing moves, the entropy bonus's gradient is ~pi log pi and
-the policy gradient's is A (1 - pi), both ~0, and Adam, whose second moment still remembers the
-large gradients of earlier steps, scales such a gradient to nothing. That is how a 400-step on-policy
-FrozenLake run lost a solved map for good: an outsized step knocked it onto one losing path, its
-entropy fell to ~0.001, and 100 steps of entropy bonus (then the stuck rule's only push) never
-brought it back. The unlikelihood gradient on the failing token's logit is -A pi(y_t), largest on a
-saturated policy, and fades once pi(y_t) falls -- by then the group's samples differ and GRPO's own
-signal takes over. Counted at full weight per episode (-1/sqrt(n) each), a
-stuck group's push was eight coherent copies of one trajectory: in a maxStaleness-4 run its
-gradient norm was 12 against the batch's usual 0.5-2, and the next steps broke every map (success
-0.75 -> 0.09). The rule cannot change the optimum: a group at its task's best reward is never
-stuck, so on a policy that reaches the best reward every time (deterministic environments) it is
-inactive. (A stochastic environment can leave a flat group below a lucky best under an optimal
-policy; the push then makes the policy explore, and the spread groups that follow pull it back.)
+Flat GRPO/GSPO groups: a *solved* one (at its task's best reward so far) is left out; a *stuck*
+one (below it) trains by unlikelihood with ``stuck_advantages``. Why, and the runs that showed it:
+docs/architecture.md, "Flat groups: solved and stuck".
 """
 
 from __future__ import annotations
