@@ -14,7 +14,7 @@ from typing import Any
 
 import kopf
 
-from stoker.actor.labels import JOB_LABEL, ROLE_SANDBOX
+from stoker.actor.labels import JOB_LABEL, ROLE_LABEL, ROLE_SANDBOX
 from stoker.operator import kube as kubeapi
 from stoker.operator.bufferstats import StatsUnavailable
 from stoker.operator.control import clamp_replicas, decide
@@ -38,7 +38,7 @@ from stoker.operator.reconcile import (
     sync_actor_replicas,
 )
 from stoker.operator.settings import OperatorSettings
-from stoker.operator.zombies import PodRecord, find_zombies, pod_record
+from stoker.operator.zombies import PodRecord, find_zombies, job_sandboxes, pod_record
 from stoker.spec import GROUP, PLURAL, VERSION, RLJobSpec
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
@@ -375,19 +375,28 @@ def reap_zombies(
 def forget(name: str, namespace: str | None, spec: kopf.Spec, memo: Any, logger: Logger, **kwargs: Any) -> None:
     """Deletion: children go by owner references, sandbox pods by theirs (their actor pod); the
     ones still here are deleted now, in case an actor outlives the job for its grace period or
-    made a sandbox without an owner. Then cached tokens, channels and series are dropped."""
+    made a sandbox without an owner. Then cached tokens, channels and series are dropped.
+
+    The pods are listed from the API server, not read from the pod index: a sandbox created just
+    before the deletion may not have reached the index yet, and nothing reaps it once the job is
+    gone. The index is the fallback when the list fails."""
     runtime = _runtime(memo)
     namespace = namespace or "default"
-    index = kwargs.get(POD_INDEX)
-    if index is not None and (namespace, name) in index:
-        sandboxes = [p.name for p in index[(namespace, name)] if p.role == ROLE_SANDBOX and not p.deleting]
-        try:
-            deleted = reap_pods(runtime.kube, namespace, sandboxes)
-        except kubeapi.ApiError as exc:
-            logger.warning("could not delete the sandbox pods of a deleted job: %s", exc)
-        else:
-            if deleted:
-                logger.info("deleted %d sandbox pods of the deleted job", len(deleted))
+    try:
+        listed = runtime.kube.list(POD, namespace, label_selector=f"{JOB_LABEL}={name},{ROLE_LABEL}={ROLE_SANDBOX}")
+        sandboxes = job_sandboxes(listed, name)
+    except kubeapi.ApiError as exc:
+        logger.warning("could not list the sandbox pods of a deleted job, using the operator's index: %s", exc)
+        index = kwargs.get(POD_INDEX)
+        records = index[(namespace, name)] if index is not None and (namespace, name) in index else []
+        sandboxes = [p.name for p in records if p.role == ROLE_SANDBOX and not p.deleting]
+    try:
+        deleted = reap_pods(runtime.kube, namespace, sandboxes)
+    except kubeapi.ApiError as exc:
+        logger.warning("could not delete the sandbox pods of a deleted job: %s", exc)
+    else:
+        if deleted:
+            logger.info("deleted %d sandbox pods of the deleted job", len(deleted))
     port = int((spec.get("buffer") or {}).get("port") or RLJobSpec().buffer.port)
     runtime.stats.forget(runtime.settings.buffer_address(name, namespace, port))
     runtime.forget(namespace, name)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from stoker.actor.labels import ACTOR_LABEL, HEARTBEAT_ANNOTATION, ROLE_LABEL, ROLE_SANDBOX, parse_rfc3339
+from stoker.actor.labels import ACTOR_LABEL, HEARTBEAT_ANNOTATION, JOB_LABEL, ROLE_LABEL, ROLE_SANDBOX, parse_rfc3339
 from stoker.operator.naming import ROLE_ACTOR, ROLE_LEARNER
 
 # Pods that may own sandboxes: actors, and the learner in colocated mode.
@@ -79,3 +79,17 @@ def find_zombies(pods: Iterable[PodRecord], now: datetime, ttl_seconds: float) -
         if seen is not None and (now - seen).total_seconds() > ttl_seconds:
             zombies.append(Zombie(pod.name, f"no heartbeat for {(now - seen).total_seconds():.0f}s (TTL {ttl_seconds:g}s)"))
     return zombies
+
+
+def job_sandboxes(pods: Iterable[Mapping[str, Any]], job: str) -> list[str]:
+    """Names of ``job``'s sandbox pods not already going, from listed pod manifests.
+
+    Filtered here as well as by the server's label selector, so a server (or emulator) that
+    ignores the selector cannot make the operator delete another job's pods."""
+    names = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        if labels.get(JOB_LABEL) == job and labels.get(ROLE_LABEL) == ROLE_SANDBOX and not meta.get("deletionTimestamp"):
+            names.append(str(meta.get("name")))
+    return names

@@ -248,6 +248,10 @@ async def test_deleting_the_job_deletes_its_sandbox_pods(operator_factory: Any) 
     await c.eventually(lambda: c.get("stoker.dev/v1alpha1/rljobs", "lake") is None, timeout=30.0, what="RLJob gone")
     await c.eventually(lambda: not {f"lake-sbx-{i}" for i in range(3)} & c.names("v1/pods"), what="sandboxes deleted")
     assert {"lake-actor-a", "other-sbx-0"} <= c.names("v1/pods")  # the actor goes by garbage collection
+    # Listed from the server (a pod made just before the deletion may not be in the index yet).
+    lists = [r for r in c.k if r.resource == kmock.resource("v1/pods") and r.action == kmock.action.LIST
+             and r.params.get("labelSelector") == "stoker.dev/job=lake,stoker.dev/role=sandbox"]
+    assert lists, "the deletion handler listed no sandbox pods"
 
 
 async def test_refused_edit_keeps_the_job_observed(scripted_buffer: Any, operator_factory: Any) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stoker.operator.zombies import PodRecord, find_zombies, pod_record
+from stoker.operator.zombies import PodRecord, find_zombies, job_sandboxes, pod_record
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
 TTL = 120.0
@@ -111,3 +111,17 @@ def test_sandbox_pods_are_owned_by_their_actor_pod(monkeypatch: Any) -> None:
                                     actor_pod_uid=pod.actor_pod_uid)
     assert manifest["metadata"]["ownerReferences"] == [
         {"apiVersion": "v1", "kind": "Pod", "name": "lake-actor-x", "uid": "actor-uid-7"}]
+
+
+def test_job_sandboxes_keeps_only_this_jobs_live_sandboxes() -> None:
+    """Whatever the server returns (kmock ignores selectors), only the job's own sandboxes go."""
+    def pod(name: str, job: str, role: str, deleting: bool = False) -> dict[str, Any]:
+        meta: dict[str, Any] = {"name": name, "labels": {"stoker.dev/job": job, "stoker.dev/role": role}}
+        if deleting:
+            meta["deletionTimestamp"] = "2026-12-01T00:00:00Z"
+        return {"metadata": meta}
+
+    pods = [pod("a", "lake", "sandbox"), pod("b", "lake", "actor"), pod("c", "other", "sandbox"),
+            pod("d", "lake", "sandbox", deleting=True), {"metadata": {"name": "e"}}]
+    assert job_sandboxes(pods, "lake") == ["a"]
+
