@@ -10,7 +10,7 @@ between turns is recorded exactly.
 An episode names its conversation (``session``) on every turn and ends it when done; a sampler
 that keeps conversations (``keeps_sessions``) then prefills only each turn's new tokens, and with
 ``weightSync: between-episodes`` keeps every episode on the weights it started with (see
-``stoker.learner.sampling``).
+``stoker.rollout.sampling``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class GenerationLike(Protocol):
 
 
 class SamplerLike(Protocol):
-    """The part of ``stoker.learner.sampling.Sampler`` the actor uses."""
+    """The part of ``stoker.rollout.sampling.Sampler`` the actor uses."""
 
     version: int
     keeps_sessions: bool

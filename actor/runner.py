@@ -276,7 +276,7 @@ class Actor:
     async def _sync_weights(self) -> None:
         """Poll the weight channel and load each newer version into the policy (with
         ``between-episodes`` the policy keeps running episodes on the weights they started with)."""
-        from stoker.learner.weights import WeightsError
+        from stoker.model.weights import WeightsError
 
         assert self.weights is not None and self.loader is not None
         weights, loader = self.weights, self.loader

@@ -87,7 +87,7 @@ def environment_tokenizer(spec: RLJobSpec) -> Tokenizer:
     with ``spec.model.checkpoint``, else the environment's built-in (also with ``tokenizer: builtin``).
 
     A pretrained checkpoint is never paired with the built-in tokenizer unless the manifest asks."""
-    from stoker.learner.tokenizer import TokenizerError, load_tokenizer
+    from stoker.model.tokenizer import TokenizerError, load_tokenizer
 
     if spec.model.tokenizer and spec.model.tokenizer != BUILTIN:
         try:
@@ -175,7 +175,7 @@ def _builtin_interface(spec: RLJobSpec, tokenizer: Tokenizer) -> TextInterface:
 def _pretrained_interface(spec: RLJobSpec, tokenizer: Tokenizer, directory: str) -> TextInterface:
     """A Hugging Face tokenizer directory: BOS, stop tokens and chat template from its files."""
     from stoker.actor.chat_template import ChatTemplateError, build_chat_turns
-    from stoker.learner.tokenizer import TokenizerError, leading_special_ids, read_tokenizer_files
+    from stoker.model.tokenizer import TokenizerError, leading_special_ids, read_tokenizer_files
 
     field = "spec.model.tokenizer" if spec.model.tokenizer else "spec.model.checkpoint"
     try:

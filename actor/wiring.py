@@ -54,8 +54,8 @@ def _sandbox_factory(settings: ActorSettings) -> EnvironmentFactory:
 
 def make_sampler(settings: ActorSettings, dtype: str = "float32") -> Any:
     """The JAX sampler with the job's initial weights (checkpoint, or the learner's version-0 init)."""
-    from stoker.learner.hf import CheckpointError, dtype_from_name, read_config, read_weights
-    from stoker.learner.sampling import Sampler
+    from stoker.model.hf import CheckpointError, dtype_from_name, read_config, read_weights
+    from stoker.rollout.sampling import Sampler
 
     if settings.compilation_cache_dir:
         import jax
@@ -89,8 +89,8 @@ def conversation_rows(settings: ActorSettings, config: Any, dtype: str) -> int:
     """Rows of the sampler's conversation cache: one per concurrent episode, as many as
     ``conversationCacheMiB`` holds (fewer rows only means some turns prefill their whole
     conversation again)."""
-    from stoker.learner.hf import dtype_from_name
-    from stoker.learner.sampling import session_row_bytes
+    from stoker.model.hf import dtype_from_name
+    from stoker.rollout.sampling import session_row_bytes
 
     per_row = session_row_bytes(config, settings.sampler_buckets, dtype_from_name(dtype))
     if per_row == 0:
@@ -109,7 +109,7 @@ def make_policy(settings: ActorSettings, dtype: str = "float32") -> BatchedSampl
 
 
 def make_weight_source(target: str, token: str | None = None) -> Any:
-    from stoker.learner.weights import WeightSubscriber
+    from stoker.model.weights import WeightSubscriber
 
     if Path(target).is_dir() or target.startswith(("/", ".", "~")):
         return WeightSubscriber(directory=Path(target).expanduser())

@@ -137,7 +137,7 @@ async def main() -> None:
 
 
 async def batching(args: argparse.Namespace) -> list[tuple[str, str, float, str, float]]:
-    from stoker.learner.sampling import Sampler
+    from stoker.rollout.sampling import Sampler
 
     sampler = Sampler(SPEC.model.architecture, SPEC.actors.sampling, seed=0, buckets=(128, 256))
     batched, single = BatchedSampler(sampler, max_batch=16), BatchedSampler(sampler, max_batch=1)

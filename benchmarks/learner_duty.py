@@ -108,7 +108,7 @@ def main() -> int:
 
     from stoker.buffer.client import BufferClient
     from stoker.learner.loop import Learner, LearnerSettings
-    from stoker.learner.weights import WeightPublisher
+    from stoker.model.weights import WeightPublisher
     from stoker.manifest import load_job
 
     spec = load_job(args.manifest).spec

@@ -34,7 +34,7 @@ def trainer(config: dict[str, Any], remat: str, abstract: bool) -> Any:
     from flax import nnx
 
     from stoker.learner import train
-    from stoker.learner.model import Transformer, init_model
+    from stoker.model.model import Transformer, init_model
     from stoker.learner.sharding import make_mesh
     from stoker.spec import TransformerConfig
 

@@ -111,10 +111,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from stoker.learner import hf, packing, sharding, train
+    from stoker.learner import packing, sharding, train
+    from stoker.model import hf
     from stoker.learner.algorithms import LossConfig
     from stoker.learner.metrics import CompileCounter
-    from stoker.learner.model import count_params, init_model
+    from stoker.model.model import count_params, init_model
     from stoker.spec import TransformerConfig
 
     config = TransformerConfig(**CONFIGS[args.config])

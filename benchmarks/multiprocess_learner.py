@@ -43,7 +43,7 @@ def worker(args: argparse.Namespace) -> int:
     from stoker.buffer.client import BufferClient
     from stoker.learner import driver, multihost
     from stoker.learner.loop import Learner, LearnerSettings
-    from stoker.learner.weights import WeightPublisher
+    from stoker.model.weights import WeightPublisher
     from stoker.manifest import load_job
 
     spec = load_job(args.manifest).spec

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from stoker.learner.model import count_params, init_model
-from stoker.learner.weights import WeightPublisher, WeightSubscriber, flatten_params
+from stoker.model.model import count_params, init_model
+from stoker.model.weights import WeightPublisher, WeightSubscriber, flatten_params
 from stoker.spec import TransformerConfig
 
 SETS = {

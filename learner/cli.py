@@ -82,7 +82,7 @@ def main(args: argparse.Namespace) -> int:
 
     from stoker.learner.loop import DatasetError, Learner, LearnerSettings
     from stoker.learner.metrics import MetricsSink
-    from stoker.learner.weights import WeightPublisher
+    from stoker.model.weights import WeightPublisher
 
     overrides = {"max_steps": args.max_steps} if args.max_steps is not None else {}
     settings = LearnerSettings.from_spec(spec, run_dir=run_dir, **overrides)

@@ -4,7 +4,7 @@ From a run directory (``stoker run``'s: ``runs.jsonl`` records the spec, ``weigh
 versions) it takes the newest published weights; from a checkpoint directory, its weights. Either
 way it writes ``config.json`` (``stoker.hfconfig.config_to_hf``: the keys transformers documents,
 rope settings in both its formats), ``model.safetensors`` with Hugging Face's tensor names, and
-the tokenizer files of the checkpoint the run started from. ``stoker.learner.hf.load_checkpoint``
+the tokenizer files of the checkpoint the run started from. ``stoker.model.hf.load_checkpoint``
 (or transformers) reads it back to the same logits.
 """
 
@@ -20,8 +20,8 @@ from flax import nnx
 from pydantic import ValidationError
 
 from stoker.hfconfig import CONFIG_FILE, CheckpointError
-from stoker.learner.hf import dtype_from_name, load_checkpoint, load_hf, save_checkpoint
-from stoker.learner.model import Transformer
+from stoker.model.hf import dtype_from_name, load_checkpoint, load_hf, save_checkpoint
+from stoker.model.model import Transformer
 from stoker.spec import RLJobSpec
 
 RUN_RECORD = "runs.jsonl"
@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _from_run(run_dir: Path) -> tuple[Transformer, Path | None, int]:
     """The newest published policy of a run, the directory its tokenizer files are in, its version."""
-    from stoker.learner.weights import WeightsError, WeightSubscriber
+    from stoker.model.weights import WeightsError, WeightSubscriber
 
     lines = [line for line in (run_dir / RUN_RECORD).read_text().splitlines() if line.strip()]
     try:

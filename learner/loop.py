@@ -177,9 +177,10 @@ class Learner:
         import jax
         from flax import nnx
 
-        from stoker.learner import hf, metrics, sharding, train
+        from stoker.learner import metrics, sharding, train
+        from stoker.model import hf
         from stoker.learner.checkpoint import Checkpointer
-        from stoker.learner.model import init_model
+        from stoker.model.model import init_model
 
         self.settings = settings
         metrics.enable_compilation_cache(settings.compilation_cache_dir)
@@ -332,7 +333,7 @@ class Learner:
     def flat_weights(self, params: Any = None) -> dict[str, np.ndarray]:
         """The policy's parameters -- the current ones, or a ``Trainer.policy_copy`` -- as Hugging
         Face-named host arrays (what actors load)."""
-        from stoker.learner.weights import flatten_params
+        from stoker.model.weights import flatten_params
 
         return flatten_params(self.trainer.policy_model(params))
 

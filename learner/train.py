@@ -28,8 +28,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from stoker.learner import algorithms, sharding
 from stoker.learner.algorithms import LossConfig
-from stoker.learner.logprobs import TokenStats, token_stats
-from stoker.learner.model import Block, RematPolicy, RMSNorm, Transformer, packed_visibility
+from stoker.model.logprobs import TokenStats, token_stats
+from stoker.model.model import Block, RematPolicy, RMSNorm, Transformer, packed_visibility
 from stoker.learner.optimizer import make_optimizer as make_optimizer  # re-exported: train.make_optimizer
 from stoker.learner.optimizer import updates_applied
 from stoker.learner.packing import FIELDS, MicroBatch

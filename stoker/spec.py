@@ -389,6 +389,44 @@ class ActorsSpec(SpecModel):
     )
 
 
+# ------------------------------------------------------------------------------------- rollout
+
+
+class RolloutSpec(SpecModel):
+    """The rollout tier: generation servers on accelerators that the actors call (``stoker rollout``).
+
+    Without it (the default) every actor samples in-process on its own CPU, which suits small
+    policies; with it the actors keep episodes and sandboxes and send token ids to these servers.
+    """
+
+    replicas: int = Field(1, ge=0, description="Rollout servers (each a Deployment pod, or a group of hosts on a multi-host TPU slice).")
+    min_replicas: int = Field(1, ge=0, description="Autoscaling floor.")
+    max_replicas: int = Field(4, ge=1, description="Autoscaling ceiling.")
+    accelerator: Literal[
+        "cpu", "nvidia-gpu", "tpu-v4-podslice", "tpu-v5-lite-podslice", "tpu-v5p-slice", "tpu-v6e-slice", "tpu7x"
+    ] = Field("cpu", description="cpu, nvidia-gpu, or a GKE TPU accelerator label.")
+    topology: Annotated[str, Field(pattern=r"^[1-9][0-9]*(x[1-9][0-9]*){1,2}$", max_length=20)] | None = Field(
+        None, description="TPU topology of each server's slice, e.g. 2x2."
+    )
+    gpus: int = Field(1, ge=1, le=16, description="GPUs per server (accelerator nvidia-gpu): the nvidia.com/gpu limit.")
+    gpu_type: Annotated[str, Field(pattern=DNS_LABEL_PATTERN, max_length=63)] | None = Field(
+        None, description="GKE GPU node label cloud.google.com/gke-accelerator, e.g. nvidia-l4 (nvidia-gpu only)."
+    )
+    image: str | None = Field(None, description="Rollout image; the learner image when unset (it has the accelerator runtime).")
+    resources: Resources = Field(
+        default_factory=lambda: Resources(
+            requests=ResourceList(cpu="2", memory="8Gi"), limits=ResourceList(cpu="4", memory="16Gi")
+        )
+    )
+    max_batch: int = Field(32, ge=1, le=4096, description="Sequences each server decodes together.")
+    max_queue: int = Field(
+        256,
+        ge=1,
+        description="Requests waiting beyond the batch after which a server answers RESOURCE_EXHAUSTED with a retry hint.",
+    )
+    port: int = Field(50053, ge=1, le=65535)
+
+
 # -------------------------------------------------------------------------------------- buffer
 
 
@@ -516,6 +554,9 @@ class RLJobSpec(SpecModel):
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     environment: EnvironmentSpec = Field(default_factory=EnvironmentSpec)
     actors: ActorsSpec = Field(default_factory=ActorsSpec)
+    rollout: RolloutSpec | None = Field(
+        None, description="Generation servers the actors call; unset: each actor samples in-process."
+    )
     buffer: BufferSpec = Field(default_factory=BufferSpec)
     learner: LearnerSpec = Field(default_factory=LearnerSpec)
     mode: Literal["disaggregated", "colocated"] = Field(

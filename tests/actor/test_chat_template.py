@@ -16,9 +16,9 @@ from stoker.actor.environments import Observation, StepResult
 from stoker.actor.episode import EpisodeLimits, run_episode
 from stoker.actor.policy import Sampled
 from stoker.actor.tokenization import TextInterface, TokenizerProblem, text_interface
-from stoker.learner.hf import save_checkpoint
+from stoker.model.hf import save_checkpoint
 from stoker.learner.batches import _sequence
-from stoker.learner.model import init_model
+from stoker.model.model import init_model
 from stoker.learner.packing import pack
 from stoker.spec import RLJobSpec, TransformerConfig
 

@@ -8,9 +8,9 @@ import pytest
 
 from stoker.actor.settings import ActorSettings
 from stoker.actor.wiring import ActorSetupError, make_sampler
-from stoker.learner.hf import CheckpointError, WEIGHTS_FILE, decode_safetensors, encode_safetensors, save_checkpoint
+from stoker.model.hf import CheckpointError, WEIGHTS_FILE, decode_safetensors, encode_safetensors, save_checkpoint
 from stoker.learner.loop import Learner, LearnerSettings
-from stoker.learner.model import init_model
+from stoker.model.model import init_model
 from stoker.spec import RLJobSpec, TransformerConfig
 
 TINY = TransformerConfig(

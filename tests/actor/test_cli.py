@@ -67,9 +67,9 @@ def test_vocabulary_too_small_for_the_tokenizer_is_explained(tmp_path: Path) -> 
 
 @pytest.mark.slow
 def test_actor_process_fills_the_buffer_with_whole_groups(tmp_path: Path, server: BufferServer) -> None:
-    from stoker.learner.hf import to_hf
-    from stoker.learner.model import init_model
-    from stoker.learner.weights import WeightPublisher
+    from stoker.model.hf import to_hf
+    from stoker.model.model import init_model
+    from stoker.model.weights import WeightPublisher
     from stoker.manifest import load_job
 
     manifest = tmp_path / "job.yaml"

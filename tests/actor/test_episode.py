@@ -132,7 +132,7 @@ class FakeSampler:
         self.version = version
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: Sequence[int] = (), sessions=None):  # type: ignore[no-untyped-def]
-        from stoker.learner.sampling import Generation
+        from stoker.rollout.sampling import Generation
 
         assert sessions is None  # this sampler keeps no conversations
         self.batches.append(len(prompts))
@@ -184,7 +184,7 @@ class SizeRecordingSampler:
         pass
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, stop_token_ids: Sequence[int] = (), sessions=None):  # type: ignore[no-untyped-def]
-        from stoker.learner.sampling import Generation
+        from stoker.rollout.sampling import Generation
 
         self.calls.append(len(prompts))
         return [Generation([1], [-0.5], True, 0) for _ in prompts]

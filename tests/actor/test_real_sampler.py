@@ -12,9 +12,9 @@ from stoker.actor.episode import EpisodeLimits, run_group
 from stoker.actor.policy import BatchedSampler
 from stoker.actor.sandbox import inline_factory
 from stoker.actor.tokenization import TextInterface
-from stoker.learner.hf import to_hf
-from stoker.learner.model import init_model, token_logprobs
-from stoker.learner.sampling import Sampler
+from stoker.model.hf import to_hf
+from stoker.model.model import init_model, token_logprobs
+from stoker.rollout.sampling import Sampler
 from stoker.spec import SamplingSpec, TransformerConfig
 from stoker.trajectory import array_problem, to_proto
 

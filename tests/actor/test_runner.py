@@ -186,7 +186,7 @@ class CountingSampler:
         self.version = version
 
     def generate(self, prompts, *, max_new_tokens, stop_token_ids=(), sessions=None):  # type: ignore[no-untyped-def]
-        from stoker.learner.sampling import Generation
+        from stoker.rollout.sampling import Generation
 
         return [Generation([self.move], [-0.3], True, self.version) for _ in prompts]
 
@@ -216,8 +216,8 @@ async def test_between_episodes_keeps_each_episode_on_its_first_weights(
 ) -> None:
     caplog.set_level(logging.INFO, logger="stoker.actor")
     from stoker.actor.wiring import make_policy
-    from stoker.learner.model import init_model
-    from stoker.learner.weights import flatten_params
+    from stoker.model.model import init_model
+    from stoker.model.weights import flatten_params
     from stoker.spec import ActorsSpec, EnvironmentSpec, SamplingSpec, StepLatency
 
     # The real sampler, allowed only "up" (which never reaches the goal: every episode plays all

@@ -39,7 +39,7 @@ def main() -> int:
     from stoker.buffer.client import SampledBatch, SampledGroup
     from stoker.learner import multihost
     from stoker.learner.loop import Learner, LearnerSettings
-    from stoker.learner.weights import flatten_params
+    from stoker.model.weights import flatten_params
     from stoker.spec import TransformerConfig
     from stoker.trajectory import Episode
 

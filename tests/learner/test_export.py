@@ -15,9 +15,9 @@ from flax import nnx
 
 from stoker.cli import main as stoker_main
 from stoker.hfconfig import config_from_hf
-from stoker.learner.hf import load_checkpoint, save_checkpoint, to_hf
-from stoker.learner.model import Transformer, init_model
-from stoker.learner.weights import WeightPublisher
+from stoker.model.hf import load_checkpoint, save_checkpoint, to_hf
+from stoker.model.model import Transformer, init_model
+from stoker.model.weights import WeightPublisher
 from stoker.spec import RLJobSpec, RopeScaling, TransformerConfig
 
 GEMMA3_LIKE = TransformerConfig(

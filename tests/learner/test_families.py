@@ -17,8 +17,8 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from stoker.learner.hf import CheckpointError, config_from_hf, load_checkpoint, to_hf
-from stoker.learner.model import Transformer, init_model
+from stoker.model.hf import CheckpointError, config_from_hf, load_checkpoint, to_hf
+from stoker.model.model import Transformer, init_model
 
 BASE: dict[str, Any] = {
     "vocab_size": 48, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,

@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stoker.learner.hf import to_hf
-from stoker.learner.logprobs import token_stats
-from stoker.learner.model import Transformer, init_model
-from stoker.learner.sampling import Sampler
+from stoker.model.hf import to_hf
+from stoker.model.logprobs import token_stats
+from stoker.model.model import Transformer, init_model
+from stoker.rollout.sampling import Sampler
 from stoker.spec import SamplingSpec, TransformerConfig
 
 GEMMA2_LIKE = TransformerConfig(

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from stoker.learner.hf import (
+from stoker.model.hf import (
     CheckpointError,
     config_from_hf,
     load_checkpoint,
@@ -22,8 +22,8 @@ from stoker.learner.hf import (
     to_hf,
 )
 from stoker import validate_cmd
-from stoker.learner.model import init_model
-from stoker.learner.tokenizer import (
+from stoker.model.model import init_model
+from stoker.model.tokenizer import (
     TokenizerError,
     load_tokenizer,
     save_tokenizer,

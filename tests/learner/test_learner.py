@@ -17,8 +17,8 @@ import pytest
 from stoker.buffer.client import SampledBatch
 from stoker.learner.algorithms import LossConfig
 from stoker.learner.loop import SAMPLE_LAG_VERSIONS, Group, Learner, LearnerSettings, load_dpo_pairs, prepare_groups
-from stoker.learner.model import token_logprobs
-from stoker.learner.weights import WeightSubscriber
+from stoker.model.model import token_logprobs
+from stoker.model.weights import WeightSubscriber
 from stoker.spec import RLJobSpec, TransformerConfig
 from stoker.trajectory import Episode
 
@@ -196,7 +196,7 @@ def test_staleness_is_judged_at_the_version_the_buffer_sampled_at(grpo_learner: 
 
 def test_a_policy_copy_outlives_the_next_update(grpo_learner: Learner) -> None:
     """The outbox publishes from a copy while training goes on; the step donates the live arrays."""
-    from stoker.learner.weights import flatten_params
+    from stoker.model.weights import flatten_params
 
     learner = grpo_learner
     expected = learner.flat_weights()
@@ -416,7 +416,7 @@ class ScriptedBuffer:
 
 def test_run_loop_commits_publishes_checkpoints_and_resumes(tmp_path: Path) -> None:
     from stoker.learner.metrics import MetricsSink
-    from stoker.learner.weights import WeightPublisher
+    from stoker.model.weights import WeightPublisher
 
     weights_dir = tmp_path / "weights"
     buffer = ScriptedBuffer()

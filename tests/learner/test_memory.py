@@ -12,8 +12,9 @@ import optax
 import pytest
 from flax import nnx
 
-from stoker.learner import attention, logprobs, train
-from stoker.learner.model import Transformer, init_model
+from stoker.learner import train
+from stoker.model import attention, logprobs
+from stoker.model.model import Transformer, init_model
 from stoker.learner.sharding import make_mesh
 from stoker.spec import TransformerConfig
 

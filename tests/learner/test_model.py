@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from stoker.learner.hf import to_hf
-from stoker.learner.model import (
+from stoker.model.hf import to_hf
+from stoker.model.model import (
     Transformer,
     count_params,
     init_model,

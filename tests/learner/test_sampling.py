@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from stoker.learner.hf import load_checkpoint, read_weights, save_checkpoint
-from stoker.learner.model import Transformer, init_model, token_logprobs
-from stoker.learner.sampling import PromptTooLong, Sampler, padded_batch, pick_bucket, sample_token
-from stoker.learner.tokenizer import load_tokenizer, save_tokenizer, token_id, train_word_tokenizer
-from stoker.learner.weights import flatten_params
+from stoker.model.hf import load_checkpoint, read_weights, save_checkpoint
+from stoker.model.model import Transformer, init_model, token_logprobs
+from stoker.rollout.sampling import PromptTooLong, Sampler, padded_batch, pick_bucket, sample_token
+from stoker.model.tokenizer import load_tokenizer, save_tokenizer, token_id, train_word_tokenizer
+from stoker.model.weights import flatten_params
 from stoker.spec import SamplingSpec, TransformerConfig
 
 CONFIG = TransformerConfig()

@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent(
     import jax, numpy as np
     from stoker.learner import packing, sharding, train
     from stoker.learner.algorithms import LossConfig
-    from stoker.learner.model import init_model
+    from stoker.model.model import init_model
     from flax import nnx
     from stoker.spec import TransformerConfig
 

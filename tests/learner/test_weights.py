@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stoker.learner.model import init_model
-from stoker.learner.weights import (
+from stoker.model.model import init_model
+from stoker.model.weights import (
     WeightPublisher,
     WeightsCorrupt,
     WeightsError,

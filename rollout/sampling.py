@@ -55,8 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stoker.learner.hf import load_hf
-from stoker.learner.model import KVCache, LayerCache, Transformer, head_dim, init_model
+from stoker.model.hf import load_hf
+from stoker.model.model import KVCache, LayerCache, Transformer, head_dim, init_model
 from stoker.spec import SamplingSpec, TransformerConfig
 
 

@@ -42,7 +42,7 @@ def token_logprobs(logits: jax.Array, targets: jax.Array, *, temperature: float 
 
     log p(y) = z_y / tau - logsumexp(z / tau). ``targets`` are the next tokens, so the usual call is
     ``token_logprobs(logits[:, :-1], token_ids[:, 1:])``. With the sampler's temperature this is
-    exactly what the sampler recorded for the same ids (see ``stoker.learner.sampling``)."""
+    exactly what the sampler recorded for the same ids (see ``stoker.rollout.sampling``)."""
     z = logits.astype(jnp.float32) / temperature
     picked = jnp.take_along_axis(z, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
     return picked - jax.nn.logsumexp(z, axis=-1)

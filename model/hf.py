@@ -33,7 +33,7 @@ from flax import nnx
 from safetensors import SafetensorError, TensorSpec, deserialize, serialize
 
 from stoker.hfconfig import CONFIG_FILE, CheckpointError, config_from_hf, config_to_hf, read_config
-from stoker.learner.model import Transformer
+from stoker.model.model import Transformer
 
 __all__ = [
     "CheckpointError", "config_from_hf", "config_to_hf", "read_config", "load_checkpoint", "save_checkpoint",

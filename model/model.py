@@ -1,9 +1,9 @@
 """The policy: a decoder-only transformer of the Llama, Qwen and Gemma families, in Flax NNX.
 
 One implementation serves the learner (packed training forward) and the actors' sampler (prefill
-plus KV-cached decode, see ``stoker.learner.sampling``). Submodules carry Hugging Face's names
+plus KV-cached decode, see ``stoker.rollout.sampling``). Submodules carry Hugging Face's names
 (``embed_tokens``, ``layers.N.self_attn.q_proj`` ...) so the checkpoint mapping in
-``stoker.learner.hf`` is a rename plus a transpose, nothing more.
+``stoker.model.hf`` is a rename plus a transpose, nothing more.
 
 Llama/Qwen blocks are the pre-norm residual pair
 
@@ -11,8 +11,8 @@ Llama/Qwen blocks are the pre-norm residual pair
     RMSNorm(x) = w * x / sqrt(mean(x^2) + eps),
     MLP(x) = W_down (silu(W_gate x) * W_up x)                       (SwiGLU),
 
-with rotary position embeddings on queries and keys (``stoker.learner.rope``) and grouped-query
-attention (``stoker.learner.attention``). Gemma 2 (arXiv:2408.00118) and Gemma 3 (its technical
+with rotary position embeddings on queries and keys (``stoker.model.rope``) and grouped-query
+attention (``stoker.model.attention``). Gemma 2 (arXiv:2408.00118) and Gemma 3 (its technical
 report, arXiv:2503.19786) change, each behind a ``TransformerConfig`` field:
 
     h = x + RMSNorm(Attn(RMSNorm(x))),  y = h + RMSNorm(MLP(RMSNorm(h)))    (sandwichNorms)
@@ -38,11 +38,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from stoker.learner.attention import Visibility, attention
-from stoker.learner.logprobs import (  # noqa: F401 - re-exported: callers import them from here
+from stoker.model.attention import Visibility, attention
+from stoker.model.logprobs import (  # noqa: F401 - re-exported: callers import them from here
     OutputHead, restrict_logits, sequence_logprobs, token_log_not_taken, token_logprobs,
 )
-from stoker.learner.rope import inverse_frequencies, rotary
+from stoker.model.rope import inverse_frequencies, rotary
 from stoker.spec import TransformerConfig
 
 # Hugging Face's ``initializer_range``: small embeddings keep the initial policy near uniform,

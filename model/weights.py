@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from stoker.learner.hf import CheckpointError, decode_safetensors, encode_safetensors, load_hf, to_hf
+from stoker.model.hf import CheckpointError, decode_safetensors, encode_safetensors, load_hf, to_hf
 from stoker.v1 import weights_pb2, weights_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class WeightsUnavailable(WeightsError):
 
 
 def flatten_params(model: nnx.Module) -> dict[str, np.ndarray]:
-    """The model's parameters as host arrays under Hugging Face names (see ``stoker.learner.hf``)."""
+    """The model's parameters as host arrays under Hugging Face names (see ``stoker.model.hf``)."""
     return to_hf(model)
 
 
