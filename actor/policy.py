@@ -107,8 +107,8 @@ class BatchedSampler:
 
     Every sampler call (generate and load_weights) runs on one dedicated thread, in order, so a
     weight update never interleaves with a batch and the event loop never blocks on JAX. A call
-    takes at most ``max_batch`` rows and ``max_call_tokens`` rows x prefill bucket; requests beyond
-    wait for the next call.
+    takes at most ``max_batch`` rows, ``max_call_tokens`` rows x prefill bucket and, with
+    sessions, the sampler's ``session_rows``; requests beyond wait for the next call.
     """
 
     def __init__(self, sampler: SamplerLike, max_batch: int = MAX_CALL_ROWS, max_call_tokens: int = MAX_CALL_TOKENS):
@@ -117,6 +117,8 @@ class BatchedSampler:
         self.max_call_tokens = max_call_tokens
         # The sampler's length buckets (if it has them): requests are batched within a bucket.
         self._buckets: tuple[int, ...] = tuple(sorted(getattr(sampler, "buckets", ()) or ()))
+        # Rows of the sampler's conversation cache (0: it keeps none; see max_session_batch).
+        self._session_rows = int(getattr(sampler, "session_rows", 0) or 0)
         self.stats = BatchStats()
         self._queue: list[_Request] = []
         self._wake = asyncio.Event()
@@ -127,6 +129,11 @@ class BatchedSampler:
     @property
     def version(self) -> int:
         return int(self.sampler.version)
+
+    @property
+    def max_session_batch(self) -> int:
+        """The most conversations one sampler call may name: each needs a cache row for the call."""
+        return min(self.max_batch, self._session_rows) if self._session_rows else self.max_batch
 
     async def generate(
         self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int], session: Hashable = None
@@ -217,7 +224,8 @@ class BatchedSampler:
             return []
         key = self._key(live[0])
         same = [r for r in live if self._key(r) == key]
-        rows = min(len(same), self.max_batch, max(1, self.max_call_tokens // live[0].bucket))
+        most = self.max_batch if live[0].session is None else self.max_session_batch
+        rows = min(len(same), most, max(1, self.max_call_tokens // live[0].bucket))
         # The sampler pads a call to a power of two rows, at least its min_batch: 8 + 3 rows cost
         # less than 11 padded to 16, but 3 rows padded to 4 cost the same as 2 + 1 in one call.
         size = rows if rows <= self.sampler.min_batch else 1 << (rows.bit_length() - 1)

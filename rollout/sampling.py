@@ -381,6 +381,11 @@ class Sampler:
         return self.sampling.temperature
 
     @property
+    def session_rows(self) -> int:
+        """Rows of the conversation cache: the most sessions one call may name."""
+        return len(self._row_owner)
+
+    @property
     def compile_count(self) -> int:
         """Distinct programs compiled so far (one per batch/prefill/cache shape triple)."""
         return self._traces

@@ -143,7 +143,7 @@ async def _episodes(spec: RLJobSpec, groups: int) -> tuple[list[Any], list[float
         new_tokens = actor.sampling.max_new_tokens
 
         def turn(turn_prompts: list[list[int]], sessions: list[Any] | None) -> None:
-            rows = policy.max_batch
+            rows = policy.max_batch if sessions is None else policy.max_session_batch
             for first in range(0, len(turn_prompts), rows):
                 part = None if sessions is None else sessions[first : first + rows]
                 sampler.generate(turn_prompts[first : first + rows], max_new_tokens=new_tokens, sessions=part)

@@ -13,6 +13,7 @@ and ``run_group`` are the very functions the learner and actor processes run).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import signal
@@ -20,7 +21,9 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from stoker.actor.settings import ActorSettings
     from stoker.local import Outcome, RunOptions
+    from stoker.spec import RLJobSpec
 
 log = logging.getLogger("stoker.sync")
 
@@ -34,11 +37,20 @@ def run_sync(options: RunOptions) -> Outcome:
         return Outcome(130, f"interrupted; checkpoint kept in {options.run_dir}")
 
 
+def episode_settings(spec: RLJobSpec, job: str) -> ActorSettings:
+    """The actor settings the loop plays episodes with. It runs a whole batch at once --
+    ``learner.batchGroups`` x ``buffer.groupSize`` episodes, not one actor's ``concurrency`` -- so
+    the sampler's conversation cache gets a row for each of them (within conversationCacheMiB)."""
+    from stoker.actor.settings import ActorSettings
+
+    actor = ActorSettings.from_spec(spec, actor_id="sync", job=job)
+    return dataclasses.replace(actor, concurrency=spec.learner.batch_groups * spec.buffer.group_size)
+
+
 async def _run(options: RunOptions) -> Outcome:
     from stoker.actor.episode import run_group
     from stoker.actor.runner import task_cycle
     from stoker.actor.sandbox import close_factory
-    from stoker.actor.settings import ActorSettings
     from stoker.actor.tokenization import text_interface
     from stoker.actor.wiring import environment_factory, make_policy
     from stoker.learner.loop import Group, Learner, LearnerSettings
@@ -52,7 +64,7 @@ async def _run(options: RunOptions) -> Outcome:
         overrides["max_steps"] = options.max_steps
     settings = LearnerSettings.from_spec(spec, run_dir=options.run_dir, **overrides)
     learner = Learner(settings)
-    actor = ActorSettings.from_spec(spec, actor_id="sync", job=options.job.metadata.name)
+    actor = episode_settings(spec, options.job.metadata.name)
     interface = text_interface(spec)
     policy = make_policy(actor)
     envs = environment_factory(actor)

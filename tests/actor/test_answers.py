@@ -119,14 +119,30 @@ def test_the_example_dataset_is_what_its_generator_writes() -> None:
 
 
 @pytest.mark.slow
-def test_the_example_job_runs_from_the_repository_root(tmp_path: Path) -> None:
-    """A short run of examples/answers.yaml; that it learns (0.9 success) is measured in docs/environments.md."""
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_the_example_job_runs_from_the_repository_root(tmp_path: Path, mode: str) -> None:
+    """A short run of examples/answers.yaml; that it learns (0.9 success) is measured in docs/environments.md.
+    In sync mode its batch (4 groups of 8 episodes) outnumbers an actor's concurrency (8)."""
     done = subprocess.run(
         [sys.executable, "-m", "stoker.cli", "run", "examples/answers.yaml", "--run-dir", str(tmp_path), "--no-progress",
-         "--max-steps", "3"],
+         "--max-steps", "3", "--mode", mode],
         capture_output=True, text=True, cwd=REPO, timeout=400,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     steps = [json.loads(line) for line in (tmp_path / "learner_metrics.jsonl").read_text().splitlines() if line]
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert "success" in (tmp_path / "report.md").read_text()
+
+
+def test_sync_mode_caches_a_conversation_for_every_episode_of_its_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stoker.actor.wiring import conversation_rows
+    from stoker.manifest import load_job
+    from stoker.sync import episode_settings
+
+    monkeypatch.chdir(REPO)  # the job's task file is relative to the repository root
+    spec = load_job(REPO / "examples" / "answers.yaml").spec
+    settings = episode_settings(spec, "answers")
+    batch = spec.learner.batch_groups * spec.buffer.group_size
+    assert batch > spec.actors.concurrency
+    assert settings.concurrency == batch
+    assert conversation_rows(settings, settings.model, "float32") == batch

@@ -65,3 +65,15 @@ async def test_real_sampler_trajectories_match_the_model_and_record_versions(lak
         assert array_problem(to_proto(episode)) is None
         assert episode.policy_versions[episode.loss_mask == 1][0] == 0  # first turns ran before the update
     assert versions_seen == {0, 1}
+
+
+async def test_a_call_names_no_more_sessions_than_the_cache_has_rows(lake: TextInterface, lake_config) -> None:  # type: ignore[no-untyped-def]
+    """Four conversations at once over a cache of two rows: calls take two at a time (the rest wait),
+    instead of one call of four failing every episode."""
+    sampler = Sampler(CONFIG, SamplingSpec(max_new_tokens=2), seed=0, buckets=(128,), session_rows=2)
+    policy = BatchedSampler(sampler, max_batch=8)
+    limits = EpisodeLimits(max_turns=3, max_new_tokens=2, max_tokens=128)
+    group = await run_group(policy, inline_factory(lake_config), lake, "1", 4, limits=limits)
+    await policy.close()
+    assert [e.ok for e in group] == [True] * 4
+    assert max(policy.stats.sizes) == 2
