@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -88,8 +89,10 @@ class TrajectoryBuilder:
 
 
 def _metrics(observation: Observation) -> dict[str, float]:
+    """The environment's numeric metrics; NaN and infinities are left out (they would poison every
+    mean they enter, and the buffer refuses them)."""
     raw = observation.info.get("metrics", {}) if isinstance(observation.info, dict) else {}
-    return {str(k): float(v) for k, v in raw.items() if isinstance(v, int | float)}
+    return {str(k): float(v) for k, v in raw.items() if isinstance(v, int | float) and math.isfinite(v)}
 
 
 async def run_episode(
@@ -144,7 +147,14 @@ async def run_episode(
                 t0 = time.perf_counter()
                 result = await env.step(interface.decode(sampled.token_ids))
                 env_s += time.perf_counter() - t0
-                turn_rewards.append(float(result.reward))
+                reward = float(result.reward)
+                if not math.isfinite(reward):
+                    # A failed episode, never trained on; the turn counts with reward 0 so the
+                    # episode stays a valid (finite) trajectory the buffer and metrics accept.
+                    turn_rewards.append(0.0)
+                    status, reason = FAILED, f"non-finite reward {reward} at turn {len(turn_rewards)}; expected a finite number"
+                    break
+                turn_rewards.append(reward)
                 observation = result.observation
                 metrics = _metrics(observation) or metrics
                 if result.terminated:

@@ -8,7 +8,7 @@ A reward function gets a ``StepContext`` and returns a float::
 The step's reward becomes ``environmentWeight * environment reward + sum(weight * term)``; each
 term's value also goes into the step's metrics as ``reward/<function>``. The functions run in the
 actor, around whatever sandbox the environment runs in, and see text only. A function that
-raises fails that episode, like an environment crash.
+raises, or returns NaN or an infinity, fails that episode, like an environment crash.
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ class RewardedEnvironment:
             self.task_id, self.turn, action, result.observation.text, result.reward,
             result.terminated, result.truncated, result.observation.info,
         )
+        if not math.isfinite(result.reward):
+            raise SandboxFailed(f"the environment returned reward {result.reward}; expected a finite number")
         total = self.environment_weight * result.reward
         metrics = dict(result.observation.info.get("metrics", {}))
         for term, function in self.terms:
@@ -92,6 +94,8 @@ class RewardedEnvironment:
                 raise SandboxFailed(f"reward {term.function} returned {value}; expected a finite number")
             metrics[f"reward/{term.function}"] = value
             total += term.weight * value
+        if not math.isfinite(total):  # finite terms can still overflow once weighted and summed
+            raise SandboxFailed(f"the weighted reward terms sum to {total}; expected a finite number")
         info = {**result.observation.info, "metrics": metrics}
         return replace(result, observation=Observation(result.observation.text, info), reward=total)
 

@@ -12,6 +12,7 @@ docs/architecture.md, "Flat groups: solved and stuck".
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +45,14 @@ class Group:
 
 
 def _trainable(episode: Episode) -> bool:
-    return episode.ok and episode.num_tokens > 1 and bool(np.asarray(episode.loss_mask).any())
+    # A non-finite reward is a failed episode (actors already report it so): it would turn its
+    # group's advantages and its task's best reward into NaN for good.
+    return (
+        episode.ok
+        and math.isfinite(episode.reward)
+        and episode.num_tokens > 1
+        and bool(np.asarray(episode.loss_mask).any())
+    )
 
 
 def _sequence(episode: Episode, *, advantage: float = 0.0, pair_sign: int = 0, stuck: bool = False) -> TrainSequence:
@@ -84,6 +92,8 @@ def episode_metric_means(episodes: Sequence[Episode]) -> dict[str, float]:
     counts: dict[str, int] = {}
     for episode in episodes:
         for key, value in episode.metrics.items():
+            if not math.isfinite(value):
+                continue
             sums[key] = sums.get(key, 0.0) + float(value)
             counts[key] = counts.get(key, 0) + 1
     out = {f"episode_{key}": sums[key] / counts[key] for key in sums if key != "success"}

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from stoker.actor.environments import Observation, StepResult
 from stoker.actor.episode import FAILED, OK, EpisodeLimits, run_group
 from stoker.actor.policy import ScriptedPolicy
 from stoker.actor.rewards import RewardedFactory, RewardTerm
@@ -17,6 +18,9 @@ from stoker.actor.sandbox import SandboxConfig, inline_factory
 from stoker.actor.settings import ActorSettings
 from stoker.actor.tokenization import TextInterface
 from stoker.actor.wiring import environment_factory
+from stoker.buffer.settings import BufferSettings
+from stoker.buffer.validate import validate
+from stoker.trajectory import to_proto
 from stoker.spec import RLJobSpec
 
 REWARDS = '''
@@ -31,6 +35,14 @@ def turn(step):
 
 def broken(step):
     raise ValueError("no reward today")
+
+
+def undefined(step):
+    return float("nan")
+
+
+def huge(step):
+    return 1e308
 '''
 
 
@@ -79,6 +91,65 @@ async def test_a_reward_that_raises_fails_that_episode_only(
     factory = RewardedFactory(inline_factory(answers_config), [RewardTerm(f"{rewards_module}:broken")])
     [episode] = await run_group(_answer(swe, "2"), factory, swe, "q", 1, limits=LIMITS)
     assert episode.status == FAILED and "reward myrewards:broken raised ValueError: no reward today" in episode.status_reason
+
+
+class ScoredEnvironment:
+    """Two turns; the first scores 1, the second ``second``."""
+
+    def __init__(self, second: float):
+        self.second = second
+        self.turn = 0
+
+    async def reset(self, task_id: str, seed: int) -> Observation:
+        return Observation("go", {})
+
+    async def step(self, action: str) -> StepResult:
+        self.turn += 1
+        if self.turn == 1:
+            return StepResult(Observation("again", {}), 1.0, terminated=False)
+        return StepResult(Observation("done", {"metrics": {"success": self.second}}), self.second, terminated=True)
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+async def test_a_non_finite_environment_reward_fails_the_episode_with_its_reason(swe: TextInterface, bad: float) -> None:
+    async def factory() -> ScoredEnvironment:
+        return ScoredEnvironment(bad)
+
+    limits = EpisodeLimits(max_turns=2, max_new_tokens=16, max_tokens=256)
+    [episode] = await run_group(_answer(swe, "2"), factory, swe, "q", 1, limits=limits)
+    assert episode.status == FAILED
+    assert episode.status_reason == f"non-finite reward {bad} at turn 2; expected a finite number"
+    assert episode.turn_rewards == [1.0, 0.0] and episode.reward == 1.0
+    assert "success" not in episode.metrics
+    # A trajectory the buffer takes (a failed member of its group), not one it refuses.
+    validate(to_proto(episode).SerializeToString(), BufferSettings(group_size=1))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("terms", "environment", "reason"),
+    [
+        ([("undefined", 1.0)], 1.0, "reward myrewards:undefined returned nan; expected a finite number"),
+        ([("huge", 10.0)], 1.0, "the weighted reward terms sum to inf; expected a finite number"),
+        ([("brief", 1.0)], float("nan"), "the environment returned reward nan; expected a finite number"),
+    ],
+)
+async def test_a_non_finite_reward_from_a_plugin_fails_the_episode(
+    rewards_module: str, swe: TextInterface, terms: list[tuple[str, float]], environment: float, reason: str
+) -> None:
+    async def scored() -> ScoredEnvironment:
+        env = ScoredEnvironment(environment)
+        env.turn = 1  # its first step is the one scored ``environment``
+        return env
+
+    factory = RewardedFactory(scored, [RewardTerm(f"{rewards_module}:{name}", weight) for name, weight in terms])
+    [episode] = await run_group(_answer(swe, "2"), factory, swe, "q", 1, limits=LIMITS)
+    assert episode.status == FAILED and episode.status_reason == reason
+    assert episode.reward == 0.0
 
 
 def test_the_spec_wires_rewards_and_validate_checks_them(rewards_module: str, tmp_path: Path) -> None:

@@ -276,6 +276,23 @@ def test_stuck_groups_get_a_negative_advantage_and_solved_ones_stay_out() -> Non
     assert prepare_groups([_flat_group("a", 1.0), _flat_group("b", 0.5)], "grpo", best).items == []
 
 
+def test_a_non_finite_reward_never_trains_nor_enters_the_best_reward_table() -> None:
+    best: dict[str, float] = {}
+    spread = _flat_group("a", 0.0)
+    spread.episodes[0].reward = 1.0
+    poisoned = _flat_group("a", 0.5)
+    poisoned.episodes[1].reward = float("nan")
+    poisoned.episodes[2].reward = float("inf")
+    poisoned.episodes[3].metrics = {"success": float("nan"), "steps": float("inf")}
+    prepared = prepare_groups([poisoned, spread], "grpo", best)
+    assert best == {"a": 1.0}
+    assert prepared.skipped_episodes == 2 and all(np.isfinite(prepared.rewards))
+    assert all(np.isfinite(seq[0].advantage) for seq in prepared.items)
+    assert prepared.episode_metrics == {"success_rate": 0.0}
+    # Later groups of the task are still judged against a finite best: stuck below it.
+    assert prepare_groups([_flat_group("a", 0.5)], "grpo", best).stuck_groups == 1
+
+
 def test_a_saturated_policy_is_pushed_off_a_lost_task() -> None:
     """A policy sure (p > 0.9995) of a token that no longer pays, as when an outsized step knocks a
     solved FrozenLake map onto one losing path: its stuck groups must make it sample something else.
