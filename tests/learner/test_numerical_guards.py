@@ -136,8 +136,10 @@ def test_a_non_finite_gradient_skips_the_update_and_is_counted() -> None:
     )
     before = jax.device_get(learner.trainer.params)
     opt_before = jax.device_get(learner.trainer.opt_state)
-    # An environment that reported a NaN reward: its advantage, the loss and every gradient are NaN.
-    bad = Group([_episode(3, r, 0) for r in (1.0, 0.0, float("nan"), 0.0)])
+    # A sampler that recorded a NaN log-prob: the ratio, the loss and every gradient are NaN. (A NaN
+    # reward no longer gets this far: its episode is failed and never trains, test_learner.py.)
+    bad = Group([_episode(3, r, 0) for r in (1.0, 0.0, 1.0, 0.0)])
+    bad.episodes[2].logprobs = np.asarray([0, 0, np.nan], np.float32)
     metrics = learner.train_on([bad])
     assert metrics["trained"] == 0.0 and metrics["nonfinite_updates"] == 1.0
     assert learner.version == 0 and learner.steps == 1
