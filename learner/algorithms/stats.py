@@ -1,0 +1,44 @@
+"""Loss statistics: sums and counts per micro-batch, combined, then turned into the reported metrics."""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Stats combined by maximum rather than sum (across micro-batches and shards).
+MAX_STATS = frozenset({"is_weight_max", "staleness_max"})
+
+
+def combine_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """Add two micro-batches' stats (maxima take the max)."""
+    out = dict(a)
+    for key, value in b.items():
+        if key in out:
+            out[key] = max(out[key], value) if key in MAX_STATS else out[key] + value
+        else:
+            out[key] = value
+    return out
+
+
+def finalize_stats(sums: dict[str, float]) -> dict[str, float]:
+    """Turn summed stats into the reported metrics (means, fractions, std)."""
+    out: dict[str, float] = {}
+    for key in ("pg_loss", "value_loss", "kl", "entropy", "loss"):
+        if key in sums:
+            out[key] = float(sums[key])
+    tokens = sums.get("is_tokens", 0.0)
+    if tokens:
+        out["is_weight_mean"] = sums["is_weight_sum"] / tokens
+        out["is_weight_max"] = float(sums["is_weight_max"])
+        out["is_clipped_fraction"] = sums["is_clipped"] / tokens
+    if "ratio_clipped" in sums and sums.get("trained_tokens"):
+        out["ratio_clipped_fraction"] = sums["ratio_clipped"] / sums["trained_tokens"]
+    n = sums.get("tito_tokens", 0.0)
+    if n:
+        mean = sums["tito_sum"] / n
+        out["tito_logprob_diff_mean"] = mean
+        out["tito_logprob_diff_std"] = float(np.sqrt(max(sums["tito_sumsq"] / n - mean**2, 0.0)))
+        out["tito_tokens"] = n
+    if sums.get("dpo_pairs"):
+        out["dpo_accuracy"] = sums["dpo_accuracy_sum"] / sums["dpo_pairs"]
+        out["dpo_margin_mean"] = sums["dpo_margin_sum"] / sums["dpo_pairs"]
+    return out
