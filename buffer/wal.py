@@ -1,22 +1,14 @@
 """The write-ahead log: append-only segment files of checksummed records, with group commit.
 
-A data directory holds segments ``000000000001.wal``, ``000000000002.wal``, ... Each starts with an
-8-byte magic and holds records::
-
-    u32 payload length | u32 crc32(type byte + payload) | u8 type | payload
-
-(little-endian; zlib's CRC-32, computed with ISA-L's ``isal_zlib.crc32``: the same values at
-~60 instead of ~7 GB/s). Segments are preallocated (``posix_fallocate``) ahead of the appends and
+The format of segments and records, and reading them back, is ``stoker.buffer.wal_format``.
+Segments are preallocated (``posix_fallocate``) ahead of the appends and
 written at explicit offsets: appending to a preallocated file costs a fraction of growing it block
 by block (about 10x less CPU for a 32k-token trajectory on ext4), so a clean segment ends in zeros.
 Each step doubles what the segment has, from 1 MiB up to the segment size: a busy log preallocates
 a few times per segment, and a small one (a local job, a test) holds megabytes of disk rather than
-a whole segment's worth when it is not closed cleanly. Readers
-stop at the first record that is truncated or fails its checksum (a crash mid-write) and skip the
-rest of that segment with a warning, unless the rest is all zeros (unused preallocated space);
-later segments are still read. Writers append under a lock; ``sync`` makes a position durable with one ``fdatasync``
-shared by every writer waiting at that moment (group commit), so concurrent Puts pay for one
-flush between them.
+a whole segment's worth when it is not closed cleanly. Writers append under a lock; ``sync``
+makes a position durable with one ``fdatasync`` shared by every writer waiting at that moment
+(group commit), so concurrent Puts pay for one flush between them.
 
 Large appends (``DIRECT_MIN`` bytes and up, with fsync on) bypass the page cache: their records
 are copied into a page-aligned buffer and written with ``O_DIRECT`` at a 4 KiB-aligned offset,
@@ -36,24 +28,39 @@ import errno
 import logging
 import mmap
 import os
-import re
-import struct
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from isal import isal_zlib
+from stoker.buffer import wal_files
+from stoker.buffer.wal_files import NO_SPACE, StagingBuffers, WalError, WalFull, create_segment_file, preallocate, write_all
+from stoker.buffer.wal_format import (
+    ALIGN,
+    HEADER,
+    MAGIC,
+    PAD,
+    Position,
+    ReplayRecord,
+    ReplayReport,
+    Segment,
+    checksum,
+    padding_after,
+    padding_record,
+    read_records,
+    record_chunks,
+    replay_segments,
+    segment_name,
+)
+
+# What the buffer, its tests and benchmarks use; the format and file calls live in wal_format and wal_files.
+__all__ = [
+    "ALIGN", "DIRECT_MIN", "HEADER", "MAGIC", "PAD", "PREALLOCATE_FIRST", "Position", "ReplayRecord", "ReplayReport",
+    "Segment", "Wal", "WalError", "WalFull", "checksum", "read_records",
+]
 
 log = logging.getLogger("stoker.buffer.wal")
 
-MAGIC = b"STKWAL1\n"
-HEADER = struct.Struct("<IIB")
-SEGMENT_RE = re.compile(r"^(\d{12})\.wal$")
-# writev accepts at most IOV_MAX buffers per call; 1024 on Linux.
-IOV_MAX = 1024
-PAD = 255  # record type of alignment padding; never returned to readers
-ALIGN = 4096  # O_DIRECT offset, length and memory alignment (the usual logical block size or more)
 # Appends from this size up go through O_DIRECT. Below it the two cost the same CPU (measured from
 # 53 KB to 256 KB); above it the page cache's copy and writeback cost up to 7x more.
 DIRECT_MIN = 256 << 10
@@ -61,29 +68,6 @@ DIRECT_MAX = 64 << 20  # larger appends stay buffered rather than hold a staging
 PREALLOCATE_FIRST = 1 << 20  # a new segment's first preallocation; each later one doubles it
 STAGING_KEPT = 4  # staging buffers kept for reuse (about one per concurrent writer)...
 STAGING_KEPT_MAX = 16 << 20  # ...if at most this big: a rare huge append does not pin its buffer
-
-Position = tuple[int, int]  # (segment number, byte offset): totally ordered
-
-
-class WalError(OSError):
-    """The log could not be written or flushed; nothing written since the last sync is durable."""
-
-
-class WalFull(WalError):
-    """No space on the log's volume for this append; nothing was written and the log stays usable."""
-
-
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-
-
-@dataclass
-class Segment:
-    number: int
-    path: Path
-    size: int = 0
-    allocated: int = 0  # bytes preallocated (the active segment only)
-    pins: int = 0  # live records the owner has not released
-    pinned_bytes: int = 0
 
 
 @dataclass(eq=False)
@@ -96,102 +80,6 @@ class _DirectWrite:
     length: int  # aligned
     staging: mmap.mmap  # page-aligned, at least ``length`` bytes
 
-
-@dataclass
-class ReplayRecord:
-    segment: int
-    kind: int
-    payload: memoryview
-
-
-@dataclass
-class ReplayReport:
-    segments: int = 0
-    records: int = 0
-    corrupt: list[str] = field(default_factory=list)  # one line per skipped tail
-    clean_ends: dict[int, int] = field(default_factory=dict)  # segment -> end of its records, when the rest is zeros
-
-
-# crc32 of the type byte alone, the starting value of each record's checksum
-_KIND_CRC = [isal_zlib.crc32(bytes((kind,))) for kind in range(256)]
-
-
-# crc32 releases the GIL for inputs over 5 KiB. For short records that costs more than it
-# saves: every release is a handoff to another server thread (and back) on a busy machine. Short
-# records are checksummed in 4 KiB pieces, which keeps the GIL; long ones in one call, which frees it.
-_PIECE = 4096
-_PIECEWISE_BELOW = 64 * 1024
-
-
-def checksum(kind: int, payload: bytes | memoryview) -> int:
-    crc = _KIND_CRC[kind]
-    size = len(payload)
-    if size > _PIECEWISE_BELOW or size <= _PIECE:
-        return isal_zlib.crc32(payload, crc)
-    view = memoryview(payload)
-    for start in range(0, size, _PIECE):
-        crc = isal_zlib.crc32(view[start : start + _PIECE], crc)
-    return crc
-
-
-def record_chunks(kind: int, payload: bytes | memoryview) -> list[bytes | memoryview]:
-    crc = checksum(kind, payload)
-    return [HEADER.pack(len(payload), crc, kind), payload]
-
-
-def padding_after(offset: int) -> int:
-    """Bytes of padding from ``offset`` to the next aligned offset: 0, or at least a record header."""
-    pad = -offset % ALIGN
-    return pad + ALIGN if 0 < pad < HEADER.size else pad
-
-
-def padding_record(size: int) -> bytes:
-    """A ``PAD`` record exactly ``size`` bytes long (header included)."""
-    zeros = bytes(size - HEADER.size)
-    return HEADER.pack(len(zeros), checksum(PAD, zeros), PAD) + zeros
-
-
-def _all_zero(view: memoryview) -> bool:
-    return bytes(view).count(0) == len(view)
-
-
-def _segment_name(number: int) -> str:
-    return f"{number:012d}.wal"
-
-
-def read_records(data: bytes, source: str, max_record: int) -> tuple[list[tuple[int, memoryview]], str | None]:
-    """Every intact record of one segment's bytes, and a warning if a bad tail was skipped."""
-    records, warning, _ = read_segment(data, source, max_record)
-    return records, warning
-
-
-def read_segment(data: bytes, source: str, max_record: int) -> tuple[list[tuple[int, memoryview]], str | None, int | None]:
-    """``read_records`` plus where the records end when only zeros follow (None after a bad tail)."""
-    view = memoryview(data)
-    if view[: len(MAGIC)] != MAGIC:
-        if len(data) < len(MAGIC) and MAGIC.startswith(bytes(view)):
-            return [], f"{source}: truncated segment header ({len(data)} bytes); segment skipped", None
-        return [], f"{source}: not a Stoker log segment (bad magic); segment skipped", None
-    records: list[tuple[int, memoryview]] = []
-    pos, end = len(MAGIC), len(data)
-    while pos < end:
-        if pos + HEADER.size > end:
-            return records, f"{source}: truncated record header at offset {pos}; {end - pos} trailing bytes skipped", None
-        length, crc, kind = HEADER.unpack_from(view, pos)
-        if length == 0 and crc == 0 and kind == 0 and _all_zero(view[pos:]):
-            return records, None, pos  # unused preallocated space: a clean end
-        start = pos + HEADER.size
-        if length > max_record:
-            return records, f"{source}: implausible record length {length} at offset {pos}; {end - pos} bytes skipped", None
-        if start + length > end:
-            return records, f"{source}: truncated record at offset {pos}; {end - pos} trailing bytes skipped", None
-        payload = view[start : start + length]
-        if checksum(kind, payload) != crc:
-            return records, f"{source}: checksum mismatch at offset {pos}; {end - pos} bytes skipped", None
-        if kind != PAD:
-            records.append((kind, payload))
-        pos = start + length
-    return records, None, pos
 
 
 class Wal:
@@ -228,7 +116,7 @@ class Wal:
         self._direct_ok = fsync  # cleared for good when the file system refuses O_DIRECT
         self._draining = False  # rotation or close waits for direct writes: new ones go buffered
         self._in_flight: dict[int, int] = {}  # direct writes under way: id -> start offset
-        self._staging: list[mmap.mmap] = []  # reusable page-aligned buffers for direct writes
+        self._staging = StagingBuffers(STAGING_KEPT, STAGING_KEPT_MAX)
         self._active: Segment | None = None
         self._written: Position = (0, 0)  # the end of the last append (earlier ones may be in flight)
         self._synced: Position = (0, 0)
@@ -241,28 +129,9 @@ class Wal:
 
     def replay(self) -> tuple[Iterator[ReplayRecord], ReplayReport]:
         """Every intact record of the existing segments, oldest first (before ``start``)."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        numbers = sorted(int(m.group(1)) for p in self.directory.iterdir() if (m := SEGMENT_RE.match(p.name)))
-        report = ReplayReport(segments=len(numbers))
-        for number in numbers:
-            path = self.directory / _segment_name(number)
-            self.segments[number] = Segment(number, path, size=path.stat().st_size)
-
-        def records() -> Iterator[ReplayRecord]:
-            for number in numbers:
-                segment = self.segments[number]
-                data = segment.path.read_bytes()
-                found, warning, clean_end = read_segment(data, segment.path.name, self.max_record)
-                if clean_end is not None:
-                    report.clean_ends[number] = clean_end
-                if warning:
-                    log.warning("write-ahead log: %s", warning)
-                    report.corrupt.append(warning)
-                for kind, payload in found:
-                    report.records += 1
-                    yield ReplayRecord(number, kind, payload)
-
-        return records(), report
+        segments, records, report = replay_segments(self.directory, self.max_record)
+        self.segments.update(segments)
+        return records, report
 
     # ------------------------------------------------------------------ writing
 
@@ -274,33 +143,13 @@ class Wal:
     def _open_segment(self, number: int, first_record: tuple[int, bytes] | None) -> None:
         """Create segment ``number`` and make it the active one. On a nearly full volume it holds
         only its first record (``full`` says so); ``WalFull`` when not even that fits."""
-        path = self.directory / _segment_name(number)
+        path = self.directory / segment_name(number)
         chunks: list[bytes | memoryview] = [MAGIC]
         if first_record is not None:
             chunks += record_chunks(*first_record)
         data = b"".join(chunks)
-        allocated = 0
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            for want in (max(min(PREALLOCATE_FIRST, self.segment_bytes), len(data)) + self.reserve, len(data)):
-                try:
-                    _preallocate(fd, 0, want)
-                except OSError as exc:
-                    if exc.errno not in NO_SPACE or want == len(data):
-                        raise
-                    continue
-                allocated = want
-                break
-            _write_all(fd, [data], 0)
-            if self.fsync:
-                os.fdatasync(fd)
-                _fsync_dir(self.directory)
-        except OSError as exc:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            if exc.errno in NO_SPACE:
-                raise WalFull(errno.ENOSPC, f"no space for a new log segment ({exc.strerror or exc})") from exc
-            raise
+        first = max(min(PREALLOCATE_FIRST, self.segment_bytes), len(data)) + self.reserve
+        fd, allocated = create_segment_file(path, data, first, fsync=self.fsync)
         fits = allocated >= len(data) + self.reserve
         self.full = None if fits else f"no space to preallocate the new segment {path.name}"
         segment = Segment(number, path, size=len(data), allocated=allocated)
@@ -355,7 +204,7 @@ class Wal:
         before = segment.size
         self._grow(segment, before + total, keep)
         try:
-            _write_all(self._fd, chunks, before)
+            write_all(self._fd, chunks, before)
         except OSError as exc:
             # Overwrite the partial record with zeros (a clean end) so later appends, which
             # start at the same offset, stay readable; where even that finds no space (a file
@@ -391,10 +240,10 @@ class Wal:
         self._grow(segment, offset + length, keep)
         if lead:
             try:
-                _write_all(self._fd, [padding_record(lead)], start)
+                write_all(self._fd, [padding_record(lead)], start)
             except OSError:
                 return None  # the buffered append reports the failure and keeps the log readable
-        write = _DirectWrite(segment.number, start, offset, length, self._take_staging(length))
+        write = _DirectWrite(segment.number, start, offset, length, self._staging.take(length))
         self._in_flight[id(write)] = start
         segment.size = offset + length
         self._written = (segment.number, segment.size)
@@ -417,14 +266,14 @@ class Wal:
                 if write.length > total:
                     view[total:] = padding_record(write.length - total)
                 try:
-                    _write_aligned(self._direct_fd, view, write.offset)
+                    wal_files.write_aligned(self._direct_fd, view, write.offset)
                     direct = True
                 except OSError as exc:
                     if exc.errno != errno.EINVAL:
                         raise
                     # The file system opened the file for O_DIRECT but refuses the write itself.
                     self._direct_ok = False
-                    _write_all(self._fd, [view], write.offset)
+                    write_all(self._fd, [view], write.offset)
             finally:
                 view.release()
             landed = True
@@ -438,10 +287,7 @@ class Wal:
                     self._fill_hole(write.start, write.offset + write.length)
                 del self._in_flight[id(write)]
                 self.direct_appends += direct
-                if len(self._staging) < STAGING_KEPT and len(write.staging) <= STAGING_KEPT_MAX:
-                    self._staging.append(write.staging)
-                else:
-                    write.staging.close()
+                self._staging.give_back(write.staging)
                 self._landed.notify_all()
         return (write.segment, write.offset + write.length)
 
@@ -457,7 +303,7 @@ class Wal:
         target = max(need, min(2 * segment.allocated, self.segment_bytes) + keep)
         for want in (target, need) if target > need else (need,):
             try:
-                _preallocate(self._fd, segment.allocated, want)
+                preallocate(self._fd, segment.allocated, want)
             except OSError as exc:
                 if exc.errno not in NO_SPACE:
                     raise WalError(f"write-ahead log preallocation failed: {exc.strerror or exc}") from exc
@@ -501,17 +347,10 @@ class Wal:
             os.truncate(segment.path, end)
             segment.size = end
 
-    def _take_staging(self, length: int) -> mmap.mmap:
-        """A page-aligned buffer of at least ``length`` bytes (caller holds the lock)."""
-        for index, staging in enumerate(self._staging):
-            if len(staging) >= length:
-                return self._staging.pop(index)
-        return mmap.mmap(-1, length)
-
     def _fill_hole(self, start: int, end: int) -> None:
         """Turn a failed direct write's stretch into one padding record (caller holds the lock)."""
         try:
-            _write_all(self._fd, [padding_record(end - start)], start)
+            write_all(self._fd, [padding_record(end - start)], start)
         except OSError as exc:
             self._broken = f"a failed append could not be padded over ({exc})"
 
@@ -680,51 +519,5 @@ class Wal:
                         os.close(self._direct_fd)
                     self._fd = self._direct_fd = -1
                     self._active = None
-            for staging in self._staging:
-                staging.close()
-            self._staging.clear()
+            self._staging.close()
 
-
-def _write_all(fd: int, chunks: Sequence[bytes | memoryview], offset: int) -> None:
-    """Write every chunk, in order, from ``offset``; loops over short writes and the writev limit."""
-    for start in range(0, len(chunks), IOV_MAX):
-        part = list(chunks[start : start + IOV_MAX])
-        size = sum(len(c) for c in part)
-        written = os.pwritev(fd, part, offset)
-        if written < size:  # rare short write: finish with plain writes
-            rest = memoryview(b"".join(part))[written:]
-            while rest:
-                n = os.pwrite(fd, rest, offset + written)
-                written += n
-                rest = rest[n:]
-        offset += size
-
-
-def _write_aligned(fd: int, view: memoryview, offset: int) -> None:
-    """Write an aligned buffer at an aligned offset (O_DIRECT); short writes end on a block
-    boundary, so the rest stays aligned."""
-    while view:
-        written = os.pwrite(fd, view, offset)
-        if written <= 0:
-            raise OSError(errno.EIO, "direct write made no progress")
-        view, offset = view[written:], offset + written
-
-
-def _preallocate(fd: int, start: int, end: int) -> None:
-    """Allocate ``[start, end)``; raises only when the volume is full (``NO_SPACE``)."""
-    if end <= start:
-        return
-    try:
-        os.posix_fallocate(fd, start, end - start)
-    except OSError as exc:
-        if exc.errno in NO_SPACE:
-            raise
-        # The file system cannot preallocate: the write itself reports what fails.
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import stoker.buffer.wal as wal_module
+import stoker.buffer.wal_files as wal_files
 from stoker.buffer.wal import DIRECT_MIN, HEADER, MAGIC, Wal, WalError
 
 
@@ -223,14 +224,14 @@ def start_direct_write_held_at_the_disk(
     """Append ``payload`` (large: direct) in a thread whose write waits at the disk until the
     returned event is set; returns once the write is under way."""
     writing, release = threading.Event(), threading.Event()
-    real = wal_module._write_aligned
+    real = wal_files.write_aligned
 
     def slow_disk(fd: int, view: memoryview, offset: int) -> None:
         writing.set()
         assert release.wait(10)
         real(fd, view, offset)
 
-    monkeypatch.setattr(wal_module, "_write_aligned", slow_disk)
+    monkeypatch.setattr(wal_files, "write_aligned", slow_disk)
     big = threading.Thread(target=lambda: wal.sync(wal.append(1, [payload])))
     big.start()
     assert writing.wait(10)
@@ -279,7 +280,7 @@ def test_a_failed_direct_write_leaves_the_records_after_it_readable(
     def broken_disk(fd: int, view: memoryview, offset: int) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(wal_module, "_write_aligned", broken_disk)
+    monkeypatch.setattr(wal_files, "write_aligned", broken_disk)
     with pytest.raises(WalError, match="append failed"):
         wal.append(1, [blob(9, BIG)])
     wal.sync(wal.append(1, [b"after"]))
@@ -296,7 +297,7 @@ def test_a_file_system_that_refuses_direct_writes_gets_buffered_ones(
         calls.append(offset)
         raise OSError(errno.EINVAL, "Invalid argument")
 
-    monkeypatch.setattr(wal_module, "_write_aligned", refuses)
+    monkeypatch.setattr(wal_files, "write_aligned", refuses)
     for tag in (1, 2):
         wal.sync(wal.append(1, [blob(tag, BIG)]))
     assert len(calls) == 1 and wal.direct_appends == 0  # tried once, then buffered for good
@@ -311,7 +312,7 @@ def test_a_failed_direct_write_pins_nothing(tmp_path: Path, monkeypatch: pytest.
         raise OSError(errno.EIO, "Input/output error")
 
     segment, _ = wal.append(1, [b"live"], pin=True)
-    monkeypatch.setattr(wal_module, "_write_aligned", broken_disk)
+    monkeypatch.setattr(wal_files, "write_aligned", broken_disk)
     with pytest.raises(WalError):
         wal.append(1, [blob(4, BIG)], pin=True)
     assert wal.segments[segment].pins == 1  # the segment can still be released by its live record
