@@ -81,7 +81,6 @@ class _DirectWrite:
     staging: mmap.mmap  # page-aligned, at least ``length`` bytes
 
 
-
 class Wal:
     """Segmented append-only log with group commit. Thread-safe.
 
