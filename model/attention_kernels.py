@@ -24,14 +24,19 @@ extend and decode steps always use the blockwise form, whose ``Visibility`` is g
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jax.sharding import Mesh, PartitionSpec
 
 from stoker.model.attention import Visibility, attention, visible
 
@@ -42,6 +47,22 @@ AttentionChoice = Literal["auto", "blockwise", "xla", "cudnn", "splash"]
 IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
 # Splash's query/key tile: rows are padded (as segment-0 padding) to a multiple of it.
 SPLASH_BLOCK = 128
+
+
+# The mesh axis the caller's rows are split over, while it traces (``rows_split_over``).
+_ROW_AXIS: contextvars.ContextVar[tuple[Mesh, str] | None] = contextvars.ContextVar("row_axis", default=None)
+
+
+@contextlib.contextmanager
+def rows_split_over(mesh: Mesh, axis: str) -> Iterator[None]:
+    """While tracing inside this, splash runs on each device's rows under ``shard_map``: XLA's
+    partitioner has no rule for the Pallas custom call and would otherwise gather every row onto
+    every device. (jax's cuDNN attention carries its own partitioning rule.)"""
+    token = _ROW_AXIS.set((mesh, axis))
+    try:
+        yield
+    finally:
+        _ROW_AXIS.reset(token)
 
 
 class AttentionUnavailable(ValueError):
@@ -231,7 +252,10 @@ def splash_attention(
         interpret = jax.default_backend() != "tpu"
     kernel = _splash_kernel(length, heads, window, softcap, interpret)
     # Splash scales nothing itself: the soft-cap applies to the scaled scores, as here.
-    out = jax.vmap(lambda q, k, v, qs, ks: kernel(q, k, v, segment_ids=SegmentIds(qs, ks)))(
-        heads_first(q * jnp.asarray(scale, q.dtype)), heads_first(k), heads_first(v), qs, ks
-    )
+    run = jax.vmap(lambda q, k, v, qs, ks: kernel(q, k, v, segment_ids=SegmentIds(qs, ks)))
+    split = _ROW_AXIS.get()
+    if split is not None and split[0].shape[split[1]] > 1:
+        rows = PartitionSpec(split[1])
+        run = jax.shard_map(run, mesh=split[0], in_specs=(rows,) * 5, out_specs=rows, check_vma=False)
+    out = run(heads_first(q * jnp.asarray(scale, q.dtype)), heads_first(k), heads_first(v), qs, ks)
     return jnp.swapaxes(out, 1, 2)[:, :t].astype(q.dtype)

@@ -7,7 +7,12 @@ Splash runs through Pallas' interpreter here; cuDNN cannot run on a CPU, so its 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import tempfile
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -213,3 +218,43 @@ def test_the_learner_resolves_the_spec_choice_on_its_backend() -> None:
     assert Learner(settings, resume=False).trainer.options.attention == "xla"
     with pytest.raises(ValueError, match="attention 'cudnn' needs an NVIDIA GPU; this backend is cpu"):
         Learner(settings.replace(attention="cudnn"), resume=False)
+
+
+SPLIT_ROWS = textwrap.dedent(
+    """
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from stoker.learner.sharding import make_mesh
+    from stoker.model import attention_kernels as ak
+    from stoker.model.model import packed_visibility
+
+    mesh = make_mesh(4, 2)  # rows over fsdp=4, tp=2 replicated
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(4, 64, n, 8)), jnp.float32) for n in (4, 2, 2))
+    seg = jnp.asarray(np.repeat([[1, 2]], 32, axis=1).repeat(4, axis=0), jnp.int32)
+
+    def run(q, k, v, seg):
+        return ak.splash_attention(q, k, v, packed_visibility(seg), scale=0.5, softcap=3.0, interpret=True)
+
+    rows = NamedSharding(mesh, P("fsdp"))
+    with ak.rows_split_over(mesh, "fsdp"):
+        split = jax.jit(run, in_shardings=rows, out_shardings=rows)
+        text = str(split.trace(q, k, v, seg).jaxpr)
+        got = split(q, k, v, seg)
+    scores = 3.0 * jnp.tanh(0.5 * jnp.einsum("bthd,bshd->bhts", q, jnp.repeat(k, 2, axis=2)) / 3.0)
+    seen = (np.arange(64)[None, :] <= np.arange(64)[:, None]) & (seg[:, :, None] == seg[:, None, :])
+    probs = jax.nn.softmax(jnp.where(seen[:, None], scores, -jnp.inf), axis=-1)
+    want = jnp.einsum("bhts,bshd->bthd", probs, jnp.repeat(v, 2, axis=2))
+    print(json.dumps({"shard_map": "shard_map" in text, "diff": float(jnp.abs(got - want).max())}))
+    """
+)
+
+
+def test_splash_attends_over_each_devices_rows_when_they_are_split() -> None:
+    """8 CPU devices (a fresh process: the device count is fixed at jax's start)."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", SPLIT_ROWS], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["shard_map"] and out["diff"] < 2e-6, out
