@@ -35,7 +35,6 @@ from typing import Any, Literal, get_args
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.sharding import Mesh, PartitionSpec
 
 from stoker.model.attention import Visibility, attention, visible
@@ -43,7 +42,6 @@ from stoker.model.attention import Visibility, attention, visible
 log = logging.getLogger(__name__)
 
 Implementation = Literal["blockwise", "xla", "cudnn", "splash"]
-AttentionChoice = Literal["auto", "blockwise", "xla", "cudnn", "splash"]
 IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
 # Splash's query/key tile: rows are padded (as segment-0 padding) to a multiple of it.
 SPLASH_BLOCK = 128
@@ -57,7 +55,7 @@ _ROW_AXIS: contextvars.ContextVar[tuple[Mesh, str] | None] = contextvars.Context
 def rows_split_over(mesh: Mesh, axis: str) -> Iterator[None]:
     """While tracing inside this, splash runs on each device's rows under ``shard_map``: XLA's
     partitioner has no rule for the Pallas custom call and would otherwise gather every row onto
-    every device. (jax's cuDNN attention carries its own partitioning rule.)"""
+    every device. (jax's cuDNN attention has its own rule, ``custom_partitioning``.)"""
     token = _ROW_AXIS.set((mesh, axis))
     try:
         yield
@@ -111,16 +109,17 @@ def select_attention(
         raise AttentionUnavailable(f"attention 'cudnn' needs an NVIDIA GPU; this backend is {_describe(backend)}")
     if choice == "splash" and backend.platform != "tpu":
         raise AttentionUnavailable(f"attention 'splash' needs a TPU; this backend is {_describe(backend)}")
+    kernel, why = choice, "asked for"
     if choice == "auto":
         if backend.platform == "tpu":
             return Selection("splash", "auto on a TPU")
         if not backend.nvidia:
             return Selection("blockwise", f"auto on {_describe(backend)}")
-        choice = "cudnn"
-    problem = _unsupported(choice, backend, np.dtype(dtype), head_dim, softcap)
+        kernel, why = "cudnn", "auto on an NVIDIA GPU"
+    problem = _unsupported(kernel, backend, np.dtype(dtype), head_dim, softcap)
     if problem:
-        return Selection("blockwise", f"{choice} cannot run this model ({problem}); falling back to blockwise")
-    return Selection(choice, "auto on an NVIDIA GPU" if choice == "cudnn" else "asked for")  # type: ignore[arg-type]
+        return Selection("blockwise", f"{kernel} cannot run this model ({problem}); falling back to blockwise")
+    return Selection(kernel, why)  # type: ignore[arg-type]
 
 
 def _describe(backend: Backend) -> str:

@@ -145,8 +145,11 @@ def test_auto_picks_the_kernel_the_backend_and_model_allow(
 ) -> None:
     got = _select("auto", backend, dtype, head_dim, softcap)
     assert got.implementation == want
+    assert _select(want, backend, dtype, head_dim, softcap).reason == "asked for"  # where it can run
     if backend is H100 and want == "blockwise":  # a fallback says why
         assert "falling back" in got.reason and "cudnn" in got.reason
+    if want == "cudnn":
+        assert got.reason == "auto on an NVIDIA GPU"
 
 
 def test_named_kernels_are_refused_off_their_hardware_and_degrade_only_for_the_model() -> None:
