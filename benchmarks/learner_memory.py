@@ -10,6 +10,7 @@ interleaved, median of ``--repeats``; the ratio is what remat costs.
 
     .venv/bin/python benchmarks/learner_memory.py                  # 2k/8k/32k, ~10 min on 2 CPUs
     .venv/bin/python benchmarks/learner_memory.py --lengths 2048 --repeats 3
+    .venv/bin/python benchmarks/learner_memory.py --lengths 8192 --remat full --attention blockwise xla --repeats 0
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ TIME_CONFIG = dict(vocab_size=4096, hidden_size=128, num_layers=4, num_heads=4, 
 GIB = 2**30
 
 
-def trainer(config: dict[str, Any], remat: str, abstract: bool) -> Any:
+def trainer(config: dict[str, Any], remat: str, abstract: bool, attention: str = "blockwise") -> Any:
     import jax
     import optax
     from flax import nnx
@@ -40,7 +41,7 @@ def trainer(config: dict[str, Any], remat: str, abstract: bool) -> Any:
 
     cfg = TransformerConfig(**config)
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))) if abstract else init_model(cfg, seed=0)
-    options = train.StepOptions(remat=remat)  # type: ignore[arg-type]
+    options = train.StepOptions(remat=remat, attention=attention)  # type: ignore[arg-type]
     return train.Trainer(model, options, optax.adam(1e-4), make_mesh(devices=jax.devices()[:1]))
 
 
@@ -77,6 +78,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--remat", nargs="+", default=["none", "full", "save-matmuls"])
+    parser.add_argument("--attention", nargs="+", default=["blockwise"],
+                        help="attention kernels to compare (blockwise, xla); on the CPU only these run")
     parser.add_argument("--time-length", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
@@ -84,16 +87,20 @@ def main() -> None:
     for length in args.lengths:
         row: dict[str, float] = {}
         for remat in args.remat:
-            analysis = trainer(QWEN25_05B, remat, abstract=True).memory_analysis(1, length)
-            row[remat] = round(analysis.temp_size_in_bytes / GIB, 2)
-            print(f"{length:>6} tokens  remat={remat:<13} temp {row[remat]:7.2f} GiB", flush=True)
+            for attention in args.attention:
+                analysis = trainer(QWEN25_05B, remat, abstract=True, attention=attention).memory_analysis(1, length)
+                key = remat if args.attention == ["blockwise"] else f"{remat}/{attention}"
+                row[key] = round(analysis.temp_size_in_bytes / GIB, 2)
+                print(f"{length:>6} tokens  remat={remat:<13} attention={attention:<10} temp {row[key]:7.2f} GiB",
+                      flush=True)
         results["memory_gib"][str(length)] = row
-    seconds = step_seconds(args.remat, args.time_length, args.repeats)
-    base = seconds["none"] if "none" in seconds else next(iter(seconds.values()))
-    results["step_seconds"] = {r: round(s, 4) for r, s in seconds.items()}
-    results["step_time_vs_none"] = {r: round(s / base, 3) for r, s in seconds.items()}
-    for r, s in seconds.items():
-        print(f"step ({args.time_length} tokens, small model) remat={r:<13} {s * 1e3:8.1f} ms  x{s / base:.2f}")
+    if args.repeats > 0:  # --repeats 0: memory only
+        seconds = step_seconds(args.remat, args.time_length, args.repeats)
+        base = seconds["none"] if "none" in seconds else next(iter(seconds.values()))
+        results["step_seconds"] = {r: round(s, 4) for r, s in seconds.items()}
+        results["step_time_vs_none"] = {r: round(s / base, 3) for r, s in seconds.items()}
+        for r, s in seconds.items():
+            print(f"step ({args.time_length} tokens, small model) remat={r:<13} {s * 1e3:8.1f} ms  x{s / base:.2f}")
     print(json.dumps(results))
 
 

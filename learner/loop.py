@@ -68,6 +68,7 @@ class LearnerSettings:
     dtype: str = "float32"
     model_checkpoint: str | None = None  # Hugging Face-format directory; random init when None
     remat: str = "full"  # spec.model.remat
+    attention: str = "auto"  # spec.model.attention, resolved against the backend by the Learner
     seed: int = 0
     algorithm: str = "grpo"
     loss: LossConfig = LossConfig()
@@ -111,6 +112,7 @@ class LearnerSettings:
             dtype=spec.model.dtype,
             model_checkpoint=spec.model.checkpoint,
             remat=spec.model.remat,
+            attention=spec.model.attention,
             seed=spec.seed,
             algorithm=str(algorithm.name),
             loss=LossConfig(
@@ -180,7 +182,8 @@ class Learner:
         from stoker.learner import metrics, sharding, train
         from stoker.model import hf
         from stoker.learner.checkpoint import Checkpointer
-        from stoker.model.model import init_model
+        from stoker.model.attention_kernels import detect_backend, select_attention
+        from stoker.model.model import head_dim, init_model
 
         self.settings = settings
         metrics.enable_compilation_cache(settings.compilation_cache_dir)
@@ -191,9 +194,15 @@ class Learner:
             model = hf.load_checkpoint(settings.model_checkpoint, dtype=dtype)
         else:
             model = init_model(settings.architecture, settings.seed, dtype)
+        kernel = select_attention(
+            settings.attention, detect_backend(self.mesh.devices.flat[0]), dtype=dtype, head_dim=head_dim(model.config),
+            softcap=model.config.attn_logit_softcap,
+        )
+        log.info("attention: %s (%s)", kernel.implementation, kernel.reason)
         options = train.StepOptions(
             settings.algorithm, settings.loss, settings.temperature, allowed_token_ids=settings.allowed_token_ids,
             remat=settings.remat,  # type: ignore[arg-type]  # a RematPolicy, checked by the spec
+            attention=kernel.implementation,
         )
         value_model = None
         if options.needs_value:

@@ -28,6 +28,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from stoker.learner import algorithms, sharding
 from stoker.learner.algorithms import LossConfig
+from stoker.model.attention_kernels import Implementation, rows_split_over
 from stoker.model.logprobs import TokenStats, token_stats
 from stoker.model.model import Block, RematPolicy, RMSNorm, Transformer, packed_visibility
 from stoker.learner.optimizer import make_optimizer as make_optimizer  # re-exported: train.make_optimizer
@@ -55,6 +56,8 @@ class StepOptions:
     allowed_token_ids: tuple[int, ...] | None = None
     # Per-layer rematerialisation (spec.model.remat): what the backward recomputes instead of storing.
     remat: RematPolicy = "full"
+    # The attention kernel (spec.model.attention after attention_kernels.select_attention).
+    attention: Implementation = "blockwise"
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -233,9 +236,11 @@ class Trainer:
         """The policy's per-token stats at the targets, the logits a chunk at a time
         (``logprobs.token_stats``); ``full=False``: log-probs only (the reference policy)."""
         model = nnx.merge(self.policy_def, _cast(policy, self.compute_dtype))
-        hidden = model.hidden_states(
-            batch["tokens"], batch["positions"], batch["segment_ids"], remat=self.options.remat if full else "none"
-        )
+        with rows_split_over(self.mesh, sharding.FSDP):  # each device attends over its own rows
+            hidden = model.hidden_states(
+                batch["tokens"], batch["positions"], batch["segment_ids"], remat=self.options.remat if full else "none",
+                kernel=self.options.attention,
+            )
         return token_stats(
             hidden,
             model.output_head(),

@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from stoker.model.attention import Visibility, attention
+from stoker.model.attention import Visibility
+from stoker.model.attention_kernels import Implementation, attend
 from stoker.model.logprobs import (  # noqa: F401 - re-exported: callers import them from here
     OutputHead, restrict_logits, sequence_logprobs, token_log_not_taken, token_logprobs,
 )
@@ -140,16 +141,18 @@ class Attention(nnx.Module):
         return rotary(k, positions, self.inv_freq), v
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array, vis: Visibility
+        self, x: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array, vis: Visibility,
+        kernel: Implementation = "blockwise",
     ) -> jax.Array:
         """Attend from ``x`` [B, T, hidden] to ``keys``/``values`` [B, S, kv_heads, D] that ``vis``
-        makes visible (a local layer only the last ``window`` of them)."""
+        makes visible (a local layer only the last ``window`` of them). A ``kernel`` other than
+        blockwise needs packed self-attention (``stoker.model.attention_kernels``)."""
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = rotary(q, positions, self.inv_freq)
-        out = attention(q, keys, values, vis, scale=self.scale, softcap=self.softcap, window=self.window)
+        out = attend(kernel, q, keys, values, vis, scale=self.scale, softcap=self.softcap, window=self.window)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -188,11 +191,13 @@ class Block(nnx.Module):
         h = h + self.post_attention_layernorm(attended)
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
-    def __call__(self, h: jax.Array, positions: jax.Array, vis: Visibility) -> tuple[jax.Array, LayerCache]:
+    def __call__(
+        self, h: jax.Array, positions: jax.Array, vis: Visibility, kernel: Implementation = "blockwise"
+    ) -> tuple[jax.Array, LayerCache]:
         """Self-attention over the tokens themselves (training, prefill): new h and their k/v."""
         x = self.input_layernorm(h)
         k, v = self.self_attn.project_kv(x, positions)
-        return self.finish(h, self.self_attn(x, positions, k, v, vis)), LayerCache(k, v)
+        return self.finish(h, self.self_attn(x, positions, k, v, vis, kernel)), LayerCache(k, v)
 
 
 def packed_visibility(segment_ids: jax.Array) -> Visibility:
@@ -201,16 +206,18 @@ def packed_visibility(segment_ids: jax.Array) -> Visibility:
     return Visibility(index, index, segment_ids, segment_ids)
 
 
-def _remat_block(block: Block, policy: RematPolicy) -> Callable[[jax.Array, jax.Array, Visibility], jax.Array]:
+def _remat_block(
+    block: Block, policy: RematPolicy, kernel: Implementation
+) -> Callable[[jax.Array, jax.Array, Visibility], jax.Array]:
     """``block`` as h -> h, rematerialised under ``policy`` (the backward recomputes its insides)."""
     if policy == "none":
-        return lambda h, positions, vis: block(h, positions, vis)[0]
+        return lambda h, positions, vis: block(h, positions, vis, kernel)[0]
     if policy not in _REMAT_POLICIES:
         raise ValueError(f"remat policy {policy!r}; expected one of none, {', '.join(_REMAT_POLICIES)}")
     graphdef, state = nnx.split(block)
 
     def step(state: Any, h: jax.Array, positions: jax.Array, vis: Visibility) -> jax.Array:
-        return nnx.merge(graphdef, state)(h, positions, vis)[0]
+        return nnx.merge(graphdef, state)(h, positions, vis, kernel)[0]
 
     # Unrolled checkpointed layers: XLA's CPU pipeline drops the barriers that keep the
     # recomputation apart and merges it back into the forward pass (benchmarks/README.md,
@@ -220,7 +227,8 @@ def _remat_block(block: Block, policy: RematPolicy) -> Callable[[jax.Array, jax.
 
 
 def _scan_layers(
-    layers: list[Block], h: jax.Array, positions: jax.Array, vis: Visibility, policy: RematPolicy, period: int
+    layers: list[Block], h: jax.Array, positions: jax.Array, vis: Visibility, policy: RematPolicy, period: int,
+    kernel: Implementation,
 ) -> tuple[jax.Array, list[Block]]:
     """Run the leading groups of ``period`` layers (layers alike at the same place in their group:
     Gemma's local/global pattern) as a ``lax.scan`` over their stacked parameters, each group
@@ -238,7 +246,7 @@ def _scan_layers(
 
     def body(h: jax.Array, state: Any) -> tuple[jax.Array, None]:
         for block in nnx.merge(graphdef, state):
-            h = block(h, positions, vis)[0]
+            h = block(h, positions, vis, kernel)[0]
         return h, None
 
     h, _ = jax.lax.scan(jax.checkpoint(body, policy=_REMAT_POLICIES[policy], prevent_cse=True), h, stacked)
@@ -291,25 +299,29 @@ class Transformer(nnx.Module):
         return self.output_head().logits(self.norm(h))
 
     def hidden_states(
-        self, token_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array, *, remat: RematPolicy = "none"
+        self, token_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array, *, remat: RematPolicy = "none",
+        kernel: Implementation = "blockwise",
     ) -> jax.Array:
         """Training forward over packed rows up to the final norm: [B, T] x3 -> [B, T, hidden].
 
-        ``remat``: rematerialise each layer (``ModelSpec.remat``); the values are the same."""
+        ``remat``: rematerialise each layer (``ModelSpec.remat``); ``kernel``: the attention
+        implementation (``ModelSpec.attention``, resolved); the values are the same."""
         vis = packed_visibility(segment_ids)
         h = self.embed(token_ids)
         layers = list(self.layers)
         if remat != "none":
-            h, layers = _scan_layers(layers, h, positions, vis, remat, self.config.global_layer_every or 1)
+            h, layers = _scan_layers(layers, h, positions, vis, remat, self.config.global_layer_every or 1, kernel)
         for block in layers:
-            h = _remat_block(block, remat)(h, positions, vis)
+            h = _remat_block(block, remat, kernel)(h, positions, vis)
         return self.norm(h)
 
-    def __call__(self, token_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    def __call__(
+        self, token_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array, kernel: Implementation = "blockwise"
+    ) -> jax.Array:
         """Training forward over packed rows: int32 [B, T] x3 -> float32 logits [B, T, V].
 
         ``logits[b, t]`` predicts the token after ``token_ids[b, t]``."""
-        return self.output_head().logits(self.hidden_states(token_ids, positions, segment_ids))
+        return self.output_head().logits(self.hidden_states(token_ids, positions, segment_ids, kernel=kernel))
 
     def prefill(
         self,

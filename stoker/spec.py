@@ -159,6 +159,15 @@ class ModelSpec(SpecModel):
             "recomputes the rest in the backward pass; save-matmuls also keeps matmul outputs; none keeps all."
         ),
     )
+    attention: Literal["auto", "blockwise", "xla", "cudnn", "splash"] = Field(
+        "auto",
+        description=(
+            "Attention kernel of the learner's training forward: auto picks splash on a TPU, cuDNN on an "
+            "NVIDIA GPU and blockwise elsewhere, falling back to blockwise where the model needs what the "
+            "kernel lacks (cuDNN: bfloat16/float16, no soft-cap); blockwise (memory-efficient, anywhere); "
+            "xla (jax.nn.dot_product_attention, dense scores); cudnn and splash are refused off their hardware."
+        ),
+    )
 
 
 # ----------------------------------------------------------------------------------- algorithm
