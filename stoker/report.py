@@ -106,7 +106,7 @@ def _evaluation(metrics: list[dict[str, Any]], plots: Path) -> list[str]:
         plots / "eval_success.png",
         "Held-out success (greedy)",
         "policy version",
-        "success rate",
+        "success rate / mean reward",
         [(versions, [r[1] for r in rounds], "success rate"), (versions, [r[2] for r in rounds], "mean reward")],
     )
     first, last = rounds[0], rounds[-1]
