@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from stoker.actor.environments import EnvironmentProblem
-from stoker.actor.evaluation import EvalOutcome
+from stoker.actor.evaluation import EvalOutcome, GreedyPolicy
 from stoker.actor.policy import BatchedSampler
 from stoker.actor.runner import Actor, ActorStats, BufferUnavailable, Grant
 from stoker.actor.sandbox import EnvironmentFactory, close_factory, inline_factory, process_factory
@@ -203,6 +203,11 @@ async def build_and_run(
     policy = await asyncio.to_thread(make_policy, settings, spec.model.dtype)
     source = make_weight_source(weights, token) if weights else None
     buffer = GrpcBuffer(BufferClient(buffer_address, token=token, client_id=actor_id))
+    if settings.evaluation is not None:
+        try:
+            GreedyPolicy(policy)
+        except TypeError as exc:  # e.g. a generation server without greedy decoding
+            raise ActorSetupError(f"spec.environment.evalTasks: {exc}") from None
     factory = environment_factory(settings)
     actor = Actor(settings, policy, interface, factory, buffer, weights=source, loader=policy)
     if install_signals is not None:

@@ -103,10 +103,22 @@ def test_load_weights_swaps_policy_without_recompiling(sampler: Sampler) -> None
     sampler.load_weights(flatten_params(init_model(CONFIG, seed=0)), version=0)
 
 
-def test_low_temperature_and_tiny_top_p_are_greedy() -> None:
-    model = init_model(CONFIG, seed=0)
+def training_logits(model: Transformer) -> Callable[[list[int]], np.ndarray]:
+    """The training forward's logits at every position of a sequence, at one fixed [1, 16] shape."""
     graphdef, state = nnx.split(model)
     forward = jax.jit(lambda ids, pos, seg: nnx.merge(graphdef, state)(ids, pos, seg))
+
+    def run(seq: list[int]) -> np.ndarray:
+        ids = np.zeros((1, 16), np.int32)
+        ids[0, : len(seq)] = seq
+        seg = (np.arange(16) < len(seq)).astype(np.int32)[None]
+        return np.asarray(forward(ids, np.arange(16, dtype=np.int32)[None], seg))[0]
+
+    return run
+
+
+def test_low_temperature_and_tiny_top_p_are_greedy() -> None:
+    model = init_model(CONFIG, seed=0)
     prompt = [3, 1, 4, 1, 5]
     params = flatten_params(model)
     cold = Sampler(CONFIG, SamplingSpec(temperature=1e-4), seed=1, buckets=BUCKETS, params=params)
@@ -116,10 +128,7 @@ def test_low_temperature_and_tiny_top_p_are_greedy() -> None:
     assert gen.token_ids == greedy.token_ids
 
     seq = prompt + gen.token_ids
-    ids = np.zeros((1, 16), np.int32)
-    ids[0, : len(seq)] = seq
-    seg = (np.arange(16) < len(seq)).astype(np.int32)[None]
-    logits = np.asarray(forward(ids, np.arange(16, dtype=np.int32)[None], seg))[0]
+    logits = training_logits(model)(seq)
     # Every drawn token is the training forward's argmax given the tokens before it.
     assert gen.token_ids == [int(np.argmax(logits[i])) for i in range(len(prompt) - 1, len(seq) - 1)]
     # Top-p does not renormalise: the recorded log-prob is the full softmax's, not log 1 = 0.
@@ -360,15 +369,10 @@ def test_a_greedy_call_takes_the_training_forwards_argmax_without_compiling(
     again = sampler.generate(prompts, max_new_tokens=6, temperature=0.0)
     assert sampler.compile_count == compiled  # the temperature is a runtime value
     assert [g.token_ids for g in greedy] == [g.token_ids for g in again]
-    model = init_model(CONFIG, seed=0)
-    graphdef, state = nnx.split(model)
-    forward = jax.jit(lambda ids, pos, seg: nnx.merge(graphdef, state)(ids, pos, seg))
+    logits_of = training_logits(init_model(CONFIG, seed=0))
     for prompt, gen in zip(prompts, greedy, strict=True):
         seq = prompt + gen.token_ids
-        ids = np.zeros((1, 16), np.int32)
-        ids[0, : len(seq)] = seq
-        seg = (np.arange(16) < len(seq)).astype(np.int32)[None]
-        logits = np.asarray(forward(ids, np.arange(16, dtype=np.int32)[None], seg))[0]
+        logits = logits_of(seq)
         assert gen.token_ids == [int(np.argmax(logits[i])) for i in range(len(prompt) - 1, len(seq) - 1)]
         # The recorded log-prob is the trainer's token_logprobs at temperature 1.
         np.testing.assert_allclose(gen.logprobs, score(seq)[len(prompt) - 1 :], atol=1e-4)
