@@ -165,12 +165,17 @@ class GrpcBuffer:
         await self._call(self.client.release, groups)
 
     async def report_eval(self, outcome: EvalOutcome, report_id: str) -> None:
-        await self._call(
-            lambda: self.client.report_eval(
-                report_id, outcome.version, episodes=outcome.episodes, reward_sum=outcome.reward_sum,
-                success_sum=outcome.success_sum, failed=outcome.failed,
+        import grpc
+
+        try:
+            await self._call(
+                lambda: self.client.report_eval(
+                    report_id, outcome.version, episodes=outcome.episodes, reward_sum=outcome.reward_sum,
+                    success_sum=outcome.success_sum, failed=outcome.failed,
+                )
             )
-        )
+        except grpc.RpcError as exc:  # refused (not unavailable): sending it again cannot succeed
+            log.error("buffer refused evaluation report %s: %s: %s", report_id, exc.code().name, exc.details())
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         from stoker.buffer.client import BufferUnavailableError

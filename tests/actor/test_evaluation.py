@@ -186,3 +186,24 @@ async def test_bad_eval_tasks_are_clear_problems_at_start(tmp_path: Path) -> Non
     assert settings.evaluation.slots == 2  # evalShare 0.25 of 8 slots
     assert json.loads(settings.sandbox.options_json)["taskFiles"] == [train, held]
     assert set(settings.tasks) == {"a", "b"}
+
+
+async def test_a_refused_report_is_logged_not_fatal(caplog: pytest.LogCaptureFixture) -> None:
+    import grpc
+
+    from stoker.actor.evaluation import EvalOutcome
+
+    class Unimplemented(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.UNIMPLEMENTED
+
+        def details(self) -> str:
+            return "Method not found!"
+
+    class OldBuffer:  # a buffer from before ReportEval
+        def report_eval(self, *args: Any, **kwargs: Any) -> None:
+            raise Unimplemented()
+
+    outcome = EvalOutcome(version=0, episodes=2, reward_sum=1.0, success_sum=1.0, failed=0)
+    await GrpcBuffer(OldBuffer()).report_eval(outcome, "a/0")
+    assert "UNIMPLEMENTED" in caplog.text
