@@ -3,6 +3,7 @@
 ``environment.tasks`` mixes task ids and paths of JSONL files (entries ending in ``.jsonl``). For
 the answers environment each record carries ``prompt`` and the verifier's fields (see
 ``stoker.actor.answers``); for a plugin only the ids are used, and the plugin reads its own data.
+``environment.evalTasks`` takes the same entries for held-out evaluation (``resolve_eval_tasks``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import functools
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +101,83 @@ def environment_tasks(env: Any) -> tuple[tuple[str, ...], str]:
         with tempfile.TemporaryDirectory(prefix="stoker-tasks-") as workdir:
             ids = resolve(env.name).tasks(options, workdir)
     return tuple(dict.fromkeys(ids)), json.dumps(options)
+
+
+# ------------------------------------------------------------- training and evaluation tasks
+
+
+def training_tasks(env: Any) -> tuple[tuple[str, ...], str]:
+    """The task ids the actors train on and the options JSON every sandbox gets."""
+    from stoker.actor.environments import options_json
+
+    if env.name == "frozenlake":
+        return tuple(str(s) for s in env.frozenlake.map_seeds), options_json(env.frozenlake)
+    if env.name == "swe":
+        from stoker.actor.swe import bundled_tasks
+
+        return tuple(env.tasks or env.swe.tasks) or tuple(bundled_tasks()), options_json(env.swe)
+    if env.name == "swebench":
+        from stoker.actor.swebench import instance_tasks
+
+        return instance_tasks(env)
+    return environment_tasks(env)  # answers, or a plugin
+
+
+def eval_problems(env: Any) -> list[tuple[str, str]]:
+    """What ``stoker validate`` and ``stoker run`` report about ``environment.evalTasks``."""
+    if not env.eval_tasks:
+        return []
+    try:
+        tasks, options = training_tasks(env)
+    except EnvironmentProblem:
+        return []  # the training tasks' own problem is reported for environment.tasks
+    try:
+        resolve_eval_tasks(env, tasks, options)
+    except EnvironmentProblem as exc:
+        return [("environment.evalTasks", str(exc))]
+    return []
+
+
+def resolve_eval_tasks(env: Any, training: Sequence[str], options_json: str) -> tuple[tuple[str, ...], str]:
+    """The evaluation task ids, and the sandbox options JSON extended with their task files.
+
+    ``EnvironmentProblem`` for a missing or malformed file, an id no task file or bundled set
+    holds, and an id that is also a training task (held out means never trained on)."""
+    entries = list(env.eval_tasks)
+    if not entries:
+        return (), options_json
+    options = json.loads(options_json)
+    if env.name == "frozenlake":
+        ids = entries  # map seeds: spec.cross_field_problems checked that they are integers
+    elif env.name == "swe":
+        from stoker.actor.swe import bundled_tasks
+
+        bundled = set(bundled_tasks())
+        unknown = [task for task in entries if task not in bundled]
+        if unknown:
+            raise EnvironmentProblem(f"unknown SWE tasks {unknown}; the bundled ones are {sorted(bundled)}")
+        ids = entries
+    elif env.name == "swebench":
+        from stoker.actor.plugins import TaskSection
+        from stoker.actor.swebench import instance_tasks
+
+        found, eval_options = instance_tasks(TaskSection(entries, env.options))
+        ids = list(found)
+        options["taskFiles"] = list(dict.fromkeys([*options.get("taskFiles", []), *json.loads(eval_options)["taskFiles"]]))
+    else:
+        ids, files = split_entries(entries)
+        for path in files:
+            ids.extend(record["id"] for record in load_task_file(path))
+        if env.name == "answers":
+            task_files = list(dict.fromkeys([*options.get("taskFiles", []), *files]))
+            known = records_by_id(task_files)
+            unknown = [task for task in ids if task not in known]
+            if unknown:
+                raise EnvironmentProblem(f"unknown tasks {unknown[:5]}; not in {', '.join(task_files)}")
+            options["taskFiles"] = task_files
+    trained = set(training)
+    overlap = [task for task in dict.fromkeys(ids) if task in trained]
+    if overlap:
+        raise EnvironmentProblem(f"{overlap[:5]} are also training tasks; held-out tasks must not be trained on")
+    return tuple(dict.fromkeys(ids)), json.dumps(options)
+

@@ -92,7 +92,9 @@ class Plugin:
 
 
 @dataclass(frozen=True)
-class _Tasks:
+class TaskSection:
+    """An environment section holding just these tasks and options (for ``instance_tasks``)."""
+
     tasks: list[str]
     options: dict[str, Any]
 
@@ -175,7 +177,7 @@ def environment_problems(name: str, options: dict[str, Any], tasks: list[str]) -
         from stoker.actor.swebench import instance_tasks
 
         try:
-            instance_tasks(_Tasks(tasks, options))
+            instance_tasks(TaskSection(tasks, options))
         except EnvironmentProblem as exc:
             problems.append(("environment.tasks", str(exc)))
         return problems

@@ -83,6 +83,7 @@ class _Request:
     session: Hashable
     bucket: int  # the prefill length class it batches with (see _take_batch)
     future: asyncio.Future[Sampled]
+    temperature: float | None = None  # None: the sampler's own; 0: greedy (evaluation rounds)
 
 
 @dataclass
@@ -136,8 +137,16 @@ class BatchedSampler:
         return min(self.max_batch, self._session_rows) if self._session_rows else self.max_batch
 
     async def generate(
-        self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int], session: Hashable = None
+        self,
+        prompt: Sequence[int],
+        *,
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int],
+        session: Hashable = None,
+        temperature: float | None = None,
     ) -> Sampled:
+        """One turn; ``temperature`` overrides the sampler's (0 is greedy), and such requests
+        never share a sampler call with others."""
         loop = asyncio.get_running_loop()
         if loop is not self._loop:  # a new event loop (e.g. one asyncio.run per training step)
             self._loop, self._queue, self._wake, self._worker = loop, [], asyncio.Event(), None
@@ -151,7 +160,7 @@ class BatchedSampler:
             session = None
             length = len(prompt) + max_new_tokens
             bucket = next((b for b in self._buckets if b >= length), length)
-        self._queue.append(_Request(prompt, max_new_tokens, tuple(stop_token_ids), session, bucket, future))
+        self._queue.append(_Request(prompt, max_new_tokens, tuple(stop_token_ids), session, bucket, future, temperature))
         self._wake.set()
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._serve())
@@ -184,6 +193,8 @@ class BatchedSampler:
                 first = batch[0]
                 prompts = [r.prompt for r in batch]
                 sessions = [r.session for r in batch] if first.session is not None else None
+                # Passed only when set: a sampler without a temperature argument still serves training.
+                override: dict[str, Any] = {} if first.temperature is None else {"temperature": first.temperature}
                 try:
                     generations = await loop.run_in_executor(
                         self._executor,
@@ -193,6 +204,7 @@ class BatchedSampler:
                             max_new_tokens=first.max_new_tokens,
                             stop_token_ids=first.stop_token_ids,
                             sessions=sessions,
+                            **override,
                         ),
                     )
                 except Exception as exc:  # noqa: BLE001 - forwarded to every waiting episode, not swallowed
@@ -234,8 +246,8 @@ class BatchedSampler:
         self._queue = [r for r in live if id(r) not in taken]
         return batch
 
-    def _key(self, request: _Request) -> tuple[int, tuple[int, ...], int, bool]:
-        return request.max_new_tokens, request.stop_token_ids, request.bucket, request.session is None
+    def _key(self, request: _Request) -> tuple[int, tuple[int, ...], int, bool, float | None]:
+        return request.max_new_tokens, request.stop_token_ids, request.bucket, request.session is None, request.temperature
 
 
 class ScriptedPolicy:
@@ -251,11 +263,19 @@ class ScriptedPolicy:
         self.logprob = logprob
         self.version = version
         self.calls = 0
+        self.temperatures: list[float | None] = []  # each call's temperature override
 
     async def generate(
-        self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int], session: Hashable = None
+        self,
+        prompt: Sequence[int],
+        *,
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int],
+        session: Hashable = None,
+        temperature: float | None = None,
     ) -> Sampled:
         self.calls += 1
+        self.temperatures.append(temperature)
         ids = list(self.respond(prompt))[:max_new_tokens]
         stops = set(stop_token_ids)
         cut = next((i + 1 for i, t in enumerate(ids) if t in stops), None)

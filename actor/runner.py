@@ -22,6 +22,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from stoker.actor.episode import EpisodeSlots, run_group, summarize
+from stoker.actor.evaluation import EvalOutcome, play_round, round_due
 from stoker.actor.policy import Policy
 from stoker.actor.sandbox import EnvironmentFactory
 from stoker.actor.settings import ActorSettings
@@ -56,6 +57,9 @@ class BufferPort(Protocol):
 
     async def release(self, groups: int) -> None: ...
 
+    async def report_eval(self, outcome: EvalOutcome, report_id: str) -> None:
+        """An evaluation round's sums (``ReportEval``); its episodes are never Put."""
+
 
 class WeightSource(Protocol):
     def latest_version(self) -> int: ...
@@ -79,6 +83,7 @@ class ActorStats:
     weight_updates: int = 0
     submit_retries: int = 0
     abandoned_groups: int = 0  # finished while stopping with the buffer unreachable: not submitted
+    eval_rounds: list[EvalOutcome] = field(default_factory=list)  # played and reported, oldest first
     recent: list[Episode] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
 
@@ -129,6 +134,8 @@ class Actor:
         self.loader = loader
         self.stats = ActorStats()
         self._stopping = asyncio.Event()
+        self._training_over = asyncio.Event()  # no more groups start: no more evaluation rounds either
+        self._last_eval_round = -1
         self._fatal: BaseException | None = None
         rng = random.Random(f"{settings.seed}/{settings.actor_id}")
         self._pick = task_picker or task_cycle(settings.tasks, rng)
@@ -142,9 +149,12 @@ class Actor:
         s = self.settings
         slots = EpisodeSlots(s.concurrency)
         running: set[asyncio.Task[None]] = set()
-        sync = asyncio.create_task(self._sync_weights()) if self.weights is not None else None
+        sync = asyncio.create_task(self._sync_weights(), name="weight sync") if self.weights is not None else None
         if sync is not None:
             sync.add_done_callback(self._sync_ended)
+        evaluation = asyncio.create_task(self._evaluate(slots), name="evaluation") if s.evaluation is not None else None
+        if evaluation is not None:
+            evaluation.add_done_callback(self._sync_ended)
         try:
             while not self._stopping.is_set():
                 if s.max_groups is not None and self.stats.groups_started >= s.max_groups:
@@ -164,7 +174,13 @@ class Actor:
                     if isinstance(outcome, BaseException):
                         raise outcome
                 running = set()
+            self._training_over.set()
+            if evaluation is not None:
+                await evaluation  # a round under way finishes and is reported
         finally:
+            if evaluation is not None and not evaluation.done():
+                evaluation.cancel()
+                await asyncio.gather(evaluation, return_exceptions=True)
             for task in running:  # only left on an error: do not orphan the other groups
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
@@ -176,12 +192,53 @@ class Actor:
             raise self._fatal
         return self.stats
 
+    async def _evaluate(self, slots: EpisodeSlots) -> None:
+        """Play an evaluation round whenever the policy version reaches a new multiple of
+        ``evalEveryVersions`` (see ``stoker.actor.evaluation``), until training is over."""
+        s = self.settings
+        assert s.evaluation is not None
+        plan = s.evaluation
+        while not self._training_over.is_set() and not self._stopping.is_set():
+            due = round_due(int(getattr(self.policy, "version", 0)), self._last_eval_round, plan.every_versions)
+            if due is None:
+                try:
+                    await asyncio.wait_for(self._training_over.wait(), s.weight_poll_seconds)
+                except TimeoutError:
+                    pass
+                continue
+            self._last_eval_round = due
+            outcome, _ = await play_round(
+                self.policy, self.env_factory, self.interface, plan,
+                version=due, limits=s.limits, slots=slots, actor_id=s.actor_id,
+            )
+            if await self._report_eval(outcome):
+                self.stats.eval_rounds.append(outcome)
+                log.info(
+                    "actor %s: evaluation round at version %d: success %.2f, reward %.3f over %d greedy episodes",
+                    s.actor_id, due, outcome.success_rate, outcome.reward_sum / max(outcome.episodes, 1), outcome.episodes,
+                )
+
+    async def _report_eval(self, outcome: EvalOutcome) -> bool:
+        """Send a round's sums, retrying while the buffer is unavailable (a report id counts once)."""
+        delay = 0.2
+        for _ in range(8):
+            try:
+                await self.buffer.report_eval(outcome, f"{self.settings.actor_id}/{outcome.version}")
+                return True
+            except BufferUnavailable as exc:
+                log.warning("evaluation report failed (%s); retrying in %.1f s", exc, delay)
+                await asyncio.sleep(delay)  # backoff before retrying a remote call
+                delay = min(delay * 2, MAX_RETRY_WAIT_SECONDS)
+        log.error("evaluation round at version %d not reported: the buffer stayed unreachable", outcome.version)
+        return False
+
     def _sync_ended(self, task: asyncio.Task[None]) -> None:
-        """Weight sync only ends by cancellation; anything else stops the actor, loudly."""
+        """Weight sync only ends by cancellation (evaluation, by finishing); anything else stops the
+        actor, loudly."""
         if task.cancelled() or task.exception() is None:
             return
         self._fatal = task.exception()
-        log.error("weight sync failed: %r; stopping after the running groups", self._fatal)
+        log.error("%s failed: %r; stopping after the running groups", task.get_name(), self._fatal)
         self.stop()
 
     async def _admit(self) -> bool:

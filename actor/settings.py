@@ -6,8 +6,10 @@ import os
 import socket
 from dataclasses import dataclass
 
+from stoker.actor.datasets import resolve_eval_tasks, training_tasks
 from stoker.actor.environments import StepLatency, options_json
 from stoker.actor.episode import EpisodeLimits
+from stoker.actor.evaluation import EvalPlan
 from stoker.actor.labels import SANDBOX_POD_PORT
 from stoker.actor.rewards import RewardTerm
 from stoker.actor.sandbox import SandboxConfig
@@ -55,6 +57,7 @@ class ActorSettings:
     conversation_cache_mib: int = 0
     reward_terms: tuple[RewardTerm, ...] = ()  # environment.reward: plugins added to each step's reward
     environment_reward_weight: float = 1.0
+    evaluation: EvalPlan | None = None  # environment.evalTasks: held-out rounds, never trained on
 
     @classmethod
     def from_spec(
@@ -69,22 +72,8 @@ class ActorSettings:
         image: str | None = None,
     ) -> ActorSettings:
         env = spec.environment
-        if env.name == "frozenlake":
-            tasks = tuple(str(s) for s in env.frozenlake.map_seeds)
-            options = options_json(env.frozenlake)
-        elif env.name == "swe":
-            from stoker.actor.swe import bundled_tasks
-
-            tasks = tuple(env.tasks or env.swe.tasks) or tuple(bundled_tasks())
-            options = options_json(env.swe)
-        elif env.name == "swebench":
-            from stoker.actor.swebench import instance_tasks
-
-            tasks, options = instance_tasks(env)
-        else:  # answers, or a plugin: environment.options and environment.tasks
-            from stoker.actor.datasets import environment_tasks
-
-            tasks, options = environment_tasks(env)
+        tasks, options = training_tasks(env)
+        eval_tasks, options = resolve_eval_tasks(env, tasks, options)
         arch = spec.model.architecture
         # A whole conversation must fit the model's context and the learner's longest packed row.
         max_tokens = min(arch.max_seq_len, spec.learner.sequence_buckets[-1])
@@ -138,6 +127,7 @@ class ActorSettings:
             conversation_cache_mib=spec.actors.conversation_cache_mib,
             reward_terms=tuple(RewardTerm(t.function, t.weight) for t in env.reward.terms),
             environment_reward_weight=env.reward.environment_weight,
+            evaluation=EvalPlan.from_spec(env, eval_tasks, spec.actors.concurrency) if eval_tasks else None,
         )
 
 

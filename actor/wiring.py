@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from stoker.actor.environments import EnvironmentProblem
+from stoker.actor.evaluation import EvalOutcome, GreedyPolicy
 from stoker.actor.policy import BatchedSampler
 from stoker.actor.runner import Actor, ActorStats, BufferUnavailable, Grant
 from stoker.actor.sandbox import EnvironmentFactory, close_factory, inline_factory, process_factory
@@ -162,6 +164,19 @@ class GrpcBuffer:
     async def release(self, groups: int) -> None:
         await self._call(self.client.release, groups)
 
+    async def report_eval(self, outcome: EvalOutcome, report_id: str) -> None:
+        import grpc
+
+        try:
+            await self._call(
+                lambda: self.client.report_eval(
+                    report_id, outcome.version, episodes=outcome.episodes, reward_sum=outcome.reward_sum,
+                    success_sum=outcome.success_sum, failed=outcome.failed,
+                )
+            )
+        except grpc.RpcError as exc:  # refused (not unavailable): sending it again cannot succeed
+            log.error("buffer refused evaluation report %s: %s: %s", report_id, exc.code().name, exc.details())
+
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         from stoker.buffer.client import BufferUnavailableError
 
@@ -185,11 +200,19 @@ async def build_and_run(
     from stoker.buffer.client import BufferClient
 
     spec = job.spec
-    settings = ActorSettings.from_spec(spec, actor_id=actor_id, job=job_name, max_groups=max_groups)
+    try:
+        settings = ActorSettings.from_spec(spec, actor_id=actor_id, job=job_name, max_groups=max_groups)
+    except EnvironmentProblem as exc:  # a task file, an evaluation task: the user's to fix
+        raise ActorSetupError(f"spec.environment: {exc}") from None
     interface = text_interface(spec)
     policy = await asyncio.to_thread(make_policy, settings, spec.model.dtype)
     source = make_weight_source(weights, token) if weights else None
     buffer = GrpcBuffer(BufferClient(buffer_address, token=token, client_id=actor_id))
+    if settings.evaluation is not None:
+        try:
+            GreedyPolicy(policy)
+        except TypeError as exc:  # e.g. a generation server without greedy decoding
+            raise ActorSetupError(f"spec.environment.evalTasks: {exc}") from None
     factory = environment_factory(settings)
     actor = Actor(settings, policy, interface, factory, buffer, weights=source, loader=policy)
     if install_signals is not None:

@@ -232,6 +232,7 @@ class BufferClient:
         self._set_version = method("SetPolicyVersion", buffer_pb2.SetPolicyVersionResponse)
         self._stats = method("Stats", buffer_pb2.BufferStats)
         self._configure = method("Configure", buffer_pb2.ConfigureResponse)
+        self._report_eval = method("ReportEval", buffer_pb2.ReportEvalResponse)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self._committer: futures.ThreadPoolExecutor | None = None
         self._committer_lock = threading.Lock()
@@ -341,6 +342,17 @@ class BufferClient:
     def release(self, groups: int, *, actor_id: str = "") -> None:
         """Give back credit for groups that will not be submitted after all."""
         self._call(self._release, buffer_pb2.ReleaseRequest(actor_id=actor_id or self.client_id, groups=groups))
+
+    def report_eval(
+        self, report_id: str, policy_version: int, *, episodes: int, reward_sum: float, success_sum: float, failed: int = 0
+    ) -> None:
+        """An evaluation round's sums (its episodes are never Put); retried safely: the buffer
+        counts a ``report_id`` once."""
+        request = buffer_pb2.ReportEvalRequest(
+            report_id=report_id, policy_version=policy_version, episodes=episodes,
+            reward_sum=reward_sum, success_sum=success_sum, failed_episodes=failed,
+        )
+        self._call(self._report_eval, request)
 
     # ------------------------------------------------------------------ learner
 

@@ -38,6 +38,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from prometheus_client import Histogram
 
+from stoker.buffer.evaluation import EvalBook, InvalidReport
 from stoker.buffer.core import BatchTooLarge, BufferCore, BufferFull, DiskFull, PendingPut, PutOutcome, Unavailable, UnknownBatch
 from stoker.buffer.flusher import Flusher
 from stoker.buffer.wal import DIRECT_MIN, WalError
@@ -136,6 +137,7 @@ class BufferService:
         self._all_stored: dict[int, bytes] = {}  # serialized PutResponse by batch size
         self._samplers: list[tuple[int, asyncio.Event]] = []  # waiting Samples: (min groups, wake-up)
         self._unfinished: set[asyncio.Future[Any]] = set()  # Puts whose callers left, and large Puts
+        self.evals = EvalBook()  # held-out evaluation rounds (ReportEval), shown in Stats
         core.ready_listener = self._on_ready
 
     # ------------------------------------------------------------------ Put
@@ -371,8 +373,17 @@ class BufferService:
             raise invalid(str(exc)) from None
         return buffer_pb2.ConfigureResponse()
 
+    async def report_eval(self, request: buffer_pb2.ReportEvalRequest, context: Context) -> buffer_pb2.ReportEvalResponse:
+        try:
+            self.evals.report(request)
+        except InvalidReport as exc:
+            raise invalid(str(exc)) from None
+        return buffer_pb2.ReportEvalResponse()
+
     async def stats(self, request: buffer_pb2.StatsRequest, context: Context) -> buffer_pb2.BufferStats:
-        return self.core.stats()
+        stats = self.core.stats()
+        stats.eval_rounds.extend(self.evals.rounds())
+        return stats
 
     def handler(self, extra: dict[str, grpc.RpcMethodHandler] | None = None) -> grpc.GenericRpcHandler:
         def unary(name: str, fn: Callable[..., Awaitable[Any]], request_type: type[Message] | None, response_type: Any) -> grpc.RpcMethodHandler:
@@ -393,6 +404,7 @@ class BufferService:
             ),
             "Stats": unary("Stats", self.stats, buffer_pb2.StatsRequest, buffer_pb2.BufferStats),
             "Configure": unary("Configure", self.configure, buffer_pb2.ConfigureRequest, buffer_pb2.ConfigureResponse),
+            "ReportEval": unary("ReportEval", self.report_eval, buffer_pb2.ReportEvalRequest, buffer_pb2.ReportEvalResponse),
             **(extra or {}),
         }
         return grpc.method_handlers_generic_handler(SERVICE, methods)

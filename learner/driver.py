@@ -80,6 +80,10 @@ class RunLoop:
         self._copied_version = -1
         self._unpublished: tuple[int, Any] | None = None  # (version, parameters copied for publishing)
         self._unpublished_lock = threading.Lock()
+        # The buffer's newest evaluation round, read after each version report (outbox thread),
+        # and the one last written to the metrics (training thread).
+        self._newest_eval: dict[str, float] | None = None
+        self._written_eval: dict[str, float] | None = None
         # Whether weights are gathered for publishing: the primary's choice, made on every process
         # (the gather is a collective).
         self.publishing = bool(multihost.broadcast_int(processes, int(self.publisher is not None)))
@@ -172,6 +176,10 @@ class RunLoop:
             if learner.steps % s.checkpoint_interval == 0:
                 learner.save()
             if self.sink is not None:
+                newest = self._newest_eval
+                if newest is not None and newest != self._written_eval:
+                    metrics.update(newest)  # each new (or grown) evaluation round once
+                    self._written_eval = newest
                 self.sink.record(metrics)
             if self.processes.primary:
                 log.info(
@@ -238,6 +246,27 @@ class RunLoop:
         if self._reported_version >= 0:
             source.set_policy_version(self._reported_version, duty_cycle=duty_cycle)
 
+    def _read_eval(self, source: BatchSource) -> None:
+        """The newest held-out evaluation round from the buffer's Stats, for the metrics."""
+        from stoker.buffer.client import BufferClientError
+
+        stats = getattr(source, "stats", None)
+        if stats is None:
+            return
+        try:
+            rounds = list(stats().eval_rounds)
+        except BufferClientError as exc:
+            log.warning("could not read evaluation results from the buffer: %s", exc)
+            return
+        if rounds:
+            newest = rounds[-1]
+            self._newest_eval = {
+                "eval_policy_version": float(newest.policy_version),
+                "eval_success_rate": float(newest.success_rate),
+                "eval_reward_mean": float(newest.mean_reward),
+                "eval_episodes": float(newest.episodes),
+            }
+
     def _publish(self, outbox: Outbox, duty_cycle: float | None = None) -> None:
         """Publish the current version's weights (once per version) and then report it to the
         buffer, with the duty cycle when there is one (not before the first step: the operator would
@@ -275,5 +304,6 @@ class RunLoop:
                 else:
                     source.set_policy_version(version, duty_cycle=duty_cycle)
                 self._reported_version = version
+                self._read_eval(source)
 
         outbox.send(publish_and_report)

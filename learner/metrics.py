@@ -148,6 +148,9 @@ PROMETHEUS_GAUGES: dict[str, str] = {
     "grad_norm": "Global gradient norm before clipping",
     "nonfinite_updates": "Updates skipped for a non-finite gradient, this process",
     "learning_rate": "Learning rate of the last update",
+    "eval_success_rate": "Held-out success (greedy) of the newest evaluation round",
+    "eval_reward_mean": "Mean reward of the newest evaluation round",
+    "eval_policy_version": "Policy version of the newest evaluation round",
 }
 
 

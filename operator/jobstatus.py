@@ -165,6 +165,12 @@ def _spec_condition(o: Observed) -> Cond:
     return Cond("SpecAccepted", "False", reason, f"edit refused, the children keep the last applied spec: {message}")
 
 
+def _evaluation(stats: StatsSnapshot) -> dict[str, Any]:
+    assert stats.evaluation is not None
+    version, success, reward, episodes = stats.evaluation
+    return {"policyVersion": version, "successRate": round(success, 4), "meanReward": round(reward, 4), "episodes": episodes}
+
+
 def build_status(o: Observed, previous: Mapping[str, Any], now: datetime) -> dict[str, Any]:
     """The whole ``status`` (camelCase, as patched) for observations ``o``.
 
@@ -216,6 +222,7 @@ def build_status(o: Observed, previous: Mapping[str, Any], now: datetime) -> dic
             ),
             "actors": {"ready": actors_ready, "desired": desired, "summary": f"{actors_ready}/{desired}"},
             "zombiesReaped": o.zombies_reaped,
+            "evaluation": _evaluation(o.stats) if o.stats is not None and o.stats.evaluation else previous.get("evaluation"),
             "admissionScale": o.admission_scale,
             "message": _spec_condition(o).message if o.spec_problem else (ready.message if ready.status != "True" else ""),
             "conditions": merge_conditions(

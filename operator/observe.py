@@ -44,6 +44,8 @@ class StatsSnapshot:
     # The live settings in force (``stoker.operator.rollout.LIVE_BUFFER_FIELDS``); None = not reported.
     capacity: int | None = None
     max_staleness: int | None = None
+    # The newest held-out evaluation round: (policy version, success rate, mean reward, episodes).
+    evaluation: tuple[int, float, float, int] | None = None
 
 
 def _conditions(obj: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
@@ -132,4 +134,13 @@ def snapshot_from_proto(stats: Any) -> StatsSnapshot:
         disk_free_bytes=int(getattr(stats, "disk_free_bytes", 0)),
         capacity=int(stats.capacity) or None,
         max_staleness=max_staleness,
+        evaluation=_newest_eval(stats),
     )
+
+
+def _newest_eval(stats: Any) -> tuple[int, float, float, int] | None:
+    rounds = list(getattr(stats, "eval_rounds", ()))  # a buffer older than ReportEval has none
+    if not rounds:
+        return None
+    newest = rounds[-1]
+    return int(newest.policy_version), float(newest.success_rate), float(newest.mean_reward), int(newest.episodes)

@@ -41,6 +41,11 @@ temperature, *before* top-p truncation. The trainer reproduces exactly this numb
 tau = 1 that is the plain model log-prob), which is what the token-in/token-out consistency check
 compares. Top-p only restricts which tokens can be drawn; the log-prob is not renormalised over
 the nucleus, so with top_p < 1 the recorded value is the untruncated policy's log-prob.
+
+Greedy decoding (a call's ``temperature=0``, held-out evaluation): each row takes
+argmax_v z_v (among the allowed tokens) and records log softmax(z)_y, the log-prob at tau = 1
+(``token_logprobs(..., temperature=1.0)``). The temperature stays a runtime value, so greedy
+calls run the same compiled programs as sampled ones.
 """
 
 from __future__ import annotations
@@ -94,8 +99,10 @@ def sample_token(
 
     The nucleus is the smallest set of most likely tokens whose probability mass reaches top_p
     (always at least the most likely token). Returns (tokens [B], log pi(token) [B]) with the
-    log-prob under the untruncated tempered softmax."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+    log-prob under the untruncated tempered softmax. ``temperature <= 0`` is greedy: the argmax
+    of the logits, its log-prob taken at temperature 1."""
+    greedy = temperature <= 0
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature), axis=-1)
     allowed = logp
     if top_p is not None:
         sorted_logp = jnp.sort(logp, axis=-1)[:, ::-1]
@@ -105,7 +112,7 @@ def sample_token(
         in_nucleus = mass_before < top_p
         threshold = jnp.min(jnp.where(in_nucleus, sorted_logp, jnp.inf), axis=-1, keepdims=True)
         allowed = jnp.where(logp >= threshold, logp, -jnp.inf)
-    tokens = jax.random.categorical(key, allowed, axis=-1)
+    tokens = jnp.where(greedy, jnp.argmax(logp, axis=-1), jax.random.categorical(key, allowed, axis=-1))
     return tokens.astype(jnp.int32), jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
@@ -336,7 +343,7 @@ class Sampler:
         # Sampling randomness is independent of the init stream that used the same seed.
         self._key = jax.random.fold_in(jax.random.key(seed), 0x5A)
         self._traces = 0
-        self._limits_cache: dict[tuple[int, tuple[int, ...]], _Limits] = {}
+        self._limits_cache: dict[tuple[int, tuple[int, ...], float], _Limits] = {}
 
         def traced(*args: Any, **kwargs: Any) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
             # Runs only when jit misses its cache, i.e. once per program compiled.
@@ -427,10 +434,12 @@ class Sampler:
         max_new_tokens: int,
         stop_token_ids: Sequence[int] = (),
         sessions: Sequence[Any] | None = None,
+        temperature: float | None = None,
     ) -> list[Generation]:
         """Continue each prompt (the whole conversation so far, as token ids) by up to
         ``max_new_tokens`` tokens, stopping a row at its first stop token. ``sessions[i]`` names
-        prompt i's conversation (any hashable, distinct within a call) to reuse its cache."""
+        prompt i's conversation (any hashable, distinct within a call) to reuse its cache.
+        ``temperature`` overrides the sampler's for this call; 0 is greedy (see module doc)."""
         if not prompts:
             return []
         if max_new_tokens < 1:
@@ -445,7 +454,10 @@ class Sampler:
         longest = max(lens)
         if longest + max_new_tokens > self.config.max_seq_len:
             raise PromptTooLong(f"{longest + max_new_tokens} tokens exceed maxSeqLen {self.config.max_seq_len}")
-        limits = self._limits(max_new_tokens, tuple(stop_token_ids))
+        if temperature is not None and not temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        tau = self.sampling.temperature if temperature is None else float(temperature)
+        limits = self._limits(max_new_tokens, tuple(stop_token_ids), tau)
         if sessions is not None:
             return self._generate_sessions(prompts, list(sessions), limits, longest + max_new_tokens)
 
@@ -465,11 +477,11 @@ class Sampler:
         )
         return self._generations(out, len(prompts), [self.version] * len(prompts))
 
-    def _limits(self, max_new_tokens: int, stop_token_ids: tuple[int, ...]) -> _Limits:
-        """The call's runtime settings as device arrays, made once per (limit, stop tokens): an
-        actor asks with the same ones every turn, and five host-to-device copies per call were a
-        sizeable part of a small call's Python time."""
-        key = (max_new_tokens, stop_token_ids)
+    def _limits(self, max_new_tokens: int, stop_token_ids: tuple[int, ...], temperature: float) -> _Limits:
+        """The call's runtime settings as device arrays, made once per (limit, stop tokens,
+        temperature): an actor asks with the same ones every turn, and five host-to-device copies
+        per call were a sizeable part of a small call's Python time."""
+        key = (max_new_tokens, stop_token_ids, temperature)
         limits = self._limits_cache.get(key)
         if limits is None:
             vocab = self.config.vocab_size
@@ -482,7 +494,7 @@ class Sampler:
                 jnp.asarray(max_new_tokens, jnp.int32),
                 jnp.asarray(is_stop),
                 jnp.asarray(self.allowed),
-                jnp.asarray(self.sampling.temperature, jnp.float32),
+                jnp.asarray(temperature, jnp.float32),
                 jnp.asarray(self.sampling.top_p, jnp.float32),
             )
         return limits

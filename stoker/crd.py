@@ -111,6 +111,7 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Duty", "type": "number", "jsonPath": ".status.learnerDutyCycle", "description": "Learner duty cycle"},
     {"name": "Actors", "type": "string", "jsonPath": ".status.actors.summary", "description": "Ready/desired"},
     {"name": "Fill", "type": "number", "jsonPath": ".status.bufferFill", "priority": 1},
+    {"name": "Eval", "type": "number", "jsonPath": ".status.evaluation.successRate", "description": "Held-out success (greedy)", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

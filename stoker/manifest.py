@@ -112,9 +112,10 @@ def environment_problems(job: RLJob, source: str) -> list[Problem]:
     """
     from stoker.actor.plugins import environment_problems as found
     from stoker.actor.rewards import reward_problems
+    from stoker.actor.datasets import eval_problems
 
     env = job.spec.environment
-    problems = [*found(env.name, env.options, env.tasks), *reward_problems(env.reward.terms)]
+    problems = [*found(env.name, env.options, env.tasks), *eval_problems(env), *reward_problems(env.reward.terms)]
     return [Problem(source, f"spec.{path}", message) for path, message in problems]
 
 

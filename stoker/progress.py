@@ -100,6 +100,15 @@ def _fmt(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
+def _eval_text(buffer_sample: dict[str, Any]) -> str:
+    """The newest evaluation round, e.g. ``0.800 at v20 (10 episodes)``; ``-`` before any."""
+    rounds = buffer_sample.get("eval_rounds") or []
+    if not rounds:
+        return "-"
+    newest = rounds[-1]
+    return f"{newest['success_rate']:.3f} at v{newest['policy_version']} ({newest['episodes']} episodes)"
+
+
 def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -181,6 +190,11 @@ class Progress:
             "policy_version": stats.policy_version,
             "dropped": dict(stats.dropped),
             "staleness_histogram": {str(k): v for k, v in stats.staleness_histogram.items()},
+            "eval_rounds": [
+                {"policy_version": r.policy_version, "episodes": r.episodes, "success_rate": r.success_rate,
+                 "mean_reward": r.mean_reward}
+                for r in stats.eval_rounds[-1:]
+            ],
         }
         self.state.buffer = sample
         self._buffer_log.write(json.dumps(sample) + "\n")
@@ -207,6 +221,7 @@ class Progress:
             ("policy version", _fmt(last.get("policy_version"))),
             ("success rate", f"{self.success_rate():.3f} (last {SUCCESS_WINDOW_STEPS} steps)"),
             ("reward", _fmt(last.get("reward_mean"))),
+            ("held-out success (greedy)", _eval_text(buf)),
             ("learner duty cycle", _fmt(last.get("duty_cycle"), 3)),
             ("buffer fill", _fmt(buf.get("fill"), 3)),
             ("staleness (mean / max)", f"{_fmt(last.get('staleness_mean'), 2)} / {_fmt(last.get('staleness_max'))}"),

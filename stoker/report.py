@@ -2,7 +2,8 @@
 
 Inputs are the learner's ``learner_metrics.jsonl`` (one record per training step) and the runner's
 ``buffer_stats.jsonl`` (buffer samples); either may be missing or short (an interrupted run still
-gets a report of what happened).
+gets a report of what happened). Held-out evaluation rounds (``eval_*`` fields of the learner's
+records) get their own line and curve, apart from the training success rate.
 """
 
 from __future__ import annotations
@@ -81,6 +82,50 @@ def _plot(path: Path, title: str, xlabel: str, ylabel: str, series: list[tuple[l
     plt.close(figure)
 
 
+def eval_rounds(metrics: list[dict[str, Any]]) -> list[tuple[int, float, float, int]]:
+    """(policy version, success rate, mean reward, episodes) per evaluation round, by version; a
+    round that grew as more actors reported keeps its last figures."""
+    rounds: dict[int, tuple[int, float, float, int]] = {}
+    for record in metrics:
+        if record.get("eval_policy_version") is None or record.get("eval_success_rate") is None:
+            continue
+        version = int(record["eval_policy_version"])
+        rounds[version] = (
+            version, float(record["eval_success_rate"]), float(record.get("eval_reward_mean", 0.0)),
+            int(record.get("eval_episodes", 0)),
+        )
+    return [rounds[v] for v in sorted(rounds)]
+
+
+def _evaluation(metrics: list[dict[str, Any]], plots: Path) -> list[str]:
+    rounds = eval_rounds(metrics)
+    if not rounds:
+        return []
+    versions = [float(r[0]) for r in rounds]
+    _plot(
+        plots / "eval_success.png",
+        "Held-out success (greedy)",
+        "policy version",
+        "success rate / mean reward",
+        [(versions, [r[1] for r in rounds], "success rate"), (versions, [r[2] for r in rounds], "mean reward")],
+    )
+    first, last = rounds[0], rounds[-1]
+    return [
+        "## Held-out evaluation (greedy, never trained on)",
+        "",
+        f"- rounds: {len(rounds)}, versions {first[0]}..{last[0]}",
+        f"- success: {first[1]:.3f} at v{first[0]} -> {last[1]:.3f} at v{last[0]} ({last[3]} episodes)",
+        f"- mean reward: {first[2]:.3f} -> {last[2]:.3f}",
+        "",
+        "| policy version | success | mean reward | episodes |",
+        "|---|---|---|---|",
+        *(f"| {v} | {s:.3f} | {r:.3f} | {n} |" for v, s, r, n in rounds),
+        "",
+        "![held-out success](plots/eval_success.png)",
+        "",
+    ]
+
+
 def write_report(run_dir: Path) -> Path:
     metrics = read_jsonl(run_dir / "learner_metrics.jsonl")
     buffer = read_jsonl(run_dir / "buffer_stats.jsonl")
@@ -138,6 +183,7 @@ def write_report(run_dir: Path) -> Path:
             "![staleness](plots/staleness.png)",
             "",
         ]
+    lines += _evaluation(metrics, plots)
     report = run_dir / "report.md"
     report.write_text("\n".join(lines))
     return report

@@ -35,6 +35,9 @@ DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 # CEL compares neighbouring buckets one by one, so the list is bounded.
 MAX_SEQUENCE_BUCKETS = 16
+# CEL checks every environment.evalTasks entry; bounded so the API server can cost the rule.
+MAX_EVAL_TASK_ENTRIES = 1024
+MAX_EVAL_TASK_CHARACTERS = 4096
 
 
 def cel(rule: str, message: str) -> dict[str, Any]:
@@ -318,6 +321,22 @@ class EnvironmentSpec(SpecModel):
         default_factory=list,
         description="Task ids, or paths of JSONL task files (entries ending in .jsonl); the environment's own when empty.",
     )
+    eval_tasks: list[Annotated[str, Field(min_length=1, max_length=MAX_EVAL_TASK_CHARACTERS)]] = Field(
+        default_factory=list,
+        max_length=MAX_EVAL_TASK_ENTRIES,
+        description=(
+            "Held-out evaluation: task ids or JSONL task files (as in tasks; FrozenLake: map seeds), played "
+            "greedily every evalEveryVersions policy versions and never trained on. No evaluation when empty."
+        ),
+    )
+    eval_every_versions: int = Field(10, ge=1, description="An evaluation round each time the policy version reaches a multiple of this.")
+    eval_share: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="Share of each actor's episode slots an evaluation round may take (at least one); training goes on in the rest.",
+    )
+    eval_episodes_per_task: int = Field(1, ge=1, le=1024, description="Greedy episodes of each evaluation task per round.")
     frozenlake: FrozenLakeOptions = Field(default_factory=FrozenLakeOptions)
     swe: SweOptions = Field(default_factory=SweOptions)
     reward: RewardSpec = Field(default_factory=RewardSpec)
@@ -632,6 +651,10 @@ def cross_field_problems(spec: RLJobSpec) -> list[tuple[str, str]]:
             hosts_per_slice(spec.learner.accelerator, spec.learner.topology)
         except TopologyError as exc:
             problems.append(("learner.topology", str(exc)))
+    if spec.environment.name == "frozenlake":
+        seeds = [task for task in spec.environment.eval_tasks if not task.isascii() or not task.isdigit()]
+        if seeds:
+            problems.append(("environment.evalTasks", f"got {seeds[:3]}; expected FrozenLake map seeds (non-negative integers)"))
     if spec.mode == "colocated" and spec.learner.service_account_name is not None:
         problems.append(
             ("learner.serviceAccountName", "set in colocated mode; expected unset (the learner runs as the sandbox manager)")
@@ -701,6 +724,13 @@ CEL_RULES: dict[tuple[str, ...], list[dict[str, Any]]] = {
         ),
     ],
     ("actors",): [cel("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas")],
+    ("environment",): [
+        cel(
+            f"{spec_cel.opt('self', ('name',), repr('frozenlake'))} != 'frozenlake' || !has(self.evalTasks)"
+            " || self.evalTasks.all(t, t.matches('^[0-9]+$'))",
+            "evalTasks of frozenlake must be map seeds (non-negative integers)",
+        )
+    ],
     ("model", "architecture"): [
         cel("self.numHeads % self.numKvHeads == 0", "numHeads must be a multiple of numKvHeads"),
         cel("has(self.headDim) || self.hiddenSize % self.numHeads == 0", "hiddenSize must be a multiple of numHeads when headDim is unset"),

@@ -52,6 +52,15 @@ class ActorsStatus(StatusModel):
     summary: str = Field("0/0", description="ready/desired, for kubectl get.")
 
 
+class EvaluationStatus(StatusModel):
+    """The newest held-out evaluation round (environment.evalTasks): greedy, never trained on."""
+
+    policy_version: int = Field(0, description="The round: the multiple of evalEveryVersions it was played for.")
+    success_rate: float = Field(0.0, description="Mean success over the round's greedy episodes (0..1).")
+    mean_reward: float = 0.0
+    episodes: int = 0
+
+
 class RLJobStatus(StatusModel):
     phase: Phase | None = None
     observed_generation: int | None = None
@@ -61,6 +70,7 @@ class RLJobStatus(StatusModel):
     learner_duty_cycle: float | None = None
     actors: ActorsStatus | None = None
     zombies_reaped: int | None = None
+    evaluation: EvaluationStatus | None = Field(None, description="Held-out evaluation, apart from training success.")
     admission_scale: float | None = Field(
         None, description="Fraction of the buffer's own admission credit the operator allows (1 = no limit)."
     )

@@ -65,6 +65,8 @@ async def _run(options: RunOptions) -> Outcome:
     settings = LearnerSettings.from_spec(spec, run_dir=options.run_dir, **overrides)
     learner = Learner(settings)
     actor = episode_settings(spec, options.job.metadata.name)
+    if actor.evaluation is not None:
+        log.warning("environment.evalTasks: actors play evaluation rounds; the sync baseline does not")
     interface = text_interface(spec)
     policy = make_policy(actor)
     envs = environment_factory(actor)

@@ -136,6 +136,10 @@ CASES: list[Case] = [
     ("service account disaggregated", "lake", learner(serviceAccountName="trainer"), None),
     ("service account colocated", "lake", {**learner(serviceAccountName="trainer"), "mode": "colocated"},
      "spec.learner.serviceAccountName"),
+    ("frozenlake eval seeds", "lake", {"environment": {"evalTasks": ["17", "23"]}}, None),
+    ("frozenlake eval not a seed", "lake", {"environment": {"evalTasks": ["17", "lake-b"]}}, "spec.environment.evalTasks"),
+    ("frozenlake eval negative seed", "lake", {"environment": {"evalTasks": ["-1"]}}, "spec.environment.evalTasks"),
+    ("answers eval ids", "lake", {"environment": {"name": "answers", "evalTasks": ["held.jsonl", "q7"]}}, None),
     ("name with a leading digit", "1lake", {}, "metadata.name"),
     # JobSet's rule: <name>-learner-slice-<slice>-<host>-abcde <= 63 characters.
     ("name at the limit", "a" * 39, {}, None),

@@ -19,7 +19,10 @@ pytestmark = pytest.mark.slow
 def job(tmp_path_factory: pytest.TempPathFactory, tiny_job: str) -> tuple[Path, dict[str, str]]:
     root = tmp_path_factory.mktemp("run")
     manifest = root / "tiny.yaml"
-    manifest.write_text(tiny_job)
+    # With a held-out map: the async run's actor plays evaluation rounds (the sync baseline does not).
+    with_eval = tiny_job.replace("sandbox: {kind: inline}}", "sandbox: {kind: inline}, evalTasks: ['5'], evalEveryVersions: 1}")
+    assert with_eval != tiny_job
+    manifest.write_text(with_eval)
     # One compilation cache for the module: later runs reuse what the first compiled.
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(root / "jax-cache")}
     return manifest, env
@@ -46,6 +49,11 @@ def test_run_trains_reports_and_resumes(job: tuple[Path, dict[str, str]], tmp_pa
     assert [s["step"] for s in steps] == [1, 2]
     assert (tmp_path / "report.md").read_text().startswith("# Run report")
     assert (tmp_path / "plots" / "success.png").exists()
+    if mode == "async":
+        # Round 0 starts with the actor, before any training episode ends, and a stopping actor
+        # finishes and reports the round it is playing.
+        actor_log = (tmp_path / "logs" / "actor-0.log").read_text()
+        assert "evaluation round at version 0" in actor_log, actor_log[-2000:]
     second = _run(manifest, tmp_path, env, "--mode", mode, "--max-steps", "3")
     assert second.returncode == 0, second.stderr[-3000:]
     resumed = _steps(tmp_path)[2:]

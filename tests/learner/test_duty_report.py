@@ -3,6 +3,7 @@ operator's starvation check reads it from the buffer's Stats), and nothing befor
 
 from __future__ import annotations
 
+import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,3 +150,40 @@ def test_the_buffer_shows_the_learners_duty_cycle_in_stats(learner: Learner, tmp
             assert 0.0 < stats.learner_duty_cycle <= 1.0
     finally:
         server.stop(grace=0)
+
+
+@dataclass
+class EvaluatedSource(RecordingSource):
+    """Its Stats show held-out evaluation rounds; the first batch waits until they were read."""
+
+    rounds: list[Any] = field(default_factory=list)
+    stats_calls: int = 0
+    read: Any = field(default_factory=threading.Event)
+
+    def stats(self) -> Any:
+        from stoker.v1 import buffer_pb2
+
+        self.stats_calls += 1
+        stats = buffer_pb2.BufferStats(policy_version=self.reports[-1][0] if self.reports else -1)
+        stats.eval_rounds.extend(self.rounds)
+        self.read.set()
+        return stats
+
+    def sample(self, max_groups: int, min_groups: int, timeout: float) -> SampledBatch:
+        self.read.wait(10)
+        return super().sample(max_groups, min_groups, timeout)
+
+
+def test_the_newest_evaluation_round_goes_into_the_metrics_once(learner: Learner) -> None:
+    from stoker.v1 import buffer_pb2
+
+    round_0 = buffer_pb2.EvalRound(policy_version=0, episodes=8, success_rate=0.25, mean_reward=0.5)
+    source, sink = EvaluatedSource(learner, rounds=[round_0]), ListSink()
+    assert learner.run(source, None, max_steps=learner.steps + 3, sink=sink) == 3
+    assert source.stats_calls >= 2  # read after each version report
+    evaluated = [r for r in sink.records if "eval_success_rate" in r]
+    assert len(evaluated) == 1  # an unchanged round is not written again
+    assert {k: v for k, v in evaluated[0].items() if k.startswith("eval_")} == {
+        "eval_policy_version": 0.0, "eval_success_rate": 0.25, "eval_reward_mean": 0.5, "eval_episodes": 8.0,
+    }
+    assert all("success_rate" in r for r in sink.records)  # the training success is its own figure

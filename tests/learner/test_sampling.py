@@ -103,10 +103,22 @@ def test_load_weights_swaps_policy_without_recompiling(sampler: Sampler) -> None
     sampler.load_weights(flatten_params(init_model(CONFIG, seed=0)), version=0)
 
 
-def test_low_temperature_and_tiny_top_p_are_greedy() -> None:
-    model = init_model(CONFIG, seed=0)
+def training_logits(model: Transformer) -> Callable[[list[int]], np.ndarray]:
+    """The training forward's logits at every position of a sequence, at one fixed [1, 16] shape."""
     graphdef, state = nnx.split(model)
     forward = jax.jit(lambda ids, pos, seg: nnx.merge(graphdef, state)(ids, pos, seg))
+
+    def run(seq: list[int]) -> np.ndarray:
+        ids = np.zeros((1, 16), np.int32)
+        ids[0, : len(seq)] = seq
+        seg = (np.arange(16) < len(seq)).astype(np.int32)[None]
+        return np.asarray(forward(ids, np.arange(16, dtype=np.int32)[None], seg))[0]
+
+    return run
+
+
+def test_low_temperature_and_tiny_top_p_are_greedy() -> None:
+    model = init_model(CONFIG, seed=0)
     prompt = [3, 1, 4, 1, 5]
     params = flatten_params(model)
     cold = Sampler(CONFIG, SamplingSpec(temperature=1e-4), seed=1, buckets=BUCKETS, params=params)
@@ -116,10 +128,7 @@ def test_low_temperature_and_tiny_top_p_are_greedy() -> None:
     assert gen.token_ids == greedy.token_ids
 
     seq = prompt + gen.token_ids
-    ids = np.zeros((1, 16), np.int32)
-    ids[0, : len(seq)] = seq
-    seg = (np.arange(16) < len(seq)).astype(np.int32)[None]
-    logits = np.asarray(forward(ids, np.arange(16, dtype=np.int32)[None], seg))[0]
+    logits = training_logits(model)(seq)
     # Every drawn token is the training forward's argmax given the tokens before it.
     assert gen.token_ids == [int(np.argmax(logits[i])) for i in range(len(prompt) - 1, len(seq) - 1)]
     # Top-p does not renormalise: the recorded log-prob is the full softmax's, not log 1 = 0.
@@ -334,3 +343,52 @@ def test_bad_session_calls_are_refused() -> None:
         sampler.generate([list(range(1, 31))], max_new_tokens=4, sessions=["x"])
     with pytest.raises(ValueError, match="keeps no conversations"):
         Sampler(CONFIG, SamplingSpec(), seed=0, buckets=BUCKETS).generate([[1]], max_new_tokens=1, sessions=["x"])
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_sample_token_at_temperature_zero_is_the_argmax_with_its_untempered_logprob(jit: bool) -> None:
+    logits = jnp.asarray([[0.1, 2.0, -1.0, 1.9], [3.0, -2.0, 0.0, 2.5]], jnp.float32)
+    draw = jax.jit(sample_token) if jit else sample_token
+    for key in range(5):  # the key is ignored: greedy is deterministic
+        tokens, logprobs = draw(jax.random.key(key), logits, jnp.asarray(0.0), None)
+        assert tokens.tolist() == [1, 0]
+        # log pi(y) = z_y - logsumexp(z): the tau = 1 softmax.
+        want = [float(logits[b, y] - jax.scipy.special.logsumexp(logits[b])) for b, y in enumerate([1, 0])]
+        np.testing.assert_allclose(logprobs, want, rtol=1e-6)
+    tokens, _ = draw(jax.random.key(0), logits, jnp.asarray(0.0), jnp.asarray(0.5))  # top-p changes nothing
+    assert tokens.tolist() == [1, 0]
+
+
+def test_a_greedy_call_takes_the_training_forwards_argmax_without_compiling(
+    sampler: Sampler, score: Callable[[list[int]], np.ndarray]
+) -> None:
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    sampler.generate(prompts, max_new_tokens=6)
+    compiled = sampler.compile_count
+    greedy = sampler.generate(prompts, max_new_tokens=6, temperature=0.0)
+    again = sampler.generate(prompts, max_new_tokens=6, temperature=0.0)
+    assert sampler.compile_count == compiled  # the temperature is a runtime value
+    assert [g.token_ids for g in greedy] == [g.token_ids for g in again]
+    logits_of = training_logits(init_model(CONFIG, seed=0))
+    for prompt, gen in zip(prompts, greedy, strict=True):
+        seq = prompt + gen.token_ids
+        logits = logits_of(seq)
+        assert gen.token_ids == [int(np.argmax(logits[i])) for i in range(len(prompt) - 1, len(seq) - 1)]
+        # The recorded log-prob is the trainer's token_logprobs at temperature 1.
+        np.testing.assert_allclose(gen.logprobs, score(seq)[len(prompt) - 1 :], atol=1e-4)
+    # The sampler's own temperature is untouched: a plain call samples again (not all argmax).
+    sampled = [sampler.generate(prompts, max_new_tokens=6)[0].token_ids for _ in range(4)]
+    assert any(s != greedy[0].token_ids for s in sampled)
+    with pytest.raises(ValueError, match="temperature"):
+        sampler.generate(prompts, max_new_tokens=2, temperature=-1.0)
+
+
+def test_greedy_sessions_match_greedy_whole_prompts() -> None:
+    sampler = session_sampler()
+    conversation = [1, 2, 3]
+    for _ in range(2):
+        gen = sampler.generate([conversation], max_new_tokens=2, sessions=["g"], temperature=0.0)[0]
+        plain = sampler.generate([conversation], max_new_tokens=2, temperature=0.0)[0]
+        assert gen.token_ids == plain.token_ids
+        np.testing.assert_allclose(gen.logprobs, plain.logprobs, atol=1e-4)
+        conversation = conversation + gen.token_ids + [10, 11]

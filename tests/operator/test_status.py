@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
 
+from stoker.buffer.client import BufferClient
+from stoker.buffer.server import BufferServer
+from stoker.buffer.settings import BufferSettings
 from stoker.operator.control import StalenessWindow
 from stoker.operator.jobstatus import Cond, Observed, build_status, failed_status, merge_conditions
 from stoker.operator.observe import (
@@ -199,3 +203,24 @@ def test_failed_status_keeps_the_other_conditions() -> None:
     failed = failed_status("the API server refused JobSet lake-learner", "CreateRejected", running, T0, 4)
     assert {c["type"] for c in failed["conditions"]} == {c["type"] for c in running["conditions"]}
     assert conditions(failed)["Ready"]["reason"] == "CreateRejected"
+
+
+def test_the_newest_round_from_a_real_buffer_is_the_status_evaluation(tmp_path: Path) -> None:
+    server = BufferServer(BufferSettings(group_size=2, sync="none"), tmp_path / "wal", host="127.0.0.1", port=0).start()
+    try:
+        with BufferClient(f"127.0.0.1:{server.port}", client_id="op") as client:
+            client.wait_ready(10)
+            before = build_status(observed(stats=snapshot_from_proto(client.stats())), {}, T0)
+            assert "evaluation" not in before  # no round yet: nothing invented
+            client.report_eval("a/0", 0, episodes=4, reward_sum=0.4, success_sum=1.0)
+            client.report_eval("a/10", 10, episodes=4, reward_sum=2.0, success_sum=3.0)
+            client.report_eval("b/10", 10, episodes=4, reward_sum=2.0, success_sum=2.0)
+            status = build_status(observed(stats=snapshot_from_proto(client.stats())), {}, T0)
+    finally:
+        server.stop(grace=0.1)
+    RLJobStatus.model_validate(status)  # the CRD's status schema accepts it
+    assert status["evaluation"] == {"policyVersion": 10, "successRate": 0.625, "meanReward": 0.5, "episodes": 8}
+    assert status["policyVersion"] == 0  # the training figures are the learner's, untouched
+    # With the buffer unreachable the last known evaluation stays.
+    kept = build_status(observed(stats=None, stats_error="Stats: UNAVAILABLE"), status, T0)
+    assert kept["evaluation"] == status["evaluation"]

@@ -176,7 +176,7 @@ class ConfigureResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class BufferStats(_message.Message):
-    __slots__ = ("capacity", "stored_trajectories", "complete_groups", "incomplete_groups", "leased_batches", "fill", "policy_version", "admission_credit", "in_flight_groups", "accepted_total", "sampled_total", "committed_total", "dropped", "staleness_histogram", "per_actor_accepted", "put_rate", "sample_rate", "stale_incomplete_groups", "rejected", "duplicates_total", "redelivered_groups", "masked_groups_delivered", "committed_groups_total", "log_bytes", "log_segments", "replayed_trajectories", "corrupt_log_tails", "full_rejections", "stored_bytes", "admission_scale", "disk_full", "disk_free_bytes", "disk_full_rejections", "learner_duty_cycle", "max_staleness")
+    __slots__ = ("capacity", "stored_trajectories", "complete_groups", "incomplete_groups", "leased_batches", "fill", "policy_version", "admission_credit", "in_flight_groups", "accepted_total", "sampled_total", "committed_total", "dropped", "staleness_histogram", "per_actor_accepted", "put_rate", "sample_rate", "stale_incomplete_groups", "rejected", "duplicates_total", "redelivered_groups", "masked_groups_delivered", "committed_groups_total", "log_bytes", "log_segments", "replayed_trajectories", "corrupt_log_tails", "full_rejections", "stored_bytes", "admission_scale", "disk_full", "disk_free_bytes", "disk_full_rejections", "learner_duty_cycle", "max_staleness", "eval_rounds")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +240,7 @@ class BufferStats(_message.Message):
     DISK_FULL_REJECTIONS_FIELD_NUMBER: _ClassVar[int]
     LEARNER_DUTY_CYCLE_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     capacity: int
     stored_trajectories: int
     complete_groups: int
@@ -275,7 +276,44 @@ class BufferStats(_message.Message):
     disk_full_rejections: int
     learner_duty_cycle: float
     max_staleness: int
-    def __init__(self, capacity: _Optional[int] = ..., stored_trajectories: _Optional[int] = ..., complete_groups: _Optional[int] = ..., incomplete_groups: _Optional[int] = ..., leased_batches: _Optional[int] = ..., fill: _Optional[float] = ..., policy_version: _Optional[int] = ..., admission_credit: _Optional[int] = ..., in_flight_groups: _Optional[int] = ..., accepted_total: _Optional[int] = ..., sampled_total: _Optional[int] = ..., committed_total: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., per_actor_accepted: _Optional[_Mapping[str, int]] = ..., put_rate: _Optional[float] = ..., sample_rate: _Optional[float] = ..., stale_incomplete_groups: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., duplicates_total: _Optional[int] = ..., redelivered_groups: _Optional[int] = ..., masked_groups_delivered: _Optional[int] = ..., committed_groups_total: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_segments: _Optional[int] = ..., replayed_trajectories: _Optional[int] = ..., corrupt_log_tails: _Optional[int] = ..., full_rejections: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., admission_scale: _Optional[float] = ..., disk_full: _Optional[bool] = ..., disk_free_bytes: _Optional[int] = ..., disk_full_rejections: _Optional[int] = ..., learner_duty_cycle: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+    eval_rounds: _containers.RepeatedCompositeFieldContainer[EvalRound]
+    def __init__(self, capacity: _Optional[int] = ..., stored_trajectories: _Optional[int] = ..., complete_groups: _Optional[int] = ..., incomplete_groups: _Optional[int] = ..., leased_batches: _Optional[int] = ..., fill: _Optional[float] = ..., policy_version: _Optional[int] = ..., admission_credit: _Optional[int] = ..., in_flight_groups: _Optional[int] = ..., accepted_total: _Optional[int] = ..., sampled_total: _Optional[int] = ..., committed_total: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., per_actor_accepted: _Optional[_Mapping[str, int]] = ..., put_rate: _Optional[float] = ..., sample_rate: _Optional[float] = ..., stale_incomplete_groups: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., duplicates_total: _Optional[int] = ..., redelivered_groups: _Optional[int] = ..., masked_groups_delivered: _Optional[int] = ..., committed_groups_total: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_segments: _Optional[int] = ..., replayed_trajectories: _Optional[int] = ..., corrupt_log_tails: _Optional[int] = ..., full_rejections: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., admission_scale: _Optional[float] = ..., disk_full: _Optional[bool] = ..., disk_free_bytes: _Optional[int] = ..., disk_full_rejections: _Optional[int] = ..., learner_duty_cycle: _Optional[float] = ..., max_staleness: _Optional[int] = ..., eval_rounds: _Optional[_Iterable[_Union[EvalRound, _Mapping]]] = ...) -> None: ...
+
+class ReportEvalRequest(_message.Message):
+    __slots__ = ("report_id", "policy_version", "episodes", "reward_sum", "success_sum", "failed_episodes")
+    REPORT_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_FIELD_NUMBER: _ClassVar[int]
+    REWARD_SUM_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_SUM_FIELD_NUMBER: _ClassVar[int]
+    FAILED_EPISODES_FIELD_NUMBER: _ClassVar[int]
+    report_id: str
+    policy_version: int
+    episodes: int
+    reward_sum: float
+    success_sum: float
+    failed_episodes: int
+    def __init__(self, report_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., episodes: _Optional[int] = ..., reward_sum: _Optional[float] = ..., success_sum: _Optional[float] = ..., failed_episodes: _Optional[int] = ...) -> None: ...
+
+class ReportEvalResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EvalRound(_message.Message):
+    __slots__ = ("policy_version", "episodes", "success_rate", "mean_reward", "reports", "failed_episodes")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_RATE_FIELD_NUMBER: _ClassVar[int]
+    MEAN_REWARD_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_EPISODES_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    episodes: int
+    success_rate: float
+    mean_reward: float
+    reports: int
+    failed_episodes: int
+    def __init__(self, policy_version: _Optional[int] = ..., episodes: _Optional[int] = ..., success_rate: _Optional[float] = ..., mean_reward: _Optional[float] = ..., reports: _Optional[int] = ..., failed_episodes: _Optional[int] = ...) -> None: ...
 
 class LogConsume(_message.Message):
     __slots__ = ("group_ids", "reason", "episode_ids")

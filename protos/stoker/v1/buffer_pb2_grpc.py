@@ -79,6 +79,11 @@ class BufferStub:
                 request_serializer=stoker_dot_v1_dot_buffer__pb2.ConfigureRequest.SerializeToString,
                 response_deserializer=stoker_dot_v1_dot_buffer__pb2.ConfigureResponse.FromString,
                 _registered_method=True)
+        self.ReportEval = channel.unary_unary(
+                '/stoker.v1.Buffer/ReportEval',
+                request_serializer=stoker_dot_v1_dot_buffer__pb2.ReportEvalRequest.SerializeToString,
+                response_deserializer=stoker_dot_v1_dot_buffer__pb2.ReportEvalResponse.FromString,
+                _registered_method=True)
 
 
 class BufferServicer:
@@ -159,6 +164,15 @@ class BufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportEval(self, request, context):
+        """An actor's finished evaluation round: greedy episodes of the held-out tasks, which are never
+        Put (never trained on). The buffer folds them into one aggregate per round for Stats
+        (eval_rounds); a report id is counted once, so a retried report changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BufferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -206,6 +220,11 @@ def add_BufferServicer_to_server(servicer, server):
                     servicer.Configure,
                     request_deserializer=stoker_dot_v1_dot_buffer__pb2.ConfigureRequest.FromString,
                     response_serializer=stoker_dot_v1_dot_buffer__pb2.ConfigureResponse.SerializeToString,
+            ),
+            'ReportEval': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportEval,
+                    request_deserializer=stoker_dot_v1_dot_buffer__pb2.ReportEvalRequest.FromString,
+                    response_serializer=stoker_dot_v1_dot_buffer__pb2.ReportEvalResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -451,6 +470,33 @@ class Buffer:
             '/stoker.v1.Buffer/Configure',
             stoker_dot_v1_dot_buffer__pb2.ConfigureRequest.SerializeToString,
             stoker_dot_v1_dot_buffer__pb2.ConfigureResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportEval(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stoker.v1.Buffer/ReportEval',
+            stoker_dot_v1_dot_buffer__pb2.ReportEvalRequest.SerializeToString,
+            stoker_dot_v1_dot_buffer__pb2.ReportEvalResponse.FromString,
             options,
             channel_credentials,
             insecure,
