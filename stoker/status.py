@@ -22,6 +22,7 @@ CONDITION_TYPES = (
     "StalenessExceeded",
     "LearnerStarved",
     "SpecAccepted",
+    "RolloutReady",
 )
 
 
@@ -52,6 +53,18 @@ class ActorsStatus(StatusModel):
     summary: str = Field("0/0", description="ready/desired, for kubectl get.")
 
 
+class RolloutStatus(StatusModel):
+    """The rollout tier (spec.rollout): its servers and what their Stats say."""
+
+    ready: int = 0
+    desired: int = 0
+    summary: str = Field("0/0", description="ready/desired servers, for kubectl get.")
+    tokens_per_second: float | None = Field(None, description="Sampled tokens/s, summed over the servers.")
+    queue_depth: int | None = Field(None, description="Requests waiting for a batch slot, summed over the servers.")
+    batch_occupancy: float | None = Field(None, description="Mean fraction of each ready server's batch in use.")
+    answering: int | None = Field(None, description="Servers that answered Stats on the last look.")
+
+
 class RLJobStatus(StatusModel):
     phase: Phase | None = None
     observed_generation: int | None = None
@@ -60,6 +73,7 @@ class RLJobStatus(StatusModel):
     buffer_fill: float | None = None
     learner_duty_cycle: float | None = None
     actors: ActorsStatus | None = None
+    rollout: RolloutStatus | None = None
     zombies_reaped: int | None = None
     admission_scale: float | None = Field(
         None, description="Fraction of the buffer's own admission credit the operator allows (1 = no limit)."
