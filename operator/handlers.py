@@ -38,7 +38,6 @@ from stoker.operator.reconcile import (
     sync_actor_replicas,
 )
 from stoker.operator.rollout_tier import (
-    REPLICAS_PATH as ROLLOUT_REPLICAS_PATH,
     ROLLOUT_POD_INDEX,
     index_rollout_pods,
     look_after_rollout,
@@ -118,15 +117,15 @@ def _dig(value: Any, path: tuple[str, ...]) -> Any:
     return value
 
 
-def replicas_changed(diff: Any, field: tuple[str, ...] = REPLICAS_PATH) -> bool:
-    """Whether a kopf diff changes ``spec.actors.replicas`` (or ``field``), however it is reported:
-    the field itself, or a whole ``spec.actors`` block added or replaced (kopf reports the block's path)."""
+def replicas_changed(diff: Any) -> bool:
+    """Whether a kopf diff changes ``spec.actors.replicas``, however it is reported: the field
+    itself, or a whole ``spec.actors`` block added or replaced (kopf reports the block's path)."""
     for _, path, old, new in diff or ():
         path = tuple(path)
-        if path[: len(field)] == field:
+        if path[: len(REPLICAS_PATH)] == REPLICAS_PATH:
             return True
-        rest = field[len(path):]
-        if field[: len(path)] == path and _dig(old, rest) != _dig(new, rest):
+        rest = REPLICAS_PATH[len(path):]
+        if REPLICAS_PATH[: len(path)] == path and _dig(old, rest) != _dig(new, rest):
             return True
     return False
 
@@ -229,7 +228,7 @@ def reconcile(
             patch.status.update(failed_status(str(exc), exc.reason, dict(status), _now(), generation))
         raise kopf.PermanentError(str(exc)) from None
     target = _actor_target(parsed, dict(status), diff)
-    servers = rollout_target(parsed, dict(status), replicas_changed(diff, ROLLOUT_REPLICAS_PATH))
+    servers = rollout_target(parsed, dict(status))
     scale = float(status.get("admissionScale") or 1.0)
     try:
         ctx = _context(runtime, name, namespace, uid, parsed, target, scale, servers)
@@ -249,7 +248,7 @@ def reconcile(
     if parsed.rollout is not None and ctx.disaggregated:  # the timer scales from this target
         ready = (status.get("rollout") or {}).get("ready", 0)
         patch.status["rollout"] = {**(status.get("rollout") or {}), "desired": servers, "ready": ready,
-                                   "summary": f"{ready}/{servers}"}
+                                   "summary": f"{ready}/{servers}", "specReplicas": parsed.rollout.replicas}
     patch.status["observedGeneration"] = generation
     if not status.get("phase") or status.get("phase") == "Failed":
         patch.status["phase"] = "Suspended" if parsed.suspend else "Pending"
@@ -292,7 +291,7 @@ def monitor(
     now = _now()
     previous = dict(status)
     target = _actor_target(parsed, previous, None)
-    servers = rollout_target(parsed, previous, False)
+    servers = rollout_target(parsed, previous)
     scale = float(previous.get("admissionScale") or 1.0)
     try:
         ctx = _context(runtime, name, namespace, uid, parsed, target, scale, servers)

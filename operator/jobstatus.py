@@ -141,7 +141,8 @@ def _rollout_status(o: Observed, previous: Mapping[str, Any]) -> dict[str, Any] 
     if o.spec.rollout is None or o.actors is None:
         return None
     before = previous.get("rollout") or {}
-    out: dict[str, Any] = {"ready": o.rollout_ready, "desired": o.rollout_target, "summary": f"{o.rollout_ready}/{o.rollout_target}"}
+    out: dict[str, Any] = {"ready": o.rollout_ready, "desired": o.rollout_target, "summary": f"{o.rollout_ready}/{o.rollout_target}",
+                           "specReplicas": o.spec.rollout.replicas}
     reading = o.rollout_reading
     if reading is not None and reading.servers:
         occupancy = reading.occupancy

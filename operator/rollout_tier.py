@@ -28,7 +28,6 @@ DEPLOYMENT = RESOURCES[("apps/v1", "Deployment")]
 SERVICE = RESOURCES[("v1", "Service")]
 JOBSET = RESOURCES[(JOBSET_API_VERSION, "JobSet")]
 ROLLOUT_POD_INDEX = "stoker_rollout_pods"
-REPLICAS_PATH = ("spec", "rollout", "replicas")
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 
@@ -61,14 +60,17 @@ def server_addresses(pods: Iterable[RolloutPod], port: int) -> list[str]:
     return sorted({f"{p.ip}:{port}" for p in pods if p.ready and p.leader and p.ip})
 
 
-def rollout_target(spec: RLJobSpec, status: Mapping[str, Any], replicas_changed: bool) -> int:
-    """The operator's rollout-server target: spec.rollout.replicas unless scaling moved it; a
-    spec change of ``rollout.replicas`` resets it, min/max changes clamp it."""
+def rollout_target(spec: RLJobSpec, status: Mapping[str, Any]) -> int:
+    """The operator's rollout-server target: spec.rollout.replicas unless scaling moved it, clamped
+    to min/maxReplicas. An edit of ``rollout.replicas`` resets it: the status keeps the value the
+    target last started from (``specReplicas``), so a status written from an older look of the job
+    cannot keep an edit from taking effect."""
     rollout = spec.rollout
     if rollout is None:
         return 0
-    previous = (status.get("rollout") or {}).get("desired")
-    wanted = rollout.replicas if replicas_changed or previous is None else int(previous)
+    before = status.get("rollout") or {}
+    previous = before.get("desired")
+    wanted = rollout.replicas if previous is None or before.get("specReplicas") != rollout.replicas else int(previous)
     return clamp_replicas(wanted, rollout.min_replicas, rollout.max_replicas)
 
 

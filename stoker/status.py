@@ -63,6 +63,9 @@ class RolloutStatus(StatusModel):
     queue_depth: int | None = Field(None, description="Requests waiting for a batch slot, summed over the servers.")
     batch_occupancy: float | None = Field(None, description="Mean fraction of each ready server's batch in use.")
     answering: int | None = Field(None, description="Servers that answered Stats on the last look.")
+    spec_replicas: int | None = Field(
+        None, description="spec.rollout.replicas the target was last reset to; an edit of it resets desired again."
+    )
 
 
 class RLJobStatus(StatusModel):
