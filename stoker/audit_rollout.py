@@ -116,10 +116,11 @@ def render_rollout(
         )
     else:
         lines.append(f"  rollout : trainer  = {servers} servers per learner")
+    now = f"now {rollout.replicas}, maxReplicas {rollout.max_replicas}" if spec.rollout is not None else "the job has no spec.rollout yet"
     lines.append(
-        f"recommendation: rollout.replicas >= {servers} (now {rollout.replicas}, maxReplicas {rollout.max_replicas}) "
+        f"recommendation: rollout.replicas >= {servers} ({now}) "
         f"and actors.replicas >= {actors} with actors.concurrency = {concurrency} (now {spec.actors.replicas})"
     )
-    if servers > rollout.max_replicas:
+    if spec.rollout is not None and servers > rollout.max_replicas:
         lines.append(f"warning: rollout.maxReplicas {rollout.max_replicas} is below the {servers} servers the learner needs")
     return lines
