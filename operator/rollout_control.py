@@ -19,11 +19,10 @@ no ready server at all nothing is decided: a tier that is still starting is not 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from stoker.operator.control import Action
+from stoker.operator.control import Action, scale_step
 from stoker.operator.settings import OperatorSettings
 
 
@@ -90,10 +89,6 @@ class RolloutDecision:
     actions: tuple[Action, ...] = field(default_factory=tuple)
 
 
-def _step(current: int, fraction: float) -> int:
-    return max(1, math.ceil(current * fraction))
-
-
 def decide_rollout(
     *,
     target: int,
@@ -120,7 +115,7 @@ def decide_rollout(
     saturated = reading.rejected > 0 or queue >= settings.rollout_saturated_queue_fraction * slots
     starving_busy = bool(starved) and occupancy >= settings.rollout_busy_occupancy
     if (saturated or starving_busy) and target < max_replicas:
-        new_target = min(max_replicas, target + _step(target, settings.scale_step_fraction))
+        new_target = min(max_replicas, target + scale_step(target, settings.scale_step_fraction))
         why = "generation saturated" if saturated else "learner starved and servers busy"
         return RolloutDecision(new_target, (Action("ScaledUpRollout", f"rollout servers {target} -> {new_target}: {why} ({detail})"),))
     idle = occupancy < settings.rollout_idle_occupancy and queue == 0 and reading.rejected == 0
