@@ -41,9 +41,10 @@ from stoker.operator.rollout_tier import (
     ROLLOUT_POD_INDEX,
     index_rollout_pods,
     look_after_rollout,
+    rollout_blocked,
     rollout_target,
+    seeded_status,
 )
-from stoker.operator.rollout_workload import multi_host
 from stoker.operator.naming import ROLE_ROLLOUT
 from stoker.operator.settings import OperatorSettings
 from stoker.operator.zombies import PodRecord, find_zombies, job_sandboxes, pod_record
@@ -246,9 +247,7 @@ def reconcile(
                               "summary": f"{(status.get('actors') or {}).get('ready', 0)}/{target}"}
     patch.status["admissionScale"] = scale
     if parsed.rollout is not None and ctx.disaggregated:  # the timer scales from this target
-        ready = (status.get("rollout") or {}).get("ready", 0)
-        patch.status["rollout"] = {**(status.get("rollout") or {}), "desired": servers, "ready": ready,
-                                   "summary": f"{ready}/{servers}", "specReplicas": parsed.rollout.replicas}
+        patch.status["rollout"] = seeded_status(parsed.rollout, status, servers)
     patch.status["observedGeneration"] = generation
     if not status.get("phase") or status.get("phase") == "Failed":
         patch.status["phase"] = "Suspended" if parsed.suspend else "Pending"
@@ -337,7 +336,7 @@ def monitor(
         if parsed.rollout is not None or previous.get("rollout"):
             index = kwargs.get(ROLLOUT_POD_INDEX)
             look = look_after_rollout(
-                runtime.kube, runtime.rollout_stats, settings, ctx,
+                runtime.kube, runtime.rollout_stats, settings, ctx, target=servers,
                 pods=index.get((namespace, name), []) if index is not None else [], memo=memo, now=now,
                 starved=reading.starved, running=not parsed.suspend and not finished, logger=logger,
             )
@@ -366,7 +365,7 @@ def monitor(
         rollout_target=look.target if look is not None else 0,
         rollout_ready=look.observed.ready if look is not None else 0,
         rollout_reading=look.reading if look is not None else None,
-        rollout_blocked=_rollout_blocked(ctx),
+        rollout_blocked=rollout_blocked(ctx),
     )
     new_status = build_status(observed, previous, now)
     runtime.metrics.observe(namespace, name, new_status)
@@ -378,14 +377,6 @@ def monitor(
             patch.status[key] = value
     if previous.get("rollout") and "rollout" not in new_status:
         patch.status["rollout"] = None  # spec.rollout removed: so is its status
-
-
-def _rollout_blocked(ctx: JobContext) -> str | None:
-    rollout = ctx.spec.rollout
-    if rollout is None or ctx.jobset_api or not ctx.disaggregated or not multi_host(rollout):
-        return None
-    return ("a multi-host TPU rollout tier runs one JobSet per server and the cluster does not serve "
-            "jobset.x-k8s.io/v1alpha2: install JobSet, or use a single-host topology")
 
 
 def reap_zombies(

@@ -22,7 +22,7 @@ from stoker.operator.rollout_control import RolloutReading, decide_rollout, reje
 from stoker.operator.rollout_workload import build_rollout, multi_host, rollout_config_hash
 from stoker.operator.rolloutstats import RolloutStatsReader
 from stoker.operator.settings import OperatorSettings
-from stoker.spec import RLJobSpec
+from stoker.spec import RLJobSpec, RolloutSpec
 
 DEPLOYMENT = RESOURCES[("apps/v1", "Deployment")]
 SERVICE = RESOURCES[("v1", "Service")]
@@ -72,6 +72,22 @@ def rollout_target(spec: RLJobSpec, status: Mapping[str, Any]) -> int:
     previous = before.get("desired")
     wanted = rollout.replicas if previous is None or before.get("specReplicas") != rollout.replicas else int(previous)
     return clamp_replicas(wanted, rollout.min_replicas, rollout.max_replicas)
+
+
+def seeded_status(rollout: RolloutSpec, status: Mapping[str, Any], target: int) -> dict[str, Any]:
+    """``status.rollout`` with a (re)computed target, written when the spec is applied."""
+    before = dict(status.get("rollout") or {})
+    ready = int(before.get("ready") or 0)
+    return {**before, "desired": target, "ready": ready, "summary": f"{ready}/{target}", "specReplicas": rollout.replicas}
+
+
+def rollout_blocked(ctx: JobContext) -> str | None:
+    """Why no rollout server can run on this cluster (None when they can)."""
+    rollout = ctx.spec.rollout
+    if rollout is None or ctx.jobset_api or not ctx.disaggregated or not multi_host(rollout):
+        return None
+    return ("a multi-host TPU rollout tier runs one JobSet per server and the cluster does not serve "
+            "jobset.x-k8s.io/v1alpha2: install JobSet, or use a single-host topology")
 
 
 @dataclass(frozen=True)
@@ -181,6 +197,7 @@ def look_after_rollout(
     settings: OperatorSettings,
     ctx: JobContext,
     *,
+    target: int,
     pods: Iterable[RolloutPod],
     memo: Any,
     now: datetime,
@@ -188,8 +205,9 @@ def look_after_rollout(
     running: bool,
     logger: Logger,
 ) -> RolloutLook | None:
-    """Observe, read Stats, scale (while ``running``: not suspended, not finished) and sync.
-    None when the job has no rollout tier (its children, if any were left, are deleted)."""
+    """Observe, read Stats, scale ``target`` (while ``running``: not suspended, not finished; else
+    the servers go to 0 and the target is kept for later) and sync. None when the job has no
+    rollout tier (its children, if any were left, are deleted)."""
     rollout = ctx.spec.rollout
     if rollout is None or not ctx.disaggregated:
         done = sync_rollout(kube, replace(ctx, rollout_replicas=0), observe_rollout(kube, ctx))
@@ -205,7 +223,6 @@ def look_after_rollout(
     reading = reader.read_all(addresses)
     reading = replace(reading, rejected=rejected_since(memo.get("rollout_rejected", {}), reading.servers))
     memo["rollout_rejected"] = {s.address: s.rejected_total for s in reading.servers}
-    target = ctx.rollout_replicas
     actions: tuple[Action, ...] = ()
     if running:
         last = memo.get("last_rollout_scaled")
