@@ -15,13 +15,15 @@ from stoker.operator.manifests import (
     build_sandbox_network_policy,
     build_spec_configmap,
 )
+from stoker.operator.rollout_workload import build_rollout
 
 
 def desired_children(ctx: JobContext) -> list[Manifest]:
     """Every child except the generated token Secret (random, so created separately, once), in
     creation order.
 
-    ``disaggregated``: learner, actors, buffer and the sandbox plumbing. ``colocated``: the learner
+    ``disaggregated``: learner, actors, buffer, the rollout tier (with ``spec.rollout``) and the
+    sandbox plumbing. ``colocated``: the learner
     samples and steps environments itself, so only the learner and its sandbox plumbing.
     A suspended job has no learner and zero actors; the buffer (and its data) and the learner's
     run volume stay.
@@ -39,6 +41,7 @@ def desired_children(ctx: JobContext) -> list[Manifest]:
             build_buffer_pvc(ctx),
             build_buffer_service(ctx),
             build_buffer_deployment(ctx),
+            *build_rollout(ctx),  # before the actors, which call it
             build_actor_deployment(ctx),
             build_weights_service(ctx),
         ]

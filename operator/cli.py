@@ -67,9 +67,11 @@ async def run_operator(
     from stoker.operator.handlers import register
     from stoker.operator.kube import Kube, load_configuration
     from stoker.operator.reconcile import Runtime
+    from stoker.operator.rolloutstats import RolloutStatsReader
 
     kube = Kube(load_configuration(settings.kubeconfig), timeout=settings.request_timeout_seconds)
-    runtime = Runtime(settings=settings, kube=kube, stats=StatsReader(timeout=settings.stats_timeout_seconds))
+    runtime = Runtime(settings=settings, kube=kube, stats=StatsReader(timeout=settings.stats_timeout_seconds),
+                      rollout_stats=RolloutStatsReader(timeout=settings.stats_timeout_seconds))
     metrics_server = None
     if settings.metrics_port is not None:
         from prometheus_client import start_http_server
@@ -93,6 +95,7 @@ async def run_operator(
         if metrics_server is not None:
             metrics_server.shutdown()
         runtime.stats.close()
+        runtime.rollout_stats.close()
         kube.close()
 
 

@@ -110,7 +110,8 @@ class Decision:
     actions: tuple[Action, ...] = field(default_factory=tuple)
 
 
-def _step(current: int, fraction: float) -> int:
+def scale_step(current: int, fraction: float) -> int:
+    """One scaling action's size: ``fraction`` of the current count, at least one replica."""
     return max(1, math.ceil(current * fraction))
 
 
@@ -149,7 +150,7 @@ def decide(
             )
             scale = new_scale
         if cooled_down and target > min_replicas:
-            new_target = max(min_replicas, target - _step(target, settings.scale_step_fraction))
+            new_target = max(min_replicas, target - scale_step(target, settings.scale_step_fraction))
             actions.append(Action("ScaledDownActors", f"actors {target} -> {new_target}: staleness above limit{suffix}", "Warning"))
             target = new_target
     elif overproduced:
@@ -167,7 +168,7 @@ def decide(
             actions.append(Action("RelaxedAdmission", f"buffer admission scale {scale:g} -> 1: learner starved{suffix}"))
             scale = 1.0
         if cooled_down and target < max_replicas:
-            new_target = min(max_replicas, target + _step(target, settings.scale_step_fraction))
+            new_target = min(max_replicas, target + scale_step(target, settings.scale_step_fraction))
             actions.append(Action("ScaledUpActors", f"actors {target} -> {new_target}: learner starved{suffix}"))
             target = new_target
     elif scale < 1.0:

@@ -37,6 +37,15 @@ from stoker.operator.reconcile import (
     remove_learner,
     sync_actor_replicas,
 )
+from stoker.operator.rollout_tier import (
+    ROLLOUT_POD_INDEX,
+    index_rollout_pods,
+    look_after_rollout,
+    rollout_blocked,
+    rollout_target,
+    seeded_status,
+)
+from stoker.operator.naming import ROLE_ROLLOUT
 from stoker.operator.settings import OperatorSettings
 from stoker.operator.zombies import PodRecord, find_zombies, job_sandboxes, pod_record
 from stoker.spec import GROUP, PLURAL, VERSION, RLJobSpec
@@ -135,7 +144,8 @@ def _actor_target(spec: RLJobSpec, status: dict[str, Any], diff: Any) -> int:
     return clamp_replicas(int(previous), actors.min_replicas, actors.max_replicas)
 
 
-def _context(runtime: Runtime, name: str, namespace: str, uid: str, spec: RLJobSpec, target: int, scale: float) -> JobContext:
+def _context(runtime: Runtime, name: str, namespace: str, uid: str, spec: RLJobSpec, target: int, scale: float,
+             rollout: int = 0) -> JobContext:
     return JobContext(
         name=name,
         namespace=namespace,
@@ -145,6 +155,7 @@ def _context(runtime: Runtime, name: str, namespace: str, uid: str, spec: RLJobS
         actor_replicas=0 if spec.suspend else target,
         jobset_api=runtime.jobset_api(),
         admission_scale=scale,
+        rollout_replicas=0 if spec.suspend else rollout,
     )
 
 
@@ -218,9 +229,10 @@ def reconcile(
             patch.status.update(failed_status(str(exc), exc.reason, dict(status), _now(), generation))
         raise kopf.PermanentError(str(exc)) from None
     target = _actor_target(parsed, dict(status), diff)
+    servers = rollout_target(parsed, dict(status))
     scale = float(status.get("admissionScale") or 1.0)
     try:
-        ctx = _context(runtime, name, namespace, uid, parsed, target, scale)
+        ctx = _context(runtime, name, namespace, uid, parsed, target, scale, servers)
         created = apply_children(runtime.kube, ctx, patch_existing=True, logger=logger)
         if any(c.startswith(("JobSet/", "Job/")) for c in created) and ephemeral_checkpoints(ctx):
             kopf.warn(body, reason="EphemeralCheckpoints", message=(
@@ -234,6 +246,8 @@ def reconcile(
     patch.status["actors"] = {"desired": target, "ready": (status.get("actors") or {}).get("ready", 0),
                               "summary": f"{(status.get('actors') or {}).get('ready', 0)}/{target}"}
     patch.status["admissionScale"] = scale
+    if parsed.rollout is not None and ctx.disaggregated:  # the timer scales from this target
+        patch.status["rollout"] = seeded_status(parsed.rollout, status, servers)
     patch.status["observedGeneration"] = generation
     if not status.get("phase") or status.get("phase") == "Failed":
         patch.status["phase"] = "Suspended" if parsed.suspend else "Pending"
@@ -276,9 +290,10 @@ def monitor(
     now = _now()
     previous = dict(status)
     target = _actor_target(parsed, previous, None)
+    servers = rollout_target(parsed, previous)
     scale = float(previous.get("admissionScale") or 1.0)
     try:
-        ctx = _context(runtime, name, namespace, uid, parsed, target, scale)
+        ctx = _context(runtime, name, namespace, uid, parsed, target, scale, servers)
         children = observe_children(runtime.kube, ctx, jobset_api=ctx.jobset_api)
         heal_children(runtime.kube, ctx, children, logger)
         reading = read_buffer(runtime, ctx, memo.get("last_stats"))
@@ -317,6 +332,17 @@ def monitor(
                 runtime.metrics.action(namespace, name, action.reason)
 
         sync_actor_replicas(runtime.kube, ctx, children.actors, 0 if parsed.suspend or finished else target)
+        look = None
+        if parsed.rollout is not None or previous.get("rollout"):
+            index = kwargs.get(ROLLOUT_POD_INDEX)
+            look = look_after_rollout(
+                runtime.kube, runtime.rollout_stats, settings, ctx, target=servers,
+                pods=index.get((namespace, name), []) if index is not None else [], memo=memo, now=now,
+                starved=reading.starved, running=not parsed.suspend and not finished, logger=logger,
+            )
+            for action in look.actions if look is not None else ():
+                kopf.event(body, type=action.type, reason=action.reason, message=action.message)
+                runtime.metrics.action(namespace, name, action.reason)
         reaped = reap_zombies(runtime, body, namespace, name, kwargs.get(POD_INDEX), parsed, now, logger)
     except kubeapi.ApiError as exc:
         raise _kopf_error(exc) from None
@@ -336,6 +362,10 @@ def monitor(
         zombies_reaped=int(previous.get("zombiesReaped") or 0) + reaped,
         admission_scale=scale,
         spec_problem=spec_problem,
+        rollout_target=look.target if look is not None else 0,
+        rollout_ready=look.observed.ready if look is not None else 0,
+        rollout_reading=look.reading if look is not None else None,
+        rollout_blocked=rollout_blocked(ctx),
     )
     new_status = build_status(observed, previous, now)
     runtime.metrics.observe(namespace, name, new_status)
@@ -345,6 +375,8 @@ def monitor(
     for key, value in new_status.items():
         if previous.get(key) != value:
             patch.status[key] = value
+    if previous.get("rollout") and "rollout" not in new_status:
+        patch.status["rollout"] = None  # spec.rollout removed: so is its status
 
 
 def reap_zombies(
@@ -401,6 +433,7 @@ def forget(name: str, namespace: str | None, spec: kopf.Spec, memo: Any, logger:
     runtime.stats.forget(runtime.settings.buffer_address(name, namespace, port))
     runtime.forget(namespace, name)
     runtime.metrics.forget(namespace, name)
+    runtime.rollout_stats.forget(memo.pop("rollout_addresses", []))
     memo.pop("last_stats", None)
 
 
@@ -414,4 +447,6 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Non
     kopf.on.update(*rljobs, registry=registry, id="reconcile")(reconcile)
     kopf.on.delete(*rljobs, registry=registry, id="forget", optional=True)(forget)
     kopf.index("", "v1", "pods", registry=registry, id=POD_INDEX, labels={JOB_LABEL: kopf.PRESENT})(index_pods)
+    kopf.index("", "v1", "pods", registry=registry, id=ROLLOUT_POD_INDEX,
+               labels={JOB_LABEL: kopf.PRESENT, ROLE_LABEL: ROLE_ROLLOUT})(index_rollout_pods)
     kopf.timer(*rljobs, registry=registry, id="monitor", interval=settings.status_interval_seconds, idle=None)(monitor)

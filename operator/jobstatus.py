@@ -12,6 +12,7 @@ from typing import Any
 
 from stoker.operator.control import StalenessWindow
 from stoker.operator.observe import DeploymentObservation, LearnerObservation, StatsSnapshot
+from stoker.operator.rollout_control import RolloutReading
 from stoker.spec import RLJobSpec
 from stoker.status import Condition, RLJobStatus
 
@@ -75,6 +76,12 @@ class Observed:
     admission_scale: float
     spec_problem: tuple[str, str] | None = None
     """(reason, message) when the current spec was refused and ``spec`` is the one still applied."""
+    rollout_target: int = 0
+    rollout_ready: int = 0
+    rollout_reading: RolloutReading | None = None
+    """The servers' Stats; None without a rollout tier."""
+    rollout_blocked: str | None = None
+    """Why no rollout server can run (a multi-host tier without the JobSet API)."""
 
 
 def _learner_condition(o: Observed) -> Cond:
@@ -106,6 +113,45 @@ def _actors_condition(o: Observed) -> Cond:
     if o.actors.ready >= floor:
         return Cond("ActorsAvailable", "True", "MinimumReplicasAvailable", message)
     return Cond("ActorsAvailable", "False", "MinimumReplicasUnavailable", message)
+
+
+def _rollout_condition(o: Observed) -> Cond:
+    if o.spec.rollout is None:
+        return Cond("RolloutReady", "True", "InProcess", "no rollout tier: actors sample in-process")
+    if o.actors is None:
+        return Cond("RolloutReady", "True", "Colocated", "colocated mode: the learner generates")
+    if o.spec.suspend:
+        return Cond("RolloutReady", "False", "Suspended", "rollout servers are scaled to 0 while suspended")
+    if o.rollout_blocked:
+        return Cond("RolloutReady", "False", "JobSetMissing", o.rollout_blocked)
+    message = f"{o.rollout_ready}/{o.rollout_target} rollout servers ready"
+    reading = o.rollout_reading
+    if reading is not None and reading.errors:
+        message += f"; {len(reading.errors)} not answering Stats: " + "; ".join(reading.errors[:3])
+    floor = max(1, min(o.rollout_target, o.spec.rollout.min_replicas))
+    if o.rollout_ready < floor:
+        return Cond("RolloutReady", "False", "MinimumReplicasUnavailable", message)
+    if reading is None or not reading.servers:
+        return Cond("RolloutReady", "False", "StatsUnavailable", message)
+    return Cond("RolloutReady", "True", "Serving", f"{message}, {reading.tokens_per_second:.0f} tokens/s")
+
+
+def _rollout_status(o: Observed, previous: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Figures from the servers that answered; the last ones kept when none did."""
+    if o.spec.rollout is None or o.actors is None:
+        return None
+    before = previous.get("rollout") or {}
+    out: dict[str, Any] = {"ready": o.rollout_ready, "desired": o.rollout_target, "summary": f"{o.rollout_ready}/{o.rollout_target}",
+                           "specReplicas": o.spec.rollout.replicas}
+    reading = o.rollout_reading
+    if reading is not None and reading.servers:
+        occupancy = reading.occupancy
+        out |= {"tokensPerSecond": round(reading.tokens_per_second, 1), "queueDepth": reading.queue_depth,
+                "batchOccupancy": None if occupancy is None else round(occupancy, 4)}
+    else:
+        out |= {k: before[k] for k in ("tokensPerSecond", "queueDepth", "batchOccupancy") if k in before}
+    out["answering"] = len(reading.servers) if reading is not None else 0
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def disk_full_condition(stats: StatsSnapshot) -> Cond | None:
@@ -177,15 +223,18 @@ def build_status(o: Observed, previous: Mapping[str, Any], now: datetime) -> dic
     Figures the operator could not read this time keep their previous values.
     """
     learner_c, actors_c, buffer_c = _learner_condition(o), _actors_condition(o), _buffer_condition(o)
+    rollout_c = _rollout_condition(o)
     if o.spec.suspend:
         suspended = Cond("Suspended", "True", "Suspended" if not o.learner.exists else "Suspending", "spec.suspend is true")
     else:
         suspended = Cond("Suspended", "False", "Running", "")
-    parts_ready = all(c.status == "True" for c in (learner_c, actors_c, buffer_c))
+    parts_ready = all(c.status == "True" for c in (learner_c, actors_c, buffer_c, rollout_c))
     if parts_ready and not o.spec.suspend:
-        ready = Cond("Ready", "True", "AllComponentsReady", "learner, actors and buffer are ready")
+        ready = Cond("Ready", "True", "AllComponentsReady", "learner, actors and buffer are ready"
+                     + (" and the rollout tier serves" if rollout_c.reason == "Serving" else ""))
     else:
-        first = next(c for c in (suspended, learner_c, actors_c, buffer_c) if c.status != ("False" if c is suspended else "True"))
+        first = next(c for c in (suspended, learner_c, actors_c, buffer_c, rollout_c)
+                     if c.status != ("False" if c is suspended else "True"))
         ready = Cond("Ready", "False", first.reason, first.message)
 
     policy_version = o.stats.policy_version if o.stats is not None else previous.get("policyVersion")
@@ -221,6 +270,7 @@ def build_status(o: Observed, previous: Mapping[str, Any], now: datetime) -> dic
                 else previous.get("learnerDutyCycle")
             ),
             "actors": {"ready": actors_ready, "desired": desired, "summary": f"{actors_ready}/{desired}"},
+            "rollout": _rollout_status(o, previous),
             "zombiesReaped": o.zombies_reaped,
             "evaluation": _evaluation(o.stats) if o.stats is not None and o.stats.evaluation else previous.get("evaluation"),
             "admissionScale": o.admission_scale,
@@ -228,7 +278,7 @@ def build_status(o: Observed, previous: Mapping[str, Any], now: datetime) -> dic
             "conditions": merge_conditions(
                 previous.get("conditions") or [],
                 [ready, learner_c, actors_c, buffer_c, suspended, _staleness_condition(o), _starved_condition(o),
-                 _spec_condition(o)],
+                 _spec_condition(o), rollout_c],
                 now,
                 o.generation,
             ),

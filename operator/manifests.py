@@ -37,6 +37,7 @@ WEIGHTS_PORT = 50052
 ADMISSION_FILE = f"{CONTROL_DIR}/admission.json"
 BUFFER_DATA_DIR = "/var/lib/stoker/buffer"
 GENERATED_TOKEN_KEY = "token"
+ROLLOUT_ADDRESS_ENV = "STOKER_ROLLOUT_ADDRESS"
 
 BUFFER_RESOURCES = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
 
@@ -55,6 +56,8 @@ class JobContext:
     jobset_api: bool = True
     """Whether ``jobset.x-k8s.io/v1alpha2`` is served; otherwise the Indexed-Job fallback."""
     admission_scale: float = 1.0
+    rollout_replicas: int = 0
+    """The operator's rollout-server target (spec.rollout.replicas, moved by scaling; 0 when suspended)."""
 
     @property
     def names(self) -> Names:
@@ -349,6 +352,8 @@ def build_actor_deployment(ctx: JobContext) -> Manifest:
     env = container_env(ctx, ROLE_ACTOR)
     sandbox_image = ctx.spec.environment.sandbox.image or actors.image or ctx.settings.image
     env.append({"name": "STOKER_IMAGE", "value": sandbox_image})  # sandbox pods run this image
+    if ctx.spec.rollout is not None:  # generation is served by the rollout tier's Service
+        env.append({"name": ROLLOUT_ADDRESS_ENV, "value": f"{ctx.names.rollout}:{ctx.spec.rollout.port}"})
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

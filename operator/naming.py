@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stoker.actor.labels import JOB_LABEL, ROLE_LABEL
-from stoker.jobname import LEARNER_SUFFIX
+from stoker.jobname import LEARNER_SUFFIX, ROLLOUT_SUFFIX
 
 MANAGED_BY = "stoker-operator"
 
 ROLE_LEARNER = "learner"
 ROLE_ACTOR = "actor"
 ROLE_BUFFER = "buffer"
+ROLE_ROLLOUT = "rollout"
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,15 @@ class Names:
     @property
     def actors(self) -> str:
         return f"{self.job}-actor"
+
+    @property
+    def rollout(self) -> str:
+        """The rollout tier's Service (what actors call) and its single-host Deployment."""
+        return f"{self.job}{ROLLOUT_SUFFIX}"
+
+    def rollout_server(self, index: int) -> str:
+        """One multi-host rollout server's JobSet (stoker.jobname's rollout name limit)."""
+        return f"{self.job}{ROLLOUT_SUFFIX}-{index}"
 
     @property
     def buffer(self) -> str:

@@ -45,6 +45,7 @@ from stoker.operator.observe import (
     observe_jobset,
 )
 from stoker.operator.rollout import LIVE_SPEC_NAMES, live_buffer_changes
+from stoker.operator.rolloutstats import RolloutStatsReader
 from stoker.operator.settings import OperatorSettings
 from stoker.operator.tpu import TopologyError
 from stoker.spec import RLJob, RLJobSpec, cross_field_problems, name_problems
@@ -109,6 +110,7 @@ class Runtime:
     kube: Kube
     stats: StatsReader
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    rollout_stats: RolloutStatsReader = field(default_factory=RolloutStatsReader)
     _jobset: tuple[float, bool] | None = None
     _tokens: dict[tuple[str, str, str], str] = field(default_factory=dict)
 

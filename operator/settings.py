@@ -57,6 +57,13 @@ class OperatorSettings:
     """Each scaling action changes actor replicas by this fraction (at least one replica)."""
     min_admission_scale: float = 0.125
     """The buffer's admission is never tightened below this fraction of its own limit."""
+    # ---- rollout-tier scaling (see stoker.operator.rollout_control)
+    rollout_saturated_queue_fraction: float = 0.25
+    """Rollout servers are saturated when requests waiting reach this fraction of their batch slots."""
+    rollout_busy_occupancy: float = 0.8
+    """Batch occupancy from which a starved learner is waiting on generation (scale rollout up)."""
+    rollout_idle_occupancy: float = 0.3
+    """Batch occupancy under which, with no queue, the rollout tier gives back a server."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port (0 picks a free one); none when unset."""
     extra_labels: dict[str, str] = field(default_factory=dict)
@@ -80,6 +87,13 @@ class OperatorSettings:
             problems.append(f"scale_step_fraction: got {self.scale_step_fraction}; expected in (0, 1]")
         if not 0 < self.min_admission_scale <= 1:
             problems.append(f"min_admission_scale: got {self.min_admission_scale}; expected in (0, 1]")
+        if not 0 <= self.rollout_idle_occupancy < self.rollout_busy_occupancy <= 1:
+            problems.append(
+                f"rollout_idle_occupancy ({self.rollout_idle_occupancy}) and rollout_busy_occupancy "
+                f"({self.rollout_busy_occupancy}): expected 0 <= idle < busy <= 1"
+            )
+        if self.rollout_saturated_queue_fraction <= 0:
+            problems.append(f"rollout_saturated_queue_fraction: got {self.rollout_saturated_queue_fraction}; expected > 0")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -26,9 +26,10 @@ import asyncio
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from stoker.audit_rollout import render_rollout
 from stoker.manifest import load_job
 from stoker.spec import RLJobSpec
 
@@ -40,6 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE", help="RLJob manifest")
     parser.add_argument("--groups", type=int, default=2, help="episode groups to measure (default 2)")
     parser.add_argument("--train-steps", type=int, default=3, help="timed learner steps after a warm-up (default 3)")
+    rollout = parser.add_mutually_exclusive_group()
+    rollout.add_argument("--rollout-tokens-per-second", type=float, metavar="N",
+                         help="size a rollout tier for servers sampling N tokens/s each")
+    rollout.add_argument("--rollout-address", metavar="HOST:PORT",
+                         help="size a rollout tier from a running `stoker rollout` server's Stats (tokens/s under load)")
+    parser.add_argument("--learner-step-seconds", type=float, metavar="S",
+                        help="the learner's step time on its own accelerator, instead of the one measured here")
 
 
 @dataclass
@@ -51,6 +59,13 @@ class Audit:
     sampler_batch: int
     train_step_seconds: float
     compile_seconds: float
+    sampled: list[int] = field(default_factory=list)
+    """Sampled (loss-mask 1) tokens per episode."""
+
+    @property
+    def tokens_per_turn(self) -> float:
+        turns = sum(self.turns)
+        return sum(self.sampled) / turns if turns and self.sampled else 0.0
 
     def sizing(self, spec: RLJobSpec) -> dict[str, float]:
         env_step = statistics.mean(self.env_step_seconds) if self.env_step_seconds else 0.0
@@ -200,10 +215,14 @@ def measure(spec: RLJobSpec, groups: int, train_steps: int) -> Audit:
         sampler_batch=batch,
         train_step_seconds=statistics.median(times),
         compile_seconds=compile_seconds,
+        sampled=[int(sum(e.loss_mask)) for e in episodes],
     )
 
 
-def render(audit: Audit, spec: RLJobSpec) -> str:
+def render(audit: Audit, spec: RLJobSpec, *, rollout_tokens_per_second: float | None = None, rollout_source: str = "",
+           step_seconds: float | None = None) -> str:
+    if step_seconds is not None:
+        audit = replace(audit, train_step_seconds=step_seconds)
     s = audit.sizing(spec)
     p90 = sorted(audit.env_step_seconds)[int(0.9 * (len(audit.env_step_seconds) - 1))] if audit.env_step_seconds else 0.0
     concurrency = spec.actors.concurrency
@@ -240,6 +259,15 @@ def render(audit: Audit, spec: RLJobSpec) -> str:
     lines += [f"warning: {w}" for w in admission_warnings(s, spec)]
     lines += [f"note: {n}" for n in swap_notes(s, spec)]
     lines += [f"note: {n}" for n in order_notes(s, spec)]
+    if rollout_tokens_per_second is not None:
+        lines += render_rollout(
+            spec, tokens_per_turn=audit.tokens_per_turn, turns=s["turns"], env_step_seconds=s["env_step"],
+            server_tokens_per_second=rollout_tokens_per_second, step_seconds=audit.train_step_seconds,
+            headroom=HEADROOM, source=rollout_source,
+        )
+    elif spec.rollout is not None:
+        lines.append("note: the job has a rollout tier; pass --rollout-tokens-per-second N (or --rollout-address "
+                     "HOST:PORT of a server under load) to size its servers and actors")
     return "\n".join(lines)
 
 
@@ -295,11 +323,40 @@ def admission_warnings(sizing: dict[str, float], spec: RLJobSpec) -> list[str]:
     ]
 
 
+def server_tokens_per_second(address: str, timeout: float = 5.0) -> float:
+    """A running rollout server's sampled tokens/s, from its Stats; ``ValueError`` saying why not."""
+    import grpc
+
+    from stoker.v1 import rollout_pb2, rollout_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            stats = rollout_pb2_grpc.RolloutStub(channel).Stats(rollout_pb2.RolloutStatsRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise ValueError(f"the rollout server at {address} did not answer Stats: {exc.code().name}: {exc.details()}") from None
+    if stats.tokens_per_second <= 0:
+        raise ValueError(f"the rollout server at {address} reports 0 tokens/s: read it while actors load it, "
+                         "or pass --rollout-tokens-per-second")
+    return float(stats.tokens_per_second)
+
+
 def main(args: argparse.Namespace) -> int:
     job = load_job(args.file)
     if args.groups < 1 or args.train_steps < 1:
         print("stoker audit: --groups and --train-steps must be >= 1")
         return 2
+    for flag in ("rollout_tokens_per_second", "learner_step_seconds"):
+        if getattr(args, flag, None) is not None and getattr(args, flag) <= 0:
+            print(f"stoker audit: --{flag.replace('_', '-')} must be > 0")
+            return 2
+    tokens_per_second, source = getattr(args, "rollout_tokens_per_second", None), "as given"
+    if getattr(args, "rollout_address", None):
+        try:
+            tokens_per_second, source = server_tokens_per_second(args.rollout_address), f"read from {args.rollout_address}"
+        except ValueError as exc:
+            print(f"stoker audit: {exc}")
+            return 2
     audit = measure(job.spec, args.groups, args.train_steps)
-    print(render(audit, job.spec))
+    print(render(audit, job.spec, rollout_tokens_per_second=tokens_per_second, rollout_source=source,
+                 step_seconds=getattr(args, "learner_step_seconds", None)))
     return 0

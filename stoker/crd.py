@@ -110,6 +110,8 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Staleness", "type": "integer", "jsonPath": ".status.staleness.max", "description": "Max staleness"},
     {"name": "Duty", "type": "number", "jsonPath": ".status.learnerDutyCycle", "description": "Learner duty cycle"},
     {"name": "Actors", "type": "string", "jsonPath": ".status.actors.summary", "description": "Ready/desired"},
+    {"name": "Rollout", "type": "string", "jsonPath": ".status.rollout.summary", "description": "Rollout servers ready/desired"},
+    {"name": "Tok/s", "type": "number", "jsonPath": ".status.rollout.tokensPerSecond", "description": "Rollout tokens/s"},
     {"name": "Fill", "type": "number", "jsonPath": ".status.bufferFill", "priority": 1},
     {"name": "Eval", "type": "number", "jsonPath": ".status.evaluation.successRate", "description": "Held-out success (greedy)", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},

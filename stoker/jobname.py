@@ -37,3 +37,26 @@ def name_problems(name: str, num_slices: int, hosts_per_slice: int) -> list[str]
     if not name[:1].isalpha():
         problems.append(f"got {name!r}; expected a name starting with a letter (it names Services)")
     return problems
+
+
+ROLLOUT_SUFFIX = "-rollout"
+"""The rollout tier's Deployment and Service are ``<job>-rollout``; a multi-host TPU tier runs one
+JobSet per server, ``<job>-rollout-<server>``, each with one replicated job ``slice``."""
+# <job> + "-rollout-" + <server> + "-slice-" + "0" + "-" + <host> + "-abcde"
+ROLLOUT_FIXED_OVERHEAD = len(ROLLOUT_SUFFIX) + len("-") + len(f"-{REPLICATED_JOB}-") + len("0") + len("-") + GENERATED_SUFFIX
+
+
+def max_rollout_name_length(max_replicas: int, hosts_per_server: int) -> int:
+    """The longest RLJob name whose multi-host rollout JobSets' pod names JobSet's webhook accepts."""
+    return DNS_LABEL_MAX - ROLLOUT_FIXED_OVERHEAD - len(str(max_replicas - 1)) - len(str(hosts_per_server - 1))
+
+
+def rollout_name_problems(name: str, max_replicas: int, hosts_per_server: int) -> list[str]:
+    """Why ``name`` cannot name an RLJob whose rollout servers span ``hosts_per_server`` TPU hosts."""
+    limit = max_rollout_name_length(max_replicas, hosts_per_server)
+    if len(name) <= limit:
+        return []
+    return [
+        f"got {len(name)} characters; expected at most {limit} for up to {max_replicas} rollout server(s) of "
+        f"{hosts_per_server} host(s), so the rollout pods' names stay DNS labels (JobSet's rule)"
+    ]

@@ -17,6 +17,7 @@ from pydantic.alias_generators import to_camel
 
 from stoker import spec_cel
 from stoker.jobname import name_problems as _name_problems
+from stoker.jobname import rollout_name_problems as _rollout_name_problems
 from stoker.tpu import TopologyError, hosts_per_slice
 
 GROUP = "stoker.dev"
@@ -659,7 +660,56 @@ def cross_field_problems(spec: RLJobSpec) -> list[tuple[str, str]]:
         problems.append(
             ("learner.serviceAccountName", "set in colocated mode; expected unset (the learner runs as the sandbox manager)")
         )
+    if spec.rollout is not None:
+        problems += rollout_problems(spec)
     return problems
+
+
+def rollout_problems(spec: RLJobSpec) -> list[tuple[str, str]]:
+    """``spec.rollout``'s rules: the accelerator's own fields only, a slice GKE has, sane bounds.
+
+    A colocated job refuses a rollout tier: its learner generates on its own mesh, so servers
+    beside it would never be called (docs/operator.md, "The rollout tier")."""
+    rollout = spec.rollout
+    if rollout is None:
+        return []
+    problems: list[tuple[str, str]] = []
+    if spec.mode == "colocated":
+        problems.append(
+            ("rollout", "set in colocated mode; expected unset (a colocated learner generates on its own mesh)")
+        )
+    if rollout.min_replicas > rollout.max_replicas:
+        problems.append(
+            ("rollout.minReplicas", f"got {rollout.min_replicas}; expected <= maxReplicas ({rollout.max_replicas})")
+        )
+    accelerator = rollout.accelerator
+    if accelerator in TPU_ACCELERATORS:
+        if rollout.topology is None:
+            problems.append(("rollout.topology", f"missing; required for accelerator {accelerator}"))
+        else:
+            try:
+                hosts_per_slice(accelerator, rollout.topology)
+            except TopologyError as exc:
+                problems.append(("rollout.topology", str(exc)))
+    elif rollout.topology is not None:
+        problems.append(("rollout.topology", f"got {rollout.topology}; expected unset for accelerator {accelerator} (TPU only)"))
+    if accelerator != "nvidia-gpu":
+        if rollout.gpus != 1:
+            problems.append(("rollout.gpus", f"got {rollout.gpus}; expected unset for accelerator {accelerator} (nvidia-gpu only)"))
+        if rollout.gpu_type is not None:
+            problems.append(("rollout.gpuType", f"got {rollout.gpu_type}; expected unset for accelerator {accelerator} (nvidia-gpu only)"))
+    return problems
+
+
+def rollout_hosts(rollout: RolloutSpec) -> int:
+    """Pods per rollout server: the hosts of its TPU slice, 1 otherwise (and for a bad topology,
+    which is reported on its own)."""
+    if rollout.accelerator not in TPU_ACCELERATORS:
+        return 1
+    try:
+        return hosts_per_slice(rollout.accelerator, rollout.topology)
+    except TopologyError:
+        return 1
 
 
 def name_problems(name: str, spec: RLJobSpec) -> list[str]:
@@ -668,7 +718,10 @@ def name_problems(name: str, spec: RLJobSpec) -> list[str]:
         hosts = hosts_per_slice(spec.learner.accelerator, spec.learner.topology)
     except TopologyError:
         hosts = 1  # the topology is reported on its own; check what holds for any shape
-    return _name_problems(name, spec.learner.num_slices, hosts)
+    problems = _name_problems(name, spec.learner.num_slices, hosts)
+    if spec.rollout is not None and rollout_hosts(spec.rollout) > 1:
+        problems += _rollout_name_problems(name, spec.rollout.max_replicas, rollout_hosts(spec.rollout))
+    return problems
 
 
 # CEL equivalents of cross_field_problems (and of the model validators above), attached to the
@@ -679,6 +732,16 @@ _ROOT_SLICES = spec_cel.opt("self", ("spec", "learner", "numSlices"), "1")
 _ROOT_MODE = spec_cel.opt("self", ("spec", "mode"), "'disaggregated'")
 _LEARNER = "self.spec.learner"
 _ROOT_HAS_TPU = f"has(self.spec) && has({_LEARNER}) && has({_LEARNER}.topology) && {_LEARNER}.accelerator != 'cpu'"
+
+
+_ROLLOUT = "self.spec.rollout"
+_TPUS = spec_cel.string_list(TPU_ACCELERATORS)
+_ROLLOUT_HOSTS = spec_cel.hosts(f"{_ROLLOUT}.accelerator", f"{_ROLLOUT}.topology")
+_ROOT_HAS_MULTI_HOST_ROLLOUT = (
+    f"has(self.spec) && has({_ROLLOUT}) && {_ROLLOUT}.accelerator in {_TPUS} && has({_ROLLOUT}.topology) && "
+    + spec_cel.valid_topology(f"{_ROLLOUT}.accelerator", f"{_ROLLOUT}.topology")
+    + f" && {_ROLLOUT_HOSTS} > 1"
+)
 
 
 def _old(expression: str) -> str:
@@ -705,6 +768,12 @@ ROOT_CEL_RULES: list[dict[str, Any]] = [
     cel(f"{_ROOT_ACCELERATOR} == {_old(_ROOT_ACCELERATOR)}", "spec.learner.accelerator is immutable"),
     cel(f"{_old(_ROOT_TOPOLOGY)} == '' || {_ROOT_TOPOLOGY} == {_old(_ROOT_TOPOLOGY)}", "spec.learner.topology is immutable once set"),
     cel(f"{_ROOT_SLICES} == {_old(_ROOT_SLICES)}", "spec.learner.numSlices is immutable"),
+    cel(
+        f"!has(self.metadata.name) || !({_ROOT_HAS_MULTI_HOST_ROLLOUT}) || "
+        + spec_cel.rollout_name_fits("self.metadata.name", f"{_ROLLOUT}.maxReplicas", _ROLLOUT_HOSTS),
+        "metadata.name is too long: the rollout pods' names (<name>-rollout-<server>-slice-0-<host>-<5 characters>) "
+        "must stay at most 63 characters (stoker validate says the limit)",
+    ),
 ]
 
 CEL_RULES: dict[tuple[str, ...], list[dict[str, Any]]] = {
@@ -722,6 +791,22 @@ CEL_RULES: dict[tuple[str, ...], list[dict[str, Any]]] = {
             " && has(self.learner) && has(self.learner.serviceAccountName))",
             "learner.serviceAccountName is for disaggregated mode (a colocated learner runs as the sandbox manager)",
         ),
+        cel(
+            f"!({spec_cel.opt('self', ('mode',), repr('disaggregated'))} == 'colocated' && has(self.rollout))",
+            "rollout is for disaggregated mode (a colocated learner generates on its own mesh)",
+        ),
+    ],
+    ("rollout",): [
+        cel("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas"),
+        cel(f"!(self.accelerator in {_TPUS}) || has(self.topology)", "topology is required for a TPU accelerator"),
+        cel(
+            f"!(self.accelerator in {_TPUS}) || !has(self.topology) || "
+            + spec_cel.valid_topology("self.accelerator", "self.topology"),
+            "topology is not one this accelerator has (stoker validate names the ones it has)",
+        ),
+        cel(f"self.accelerator in {_TPUS} || !has(self.topology)", "topology is for TPU accelerators only"),
+        cel("self.accelerator == 'nvidia-gpu' || self.gpus == 1", "gpus is for accelerator nvidia-gpu only"),
+        cel("self.accelerator == 'nvidia-gpu' || !has(self.gpuType)", "gpuType is for accelerator nvidia-gpu only"),
     ],
     ("actors",): [cel("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas")],
     ("environment",): [

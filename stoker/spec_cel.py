@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from stoker.jobname import DNS_LABEL_MAX, FIXED_OVERHEAD
+from stoker.jobname import DNS_LABEL_MAX, FIXED_OVERHEAD, ROLLOUT_FIXED_OVERHEAD
 from stoker.tpu import ACCELERATORS, CHIPS_PER_HOST_2D_MULTI, CHIPS_PER_HOST_3D, SINGLE_HOST_MAX_CHIPS_2D, SMALL_3D
 
 # A positive multiple of 4 without leading zeros (the topology pattern already forbids those):
@@ -67,6 +67,14 @@ def name_fits(name: str, num_slices: str, hosts_per_slice: str) -> str:
     return (
         f"{name}.size() <= {DNS_LABEL_MAX - FIXED_OVERHEAD}"
         f" - string({num_slices} - 1).size() - string({hosts_per_slice} - 1).size()"
+    )
+
+
+def rollout_name_fits(name: str, max_replicas: str, hosts_per_server: str) -> str:
+    """stoker.jobname.max_rollout_name_length, with the digits of the last server and host index."""
+    return (
+        f"{name}.size() <= {DNS_LABEL_MAX - ROLLOUT_FIXED_OVERHEAD}"
+        f" - string({max_replicas} - 1).size() - string({hosts_per_server} - 1).size()"
     )
 
 

@@ -22,6 +22,7 @@ CONDITION_TYPES = (
     "StalenessExceeded",
     "LearnerStarved",
     "SpecAccepted",
+    "RolloutReady",
 )
 
 
@@ -61,6 +62,21 @@ class EvaluationStatus(StatusModel):
     episodes: int = 0
 
 
+class RolloutStatus(StatusModel):
+    """The rollout tier (spec.rollout): its servers and what their Stats say."""
+
+    ready: int = 0
+    desired: int = 0
+    summary: str = Field("0/0", description="ready/desired servers, for kubectl get.")
+    tokens_per_second: float | None = Field(None, description="Sampled tokens/s, summed over the servers.")
+    queue_depth: int | None = Field(None, description="Requests waiting for a batch slot, summed over the servers.")
+    batch_occupancy: float | None = Field(None, description="Mean fraction of each ready server's batch in use.")
+    answering: int | None = Field(None, description="Servers that answered Stats on the last look.")
+    spec_replicas: int | None = Field(
+        None, description="spec.rollout.replicas the target was last reset to; an edit of it resets desired again."
+    )
+
+
 class RLJobStatus(StatusModel):
     phase: Phase | None = None
     observed_generation: int | None = None
@@ -69,6 +85,7 @@ class RLJobStatus(StatusModel):
     buffer_fill: float | None = None
     learner_duty_cycle: float | None = None
     actors: ActorsStatus | None = None
+    rollout: RolloutStatus | None = None
     zombies_reaped: int | None = None
     evaluation: EvaluationStatus | None = Field(None, description="Held-out evaluation, apart from training success.")
     admission_scale: float | None = Field(

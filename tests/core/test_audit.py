@@ -134,3 +134,72 @@ def test_audit_measures_the_job_and_prints_the_arithmetic(tmp_path: Path) -> Non
     assert found is not None, out.stdout
     episode, step, versions = (float(x) for x in found.groups())
     assert episode >= 0.1 and versions == pytest.approx(episode / step, rel=0.1, abs=0.06)  # printed rounded
+
+
+def test_rollout_sizing_against_hand_computed_numbers() -> None:
+    """8 turns of 4 sampled tokens, 0.5 s environment steps, a 32-episode batch every 0.275 s and
+    servers of 2400 tokens/s with 32 sequences each:
+
+    demand 32 / 0.275 = 116.36 episodes/s x 32 tokens = 3723.6 tokens/s -> ceil(1.25 x 3723.6 / 2400)
+    = ceil(1.94) = 2 servers; a turn 4 x 32 / 2400 = 0.0533 s, an episode 8 x 0.5533 = 4.427 s, in
+    flight 116.36 x 4.427 = 515.1 episodes -> ceil(1.25 x 515.1 / 192) = ceil(3.35) = 4 actors."""
+    from stoker.audit_rollout import size_rollout
+
+    s = size_rollout(tokens_per_turn=4, turns=8, env_step_seconds=0.5, server_tokens_per_second=2400, step_seconds=0.275,
+                     episodes_per_step=32, concurrency=192, max_batch=32, headroom=1.25)
+    assert s["demand"] == pytest.approx(116.3636, rel=1e-4) and s["token_demand"] == pytest.approx(3723.636, rel=1e-4)
+    assert s["servers"] == 2 and s["actors"] == 4
+    assert s["turn_seconds"] == pytest.approx(0.053333, rel=1e-4) and s["episode_seconds"] == pytest.approx(4.42667, rel=1e-4)
+    # Servers half as fast: 3.88 -> 4 servers; turns twice as long, a 4.85 s episode -> ceil(3.68) = 4 actors.
+    slow = size_rollout(tokens_per_turn=4, turns=8, env_step_seconds=0.5, server_tokens_per_second=1200, step_seconds=0.275,
+                        episodes_per_step=32, concurrency=192, max_batch=32, headroom=1.25)
+    assert slow["servers"] == 4 and slow["episode_seconds"] == pytest.approx(8 * (4 * 32 / 1200 + 0.5))
+
+
+def test_audit_prints_the_rollout_arithmetic_and_the_chip_ratio() -> None:
+    from stoker.spec import LearnerSpec, RolloutSpec
+
+    job = spec(stale=16, batch=4).model_copy(update={
+        "rollout": RolloutSpec(accelerator="tpu-v6e-slice", topology="2x4", max_replicas=1),
+        "learner": LearnerSpec(accelerator="tpu-v6e-slice", topology="4x4", batch_groups=4),
+    })
+    measured = Audit(env_step_seconds=[0.5] * 16, turns=[8, 8], tokens=[150, 150], sample_turn_seconds=0.05, sampler_batch=192,
+                     train_step_seconds=0.275, compile_seconds=1.0, sampled=[32, 32])
+    assert measured.tokens_per_turn == 4.0
+    out = render(measured, job, rollout_tokens_per_second=2400, rollout_source="as given")
+    assert "rollout servers    = ceil(1.25 x 3724 / 2400) = 2" in out
+    assert "actors             = ceil(1.25 x 116.4 episodes/s x 4.43 s / concurrency 192) = 4" in out
+    assert "= 2 servers x 8 chips : 16 learner chips = 1.00 rollout chips per trainer chip" in out
+    assert "warning: rollout.maxReplicas 1 is below the 2 servers the learner needs" in out
+    # Without a server figure, a job with a rollout tier is told how to get one.
+    assert "pass --rollout-tokens-per-second" in render(measured, job)
+
+
+def test_the_server_figure_is_read_from_a_running_servers_stats() -> None:
+    from concurrent import futures
+
+    import grpc
+
+    from stoker.audit import server_tokens_per_second
+    from stoker.v1 import rollout_pb2, rollout_pb2_grpc
+
+    class Serving(rollout_pb2_grpc.RolloutServicer):
+        tokens_per_second = 1800.0
+
+        def Stats(self, request: object, context: object) -> rollout_pb2.RolloutStats:
+            return rollout_pb2.RolloutStats(tokens_per_second=self.tokens_per_second, ready=True)
+
+    servicer = Serving()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        assert server_tokens_per_second(f"127.0.0.1:{port}") == 1800.0
+        servicer.tokens_per_second = 0.0  # idle: no figure to size from
+        with pytest.raises(ValueError, match="reports 0 tokens/s"):
+            server_tokens_per_second(f"127.0.0.1:{port}")
+    finally:
+        server.stop(None)
+    with pytest.raises(ValueError, match="did not answer Stats: UNAVAILABLE"):
+        server_tokens_per_second(f"127.0.0.1:{port}", timeout=2.0)

@@ -101,6 +101,10 @@ def learner(**fields: Any) -> dict[str, Any]:
     return {"learner": fields}
 
 
+def rollout(**fields: Any) -> dict[str, Any]:
+    return {"rollout": fields}
+
+
 CASES: list[Case] = [
     ("defaults", "lake", {}, None),
     ("v6e single host", "lake", learner(accelerator="tpu-v6e-slice", topology="2x4"), None),
@@ -140,6 +144,26 @@ CASES: list[Case] = [
     ("frozenlake eval not a seed", "lake", {"environment": {"evalTasks": ["17", "lake-b"]}}, "spec.environment.evalTasks"),
     ("frozenlake eval negative seed", "lake", {"environment": {"evalTasks": ["-1"]}}, "spec.environment.evalTasks"),
     ("answers eval ids", "lake", {"environment": {"name": "answers", "evalTasks": ["held.jsonl", "q7"]}}, None),
+    # spec.rollout: the accelerator's own fields only, a slice GKE has, bounds in order.
+    ("rollout defaults", "lake", rollout(), None),
+    ("rollout nvidia-gpu", "lake", rollout(accelerator="nvidia-gpu", gpus=2, gpuType="nvidia-l4"), None),
+    ("rollout v6e single host", "lake", rollout(accelerator="tpu-v6e-slice", topology="2x4"), None),
+    ("rollout v5p multi-host", "lake", rollout(accelerator="tpu-v5p-slice", topology="2x2x4", maxReplicas=2), None),
+    ("rollout tpu without topology", "lake", rollout(accelerator="tpu-v6e-slice"), "spec.rollout.topology"),
+    ("rollout tpu bad topology", "lake", rollout(accelerator="tpu-v6e-slice", topology="2x8"), "spec.rollout.topology"),
+    ("rollout topology on a gpu", "lake", rollout(accelerator="nvidia-gpu", topology="2x4"), "spec.rollout.topology"),
+    ("rollout topology on cpu", "lake", rollout(topology="2x2"), "spec.rollout.topology"),
+    ("rollout gpus on a tpu", "lake", rollout(accelerator="tpu-v6e-slice", topology="1x1", gpus=2), "spec.rollout.gpus"),
+    ("rollout gpuType on cpu", "lake", rollout(gpuType="nvidia-l4"), "spec.rollout.gpuType"),
+    ("rollout minReplicas above maxReplicas", "lake", rollout(minReplicas=3, maxReplicas=2), "spec.rollout.minReplicas"),
+    ("rollout minReplicas above the default max", "lake", rollout(minReplicas=5), "spec.rollout.minReplicas"),
+    ("rollout in colocated mode", "lake", {**rollout(), "mode": "colocated"}, "spec.rollout"),
+    # Multi-host rollout servers: <name>-rollout-<server>-slice-0-<host>-abcde <= 63 characters.
+    ("name at the rollout limit", "a" * 37, rollout(accelerator="tpu-v5p-slice", topology="2x2x4"), None),
+    ("name over the rollout limit", "a" * 38, rollout(accelerator="tpu-v5p-slice", topology="2x2x4"), "metadata.name"),
+    ("name over the rollout limit with 10 servers", "a" * 37,
+     rollout(accelerator="tpu-v5p-slice", topology="2x2x4", maxReplicas=11), "metadata.name"),
+    ("single-host rollout keeps the learner's limit", "a" * 39, rollout(accelerator="tpu-v6e-slice", topology="2x4"), None),
     ("name with a leading digit", "1lake", {}, "metadata.name"),
     # JobSet's rule: <name>-learner-slice-<slice>-<host>-abcde <= 63 characters.
     ("name at the limit", "a" * 39, {}, None),

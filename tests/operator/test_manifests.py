@@ -43,9 +43,9 @@ TPU_CASES = [
 ]
 
 
-def make_ctx(*, jobset_api: bool = True, replicas: int = 2, **spec: Any) -> JobContext:
+def make_ctx(*, jobset_api: bool = True, replicas: int = 2, rollout_replicas: int = 0, **spec: Any) -> JobContext:
     return JobContext("lake", "research", "uid-1", RLJobSpec.model_validate(spec), OperatorSettings(),
-                      actor_replicas=replicas, jobset_api=jobset_api)
+                      actor_replicas=replicas, jobset_api=jobset_api, rollout_replicas=rollout_replicas)
 
 
 def validate(manifest: dict[str, Any]) -> None:
@@ -420,3 +420,87 @@ def test_gke_docs_grant_the_bucket_to_the_account_learners_run_as(example: str) 
     account = pod["serviceAccountName"]
     assert f"/subject/ns/rl/sa/{account}" in (repo / "docs" / "gke.md").read_text()
     assert "gcp-service-account" not in (repo / "helm" / "stoker" / "values.yaml").read_text()
+
+
+# ---------------------------------------------------------------------------- the rollout tier
+
+ROLLOUT_CASES = [
+    # accelerator, topology, workload kind, hosts per server, chips per host
+    ("cpu", None, "Deployment", 1, 0),
+    ("nvidia-gpu", None, "Deployment", 1, 0),
+    ("tpu-v6e-slice", "2x4", "Deployment", 1, 8),
+    ("tpu-v5p-slice", "2x2x4", "JobSet", 4, 4),
+]
+
+
+@pytest.mark.parametrize(("accelerator", "topology", "kind", "hosts", "chips"), ROLLOUT_CASES)
+def test_rollout_tier_children_validate(accelerator: str, topology: str | None, kind: str, hosts: int, chips: int) -> None:
+    from stoker.operator.rollout_workload import GKE_GPU_LABEL, GPU_RESOURCE, SERVER_LABEL
+
+    rollout: dict[str, Any] = {"accelerator": accelerator, "port": 50060}
+    if topology:
+        rollout["topology"] = topology
+    if accelerator == "nvidia-gpu":
+        rollout |= {"gpus": 2, "gpuType": "nvidia-l4"}
+    ctx = make_ctx(rollout=rollout, learner={"serviceAccountName": "trainer"}, rollout_replicas=3)
+    children = desired_children(ctx)
+    check_all(children)
+    mine = [c for c in children if c["metadata"]["labels"]["stoker.dev/role"] == "rollout"]
+    service = next(c for c in mine if c["kind"] == "Service")
+    assert service["metadata"]["name"] == "lake-rollout" and service["spec"]["ports"][0]["port"] == 50060
+    workloads = [c for c in mine if c["kind"] == kind]
+    for child in mine:
+        assert child["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+        assert child["metadata"]["labels"]["stoker.dev/job"] == "lake"
+    if kind == "Deployment":
+        (deployment,) = workloads
+        assert deployment["spec"]["replicas"] == 3
+        pods = [deployment["spec"]["template"]["spec"]]
+        assert set(service["spec"]["selector"].items()) <= set(deployment["spec"]["template"]["metadata"]["labels"].items())
+    else:
+        assert [w["metadata"]["name"] for w in workloads] == ["lake-rollout-0", "lake-rollout-1", "lake-rollout-2"]
+        job = workloads[1]["spec"]["replicatedJobs"][0]["template"]["spec"]
+        assert job["parallelism"] == job["completions"] == hosts and job["completionMode"] == "Indexed"
+        assert job["template"]["metadata"]["labels"][SERVER_LABEL] == "1"
+        assert workloads[1]["metadata"]["annotations"][EXCLUSIVE_TOPOLOGY_ANNOTATION] == "cloud.google.com/gke-nodepool"
+        assert service["spec"]["selector"]["batch.kubernetes.io/job-completion-index"] == "0"  # host 0 serves
+        pods = [w["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"] for w in workloads]
+    for pod in pods:
+        container = pod["containers"][0]
+        assert container["args"][:2] == ["rollout", "--manifest"] and "--port" in container["args"]
+        assert container["args"][container["args"].index("--weights") + 1] == "lake-weights:50052"
+        assert container["readinessProbe"] == {"grpc": {"port": 50060}, "periodSeconds": 5}
+        assert pod["serviceAccountName"] == "trainer" and pod["automountServiceAccountToken"] is False
+        assert {"name": "job", "configMap": {"name": "lake-spec"}} in pod["volumes"]
+        limits = container["resources"]["limits"]
+        if accelerator == "nvidia-gpu":
+            assert limits[GPU_RESOURCE] == "2" and pod["nodeSelector"] == {GKE_GPU_LABEL: "nvidia-l4"}
+        elif chips:
+            assert limits[TPU_RESOURCE] == str(chips) == container["resources"]["requests"][TPU_RESOURCE]
+            assert pod["nodeSelector"] == {ACCELERATOR_LABEL: accelerator, TOPOLOGY_LABEL: topology}
+        else:
+            assert "nodeSelector" not in pod and set(limits) == {"cpu", "memory"}
+    actor = build_actor_deployment(ctx)["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "STOKER_ROLLOUT_ADDRESS", "value": "lake-rollout:50060"} in actor["env"]
+
+
+def test_no_rollout_tier_no_rollout_children() -> None:
+    for ctx in (make_ctx(rollout_replicas=2),
+                make_ctx(rollout={"accelerator": "tpu-v5p-slice", "topology": "2x2x4"}, jobset_api=False, rollout_replicas=2)):
+        children = desired_children(ctx)
+        rollout = [f"{c['kind']}/{c['metadata']['name']}" for c in children if c["metadata"]["labels"]["stoker.dev/role"] == "rollout"]
+        # Without JobSet a multi-host tier has its Service only (the status says why no server runs).
+        assert rollout == ([] if ctx.spec.rollout is None else ["Service/lake-rollout"])
+    actor = build_actor_deployment(make_ctx())["spec"]["template"]["spec"]["containers"][0]
+    assert "STOKER_ROLLOUT_ADDRESS" not in {e["name"] for e in actor["env"]}  # actors sample in-process
+
+
+def test_rollout_scaling_fields_do_not_restart_servers() -> None:
+    from stoker.operator.rollout_workload import build_rollout_deployment
+
+    def template_hash(**rollout: Any) -> str:
+        ctx = make_ctx(rollout=rollout, rollout_replicas=1)
+        return str(build_rollout_deployment(ctx)["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION])
+
+    assert template_hash(replicas=1) == template_hash(replicas=3, minReplicas=0, maxReplicas=6)
+    assert template_hash(replicas=1) != template_hash(replicas=1, maxBatch=64)

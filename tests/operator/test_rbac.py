@@ -19,6 +19,7 @@ from stoker.operator.reconcile import (
     remove_learner,
     sync_actor_replicas,
 )
+from stoker.operator.rollout_tier import observe_rollout, sync_rollout
 from stoker.operator.sandbox_policy import sandbox_admission_policy
 from stoker.operator.children import desired_children
 from stoker.operator.kube import RESOURCES
@@ -67,6 +68,11 @@ class RecordingKube:
         if self.objects.pop(self._key(res, namespace, name), None) is None:
             raise NotFound(name)
 
+    def list(self, res: Resource, namespace: str, label_selector: str | None = None) -> list[dict[str, Any]]:
+        self.calls.add((res.group, res.plural, "list"))
+        prefix = res.api_version + "/" + res.plural
+        return [obj for (kind, ns, _), obj in self.objects.items() if kind == prefix and ns == namespace]
+
 
 def operator_calls() -> set[tuple[str, str, str]]:
     """What the operator's own code paths call, over every shape of job: create and re-apply
@@ -86,6 +92,13 @@ def operator_calls() -> set[tuple[str, str, str]]:
             sync_actor_replicas(kube, job, children.actors, 5)  # type: ignore[arg-type]
         remove_learner(kube, job, jobset_api=job.jobset_api)  # type: ignore[arg-type]
         assert applied_spec(kube, job.namespace, job.name) == job.spec  # type: ignore[arg-type]  # a refused edit
+    # The rollout tier, each shape: created, observed and scaled by the timer, then removed with spec.rollout.
+    for rollout in ({}, {"accelerator": "tpu-v5p-slice", "topology": "2x2x4"}):
+        job = replace(ctx(rollout=rollout), rollout_replicas=2)
+        apply_children(kube, job, patch_existing=True, logger=logging.getLogger("test"))  # type: ignore[arg-type]
+        sync_rollout(kube, replace(job, rollout_replicas=1), observe_rollout(kube, job))  # type: ignore[arg-type]
+        gone = replace(job, spec=job.spec.model_copy(update={"rollout": None}))
+        sync_rollout(kube, gone, observe_rollout(kube, gone))  # type: ignore[arg-type]
     kube.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "sbx", "namespace": "ns"}})
     kube.calls.discard(("", "pods", "create"))  # the test's own sandbox pod
     reap_pods(kube, "ns", ["sbx"])  # type: ignore[arg-type]

@@ -224,3 +224,34 @@ def test_the_newest_round_from_a_real_buffer_is_the_status_evaluation(tmp_path: 
     # With the buffer unreachable the last known evaluation stays.
     kept = build_status(observed(stats=None, stats_error="Stats: UNAVAILABLE"), status, T0)
     assert kept["evaluation"] == status["evaluation"]
+
+
+def test_rollout_tier_status_and_readiness() -> None:
+    from stoker.operator.rollout_control import RolloutReading, ServerStats
+
+    tier = RLJobSpec.model_validate({"rollout": {"replicas": 2, "minReplicas": 1}})
+    servers = (ServerStats("10.0.0.1:50053", tokens_per_second=1200.0, queue_depth=3, batch_occupancy=0.5),
+               ServerStats("10.0.0.2:50053", tokens_per_second=800.25, batch_occupancy=0.7))
+    serving = build_status(observed(spec=tier, rollout_target=2, rollout_ready=2, rollout_reading=RolloutReading(servers)), {}, T0)
+    RLJobStatus.model_validate(serving)
+    assert serving["rollout"] == {"ready": 2, "desired": 2, "summary": "2/2", "tokensPerSecond": 2000.2, "queueDepth": 3,
+                                  "batchOccupancy": 0.6, "answering": 2, "specReplicas": 2}
+    assert conditions(serving)["RolloutReady"]["reason"] == "Serving" and serving["phase"] == "Running"
+    # One server down: the other's figures, and the silent one named; still serving.
+    one = RolloutReading(servers[:1], errors=("10.0.0.2:50053: UNAVAILABLE: connection refused",))
+    partial = build_status(observed(spec=tier, rollout_target=2, rollout_ready=2, rollout_reading=one), serving, T0)
+    assert partial["rollout"]["tokensPerSecond"] == 1200.0 and partial["rollout"]["answering"] == 1
+    assert "10.0.0.2:50053: UNAVAILABLE" in conditions(partial)["RolloutReady"]["message"]
+    # None answers: the last figures stay, the condition says why, and the job is not Ready.
+    silent = RolloutReading(errors=("10.0.0.1:50053: DEADLINE_EXCEEDED: x", "10.0.0.2:50053: UNAVAILABLE: y"))
+    down = build_status(observed(spec=tier, rollout_target=2, rollout_ready=2, rollout_reading=silent), serving, T0)
+    assert down["rollout"]["tokensPerSecond"] == 2000.2 and down["rollout"]["answering"] == 0
+    assert conditions(down)["RolloutReady"]["reason"] == "StatsUnavailable" and conditions(down)["Ready"]["status"] == "False"
+    starting = build_status(observed(spec=tier, rollout_target=2, rollout_ready=0), {}, T0)
+    assert conditions(starting)["RolloutReady"]["reason"] == "MinimumReplicasUnavailable"
+    assert conditions(starting)["Ready"]["reason"] == "MinimumReplicasUnavailable"
+    blocked = build_status(observed(spec=tier, rollout_target=2, rollout_blocked="install JobSet"), {}, T0)
+    assert conditions(blocked)["RolloutReady"]["reason"] == "JobSetMissing"
+    # No tier: nothing under status.rollout, and readiness does not wait for one.
+    plain = build_status(observed(), {}, T0)
+    assert "rollout" not in plain and conditions(plain)["RolloutReady"]["reason"] == "InProcess"

@@ -100,7 +100,8 @@ def kustomize(directory: Path) -> list[dict[str, Any]]:
 
 def test_examples_cover_what_the_docs_promise() -> None:
     names = {p.relative_to(EXAMPLES).as_posix() for p in rljob_files()}
-    assert {"frozenlake.yaml", "gke-v5e-frozenlake.yaml", "gke-v6e-swe-multislice.yaml", "gitops/base/rljob.yaml"} <= names
+    assert {"frozenlake.yaml", "gke-v5e-frozenlake.yaml", "gke-v6e-swe-multislice.yaml", "gke-v6e-swe-rollout.yaml",
+            "gitops/base/rljob.yaml"} <= names
 
 
 def test_every_example_passes_stoker_validate(capsys: pytest.CaptureFixture[str]) -> None:
@@ -168,6 +169,26 @@ def test_swe_example_is_multislice_and_queued_where_kueue_has_quota() -> None:
     assert shape.multi_host, "the multislice example is meant to show multi-host slices"
     # Kueue admits the JobSet only if every slice fits at once.
     assert quota["google.com/tpu"] >= shape.chips * learner.num_slices
+
+
+def test_rollout_example_serves_from_single_host_tpu_slices() -> None:
+    """Each server one v6e 2x4 slice (8 chips, one VM): a Deployment pod asking for all 8 chips;
+    the actors get the servers' Service address."""
+    from stoker.operator.children import desired_children
+    from stoker.operator.manifests import JobContext
+    from stoker.operator.settings import OperatorSettings
+
+    job = load(EXAMPLES / "gke-v6e-swe-rollout.yaml")
+    rollout = job.spec.rollout
+    assert rollout is not None and rollout.min_replicas <= rollout.replicas <= rollout.max_replicas
+    shape = slice_shape(rollout.accelerator, rollout.topology)
+    assert (shape.hosts, shape.chips_per_host) == (1, 8)
+    ctx = JobContext(job.metadata.name, "rl", "uid", job.spec, OperatorSettings(), actor_replicas=8, rollout_replicas=2)
+    children = {(c["kind"], c["metadata"]["name"]): c for c in desired_children(ctx)}
+    pod = children[("Deployment", "swe-gen-rollout")]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"]["limits"]["google.com/tpu"] == "8"
+    actor = children[("Deployment", "swe-gen-actor")]["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "STOKER_ROLLOUT_ADDRESS", "value": f"swe-gen-rollout:{rollout.port}"} in actor["env"]
 
 
 # ---------------------------------------------------------------------------------- GitOps

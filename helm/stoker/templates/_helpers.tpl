@@ -82,7 +82,8 @@ are left out. Never add pods/exec, escalate, bind, impersonate or "*".
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["create", "get"]
-# The buffer's Service; the learner's headless Service (deleted on suspend).
+# The buffer's Service; the learner's headless Service (deleted on suspend); the rollout tier's
+# Service (deleted with spec.rollout).
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["create", "delete", "patch"]
@@ -99,18 +100,18 @@ are left out. Never add pods/exec, escalate, bind, impersonate or "*".
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["create", "delete", "get", "list", "patch", "watch"]
-# Actors and the buffer.
+# Actors, the buffer and single-host rollout servers (deleted with spec.rollout).
 - apiGroups: ["apps"]
   resources: ["deployments"]
-  verbs: ["create", "get", "patch"]
+  verbs: ["create", "delete", "get", "patch"]
 # The learner without JobSet (Indexed Jobs).
 - apiGroups: ["batch"]
   resources: ["jobs"]
   verbs: ["create", "delete", "get"]
-# The learner on TPU slices (JobSet).
+# The learner on TPU slices (JobSet); one JobSet per multi-host rollout server, listed to scale.
 - apiGroups: ["jobset.x-k8s.io"]
   resources: ["jobsets"]
-  verbs: ["create", "delete", "get"]
+  verbs: ["create", "delete", "get", "list"]
 # The sandbox manager's Role and RoleBinding, in the job's namespace.
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles"]

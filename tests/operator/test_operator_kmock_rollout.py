@@ -1,0 +1,139 @@
+"""The rollout tier against kmock with the real operator (kopf): an RLJob with spec.rollout gets
+its Deployment and Service and its actors the address; the servers' real Stats (fake Rollout
+servicers over gRPC on loopback) reach the status and scale the tier; removing spec.rollout
+removes it; a multi-host TPU tier is one JobSet per server. One operator runs both jobs (each
+operator start and stop costs seconds)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import pytest
+
+from stoker.actor.labels import JOB_LABEL, ROLE_LABEL
+from stoker.v1 import rollout_pb2, rollout_pb2_grpc
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(90)]
+
+RLJOBS = "/apis/stoker.dev/v1alpha1/namespaces/{ns}/rljobs"
+DEPLOYMENTS = "/apis/apps/v1/namespaces/{ns}/deployments"
+PODS = "/api/v1/namespaces/{ns}/pods"
+# Nothing listens here: the buffer's Stats fail at once instead of waiting out a DNS lookup.
+NO_BUFFER = "127.0.0.1:1"
+
+
+class FakeRollout(rollout_pb2_grpc.RolloutServicer):
+    """A server whose Stats the test sets."""
+
+    def __init__(self) -> None:
+        self.stats = rollout_pb2.RolloutStats(ready=True, tokens_per_second=1500.0, max_batch=32,
+                                              batch_occupancy=0.5, policy_version=3)
+
+    def Stats(self, request: Any, context: grpc.ServicerContext) -> rollout_pb2.RolloutStats:
+        return self.stats
+
+
+@pytest.fixture
+def rollout_servers() -> Iterator[tuple[list[FakeRollout], list[grpc.Server], int]]:
+    """Two servers on one port, at 127.0.0.2 and 127.0.0.3 (two pod IPs on loopback)."""
+    servicers, servers, port = [], [], 0
+    for host in ("127.0.0.2", "127.0.0.3"):
+        servicer = FakeRollout()
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, server)
+        port = server.add_insecure_port(f"{host}:{port}")
+        server.start()
+        servicers.append(servicer)
+        servers.append(server)
+    yield servicers, servers, port
+    for server in servers:
+        server.stop(None)
+
+
+def rljob(name: str, **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "stoker.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": name}, "spec": spec}
+
+
+def status_of(c: Any, job: str) -> dict[str, Any]:
+    return dict((c.get("stoker.dev/v1alpha1/rljobs", job) or {}).get("status") or {})
+
+
+def condition(c: Any, job: str, kind: str) -> dict[str, Any]:
+    return next((x for x in status_of(c, job).get("conditions", []) if x["type"] == kind), {})
+
+
+def actor_env(c: Any, job: str) -> dict[str, str]:
+    container = c.get("apps/v1/deployments", f"{job}-actor")["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e.get("value", "") for e in container["env"]}
+
+
+def server_pod(name: str, job: str, ip: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "labels": {JOB_LABEL: job, ROLE_LABEL: "rollout"}},
+            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+async def test_rollout_tier_children_status_scaling_and_removal(rollout_servers: Any, operator_factory: Any) -> None:
+    servicers, servers, port = rollout_servers
+    c = await operator_factory(buffer_address_template=NO_BUFFER, stats_timeout_seconds=0.3)
+    await c.create(RLJOBS, rljob("gen", rollout={"replicas": 2, "minReplicas": 1, "maxReplicas": 3, "port": port}))
+    tpu = {"accelerator": "tpu-v5p-slice", "topology": "2x2x4", "replicas": 2, "maxReplicas": 4}
+    await c.create(RLJOBS, rljob("big", rollout=tpu))  # multi-host servers, beside it
+
+    # -- children: the servers' Deployment and Service, owned by the job; actors get the address
+    await c.eventually(lambda: {"gen-rollout", "gen-actor"} <= c.names("apps/v1/deployments"), what="rollout Deployment")
+    assert "gen-rollout" in c.names("v1/services")
+    deployment = c.get("apps/v1/deployments", "gen-rollout")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["metadata"]["ownerReferences"][0]["name"] == "gen"
+    assert deployment["spec"]["template"]["metadata"]["labels"]["stoker.dev/role"] == "rollout"
+    assert c.get("v1/services", "gen-rollout")["spec"]["ports"][0]["port"] == port
+    assert actor_env(c, "gen")["STOKER_ROLLOUT_ADDRESS"] == f"gen-rollout:{port}"
+    await c.eventually(lambda: condition(c, "gen", "RolloutReady").get("reason") == "MinimumReplicasUnavailable",
+                       what="RolloutReady False while no server is ready")
+
+    # -- two ready servers: their Stats in the status (tokens/s summed), RolloutReady True
+    await c.create(PODS, server_pod("gen-rollout-a", "gen", "127.0.0.2"))
+    await c.create(PODS, server_pod("gen-rollout-b", "gen", "127.0.0.3"))
+    await c.patch(DEPLOYMENTS + "/gen-rollout/status", {"status": {"readyReplicas": 2}})
+    await c.eventually(lambda: status_of(c, "gen").get("rollout", {}).get("tokensPerSecond") == 3000.0, what="tokens/s")
+    rollout = status_of(c, "gen")["rollout"]
+    assert rollout["summary"] == "2/2" and rollout["answering"] == 2 and rollout["batchOccupancy"] == 0.5
+    assert condition(c, "gen", "RolloutReady")["status"] == "True"
+    assert "3000 tokens/s" in condition(c, "gen", "RolloutReady")["message"]
+
+    # -- one server stops answering: named in the condition, its tokens no longer counted
+    servers[1].stop(None)
+    await c.eventually(lambda: status_of(c, "gen")["rollout"].get("tokensPerSecond") == 1500.0, what="one server's tokens/s")
+    assert "127.0.0.3" in condition(c, "gen", "RolloutReady")["message"]
+    assert status_of(c, "gen")["rollout"]["answering"] == 1
+
+    # -- requests queue beyond the batch slots: one more server, up to maxReplicas, with an Event
+    servicers[0].stats.queue_depth = 40
+    await c.eventually(lambda: c.get("apps/v1/deployments", "gen-rollout")["spec"]["replicas"] == 3, what="scaled to 3")
+    await c.eventually(lambda: status_of(c, "gen")["rollout"]["desired"] == 3, what="status desired 3")
+    await c.eventually(lambda: c.events("ScaledUpRollout"), what="a ScaledUpRollout Event")
+    assert "generation saturated" in c.events("ScaledUpRollout")[0]["message"]
+
+    # -- spec.rollout removed: its children and its status go, actors sample in-process again
+    await c.patch(RLJOBS + "/gen", {"spec": {"rollout": None}})
+    await c.eventually(lambda: "gen-rollout" not in c.names("apps/v1/deployments"), what="rollout Deployment deleted")
+    await c.eventually(lambda: "gen-rollout" not in c.names("v1/services"), what="rollout Service deleted")
+    await c.eventually(lambda: "STOKER_ROLLOUT_ADDRESS" not in actor_env(c, "gen"), what="actors without the address")
+    await c.eventually(lambda: "rollout" not in status_of(c, "gen"), what="status.rollout removed")
+    assert condition(c, "gen", "RolloutReady")["reason"] == "InProcess"
+
+    # -- a multi-host TPU tier is one JobSet per server, and fewer servers delete the last ones
+    jobsets = "jobset.x-k8s.io/v1alpha2/jobsets"
+    await c.eventually(lambda: {"big-rollout-0", "big-rollout-1"} <= c.names(jobsets), what="two server JobSets")
+    job = c.get(jobsets, "big-rollout-1")["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert job["parallelism"] == 4 and job["template"]["spec"]["containers"][0]["resources"]["limits"]["google.com/tpu"] == "4"
+    assert "big-rollout" not in c.names("apps/v1/deployments")
+    assert c.get("v1/services", "big-rollout")["spec"]["selector"]["batch.kubernetes.io/job-completion-index"] == "0"
+    await c.patch(RLJOBS + "/big", {"spec": {"rollout": {**tpu, "replicas": 1}}})
+    await c.eventually(lambda: "big-rollout-1" not in c.names(jobsets), what="server 1 removed")
+    assert "big-rollout-0" in c.names(jobsets)
+    await c.eventually(lambda: status_of(c, "big").get("rollout", {}).get("desired") == 1, what="status desired 1")
