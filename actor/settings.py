@@ -55,6 +55,7 @@ class ActorSettings:
     conversation_cache_mib: int = 0
     reward_terms: tuple[RewardTerm, ...] = ()  # environment.reward: plugins added to each step's reward
     environment_reward_weight: float = 1.0
+    rollout_address: str | None = None  # a rollout server (host:port): sample there, not in-process
 
     @classmethod
     def from_spec(
@@ -67,6 +68,7 @@ class ActorSettings:
         namespace: str | None = None,
         pod_name: str | None = None,
         image: str | None = None,
+        rollout_address: str | None = None,
     ) -> ActorSettings:
         env = spec.environment
         if env.name == "frozenlake":
@@ -138,6 +140,7 @@ class ActorSettings:
             conversation_cache_mib=spec.actors.conversation_cache_mib,
             reward_terms=tuple(RewardTerm(t.function, t.weight) for t in env.reward.terms),
             environment_reward_weight=env.reward.environment_weight,
+            rollout_address=rollout_address or None,
         )
 
 

@@ -406,6 +406,31 @@ class Sampler:
                     del self._openings[record.opening]
         self._drop_unpinned_states()
 
+    def session_version(self, session: Any) -> int | None:
+        """The weight version a live session's cached keys/values (pinned: its sampling) use."""
+        record = self._sessions.get(session)
+        return None if record is None else record.version
+
+    @property
+    def live_versions(self) -> set[int]:
+        """Weight versions held now: the newest, and any a live session still uses."""
+        return {self.version, *self._pinned_states}
+
+    @property
+    def rows_in_use(self) -> int:
+        """Rows of the conversation cache that hold a session now."""
+        return sum(owner is not None for owner in self._row_owner)
+
+    @property
+    def session_capacity(self) -> int:
+        """Rows of the conversation cache: sessions held at once."""
+        return len(self._row_owner)
+
+    @property
+    def session_row_nbytes(self) -> int:
+        """Memory of one conversation-cache row (keys and values, every layer)."""
+        return sum((layer.keys.nbytes + layer.values.nbytes) // layer.keys.shape[0] for layer in self._store)
+
     def prefill_bucket(self, session: Any, prompt: Sequence[int]) -> int:
         """The chunk length a session call would pad ``prompt`` to now (for grouping calls)."""
         record = self._sessions.get(session)
