@@ -118,7 +118,7 @@ class RemotePolicy:
         except grpc.aio.AioRpcError as exc:
             log.debug("EndSession %s: %s", session, exc.code().name)
 
-    async def stats(self) -> rollout_pb2.RolloutStats:
+    async def server_stats(self) -> rollout_pb2.RolloutStats:
         return await self._rollout().Stats(rollout_pb2.RolloutStatsRequest(), timeout=10.0)
 
     async def close(self) -> None:

@@ -79,6 +79,11 @@ def make_engine(settings: RolloutSettings) -> Any:
         params=params,
         dtype=dtype_from_name(settings.dtype),
         allowed_token_ids=settings.allowed_token_ids,
+        # Every segment is padded to the full batch: one batch shape, so the programs compiled
+        # are one per chunk width (a varying batch compiled ~5x as many, each seconds long, and
+        # stalled the whole batch while it did; decode on an accelerator costs about the same
+        # for 1 row as for a full batch).
+        min_batch=settings.max_batch,
         session_rows=max(settings.session_rows, settings.max_batch),
         pin_sessions=True,  # the engine decides when a session moves to new weights
     )

@@ -6,6 +6,7 @@ identical tiny programs from compiling again for each of them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -24,14 +25,18 @@ from stoker.spec import SamplingSpec, TransformerConfig
 CONFIG = TransformerConfig(
     vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_seq_len=128
 )
-MAX_BATCH = 16
+MAX_BATCH = 8  # fewer than the 16 concurrent episodes: turns wait for slots and are admitted as others finish
+
+
+@pytest.fixture(scope="session")
+def rollout_xla_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("rollout-xla-cache")
 
 
 @pytest.fixture(scope="module")
-def xla_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    directory = tmp_path_factory.mktemp("xla-cache")
-    enable_compilation_cache(directory)
-    yield directory
+def xla_cache(rollout_xla_cache_dir: Path) -> Iterator[Path]:
+    enable_compilation_cache(rollout_xla_cache_dir)
+    yield rollout_xla_cache_dir
     disable_compilation_cache()
 
 
@@ -40,13 +45,13 @@ def weights(version: int) -> dict[str, np.ndarray]:
     return to_hf(init_model(CONFIG, seed=version))
 
 
-def make_engine(*, max_queue: int = 64, segment_tokens: int = 2) -> Engine:
+def make_engine(*, max_queue: int = 64, segment_tokens: int = 2, clock: Callable[[], float] = time.monotonic) -> Engine:
     # One batch shape for every call (min_batch = max batch): fewer programs to compile.
     sampler = Sampler(
         CONFIG, SamplingSpec(temperature=1.0), seed=0, buckets=(128,), min_batch=MAX_BATCH,
         session_rows=2 * MAX_BATCH, pin_sessions=True,
     )
-    return Engine(sampler, max_batch=MAX_BATCH, max_queue=max_queue, segment_tokens=segment_tokens)
+    return Engine(sampler, max_batch=MAX_BATCH, max_queue=max_queue, segment_tokens=segment_tokens, clock=clock)
 
 
 ServerFactory = Callable[..., RolloutServer]
