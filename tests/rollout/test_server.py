@@ -136,7 +136,7 @@ async def test_backpressure_answers_retry_after_and_the_client_backs_off(serve: 
 
         policy = RemotePolicy(address, actor_id="patient", seed=0)
         patient = asyncio.ensure_future(policy.generate([1, 2, 4], max_new_tokens=3, stop_token_ids=[], session="e"))
-        while policy.backoffs < 1:
+        while policy.backoffs < 1 and not patient.done():
             await asyncio.sleep(0.01)  # until it was refused at least once
         assert not patient.done()
         server.start()  # the engine drains the queue; the client's retry gets in
@@ -165,7 +165,7 @@ async def test_restart_mid_episode_retries_then_fails_the_episode_cleanly(serve:
     # The server comes back on the same address while the actor is retrying its next turn; the new
     # server has no cache for the session and prefills the whole conversation.
     turn = asyncio.ensure_future(_play(policy, conv, "e", range(1, 3)))
-    while policy.reconnects < 1:
+    while policy.reconnects < 1 and not turn.done():
         await asyncio.sleep(0.01)  # until the actor has met the down server
     second = serve(port=first.port)
     await turn
