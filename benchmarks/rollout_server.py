@@ -31,12 +31,13 @@ from stoker.rollout.server import RolloutServer
 from stoker.spec import SamplingSpec, TransformerConfig
 
 
-def make_sampler(args: argparse.Namespace, rows: int) -> Sampler:
+def make_sampler(args: argparse.Namespace, rows: int, min_batch: int = 1) -> Sampler:
     config = TransformerConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.hidden // 64,
         num_kv_heads=max(1, args.hidden // 128), intermediate_size=4 * args.hidden, max_seq_len=512,
     )
-    return Sampler(config, SamplingSpec(temperature=1.0), seed=0, buckets=(512,), session_rows=rows, pin_sessions=True)
+    return Sampler(config, SamplingSpec(temperature=1.0), seed=0, buckets=(512,), session_rows=rows, pin_sessions=True,
+                   min_chunk=args.min_chunk, min_batch=min_batch)
 
 
 def prompt(i: int, n: int = 24) -> list[int]:
@@ -45,7 +46,7 @@ def prompt(i: int, n: int = 24) -> list[int]:
 
 def segment_overhead(args: argparse.Namespace) -> None:
     batch, n = args.batch, args.new_tokens
-    sampler = make_sampler(args, 4 * batch)
+    sampler = make_sampler(args, 4 * batch, min_batch=batch)
     engine = Engine(sampler, max_batch=batch, max_queue=batch, segment_tokens=n)
     round_ = iter(range(1_000_000))
 
@@ -97,7 +98,7 @@ def segment_overhead(args: argparse.Namespace) -> None:
 async def offered_load(args: argparse.Namespace) -> None:
     loads = [int(x) for x in args.loads.split(",")]
     top = max(loads)
-    sampler = make_sampler(args, 2 * top)
+    sampler = make_sampler(args, 2 * top, min_batch=args.max_batch)  # padded to the batch, as the server is
     engine = Engine(sampler, max_batch=args.max_batch, max_queue=4 * top, segment_tokens=args.segment_tokens)
     server = RolloutServer(engine).start()
     address = f"127.0.0.1:{server.port}"
@@ -159,11 +160,12 @@ def main(argv: Any = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8, help="part 1: conversations per call")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--segment-tokens", type=int, default=16)
     parser.add_argument("--loads", default="1,2,4,8,16,32,64")
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--skip-segments", action="store_true")
+    parser.add_argument("--min-chunk", type=int, default=1, help="smallest session chunk (the server's: 1; the actors': 16)")
     args = parser.parse_args(argv)
     if not args.skip_segments:
         segment_overhead(args)

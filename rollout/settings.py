@@ -86,6 +86,7 @@ def make_engine(settings: RolloutSettings) -> Any:
         min_batch=settings.max_batch,
         session_rows=max(settings.session_rows, settings.max_batch),
         pin_sessions=True,  # the engine decides when a session moves to new weights
+        min_chunk=1,  # a segment continues a turn from the one token sampled last
     )
     return Engine(
         sampler, max_batch=settings.max_batch, max_queue=settings.max_queue, segment_tokens=settings.segment_tokens

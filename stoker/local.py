@@ -318,22 +318,7 @@ class AsyncRun:
     def start(self, env: dict[str, str]) -> str:
         o = self.options
         manifest = str(o.manifest)
-        ready = o.run_dir / "buffer.ready"
-        ready.unlink(missing_ok=True)
-        self.buffer = Child(
-            "buffer",
-            _stoker(
-                "buffer",
-                "--manifest", manifest,
-                "--host", "127.0.0.1",
-                "--port", "0",
-                "--data-dir", str(o.run_dir / "buffer"),
-                "--ready-file", str(ready),
-            ),
-            o.logs_dir / "buffer.log",
-        )
-        self.buffer.start(env)
-        address = f"127.0.0.1:{wait_for_ready_file(ready, self.buffer)}"  # the file holds the bound port
+        address = self._serve("buffer", env, "--data-dir", str(o.run_dir / "buffer"))
         learner_argv = _stoker(
             "learner",
             "--manifest", manifest,
@@ -369,23 +354,25 @@ class AsyncRun:
 
     def _start_rollout(self, env: dict[str, str]) -> str:
         """One ``stoker rollout`` on loopback following the learner's weights; its address."""
+        return self._serve("rollout", env, "--weights", str(self.options.weights_dir))
+
+    def _serve(self, command: str, env: dict[str, str], *args: str) -> str:
+        """Start a ``stoker COMMAND`` server on a free loopback port as ``self.<command>`` (set
+        before it is ready, so a failed start is still stopped); its address once ready."""
         o = self.options
-        ready = o.run_dir / "rollout.ready"
+        ready = o.run_dir / f"{command}.ready"
         ready.unlink(missing_ok=True)
-        self.rollout = Child(
-            "rollout",
+        child = Child(
+            command,
             _stoker(
-                "rollout",
-                "--manifest", str(o.manifest),
-                "--weights", str(o.weights_dir),
-                "--host", "127.0.0.1",
-                "--port", "0",
-                "--ready-file", str(ready),
+                command, "--manifest", str(o.manifest), *args,
+                "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
             ),
-            o.logs_dir / "rollout.log",
+            o.logs_dir / f"{command}.log",
         )
-        self.rollout.start(env)
-        return f"127.0.0.1:{wait_for_ready_file(ready, self.rollout)}"
+        setattr(self, command, child)
+        child.start(env)
+        return f"127.0.0.1:{wait_for_ready_file(ready, child)}"  # the file holds the bound port
 
     def stop(self) -> None:
         # Learner first (final checkpoint), then actors (and their sandboxes), the buffer last so

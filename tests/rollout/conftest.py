@@ -49,7 +49,7 @@ def make_engine(*, max_queue: int = 64, segment_tokens: int = 2, clock: Callable
     # One batch shape for every call (min_batch = max batch): fewer programs to compile.
     sampler = Sampler(
         CONFIG, SamplingSpec(temperature=1.0), seed=0, buckets=(128,), min_batch=MAX_BATCH,
-        session_rows=2 * MAX_BATCH, pin_sessions=True,
+        session_rows=2 * MAX_BATCH, pin_sessions=True, min_chunk=1,
     )
     return Engine(sampler, max_batch=MAX_BATCH, max_queue=max_queue, segment_tokens=segment_tokens, clock=clock)
 
