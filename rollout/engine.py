@@ -197,7 +197,10 @@ class Engine:
                 else:
                     future.set_result(outcome)
 
-            loop.call_soon_threadsafe(settle)
+            try:
+                loop.call_soon_threadsafe(settle)
+            except RuntimeError:  # the caller's event loop is closed: nobody waits for the answer
+                pass
 
         cancel = self.submit(
             prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, session=session,
