@@ -29,6 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("POD_NAME") or os.uname().nodename,
         help="this actor's id (default: the pod/host name)",
     )
+    parser.add_argument(
+        "--rollout",
+        default=os.environ.get("STOKER_ROLLOUT_ADDRESS") or None,
+        metavar="ADDR",
+        help="rollout server host:port to sample from (default: $STOKER_ROLLOUT_ADDRESS; unset: sample in-process)",
+    )
     parser.add_argument("--max-groups", type=int, metavar="N", help="stop after starting N groups")
     parser.add_argument("--job", help="job name for sandbox pod labels (default: the manifest's metadata.name)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -61,6 +67,7 @@ def main(args: argparse.Namespace) -> int:
                 buffer_address=args.buffer,
                 token=token,
                 weights=args.weights,
+                rollout_address=args.rollout,
                 max_groups=args.max_groups,
                 job_name=args.job or job.metadata.name,
                 install_signals=_install_signals,

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from stoker.actor.environments import Observation
-from stoker.actor.policy import Policy, Sampled
+from stoker.actor.policy import Policy, PolicyError, Sampled
 from stoker.actor.sandbox import EnvironmentFactory, EpisodeEnvironment, SandboxFailed, SandboxTimeout
 from stoker.actor.tokenization import TextInterface
 from stoker.trajectory import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, Episode
@@ -167,7 +167,7 @@ async def run_episode(
         status, reason = TIMEOUT, f"episode exceeded its {limits.episode_seconds:g} s limit"
     except SandboxTimeout as exc:
         status, reason = TIMEOUT, str(exc)
-    except SandboxFailed as exc:
+    except (SandboxFailed, PolicyError) as exc:
         status, reason = FAILED, str(exc)
     finally:
         await policy.end_session(episode_id)

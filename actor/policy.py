@@ -36,6 +36,11 @@ class Sampled:
     version: int
 
 
+class PolicyError(Exception):
+    """The policy could not answer a turn (e.g. its rollout server stayed unreachable); the
+    episode fails with this reason and its group is handled by ``buffer.failedGroupPolicy``."""
+
+
 class Policy(Protocol):
     async def generate(
         self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int], session: Hashable = None

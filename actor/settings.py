@@ -58,6 +58,7 @@ class ActorSettings:
     reward_terms: tuple[RewardTerm, ...] = ()  # environment.reward: plugins added to each step's reward
     environment_reward_weight: float = 1.0
     evaluation: EvalPlan | None = None  # environment.evalTasks: held-out rounds, never trained on
+    rollout_address: str | None = None  # a rollout server (host:port): sample there, not in-process
 
     @classmethod
     def from_spec(
@@ -70,6 +71,7 @@ class ActorSettings:
         namespace: str | None = None,
         pod_name: str | None = None,
         image: str | None = None,
+        rollout_address: str | None = None,
     ) -> ActorSettings:
         env = spec.environment
         tasks, options = training_tasks(env)
@@ -128,6 +130,7 @@ class ActorSettings:
             reward_terms=tuple(RewardTerm(t.function, t.weight) for t in env.reward.terms),
             environment_reward_weight=env.reward.environment_weight,
             evaluation=EvalPlan.from_spec(env, eval_tasks, spec.actors.concurrency) if eval_tasks else None,
+            rollout_address=rollout_address or None,
         )
 
 

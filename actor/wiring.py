@@ -17,6 +17,7 @@ from stoker.actor.policy import BatchedSampler
 from stoker.actor.runner import Actor, ActorStats, BufferUnavailable, Grant
 from stoker.actor.sandbox import EnvironmentFactory, close_factory, inline_factory, process_factory
 from stoker.actor.settings import ActorSettings
+from stoker.rollout.client import RemotePolicy
 from stoker.actor.tokenization import text_interface
 from stoker.spec import RLJob
 from stoker.trajectory import Episode
@@ -196,17 +197,28 @@ async def build_and_run(
     max_groups: int | None,
     job_name: str,
     install_signals: Callable[[Callable[[], None]], None] | None = None,
+    rollout_address: str | None = None,
 ) -> ActorStats:
     from stoker.buffer.client import BufferClient
 
     spec = job.spec
     try:
-        settings = ActorSettings.from_spec(spec, actor_id=actor_id, job=job_name, max_groups=max_groups)
+        settings = ActorSettings.from_spec(
+            spec, actor_id=actor_id, job=job_name, max_groups=max_groups, rollout_address=rollout_address
+        )
     except EnvironmentProblem as exc:  # a task file, an evaluation task: the user's to fix
         raise ActorSetupError(f"spec.environment: {exc}") from None
     interface = text_interface(spec)
-    policy = await asyncio.to_thread(make_policy, settings, spec.model.dtype)
-    source = make_weight_source(weights, token) if weights else None
+    policy: BatchedSampler | RemotePolicy
+    if settings.rollout_address:
+        # The rollout server holds the model and follows the learner's weights: no sampler here.
+        policy = RemotePolicy(
+            settings.rollout_address, actor_id=actor_id, pin_weights=settings.weight_sync == "between-episodes"
+        )
+        source, loader = None, None
+    else:
+        policy = await asyncio.to_thread(make_policy, settings, spec.model.dtype)
+        source, loader = (make_weight_source(weights, token) if weights else None), policy
     buffer = GrpcBuffer(BufferClient(buffer_address, token=token, client_id=actor_id))
     if settings.evaluation is not None:
         try:
@@ -214,7 +226,7 @@ async def build_and_run(
         except TypeError as exc:  # e.g. a generation server without greedy decoding
             raise ActorSetupError(f"spec.environment.evalTasks: {exc}") from None
     factory = environment_factory(settings)
-    actor = Actor(settings, policy, interface, factory, buffer, weights=source, loader=policy)
+    actor = Actor(settings, policy, interface, factory, buffer, weights=source, loader=loader)
     if install_signals is not None:
         install_signals(actor.stop)
     log.info(
@@ -227,6 +239,8 @@ async def build_and_run(
         settings.sandbox_kind,
         settings.weight_sync,
     )
+    if settings.rollout_address:
+        log.info("actor %s samples from the rollout server at %s", actor_id, settings.rollout_address)
     try:
         return await actor.run()
     finally:

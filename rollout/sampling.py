@@ -316,6 +316,7 @@ class Sampler:
         session_rows: int = 0,
         pin_sessions: bool = False,
         share_prefixes: bool = True,
+        min_chunk: int = 16,
     ):
         if not buckets or list(buckets) != sorted(set(buckets)):
             raise ValueError(f"buckets must be strictly ascending, got {list(buckets)}")
@@ -357,6 +358,8 @@ class Sampler:
         self.keeps_sessions = session_rows > 0
         self.pin_sessions = pin_sessions
         self.share_prefixes = share_prefixes
+        # The smallest chunk a session call pads to (see chunk_buckets).
+        self.min_chunk = min_chunk
         # Live sessions by the prompt of their first turn: where a prefix donor is looked for.
         self._openings: dict[tuple[int, ...], set[Any]] = {}
         self.cache_stats = CacheStats()
@@ -418,13 +421,38 @@ class Sampler:
                     del self._openings[record.opening]
         self._drop_unpinned_states()
 
+    def session_version(self, session: Any) -> int | None:
+        """The weight version a live session's cached keys/values (pinned: its sampling) use."""
+        record = self._sessions.get(session)
+        return None if record is None else record.version
+
+    @property
+    def live_versions(self) -> set[int]:
+        """Weight versions held now: the newest, and any a live session still uses."""
+        return {self.version, *self._pinned_states}
+
+    @property
+    def rows_in_use(self) -> int:
+        """Rows of the conversation cache that hold a session now."""
+        return sum(owner is not None for owner in self._row_owner)
+
+    @property
+    def session_capacity(self) -> int:
+        """Rows of the conversation cache: sessions held at once."""
+        return len(self._row_owner)
+
+    @property
+    def session_row_nbytes(self) -> int:
+        """Memory of one conversation-cache row (keys and values, every layer)."""
+        return sum((layer.keys.nbytes + layer.values.nbytes) // layer.keys.shape[0] for layer in self._store)
+
     def prefill_bucket(self, session: Any, prompt: Sequence[int]) -> int:
         """The chunk length a session call would pad ``prompt`` to now (for grouping calls)."""
         record = self._sessions.get(session)
         uncached = len(prompt)
         if record is not None and record.row is not None and self._cache_usable(record):
             uncached -= _cached_prefix(record.cached, prompt)
-        buckets = chunk_buckets(self.session_len) if self._store else self.buckets
+        buckets = chunk_buckets(self.session_len, self.min_chunk) if self._store else self.buckets
         return next((b for b in buckets if b >= uncached), uncached)
 
     def generate(
@@ -588,7 +616,7 @@ class Sampler:
         chunks = [p[s:] for p, s in zip(prompts, starts, strict=True)]
         self.cache_stats.prompt_tokens += sum(map(len, prompts))
         self.cache_stats.reused_tokens += sum(starts)
-        width = pick_bucket(chunk_buckets(self.session_len), max(map(len, chunks)))
+        width = pick_bucket(chunk_buckets(self.session_len, self.min_chunk), max(map(len, chunks)))
         batch = padded_batch(len(prompts), self.min_batch)
         scratch = len(self._row_owner)
         rows = np.full((batch,), scratch, np.int32)
@@ -654,10 +682,14 @@ def _snapshot(state: nnx.State) -> nnx.State:
     return jax.tree.map(lambda x: x, state)
 
 
-def chunk_buckets(longest: int) -> tuple[int, ...]:
+def chunk_buckets(longest: int, smallest: int = 16) -> tuple[int, ...]:
     """Chunk lengths a session call pads to: powers of two from 16 up to ``longest`` (a turn's
-    new tokens are usually few; a re-prefill after new weights takes the largest)."""
+    new tokens are usually few; a re-prefill after new weights takes the largest), and
+    ``smallest`` below them when it is less than 16 (the rollout engine continues a turn with
+    a 1-token chunk: padded to 16 it cost ~16 decode steps of compute per segment)."""
     sizes = [16]
     while sizes[-1] < longest:
         sizes.append(sizes[-1] * 2)
+    if smallest < 16:
+        sizes.insert(0, smallest)
     return tuple(min(s, longest) for s in sizes)

@@ -24,6 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "crd": ("stoker.crd_cmd", "print (or write) the RLJob CustomResourceDefinition generated from the spec"),
     "buffer": ("stoker.buffer.cli", "serve the trajectory buffer (gRPC)"),
     "actor": ("stoker.actor.cli", "run an actor: episodes in sandboxes, trajectories to the buffer"),
+    "rollout": ("stoker.rollout.cli", "serve generation to the actors (gRPC): continuous batching, weights from the learner"),
     "learner": ("stoker.learner.cli", "run the learner: pull batches, train, publish weights"),
     "operator": ("stoker.operator.cli", "run the Kubernetes operator (kopf) that reconciles RLJobs"),
     "sandbox": ("stoker.actor.sandbox_check", "check that a sandbox server keeps the stoker.v1.Sandbox contract"),

@@ -306,33 +306,19 @@ class AsyncRun:
     buffer: Child | None = None
     learners: list[Child] = field(default_factory=list)  # process 0 (the primary) first
     actors: list[Child] = field(default_factory=list)
+    rollout: Child | None = None  # with spec.rollout: one generation server the actors call
 
     @property
     def learner(self) -> Child | None:
         return self.learners[0] if self.learners else None
 
     def children(self) -> list[Child]:
-        return [c for c in (*self.learners, *self.actors, self.buffer) if c is not None]
+        return [c for c in (*self.learners, *self.actors, self.rollout, self.buffer) if c is not None]
 
     def start(self, env: dict[str, str]) -> str:
         o = self.options
         manifest = str(o.manifest)
-        ready = o.run_dir / "buffer.ready"
-        ready.unlink(missing_ok=True)
-        self.buffer = Child(
-            "buffer",
-            _stoker(
-                "buffer",
-                "--manifest", manifest,
-                "--host", "127.0.0.1",
-                "--port", "0",
-                "--data-dir", str(o.run_dir / "buffer"),
-                "--ready-file", str(ready),
-            ),
-            o.logs_dir / "buffer.log",
-        )
-        self.buffer.start(env)
-        address = f"127.0.0.1:{wait_for_ready_file(ready, self.buffer)}"  # the file holds the bound port
+        address = self._serve("buffer", env, "--data-dir", str(o.run_dir / "buffer"))
         learner_argv = _stoker(
             "learner",
             "--manifest", manifest,
@@ -347,6 +333,9 @@ class AsyncRun:
             learner = Child(name, learner_argv, o.logs_dir / log_name)
             learner.start(learner_env)
             self.learners.append(learner)
+        sampling = ["--weights", str(o.weights_dir)]
+        if o.job.spec.rollout is not None:
+            sampling = ["--rollout", self._start_rollout(env)]
         for index in range(o.job.spec.actors.replicas):
             actor = Child(
                 f"actor-{index}",
@@ -354,7 +343,7 @@ class AsyncRun:
                     "actor",
                     "--manifest", manifest,
                     "--buffer", address,
-                    "--weights", str(o.weights_dir),
+                    *sampling,
                     "--actor-id", f"actor-{index}",
                 ),
                 o.logs_dir / f"actor-{index}.log",
@@ -362,6 +351,28 @@ class AsyncRun:
             actor.start(env)
             self.actors.append(actor)
         return address
+
+    def _start_rollout(self, env: dict[str, str]) -> str:
+        """One ``stoker rollout`` on loopback following the learner's weights; its address."""
+        return self._serve("rollout", env, "--weights", str(self.options.weights_dir))
+
+    def _serve(self, command: str, env: dict[str, str], *args: str) -> str:
+        """Start a ``stoker COMMAND`` server on a free loopback port as ``self.<command>`` (set
+        before it is ready, so a failed start is still stopped); its address once ready."""
+        o = self.options
+        ready = o.run_dir / f"{command}.ready"
+        ready.unlink(missing_ok=True)
+        child = Child(
+            command,
+            _stoker(
+                command, "--manifest", str(o.manifest), *args,
+                "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
+            ),
+            o.logs_dir / f"{command}.log",
+        )
+        setattr(self, command, child)
+        child.start(env)
+        return f"127.0.0.1:{wait_for_ready_file(ready, child)}"  # the file holds the bound port
 
     def stop(self) -> None:
         # Learner first (final checkpoint), then actors (and their sandboxes), the buffer last so
@@ -377,6 +388,8 @@ class AsyncRun:
         deadline = time.monotonic() + STOP_GRACE_SECONDS
         for actor in self.actors:
             actor.finish(max(0.0, deadline - time.monotonic()))
+        if self.rollout is not None:
+            self.rollout.stop()
         if self.buffer is not None:
             self.buffer.stop()
 

@@ -100,8 +100,8 @@ def kustomize(directory: Path) -> list[dict[str, Any]]:
 
 def test_examples_cover_what_the_docs_promise() -> None:
     names = {p.relative_to(EXAMPLES).as_posix() for p in rljob_files()}
-    assert {"frozenlake.yaml", "gke-v5e-frozenlake.yaml", "gke-v6e-swe-multislice.yaml", "gke-v6e-swe-rollout.yaml",
-            "gitops/base/rljob.yaml"} <= names
+    assert {"frozenlake.yaml", "frozenlake-rollout.yaml", "gke-v5e-frozenlake.yaml", "gke-v6e-swe-multislice.yaml",
+            "gke-v6e-swe-rollout.yaml", "gitops/base/rljob.yaml"} <= names
 
 
 def test_every_example_passes_stoker_validate(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,176 @@
+"""The rollout server: what batching segments cost, and tokens/s against offered load.
+
+    .venv/bin/python benchmarks/rollout_server.py [--hidden 256] [--layers 4] [--new-tokens 32]
+                                                  [--loads 1,2,4,8,16,32,64] [--seconds 8]
+
+Part 1, segment overhead (engine driven inline, no gRPC): B conversations each generate
+``--new-tokens`` tokens (no stop token), either as one ``Sampler.generate`` call (the baseline) or
+through the ``Engine`` in segments of K decode steps. Reports ms per generated token and the
+ratio to the baseline, per K.
+
+Part 2, offered load: a real ``RolloutServer`` on loopback; C concurrent clients (``RemotePolicy``,
+as actors use it) each play multi-turn conversations (a turn: ``--new-tokens`` tokens, then a
+4-token environment reply; a new conversation every 4 turns), for ``--seconds`` per load. Reports
+the server's sampled tokens/s, mean turn latency and batch occupancy per C. Clients share the
+process (and CPU) with the server, as on a 2-core machine they would anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from typing import Any
+
+from stoker.rollout.client import RemotePolicy
+from stoker.rollout.engine import Engine, TurnResult
+from stoker.rollout.sampling import Sampler
+from stoker.rollout.server import RolloutServer
+from stoker.spec import SamplingSpec, TransformerConfig
+
+
+def make_sampler(args: argparse.Namespace, rows: int, min_batch: int = 1) -> Sampler:
+    config = TransformerConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.hidden // 64,
+        num_kv_heads=max(1, args.hidden // 128), intermediate_size=4 * args.hidden, max_seq_len=512,
+    )
+    return Sampler(config, SamplingSpec(temperature=1.0), seed=0, buckets=(512,), session_rows=rows, pin_sessions=True,
+                   min_chunk=args.min_chunk, min_batch=min_batch)
+
+
+def prompt(i: int, n: int = 24) -> list[int]:
+    return [(7 * i + j) % 97 + 1 for j in range(n)]
+
+
+def segment_overhead(args: argparse.Namespace) -> None:
+    batch, n = args.batch, args.new_tokens
+    sampler = make_sampler(args, 4 * batch, min_batch=batch)
+    engine = Engine(sampler, max_batch=batch, max_queue=batch, segment_tokens=n)
+    round_ = iter(range(1_000_000))
+
+    def whole() -> float:
+        r = next(round_)
+        sessions = [f"w{r}/{i}" for i in range(batch)]
+        t0 = time.perf_counter()
+        gens = sampler.generate([prompt(i) for i in range(batch)], max_new_tokens=n, sessions=sessions)
+        elapsed = time.perf_counter() - t0
+        assert all(len(g.token_ids) == n for g in gens)
+        for s in sessions:
+            sampler.end_session(s)
+        return elapsed
+
+    def segmented(k: int) -> float:
+        r = next(round_)
+        engine.segment_tokens = k
+        done: list[TurnResult | BaseException] = []
+        t0 = time.perf_counter()
+        for i in range(batch):
+            engine.submit(prompt(i), max_new_tokens=n, stop_token_ids=(), session=f"s{r}/{i}", pin_weights=False,
+                          on_done=done.append)
+        while len(done) < batch:
+            engine.step()
+        elapsed = time.perf_counter() - t0
+        assert all(isinstance(d, TurnResult) and len(d.token_ids) == n for d in done)
+        for i in range(batch):
+            engine.end_session(f"s{r}/{i}")
+        engine.step()
+        return elapsed
+
+    ks = [k for k in (1, 2, 4, 8, 16, 32) if k < n] + [n]
+    for k in ks:  # compile every program first
+        segmented(k)
+    whole()
+    times: dict[str, list[float]] = {"whole call": []} | {f"K={k}": [] for k in ks}
+    for _ in range(args.rounds):  # interleaved: the machine is shared
+        times["whole call"].append(whole())
+        for k in ks:
+            times[f"K={k}"].append(segmented(k))
+    base = statistics.median(times["whole call"])
+    print(f"\nsegment overhead: batch {batch}, {n} new tokens per turn, medians of {args.rounds} rounds")
+    print("| variant | ms per token | vs one call |\n|---|---|---|")
+    for name, values in times.items():
+        med = statistics.median(values)
+        print(f"| {name} | {1000 * med / (batch * n):.3f} | {med / base:.2f}x |")
+
+
+async def offered_load(args: argparse.Namespace) -> None:
+    loads = [int(x) for x in args.loads.split(",")]
+    top = max(loads)
+    sampler = make_sampler(args, 2 * top, min_batch=args.max_batch)  # padded to the batch, as the server is
+    engine = Engine(sampler, max_batch=args.max_batch, max_queue=4 * top, segment_tokens=args.segment_tokens)
+    server = RolloutServer(engine).start()
+    address = f"127.0.0.1:{server.port}"
+    print(f"\noffered load: max batch {args.max_batch}, segments of {args.segment_tokens}, {args.new_tokens} tokens per turn")
+    print("| concurrent clients | tokens/s | vs 1 client | mean turn latency (s) | batch occupancy |\n|---|---|---|---|---|")
+    base = None
+    try:
+        for load in loads:
+            await run_load(address, load, 2.0, args)  # warm-up: compiles this batch size's programs
+            tokens, latencies, occupancy, wall = await run_load(address, load, args.seconds, args)
+            rate = tokens / wall
+            base = base or rate
+            print(f"| {load} | {rate:.0f} | {rate / base:.2f}x | {statistics.mean(latencies):.3f} | {occupancy:.2f} |")
+            sys.stdout.flush()
+    finally:
+        server.stop(grace=0)
+
+
+async def run_load(address: str, clients: int, seconds: float, args: argparse.Namespace) -> tuple[int, list[float], float, float]:
+    policies = [RemotePolicy(address, actor_id=f"bench-{i}", seed=i) for i in range(clients)]
+    stop_at = time.perf_counter() + seconds
+    latencies: list[float] = []
+    tokens = 0
+    occupancy: list[float] = []
+
+    async def client(policy: RemotePolicy, index: int) -> None:
+        nonlocal tokens
+        episode = 0
+        while time.perf_counter() < stop_at:
+            ids, session = prompt(index + 31 * episode), f"{episode}"
+            for turn in range(4):
+                t0 = time.perf_counter()
+                sampled = await policy.generate(ids, max_new_tokens=args.new_tokens, stop_token_ids=(), session=session)
+                latencies.append(time.perf_counter() - t0)
+                tokens += len(sampled.token_ids)
+                ids = ids + sampled.token_ids + [5, 6, 7, 8 + turn]
+            await policy.end_session(session)
+            episode += 1
+
+    async def sample_stats() -> None:
+        while time.perf_counter() < stop_at:
+            await asyncio.sleep(0.5)
+            stats = await policies[0].server_stats()
+            occupancy.append(stats.running / stats.max_batch)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(p, i) for i, p in enumerate(policies)), sample_stats())
+    wall = time.perf_counter() - t0
+    for p in policies:
+        await p.close()
+    return tokens, latencies, statistics.mean(occupancy) if occupancy else 0.0, wall
+
+
+def main(argv: Any = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=8, help="part 1: conversations per call")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--segment-tokens", type=int, default=16)
+    parser.add_argument("--loads", default="1,2,4,8,16,32,64")
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--skip-segments", action="store_true")
+    parser.add_argument("--min-chunk", type=int, default=1, help="smallest session chunk (the server's: 1; the actors': 16)")
+    args = parser.parse_args(argv)
+    if not args.skip_segments:
+        segment_overhead(args)
+    asyncio.run(offered_load(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""``stoker rollout``: serve generation to the actors over gRPC (``stoker.v1.Rollout``).
+
+    stoker rollout --manifest job.yaml [--weights HOST:PORT|DIR] [--port N] [--max-batch N]
+                   [--max-queue N] [--metrics-port N] [--ready-file F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from typing import Any
+
+log = logging.getLogger("stoker.rollout")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--manifest", required=True, metavar="FILE", help="RLJob manifest (or the operator's spec file)")
+    parser.add_argument("--weights", metavar="ADDR_OR_DIR", help="learner weight channel: gRPC host:port or a directory")
+    parser.add_argument("--token-file", metavar="F", help="file holding the weight channel's bearer token")
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: all)")
+    parser.add_argument("--port", type=int, help="gRPC port (default: spec.rollout.port; 0 picks a free one)")
+    parser.add_argument("--max-batch", type=int, help="turns decoded together (default: spec.rollout.maxBatch)")
+    parser.add_argument("--max-queue", type=int, help="waiting turns before RESOURCE_EXHAUSTED (default: spec.rollout.maxQueue)")
+    parser.add_argument("--session-rows", type=int, help="conversations cached at once (default: 2 x max batch)")
+    parser.add_argument("--segment-tokens", type=int, help="decode steps per batching segment (default: 16)")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    parser.add_argument("--ready-file", metavar="F", help="write the bound port here once serving")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def main(args: argparse.Namespace) -> int:
+    from stoker.manifest import load_job
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    job = load_job(args.manifest)  # ManifestError is reported by the dispatcher
+    for flag in ("max_batch", "max_queue", "session_rows", "segment_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            print(f"stoker rollout: --{flag.replace('_', '-')}: got {value}; expected >= 1", file=sys.stderr)
+            return 2
+    from stoker.actor.tokenization import TokenizerProblem
+    from stoker.model.hf import CheckpointError
+    from stoker.rollout.settings import RolloutSettings, make_engine
+
+    try:
+        settings = RolloutSettings.from_spec(
+            job.spec, max_batch=args.max_batch, max_queue=args.max_queue, session_rows=args.session_rows,
+            segment_tokens=args.segment_tokens, port=args.port,
+        )
+        engine = make_engine(settings)
+    except (TokenizerProblem, CheckpointError) as exc:
+        print(f"stoker rollout: {exc}", file=sys.stderr)
+        return 2
+    token = None
+    if args.token_file:
+        try:
+            with open(args.token_file) as handle:
+                token = handle.read().strip()
+        except OSError as exc:
+            print(f"stoker rollout: --token-file {args.token_file}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+    return serve(engine, settings, args, token)
+
+
+def serve(engine: Any, settings: Any, args: argparse.Namespace, token: str | None) -> int:
+    from stoker.actor.wiring import make_weight_source
+    from stoker.buffer.server import write_ready_file
+    from stoker.rollout.server import RolloutServer
+
+    weights = make_weight_source(args.weights, token) if args.weights else None
+    try:
+        server = RolloutServer(
+            engine, host=args.host, port=settings.port, weights=weights,
+            weight_poll_seconds=settings.weight_poll_seconds, metrics_port=args.metrics_port,
+        )
+    except OSError as exc:
+        print(f"stoker rollout: cannot serve on {args.host}:{settings.port}: {exc}", file=sys.stderr)
+        return 2
+    server.start()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server.stop())
+    if args.ready_file:
+        write_ready_file(args.ready_file, server.port)
+    log.info(
+        "rollout: max batch %d, queue %d, %d session rows, segments of %d tokens, metrics port %s",
+        settings.max_batch, settings.max_queue, settings.session_rows, settings.segment_tokens, server.metrics_port,
+    )
+    server.wait()
+    return 0

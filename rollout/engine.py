@@ -1,0 +1,419 @@
+"""Continuous batching over the ``Sampler``: every connected actor's turns share one decode batch.
+
+The engine runs the model in *segments* of at most ``segment_tokens`` decode steps. Each segment
+takes every running turn -- plus queued ones admitted into free batch slots -- into one
+``Sampler.generate(..., sessions=...)`` call. A turn's session cache already holds its context,
+so a continuation prefills only the token sampled last; a turn that hits a stop token or its
+limit is answered at once, and its slot goes to the next queued turn at the next segment. The
+sampler's jitted program is unchanged: a segment is an ordinary call with a small
+``max_new_tokens``. Why segments and how long (docs/architecture.md, "The rollout tier").
+
+Weights. The sampler pins every session (``pin_sessions=True``), so a turn in flight keeps the
+weights it started with across segments and every token of one answer carries one version.
+A session asking ``pin_weights`` keeps its first version until it ends (``between-episodes``);
+any other session moves to the newest weights at the start of its next turn (its cache is
+dropped and the conversation prefilled under them, as ``between-turns`` does in-process). A
+version is released once no live session uses it.
+
+One thread (``run`` / ``start``) drives the sampler; ``submit``, ``load_weights``,
+``end_session`` and ``stats`` may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from stoker.rollout.sampling import Sampler
+
+log = logging.getLogger("stoker.rollout")
+
+# Decode steps per segment: see docs/architecture.md ("The rollout tier") for the measurement.
+SEGMENT_TOKENS = 16
+STATS_WINDOW_SECONDS = 10.0
+# Sessions nobody ended (an actor that died mid-episode) are forgotten after this long idle.
+SESSION_IDLE_SECONDS = 600.0
+
+
+class EngineBusy(Exception):
+    """The queue is full; the caller should retry after ``retry_after_ms``."""
+
+    def __init__(self, retry_after_ms: int, queued: int):
+        super().__init__(f"{queued} requests are waiting for a batch slot; retry in {retry_after_ms} ms")
+        self.retry_after_ms = retry_after_ms
+
+
+class EngineStopped(Exception):
+    """The engine stopped before the turn was answered."""
+
+
+@dataclass
+class TurnResult:
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]  # one per token id
+    finished: bool  # ended on a stop token
+
+
+@dataclass
+class _Turn:
+    prompt: list[int]
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+    session: str
+    pinned: bool
+    private: bool  # no session named: the engine made one up and ends it with the turn
+    on_done: Callable[[TurnResult | BaseException], None]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    started: bool = False
+    cancelled: bool = False
+    queued_at: float = 0.0
+
+
+@dataclass
+class EngineStats:
+    policy_version: int
+    live_versions: list[int]
+    tokens_per_second: float
+    queue_depth: int
+    running: int
+    max_batch: int
+    batch_occupancy: float
+    kv_cache_bytes_used: int
+    kv_cache_bytes_total: int
+    requests_total: int
+    rejected_total: int
+    segments_total: int
+
+
+class Engine:
+    """Turns in, answers out, batched continuously over one ``Sampler`` with sessions.
+
+    ``max_batch``: turns decoded together (at most the sampler's session rows). ``max_queue``:
+    turns waiting for a slot beyond which ``submit`` raises ``EngineBusy``."""
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        *,
+        max_batch: int,
+        max_queue: int,
+        segment_tokens: int = SEGMENT_TOKENS,
+        session_idle_seconds: float = SESSION_IDLE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if not sampler.keeps_sessions or not sampler.pin_sessions:
+            raise ValueError("the engine needs a sampler with session rows and pin_sessions=True")
+        if max_batch > sampler.session_capacity:
+            raise ValueError(f"max_batch {max_batch} exceeds the sampler's {sampler.session_capacity} session rows")
+        self.sampler = sampler
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.segment_tokens = segment_tokens
+        self.session_idle_seconds = session_idle_seconds
+        self._clock = clock
+        self._lock = threading.Condition()
+        self._queue: deque[_Turn] = deque()
+        self._running: list[_Turn] = []
+        self._busy: set[str] = set()  # sessions with a turn queued or running
+        self._idle: dict[str, tuple[bool, float]] = {}  # sessions between turns: (pinned, since)
+        self._ends: list[str] = []
+        self._weights: list[tuple[Mapping[str, np.ndarray], int, threading.Event]] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._anonymous = itertools.count()
+        self._window: deque[tuple[float, int, int]] = deque()  # (end time, tokens, rows) per segment
+        self._turn_seconds = 0.0  # moving mean of a turn's time in the engine: the retry hint
+        self.requests_total = 0
+        self.rejected_total = 0
+        self.segments_total = 0
+        self._version = sampler.version
+
+    # ------------------------------------------------------------------ any thread
+
+    def submit(
+        self,
+        prompt: Sequence[int],
+        *,
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int],
+        session: str,
+        pin_weights: bool,
+        on_done: Callable[[TurnResult | BaseException], None],
+    ) -> Callable[[], None]:
+        """Queue one turn; ``on_done`` gets its result (or exception) on the engine thread.
+        Returns a function that cancels the turn. Raises ``ValueError`` for a request the model
+        cannot serve and ``EngineBusy`` when the queue is full."""
+        self._check(prompt, max_new_tokens, stop_token_ids)
+        private = not session
+        turn = _Turn(
+            list(prompt), int(max_new_tokens), tuple(stop_token_ids), session or f"\0anonymous/{next(self._anonymous)}",
+            pinned=pin_weights, private=private, on_done=on_done, queued_at=self._clock(),
+        )
+        with self._lock:
+            if self._stopping:
+                raise EngineStopped("the rollout engine is stopping")
+            self.requests_total += 1
+            if len(self._queue) >= self.max_queue:
+                self.rejected_total += 1
+                raise EngineBusy(self._retry_after_ms(), len(self._queue))
+            if turn.session in self._busy:
+                raise ValueError(f"session {session!r} already has a turn in flight")
+            self._busy.add(turn.session)
+            self._idle.pop(turn.session, None)
+            self._queue.append(turn)
+            self._lock.notify_all()
+
+        def cancel() -> None:
+            turn.cancelled = True
+
+        return cancel
+
+    async def generate(
+        self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int], session: str = "",
+        pin_weights: bool = False,
+    ) -> TurnResult:
+        """``submit`` for an event loop: awaits the answer; cancelling the task cancels the turn."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[TurnResult] = loop.create_future()
+
+        def deliver(outcome: TurnResult | BaseException) -> None:
+            def settle() -> None:
+                if future.done():
+                    return
+                if isinstance(outcome, BaseException):
+                    future.set_exception(outcome)
+                else:
+                    future.set_result(outcome)
+
+            try:
+                loop.call_soon_threadsafe(settle)
+            except RuntimeError:  # the caller's event loop is closed: nobody waits for the answer
+                pass
+
+        cancel = self.submit(
+            prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, session=session,
+            pin_weights=pin_weights, on_done=deliver,
+        )
+        try:
+            return await future
+        except asyncio.CancelledError:
+            cancel()
+            raise
+
+    def load_weights(self, flat: Mapping[str, np.ndarray], version: int, timeout: float | None = None) -> bool:
+        """Serve ``version`` from the next segment on; blocks until it is loaded (False on timeout)."""
+        loaded = threading.Event()
+        with self._lock:
+            self._weights.append((flat, version, loaded))
+            self._lock.notify_all()
+        if self._thread is None:  # not started: load here (start-up, tests)
+            self._apply_control()
+        return loaded.wait(timeout)
+
+    def end_session(self, session: str) -> None:
+        with self._lock:
+            self._ends.append(session)
+            self._lock.notify_all()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def stats(self) -> EngineStats:
+        sampler = self.sampler
+        row_bytes = sampler.session_row_nbytes
+        with self._lock:
+            now = self._clock()
+            self._trim_window(now)
+            tokens = sum(t for _, t, _ in self._window)
+            rows = [r for _, _, r in self._window]
+            span = min(STATS_WINDOW_SECONDS, max(now - self._window[0][0], 1e-3)) if self._window else 1.0
+            return EngineStats(
+                policy_version=self._version,
+                live_versions=sorted(sampler.live_versions),
+                tokens_per_second=tokens / span if self._window else 0.0,
+                queue_depth=len(self._queue),
+                running=len(self._running),
+                max_batch=self.max_batch,
+                batch_occupancy=float(np.mean(rows)) / self.max_batch if rows else 0.0,
+                kv_cache_bytes_used=sampler.rows_in_use * row_bytes,
+                kv_cache_bytes_total=sampler.session_capacity * row_bytes,
+                requests_total=self.requests_total,
+                rejected_total=self.rejected_total,
+                segments_total=self.segments_total,
+            )
+
+    def start(self) -> Engine:
+        self._thread = threading.Thread(target=self.run, name="rollout-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Fail every waiting and running turn with ``EngineStopped`` and end the engine thread."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    # ------------------------------------------------------------------ engine thread
+
+    def run(self) -> None:
+        try:
+            while self.step(block=True):
+                pass
+        finally:
+            with self._lock:
+                turns = [*self._running, *self._queue]
+                self._running, self._queue = [], deque()
+            for turn in turns:
+                turn.on_done(EngineStopped("the rollout server stopped before answering"))
+
+    def step(self, block: bool = False) -> bool:
+        """Apply pending weights and session ends, then run one segment if any turn waits.
+        Returns False once stopping."""
+        with self._lock:
+            while block and not self._stopping and not (self._queue or self._running or self._ends or self._weights):
+                self._lock.wait(timeout=60.0)
+            if self._stopping:
+                return False
+        self._apply_control()
+        batch = self._take_segment()
+        if batch:
+            self._run_segment(batch)
+        return True
+
+    def _apply_control(self) -> None:
+        with self._lock:
+            weights, self._weights = self._weights, []
+            self._forget_idle_sessions()
+            # A session with a turn in flight ends once that turn is answered.
+            ends = [s for s in self._ends if s not in self._busy]
+            self._ends = [s for s in self._ends if s in self._busy]
+            for session in ends:
+                self._idle.pop(session, None)
+        for session in ends:
+            self.sampler.end_session(session)
+        for flat, version, loaded in weights:
+            self.sampler.load_weights(dict(flat), version)
+            self._version = version
+            loaded.set()
+            log.info("rollout engine now samples new turns with policy version %d", version)
+        if weights:
+            # Sessions between turns that do not pin their weights move to the new ones at their
+            # next turn anyway; dropping their old keys/values now releases the old version.
+            with self._lock:
+                stale = [s for s, (pinned, _) in self._idle.items() if not pinned]
+            for session in stale:
+                if self.sampler.session_version(session) not in (None, self._version):
+                    self.sampler.end_session(session)
+
+    def _take_segment(self) -> list[_Turn]:
+        """Running turns plus queued ones in free slots; those sharing the oldest's stop tokens
+        (the sampler takes one set per call)."""
+        with self._lock:
+            for turn in [t for t in self._running if t.cancelled]:
+                self._finish(turn)
+            while self._queue and len(self._running) < self.max_batch:
+                turn = self._queue.popleft()
+                if turn.cancelled:
+                    self._busy.discard(turn.session)
+                    continue
+                self._running.append(turn)
+            if not self._running:
+                return []
+            stops = self._running[0].stop_token_ids
+            return [t for t in self._running if t.stop_token_ids == stops]
+
+    def _run_segment(self, batch: list[_Turn]) -> None:
+        sampler = self.sampler
+        for turn in batch:
+            if not turn.started:
+                turn.started = True
+                version = sampler.session_version(turn.session)
+                if not turn.pinned and version is not None and version != self._version:
+                    sampler.end_session(turn.session)  # a new turn samples with the newest weights
+        steps = min(self.segment_tokens, *(t.max_new_tokens - len(t.tokens) for t in batch))
+        try:
+            generations = sampler.generate(
+                [t.prompt + t.tokens for t in batch],
+                max_new_tokens=steps,
+                stop_token_ids=batch[0].stop_token_ids,
+                sessions=[t.session for t in batch],
+            )
+        except Exception as exc:  # noqa: BLE001 - the turns of this call fail with it; the engine goes on
+            log.exception("a rollout segment failed")
+            with self._lock:
+                for turn in batch:
+                    self._finish(turn, exc)
+            return
+        now = self._clock()
+        answered: list[tuple[_Turn, TurnResult]] = []
+        with self._lock:
+            self.segments_total += 1
+            self._window.append((now, sum(len(g.token_ids) for g in generations), len(batch)))
+            self._trim_window(now)
+            for turn, gen in zip(batch, generations, strict=True):
+                turn.tokens += gen.token_ids
+                turn.logprobs += gen.logprobs
+                turn.versions += [gen.version] * len(gen.token_ids)
+                if gen.finished or len(turn.tokens) >= turn.max_new_tokens:
+                    result = TurnResult(turn.tokens, turn.logprobs, turn.versions, gen.finished)
+                    answered.append((turn, result))
+                    self._turn_seconds = 0.8 * self._turn_seconds + 0.2 * (now - turn.queued_at)
+                    self._finish(turn, None)
+        for turn, result in answered:
+            turn.on_done(result)
+
+    def _finish(self, turn: _Turn, error: BaseException | None = None) -> None:
+        """Take a turn out of the batch (lock held); failures are delivered here."""
+        self._running.remove(turn)
+        self._busy.discard(turn.session)
+        if turn.private:
+            self._ends.append(turn.session)
+        else:
+            self._idle[turn.session] = (turn.pinned, self._clock())
+        if error is not None:
+            turn.on_done(error)
+
+    def _forget_idle_sessions(self) -> None:
+        cutoff = self._clock() - self.session_idle_seconds
+        for session in [s for s, (_, since) in self._idle.items() if since < cutoff]:
+            del self._idle[session]
+            self._ends.append(session)
+
+    def _trim_window(self, now: float) -> None:
+        while self._window and self._window[0][0] < now - STATS_WINDOW_SECONDS:
+            self._window.popleft()
+
+    def _retry_after_ms(self) -> int:
+        """About when a slot frees: a turn's recent time in the engine, per batch of queued turns."""
+        waves = len(self._queue) / self.max_batch
+        seconds = self._turn_seconds * max(waves, 1.0) if self._turn_seconds else 0.2
+        return int(min(max(seconds * 1000, 50), 5000))
+
+    def _check(self, prompt: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int]) -> None:
+        config, vocab = self.sampler.config, self.sampler.config.vocab_size
+        if not prompt:
+            raise ValueError("prompt_ids is empty")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab}), got {min(prompt)}..{max(prompt)}")
+        if any(not 0 <= t < vocab for t in stop_token_ids):
+            raise ValueError(f"stop token ids must lie in [0, {vocab})")
+        limit = min(config.max_seq_len, self.sampler.session_len)
+        if len(prompt) + max_new_tokens > limit:
+            raise ValueError(f"{len(prompt)} prompt + {max_new_tokens} new tokens exceed the model's {limit}")

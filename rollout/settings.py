@@ -1,0 +1,93 @@
+"""The rollout server's one settings dataclass, from the RLJob spec and its command line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from stoker.spec import RLJobSpec, SamplingSpec, TransformerConfig
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    model: TransformerConfig
+    sampling: SamplingSpec
+    seed: int
+    buckets: tuple[int, ...]
+    dtype: str
+    checkpoint: str | None
+    allowed_token_ids: tuple[int, ...] | None  # constrained decoding, as the actors' samplers do
+    max_batch: int
+    max_queue: int
+    session_rows: int  # conversations cached at once: the batch plus those between turns
+    segment_tokens: int
+    port: int
+    weight_poll_seconds: float
+    compilation_cache_dir: str | None = None
+
+    @classmethod
+    def from_spec(cls, spec: RLJobSpec, **overrides: Any) -> RolloutSettings:
+        """``overrides``: command-line values (None: the spec's)."""
+        from stoker.actor.tokenization import allowed_token_ids
+        from stoker.rollout.engine import SEGMENT_TOKENS
+
+        rollout = spec.rollout
+        arch = spec.model.architecture
+        # The actors' buckets: a conversation fits the model and the learner's longest row.
+        longest = min(arch.max_seq_len, spec.learner.sequence_buckets[-1])
+        buckets = tuple(b for b in spec.learner.sequence_buckets if b <= arch.max_seq_len) or (longest,)
+        given = {k: v for k, v in overrides.items() if v is not None}
+        max_batch = int(given.pop("max_batch", rollout.max_batch if rollout else 32))
+        return cls(
+            model=arch,
+            sampling=spec.actors.sampling,
+            seed=spec.seed,
+            buckets=buckets,
+            dtype=spec.model.dtype,
+            checkpoint=spec.model.checkpoint,
+            allowed_token_ids=allowed_token_ids(spec),
+            max_batch=max_batch,
+            max_queue=int(given.pop("max_queue", rollout.max_queue if rollout else 256)),
+            session_rows=int(given.pop("session_rows", 2 * max_batch)),
+            segment_tokens=int(given.pop("segment_tokens", SEGMENT_TOKENS)),
+            port=int(given.pop("port", rollout.port if rollout else 50053)),
+            weight_poll_seconds=float(given.pop("weight_poll_seconds", spec.actors.weight_poll_seconds)),
+            compilation_cache_dir=spec.learner.compilation_cache_dir,
+            **given,
+        )
+
+
+def make_engine(settings: RolloutSettings) -> Any:
+    """The sampler (initial weights: the checkpoint, else the learner's version-0 init) and its
+    engine. Raises ``CheckpointError`` for a checkpoint that cannot be read."""
+    from stoker.model.hf import dtype_from_name, read_config, read_weights
+    from stoker.rollout.engine import Engine
+    from stoker.rollout.sampling import Sampler
+
+    if settings.compilation_cache_dir:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", settings.compilation_cache_dir)
+    config, params = settings.model, None
+    if settings.checkpoint:
+        config, params = read_config(settings.checkpoint), read_weights(settings.checkpoint)
+    sampler = Sampler(
+        config,
+        settings.sampling,
+        seed=settings.seed,
+        buckets=settings.buckets,
+        params=params,
+        dtype=dtype_from_name(settings.dtype),
+        allowed_token_ids=settings.allowed_token_ids,
+        # Every segment is padded to the full batch: one batch shape, so the programs compiled
+        # are one per chunk width (a varying batch compiled ~5x as many, each seconds long, and
+        # stalled the whole batch while it did; decode on an accelerator costs about the same
+        # for 1 row as for a full batch).
+        min_batch=settings.max_batch,
+        session_rows=max(settings.session_rows, settings.max_batch),
+        pin_sessions=True,  # the engine decides when a session moves to new weights
+        min_chunk=1,  # a segment continues a turn from the one token sampled last
+    )
+    return Engine(
+        sampler, max_batch=settings.max_batch, max_queue=settings.max_queue, segment_tokens=settings.segment_tokens
+    )

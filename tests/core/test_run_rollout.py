@@ -1,0 +1,45 @@
+"""`stoker run` with `spec.rollout`: one rollout server process, actors that sample from it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stoker.manifest import load_job
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def test_rollout_example_is_the_frozenlake_job_with_a_rollout_server() -> None:
+    """The example measured to learn (benchmarks/README.md) differs from frozenlake.yaml only there."""
+    plain, remote = load_job(EXAMPLES / "frozenlake.yaml"), load_job(EXAMPLES / "frozenlake-rollout.yaml")
+    assert plain.spec.rollout is None and remote.spec.rollout is not None
+    assert remote.spec.model_copy(update={"rollout": None}) == plain.spec
+
+
+def test_run_with_a_rollout_server_trains_and_keeps_the_logprob_check(tmp_path: Path, tiny_job: str) -> None:
+    manifest = tmp_path / "tiny-rollout.yaml"
+    manifest.write_text(tiny_job + "  rollout: {maxBatch: 4}\n")
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache")}
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "run", str(manifest), "--run-dir", str(run_dir), "--no-progress",
+         "--max-steps", "2"],
+        capture_output=True, text=True, env=env, timeout=400,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [json.loads(line) for line in (run_dir / "learner_metrics.jsonl").read_text().splitlines() if line]
+    assert [s["step"] for s in steps] == [1, 2]
+    # The learner's sampler-vs-trainer check on the server's tokens: same-version log-probs agree.
+    diffs = [s["tito_logprob_diff_mean"] for s in steps if s.get("tito_tokens")]
+    assert diffs and max(abs(d) for d in diffs) < 1e-4
+    logs = run_dir / "logs"
+    assert "samples from the rollout server at 127.0.0.1:" in (logs / "actor-0.log").read_text()
+    assert "rollout server on port" in (logs / "rollout.log").read_text()

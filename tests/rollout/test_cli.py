@@ -1,0 +1,25 @@
+"""`stoker rollout` refuses bad input with one clear line and exit code 2 (no traceback)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stoker import cli
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "frozenlake-rollout.yaml"
+
+
+def test_bad_flags_and_manifests_exit_2_with_the_reason(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["rollout", "--manifest", str(EXAMPLE), "--max-batch", "0"]) == 2
+    assert "stoker rollout: --max-batch: got 0; expected >= 1" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(EXAMPLE.read_text().replace("maxBatch: 16", "maxBatch: 0"))
+    assert cli.main(["rollout", "--manifest", str(bad)]) == 2
+    assert "maxBatch" in capsys.readouterr().err
+    missing = tmp_path / "job.yaml"
+    missing.write_text(EXAMPLE.read_text().replace("architecture: {vocabSize: 27}", "checkpoint: /nonexistent"))
+    assert cli.main(["rollout", "--manifest", str(missing), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint" in err and "Traceback" not in err

@@ -1,0 +1,88 @@
+"""The engine driven inline (no gRPC, no thread): segments, admission and its load figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stoker.rollout.engine import EngineBusy, TurnResult
+
+from .conftest import MAX_BATCH, make_engine, teacher_forced, weights
+
+pytestmark = pytest.mark.slow
+
+
+def test_turns_beyond_the_batch_wait_are_admitted_as_others_finish_and_stats_add_up(xla_cache: Path) -> None:
+    now = [100.0]
+    turns = 2 * MAX_BATCH  # twice the batch: half wait in the queue
+    engine = make_engine(max_queue=turns, segment_tokens=2, clock=lambda: now[0])
+    answers: dict[str, TurnResult | BaseException] = {}
+    for i in range(turns):
+        # Short turns finish in one segment, long ones take three: short ones free slots first.
+        engine.submit([1 + i % 5, 2], max_new_tokens=2 if i % 2 else 6, stop_token_ids=(), session=f"s{i}",
+                      pin_weights=False, on_done=lambda r, key=f"s{i}": answers.__setitem__(key, r))
+    with pytest.raises(EngineBusy) as busy:
+        engine.submit([1], max_new_tokens=1, stop_token_ids=(), session="late", pin_weights=False, on_done=print)
+    assert busy.value.retry_after_ms >= 50
+    stats = engine.stats()
+    assert (stats.queue_depth, stats.running, stats.rejected_total) == (turns, 0, 1)
+
+    engine.step()
+    now[0] += 1.0
+    stats = engine.stats()
+    # The first segment: a full batch, two tokens each; the short half answered already.
+    assert stats.running == MAX_BATCH // 2 and stats.queue_depth == MAX_BATCH
+    assert len(answers) == MAX_BATCH // 2 and stats.batch_occupancy == 1.0
+    assert stats.tokens_per_second == pytest.approx(2 * MAX_BATCH / 1.0)
+    engine.step()  # the freed slots are taken by queued turns (whose short half then finishes)
+    assert engine.stats().queue_depth == MAX_BATCH // 2 and len(answers) == MAX_BATCH // 2 + MAX_BATCH // 4
+    while len(answers) < turns:
+        engine.step()
+    results = [answers[f"s{i}"] for i in range(turns)]
+    assert all(isinstance(r, TurnResult) for r in results)
+    assert [len(r.token_ids) for r in results if isinstance(r, TurnResult)] == [6 if i % 2 == 0 else 2 for i in range(turns)]
+    # Every conversation stays cached between turns while rows last (here all of them).
+    stats = engine.stats()
+    assert stats.kv_cache_bytes_used == stats.kv_cache_bytes_total == 2 * MAX_BATCH * engine.sampler.session_row_nbytes
+
+
+def test_a_turn_keeps_its_weights_and_the_next_turn_moves_unless_pinned(xla_cache: Path) -> None:
+    engine = make_engine(segment_tokens=2)
+    answers: dict[str, TurnResult | BaseException] = {}
+    conversations = {"moves": [1, 2, 4], "pinned": [2, 1, 4]}
+
+    def turn(session: str) -> None:
+        engine.submit(conversations[session], max_new_tokens=6, stop_token_ids=(), session=session,
+                      pin_weights=session == "pinned", on_done=lambda r: answers.__setitem__(session, r))
+
+    def finish() -> None:
+        while len(answers) < 2:
+            engine.step()
+        for session, result in answers.items():
+            assert isinstance(result, TurnResult)
+            conversations[session] = conversations[session] + result.token_ids + [5, 6]
+
+    for session in conversations:
+        turn(session)
+    engine.step()  # two of six tokens sampled: both turns are mid-way when new weights arrive
+    engine.load_weights(weights(1), 1)
+    finish()
+    first = dict(answers)
+    assert all(r.versions == [0] * 6 for r in first.values() if isinstance(r, TurnResult))
+    answers.clear()
+    for session in conversations:
+        turn(session)
+    finish()
+    second = {s: r.versions for s, r in answers.items() if isinstance(r, TurnResult)}
+    assert second == {"moves": [1] * 6, "pinned": [0] * 6}
+    # The log-probs of both turns are the model's under the versions reported.
+    for session, ids in conversations.items():
+        recorded = [*first[session].logprobs, *answers[session].logprobs]  # type: ignore[union-attr]
+        versions = [*first[session].versions, *answers[session].versions]  # type: ignore[union-attr]
+        positions = [*range(3, 9), *range(11, 17)]
+        for version in set(versions):
+            [model] = teacher_forced(version, [ids[:17]])
+            mine = [i for i, v in enumerate(versions) if v == version]
+            assert np.allclose(model[[positions[i] - 1 for i in mine]], [recorded[i] for i in mine], atol=2e-4)
