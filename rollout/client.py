@@ -69,11 +69,22 @@ class RemotePolicy:
         return "" if session is None else f"{self.actor_id}/{session}"
 
     async def generate(
-        self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int], session: Hashable = None
+        self,
+        prompt: Sequence[int],
+        *,
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int],
+        session: Hashable = None,
+        temperature: float | None = None,
     ) -> Sampled:
+        """One turn at the job's sampling temperature, or greedy (``temperature=0``: evaluation
+        rounds). The server samples training turns at the temperature the trainer recomputes, so
+        no other override is accepted."""
+        if temperature not in (None, 0.0):
+            raise ValueError(f"temperature {temperature}: a rollout server samples at the job's temperature, or greedily (0)")
         request = rollout_pb2.GenerateRequest(
             prompt_ids=list(prompt), max_new_tokens=max_new_tokens, stop_token_ids=list(stop_token_ids),
-            session=self._session(session), pin_weights=self.pin_weights,
+            session=self._session(session), pin_weights=self.pin_weights, greedy=temperature == 0.0,
         )
         loop = asyncio.get_running_loop()
         give_up_at: float | None = None

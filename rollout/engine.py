@@ -71,6 +71,7 @@ class _Turn:
     stop_token_ids: tuple[int, ...]
     session: str
     pinned: bool
+    greedy: bool  # temperature 0 (evaluation); the sampler takes one temperature per call
     private: bool  # no session named: the engine made one up and ends it with the turn
     on_done: Callable[[TurnResult | BaseException], None]
     tokens: list[int] = field(default_factory=list)
@@ -151,6 +152,7 @@ class Engine:
         session: str,
         pin_weights: bool,
         on_done: Callable[[TurnResult | BaseException], None],
+        greedy: bool = False,
     ) -> Callable[[], None]:
         """Queue one turn; ``on_done`` gets its result (or exception) on the engine thread.
         Returns a function that cancels the turn. Raises ``ValueError`` for a request the model
@@ -159,7 +161,7 @@ class Engine:
         private = not session
         turn = _Turn(
             list(prompt), int(max_new_tokens), tuple(stop_token_ids), session or f"\0anonymous/{next(self._anonymous)}",
-            pinned=pin_weights, private=private, on_done=on_done, queued_at=self._clock(),
+            pinned=pin_weights, greedy=greedy, private=private, on_done=on_done, queued_at=self._clock(),
         )
         with self._lock:
             if self._stopping:
@@ -182,7 +184,7 @@ class Engine:
 
     async def generate(
         self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int], session: str = "",
-        pin_weights: bool = False,
+        pin_weights: bool = False, greedy: bool = False,
     ) -> TurnResult:
         """``submit`` for an event loop: awaits the answer; cancelling the task cancels the turn."""
         loop = asyncio.get_running_loop()
@@ -204,7 +206,7 @@ class Engine:
 
         cancel = self.submit(
             prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, session=session,
-            pin_weights=pin_weights, on_done=deliver,
+            pin_weights=pin_weights, on_done=deliver, greedy=greedy,
         )
         try:
             return await future
@@ -322,7 +324,7 @@ class Engine:
 
     def _take_segment(self) -> list[_Turn]:
         """Running turns plus queued ones in free slots; those sharing the oldest's stop tokens
-        (the sampler takes one set per call)."""
+        and greediness (the sampler takes one set and one temperature per call)."""
         with self._lock:
             for turn in [t for t in self._running if t.cancelled]:
                 self._finish(turn)
@@ -334,8 +336,8 @@ class Engine:
                 self._running.append(turn)
             if not self._running:
                 return []
-            stops = self._running[0].stop_token_ids
-            return [t for t in self._running if t.stop_token_ids == stops]
+            first = self._running[0]
+            return [t for t in self._running if (t.stop_token_ids, t.greedy) == (first.stop_token_ids, first.greedy)]
 
     def _run_segment(self, batch: list[_Turn]) -> None:
         sampler = self.sampler
@@ -352,6 +354,7 @@ class Engine:
                 max_new_tokens=steps,
                 stop_token_ids=batch[0].stop_token_ids,
                 sessions=[t.session for t in batch],
+                **({"temperature": 0.0} if batch[0].greedy else {}),
             )
         except Exception as exc:  # noqa: BLE001 - the turns of this call fail with it; the engine goes on
             log.exception("a rollout segment failed")

@@ -40,6 +40,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServicer):
                 stop_token_ids=list(request.stop_token_ids),
                 session=request.session,
                 pin_weights=request.pin_weights,
+                greedy=request.greedy,
             )
         except EngineBusy as exc:
             await context.abort(

@@ -8,6 +8,7 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -17,6 +18,7 @@ from stoker.actor.policy import PolicyError
 from stoker.actor.environments import options_json
 from stoker.actor.sandbox import SandboxConfig, inline_factory
 from stoker.actor.tokenization import text_interface
+from stoker.model.model import init_model
 from stoker.model.weights import WeightPublisher, WeightSubscriber
 from stoker.rollout.client import RemotePolicy
 from stoker.rollout.server import SERVICE
@@ -24,7 +26,7 @@ from stoker.spec import RLJobSpec
 
 from stoker.v1 import rollout_pb2, rollout_pb2_grpc
 
-from .conftest import MAX_BATCH, ServerFactory, make_engine, teacher_forced, weights
+from .conftest import CONFIG, MAX_BATCH, ServerFactory, make_engine, teacher_forced, weights
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
 
@@ -183,4 +185,31 @@ async def test_restart_mid_episode_retries_then_fails_the_episode_cleanly(serve:
     assert all(f"rollout server {address} unavailable" in e.status_reason for e in group)
     with pytest.raises(PolicyError):
         await policy.generate([1], max_new_tokens=1, stop_token_ids=[], session="x")
+    await policy.close()
+
+
+async def test_greedy_turns_are_the_argmax_and_record_the_temperature_one_logprob(serve: ServerFactory) -> None:
+    """Evaluation rounds play greedily through the server too (GreedyPolicy over RemotePolicy):
+    every id is the teacher-forced argmax, its log-prob the tau = 1 one; no other override."""
+    from stoker.actor.evaluation import GreedyPolicy
+
+    server = serve()
+    policy = RemotePolicy(f"127.0.0.1:{server.port}", actor_id="eval")
+    greedy = GreedyPolicy(policy)
+    conversations = [Conversation(i) for i in range(3)]
+    for conv in conversations:
+        for turn in range(2):
+            sampled = await greedy.generate(conv.ids, max_new_tokens=NEW_TOKENS, stop_token_ids=[STOP], session=f"e{id(conv)}")
+            conv.add(sampled.token_ids, sampled.logprobs, sampled.version)
+            conv.reply(turn)
+    recomputed = teacher_forced(0, [c.ids for c in conversations])
+    model = init_model(CONFIG, seed=0)
+    for conv, row in zip(conversations, recomputed, strict=True):
+        ids = jnp.asarray([conv.ids])
+        logits = np.asarray(model(ids, jnp.arange(len(conv.ids))[None], jnp.ones_like(ids)))[0]
+        positions = np.array([p for p, _, _, _ in conv.sampled])
+        assert [t for _, t, _, _ in conv.sampled] == list(logits[positions - 1].argmax(-1))
+        np.testing.assert_allclose(row[positions - 1], [lp for _, _, lp, _ in conv.sampled], atol=2e-4)
+    with pytest.raises(ValueError, match="job's temperature"):
+        await policy.generate([1, 2], max_new_tokens=2, stop_token_ids=[STOP], temperature=0.7)
     await policy.close()

@@ -24,25 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17stoker/v1/rollout.proto\x12\tstoker.v1\"{\n\x0fGenerateRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x0f\n\x07session\x18\x04 \x01(\t\x12\x13\n\x0bpin_weights\x18\x05 \x01(\x08\"b\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\x03 \x03(\x03\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\"$\n\x11\x45ndSessionRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\x14\n\x12\x45ndSessionResponse\"\x15\n\x13RolloutStatsRequest\"\xa4\x02\n\x0cRolloutStats\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x15\n\rlive_versions\x18\x02 \x03(\x03\x12\x19\n\x11tokens_per_second\x18\x03 \x01(\x01\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x11\n\tmax_batch\x18\x06 \x01(\r\x12\x17\n\x0f\x62\x61tch_occupancy\x18\x07 \x01(\x01\x12\x1b\n\x13kv_cache_bytes_used\x18\x08 \x01(\x04\x12\x1c\n\x14kv_cache_bytes_total\x18\t \x01(\x04\x12\x16\n\x0erequests_total\x18\n \x01(\x04\x12\x16\n\x0erejected_total\x18\x0b \x01(\x04\x12\r\n\x05ready\x18\x0c \x01(\x08\x32\xdb\x01\n\x07Rollout\x12\x43\n\x08Generate\x12\x1a.stoker.v1.GenerateRequest\x1a\x1b.stoker.v1.GenerateResponse\x12I\n\nEndSession\x12\x1c.stoker.v1.EndSessionRequest\x1a\x1d.stoker.v1.EndSessionResponse\x12@\n\x05Stats\x12\x1e.stoker.v1.RolloutStatsRequest\x1a\x17.stoker.v1.RolloutStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17stoker/v1/rollout.proto\x12\tstoker.v1\"\x8b\x01\n\x0fGenerateRequest\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x02 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x0f\n\x07session\x18\x04 \x01(\t\x12\x13\n\x0bpin_weights\x18\x05 \x01(\x08\x12\x0e\n\x06greedy\x18\x06 \x01(\x08\"b\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x17\n\x0fpolicy_versions\x18\x03 \x03(\x03\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\"$\n\x11\x45ndSessionRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\"\x14\n\x12\x45ndSessionResponse\"\x15\n\x13RolloutStatsRequest\"\xa4\x02\n\x0cRolloutStats\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x15\n\rlive_versions\x18\x02 \x03(\x03\x12\x19\n\x11tokens_per_second\x18\x03 \x01(\x01\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\r\x12\x0f\n\x07running\x18\x05 \x01(\r\x12\x11\n\tmax_batch\x18\x06 \x01(\r\x12\x17\n\x0f\x62\x61tch_occupancy\x18\x07 \x01(\x01\x12\x1b\n\x13kv_cache_bytes_used\x18\x08 \x01(\x04\x12\x1c\n\x14kv_cache_bytes_total\x18\t \x01(\x04\x12\x16\n\x0erequests_total\x18\n \x01(\x04\x12\x16\n\x0erejected_total\x18\x0b \x01(\x04\x12\r\n\x05ready\x18\x0c \x01(\x08\x32\xdb\x01\n\x07Rollout\x12\x43\n\x08Generate\x12\x1a.stoker.v1.GenerateRequest\x1a\x1b.stoker.v1.GenerateResponse\x12I\n\nEndSession\x12\x1c.stoker.v1.EndSessionRequest\x1a\x1d.stoker.v1.EndSessionResponse\x12@\n\x05Stats\x12\x1e.stoker.v1.RolloutStatsRequest\x1a\x17.stoker.v1.RolloutStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stoker.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATEREQUEST']._serialized_start=38
-  _globals['_GENERATEREQUEST']._serialized_end=161
-  _globals['_GENERATERESPONSE']._serialized_start=163
-  _globals['_GENERATERESPONSE']._serialized_end=261
-  _globals['_ENDSESSIONREQUEST']._serialized_start=263
-  _globals['_ENDSESSIONREQUEST']._serialized_end=299
-  _globals['_ENDSESSIONRESPONSE']._serialized_start=301
-  _globals['_ENDSESSIONRESPONSE']._serialized_end=321
-  _globals['_ROLLOUTSTATSREQUEST']._serialized_start=323
-  _globals['_ROLLOUTSTATSREQUEST']._serialized_end=344
-  _globals['_ROLLOUTSTATS']._serialized_start=347
-  _globals['_ROLLOUTSTATS']._serialized_end=639
-  _globals['_ROLLOUT']._serialized_start=642
-  _globals['_ROLLOUT']._serialized_end=861
+  _globals['_GENERATEREQUEST']._serialized_start=39
+  _globals['_GENERATEREQUEST']._serialized_end=178
+  _globals['_GENERATERESPONSE']._serialized_start=180
+  _globals['_GENERATERESPONSE']._serialized_end=278
+  _globals['_ENDSESSIONREQUEST']._serialized_start=280
+  _globals['_ENDSESSIONREQUEST']._serialized_end=316
+  _globals['_ENDSESSIONRESPONSE']._serialized_start=318
+  _globals['_ENDSESSIONRESPONSE']._serialized_end=338
+  _globals['_ROLLOUTSTATSREQUEST']._serialized_start=340
+  _globals['_ROLLOUTSTATSREQUEST']._serialized_end=361
+  _globals['_ROLLOUTSTATS']._serialized_start=364
+  _globals['_ROLLOUTSTATS']._serialized_end=656
+  _globals['_ROLLOUT']._serialized_start=659
+  _globals['_ROLLOUT']._serialized_end=878
 # @@protoc_insertion_point(module_scope)
