@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stoker.learner.metrics import disable_compilation_cache, enable_compilation_cache
 from stoker.model.hf import to_hf
 from stoker.model.model import init_model, token_logprobs
 from stoker.rollout.engine import Engine
@@ -28,16 +27,6 @@ CONFIG = TransformerConfig(
 MAX_BATCH = 8  # fewer than the 16 concurrent episodes: turns wait for slots and are admitted as others finish
 
 
-@pytest.fixture(scope="session")
-def rollout_xla_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("rollout-xla-cache")
-
-
-@pytest.fixture(scope="module")
-def xla_cache(rollout_xla_cache_dir: Path) -> Iterator[Path]:
-    enable_compilation_cache(rollout_xla_cache_dir)
-    yield rollout_xla_cache_dir
-    disable_compilation_cache()
 
 
 def weights(version: int) -> dict[str, np.ndarray]:
