@@ -1,7 +1,7 @@
 """N actors calling one rollout server against the same N actors each sampling in-process.
 
     .venv/bin/python benchmarks/rollout_vs_inprocess.py [--actors 2] [--concurrency 8] [--latency 0.05]
-                     [--hidden 256] [--layers 4] [--rounds 3] [--seconds 20] [--warmup 40] [--cpus 0,1]
+                     [--hidden 256] [--layers 4] [--rounds 3] [--seconds 20] [--warmup 60] [--cpus 0,1]
 
 The job is examples/frozenlake-rollout.yaml with a bigger policy (``--hidden`` x ``--layers``, so
 sampling dominates an actor's work), inline FrozenLake environments and a fixed step latency of
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-batch", type=int, default=16, help="the rollout server's maxBatch")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=20.0, help="per arm per round")
-    parser.add_argument("--warmup", type=float, default=40.0, help="per arm, before the rounds (compiles)")
+    parser.add_argument("--warmup", type=float, default=60.0, help="per arm, before the rounds (compiles)")
     parser.add_argument("--cpus", default=None, help="cores for every process, e.g. 0,1 (default: this process's)")
     args = parser.parse_args(argv)
     cpus = {int(c) for c in args.cpus.split(",")} if args.cpus else os.sched_getaffinity(0)
