@@ -379,11 +379,12 @@ class Sampler:
             if not self.session_len:
                 raise ValueError(f"no bucket of {list(self.buckets)} fits maxSeqLen {config.max_seq_len}")
             shape = (session_rows + 1, self.session_len, config.num_kv_heads, head_dim(config))
+            # Made in place over the mesh: the whole cache may exceed one chip's memory.
+            where = None if mesh is None else cache_sharding(config, mesh)
             self._store = tuple(
-                LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)
+                LayerCache(jnp.zeros(shape, dtype, device=where), jnp.zeros(shape, dtype, device=where))
+                for _ in range(config.num_layers)
             )
-            if mesh is not None:
-                self._store = jax.device_put(self._store, cache_sharding(config, mesh))
 
             def traced_continue(*args: Any, **kwargs: Any) -> Any:
                 self._traces += 1
@@ -415,9 +416,13 @@ class Sampler:
         self._drop_unpinned_states()
 
     def _placed(self, state: nnx.State) -> nnx.State:
+        """``state`` laid out over the mesh; the model then holds the same arrays, so no whole
+        copy stays on one chip and ``load_hf`` keeps new weights in this layout."""
         if self.mesh is None:
             return state
-        return jax.device_put(state, param_shardings(state, self.config, self.mesh))
+        placed = jax.device_put(state, param_shardings(state, self.config, self.mesh))
+        nnx.update(self._model, placed)
+        return placed
 
     def end_session(self, session: Any) -> None:
         """Forget a conversation: its cache row is free again (and, pinned, its weights if no other
