@@ -1,7 +1,7 @@
 """``stoker rollout``: serve generation to the actors over gRPC (``stoker.v1.Rollout``).
 
     stoker rollout --manifest job.yaml [--weights HOST:PORT|DIR] [--port N] [--max-batch N]
-                   [--max-queue N] [--metrics-port N] [--ready-file F]
+                   [--max-queue N] [--mesh tp=N] [--metrics-port N] [--ready-file F]
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=int, help="waiting turns before RESOURCE_EXHAUSTED (default: spec.rollout.maxQueue)")
     parser.add_argument("--session-rows", type=int, help="conversations cached at once (default: 2 x max batch)")
     parser.add_argument("--segment-tokens", type=int, help="decode steps per batching segment (default: 16)")
+    parser.add_argument(
+        "--mesh", metavar="tp=N",
+        help="split the model over N local chips, tensor parallel (default: all of an accelerator's, 1 on the CPU)",
+    )
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     parser.add_argument("--ready-file", metavar="F", help="write the bound port here once serving")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -42,15 +46,17 @@ def main(args: argparse.Namespace) -> int:
             return 2
     from stoker.actor.tokenization import TokenizerProblem
     from stoker.model.hf import CheckpointError
+    from stoker.rollout.mesh import MeshError, parse_mesh
     from stoker.rollout.settings import RolloutSettings, make_engine
 
     try:
         settings = RolloutSettings.from_spec(
             job.spec, max_batch=args.max_batch, max_queue=args.max_queue, session_rows=args.session_rows,
             segment_tokens=args.segment_tokens, port=args.port,
+            tensor_parallel=parse_mesh(args.mesh) if args.mesh else None,
         )
         engine = make_engine(settings)
-    except (TokenizerProblem, CheckpointError) as exc:
+    except (TokenizerProblem, CheckpointError, MeshError) as exc:
         print(f"stoker rollout: {exc}", file=sys.stderr)
         return 2
     token = None
@@ -84,8 +90,9 @@ def serve(engine: Any, settings: Any, args: argparse.Namespace, token: str | Non
     if args.ready_file:
         write_ready_file(args.ready_file, server.port)
     log.info(
-        "rollout: max batch %d, queue %d, %d session rows, segments of %d tokens, metrics port %s",
-        settings.max_batch, settings.max_queue, settings.session_rows, settings.segment_tokens, server.metrics_port,
+        "rollout: max batch %d, queue %d, %d session rows, segments of %d tokens, tp=%d, metrics port %s",
+        settings.max_batch, settings.max_queue, settings.session_rows, settings.segment_tokens,
+        engine.sampler.mesh.size if engine.sampler.mesh is not None else 1, server.metrics_port,
     )
     server.wait()
     return 0

@@ -59,9 +59,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from stoker.model.hf import load_hf
 from stoker.model.model import KVCache, LayerCache, Transformer, head_dim, init_model
+from stoker.rollout.mesh import cache_sharding, param_shardings
 from stoker.spec import SamplingSpec, TransformerConfig
 
 
@@ -317,6 +319,7 @@ class Sampler:
         pin_sessions: bool = False,
         share_prefixes: bool = True,
         min_chunk: int = 16,
+        mesh: Mesh | None = None,
     ):
         if not buckets or list(buckets) != sorted(set(buckets)):
             raise ValueError(f"buckets must be strictly ascending, got {list(buckets)}")
@@ -340,7 +343,9 @@ class Sampler:
             self._model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype))
             load_hf(self._model, params)
         self._graphdef, self._state = nnx.split(self._model)
-        self._state = _snapshot(self._state)
+        # ``mesh``: parameters and the conversation cache are laid out over it (rollout/mesh.py).
+        self.mesh = mesh
+        self._state = self._placed(_snapshot(self._state))
         # Sampling randomness is independent of the init stream that used the same seed.
         self._key = jax.random.fold_in(jax.random.key(seed), 0x5A)
         self._traces = 0
@@ -374,8 +379,11 @@ class Sampler:
             if not self.session_len:
                 raise ValueError(f"no bucket of {list(self.buckets)} fits maxSeqLen {config.max_seq_len}")
             shape = (session_rows + 1, self.session_len, config.num_kv_heads, head_dim(config))
+            # Made in place over the mesh: the whole cache may exceed one chip's memory.
+            where = None if mesh is None else cache_sharding(config, mesh)
             self._store = tuple(
-                LayerCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.num_layers)
+                LayerCache(jnp.zeros(shape, dtype, device=where), jnp.zeros(shape, dtype, device=where))
+                for _ in range(config.num_layers)
             )
 
             def traced_continue(*args: Any, **kwargs: Any) -> Any:
@@ -403,9 +411,18 @@ class Sampler:
     def load_weights(self, flat: Mapping[str, np.ndarray], version: int) -> None:
         """Swap in new HF-named weights (same shapes, so nothing recompiles)."""
         load_hf(self._model, flat)
-        self._state = _snapshot(nnx.state(self._model))
+        self._state = self._placed(_snapshot(nnx.state(self._model)))
         self.version = version
         self._drop_unpinned_states()
+
+    def _placed(self, state: nnx.State) -> nnx.State:
+        """``state`` laid out over the mesh; the model then holds the same arrays, so no whole
+        copy stays on one chip and ``load_hf`` keeps new weights in this layout."""
+        if self.mesh is None:
+            return state
+        placed = jax.device_put(state, param_shardings(state, self.config, self.mesh))
+        nnx.update(self._model, placed)
+        return placed
 
     def end_session(self, session: Any) -> None:
         """Forget a conversation: its cache row is free again (and, pinned, its weights if no other

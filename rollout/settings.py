@@ -24,6 +24,7 @@ class RolloutSettings:
     port: int
     weight_poll_seconds: float
     compilation_cache_dir: str | None = None
+    tensor_parallel: int | None = None  # chips of this host the model splits over (None: rollout.mesh.default_tp)
 
     @classmethod
     def from_spec(cls, spec: RLJobSpec, **overrides: Any) -> RolloutSettings:
@@ -59,9 +60,11 @@ class RolloutSettings:
 
 def make_engine(settings: RolloutSettings) -> Any:
     """The sampler (initial weights: the checkpoint, else the learner's version-0 init) and its
-    engine. Raises ``CheckpointError`` for a checkpoint that cannot be read."""
+    engine, over a mesh of this process's local devices. Raises ``CheckpointError`` for a
+    checkpoint that cannot be read, ``MeshError`` for a mesh the devices or the model cannot take."""
     from stoker.model.hf import dtype_from_name, read_config, read_weights
     from stoker.rollout.engine import Engine
+    from stoker.rollout.mesh import rollout_mesh
     from stoker.rollout.sampling import Sampler
 
     if settings.compilation_cache_dir:
@@ -71,6 +74,7 @@ def make_engine(settings: RolloutSettings) -> Any:
     config, params = settings.model, None
     if settings.checkpoint:
         config, params = read_config(settings.checkpoint), read_weights(settings.checkpoint)
+    mesh = rollout_mesh(config, settings.tensor_parallel)  # MeshError for one the chips cannot take
     sampler = Sampler(
         config,
         settings.sampling,
@@ -87,6 +91,7 @@ def make_engine(settings: RolloutSettings) -> Any:
         session_rows=max(settings.session_rows, settings.max_batch),
         pin_sessions=True,  # the engine decides when a session moves to new weights
         min_chunk=1,  # a segment continues a turn from the one token sampled last
+        mesh=mesh if mesh.size > 1 else None,
     )
     return Engine(
         sampler, max_batch=settings.max_batch, max_queue=settings.max_queue, segment_tokens=settings.segment_tokens

@@ -23,3 +23,11 @@ def test_bad_flags_and_manifests_exit_2_with_the_reason(tmp_path: Path, capsys: 
     assert cli.main(["rollout", "--manifest", str(missing), "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "checkpoint" in err and "Traceback" not in err
+
+
+def test_a_mesh_the_devices_cannot_take_exits_2_with_the_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["rollout", "--manifest", str(EXAMPLE), "--mesh", "tp=two"]) == 2
+    assert "--mesh 'tp=two': expected tp=N" in capsys.readouterr().err
+    assert cli.main(["rollout", "--manifest", str(EXAMPLE), "--port", "0", "--mesh", "tp=64"]) == 2
+    err = capsys.readouterr().err
+    assert "--mesh tp=64: this process has only 1 cpu device(s)" in err and "Traceback" not in err
