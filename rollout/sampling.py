@@ -11,25 +11,9 @@ Shapes come only from three small sets, so steady-state calls never recompile:
 Prompts are right-padded, so row b's token at position p sits in cache slot p, and the step
 limit ``max_new_tokens``, the stop tokens, the temperature and top-p are runtime values.
 
-Conversations (``sessions``). A multi-turn episode sends its whole conversation every turn, and
-re-reading it costs quadratically more each turn. Calls that name a session keep that
-conversation's keys and values in a persistent cache row (one row per live session, rows
-recycled least-recently-used) and prefill only what the cache does not hold yet -- the last
-sampled token and the environment's reply -- as a chunk padded to a small power-of-two bucket.
-Cached keys/values are only ever reused under the weights that computed them, so the log-probs
-stay exactly the trainer's: with ``pin_sessions=False`` a session whose weights were replaced is
-re-prefilled from the start under the new ones; with ``pin_sessions=True`` a session keeps
-sampling with the weights it started with until ``end_session`` (the sampler keeps every version
-a live session still uses), so its cache is never invalidated and every token of the episode
-carries one policy version.
-
-Shared openings. Episodes of one task open with the same prompt (a GRPO group's do, by design),
-and after a weight swap every running conversation is prefilled again. A session with nothing
-usable cached -- its first turn, or its first under new weights -- therefore starts from the row
-of another live session that opened with the same prompt and already holds keys/values of the
-same tokens under the same weights: the call reads that row instead of its own and prefills only
-from where the two differ (``share_prefixes``, on by default). The keys/values reused are those
-the same weights computed for the same tokens, so the log-probs stay the trainer's.
+Conversations (``sessions``) and shared openings: a session keeps its keys/values in a cache row
+so a turn prefills only its new tokens; why it stays exact is in docs/architecture.md, "Sampler
+conversations and shared openings".
 
 Log-probs. For a sampled token y the sampler records
 
@@ -297,7 +281,7 @@ class Sampler:
     seed)``, the same arrays as the learner's version 0 for the same seed. ``version`` is the
     policy version of the loaded weights (0 until ``load_weights``). ``min_batch``: pad every
     call to at least this many rows (e.g. the actor's concurrency), so one batch shape serves all
-    calls. ``session_rows``: rows of the persistent conversation cache (see the module doc; at
+    calls. ``session_rows``: rows of the persistent conversation cache (see docs/architecture.md, "Sampler conversations and shared openings"; at
     least the number of conversations in flight, else the least recently used lose their cache).
     ``pin_sessions``: a session samples with the weights it started with. ``share_prefixes``: a
     session with nothing usable cached starts from the cached keys/values of another session that
