@@ -37,7 +37,7 @@ from local_runs import REPO
 
 def worker(args: argparse.Namespace) -> int:
     """One learner process (the topology from STOKER_* variables, as ``stoker learner``)."""
-    from stoker.learner import distributed
+    from stoker import distributed
 
     distributed.initialize()
     from stoker.buffer.client import BufferClient

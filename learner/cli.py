@@ -7,7 +7,7 @@ Resumes from the latest checkpoint under the spec's ``learner.checkpoint.dir`` (
 ``--run-dir``). SIGTERM/SIGINT stop it after the current step with a final checkpoint. Metrics go to
 ``RUN_DIR/learner_metrics.jsonl`` and, with ``--metrics-port``, to Prometheus.
 
-On a multi-host slice every host runs this same command (``stoker.learner.distributed`` reads the
+On a multi-host slice every host runs this same command (``stoker.distributed`` reads the
 topology from the environment); only process 0 connects to the buffer, publishes weights and
 writes metrics. If another process dies, this one exits with ``EXIT_PEER_FAILED`` at once, without
 a final checkpoint: the group restarts from the last one.
@@ -25,9 +25,10 @@ from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
+from stoker.distributed import EXIT_PEER_FAILED
+
 log = logging.getLogger("stoker.learner")
 
-EXIT_PEER_FAILED = 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
 
     # Multi-host TPU pods: must happen before anything touches a JAX backend.
-    from stoker.learner import distributed
+    from stoker import distributed
 
     try:
         topology = distributed.initialize()

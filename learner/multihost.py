@@ -18,49 +18,16 @@ that chose otherwise. With one process every function here is a pass-through.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from stoker.distributed import PeerFailure, Processes, collective, padded_size, share
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
     from stoker.buffer.client import SampledBatch
-
-# Payloads are padded to a power of two no smaller than this, so the broadcast compiles one
-# program per size class (a handful per run), not one per batch.
-MIN_PAYLOAD_BYTES = 1 << 12
-
-
-class PeerFailure(RuntimeError):
-    """A collective failed: another process of the learner died or lost its connection."""
-
-
-@dataclass(frozen=True)
-class Processes:
-    """This process's place among the learner's JAX processes."""
-
-    index: int = 0
-    count: int = 1
-
-    @property
-    def primary(self) -> bool:
-        return self.index == 0
-
-    @property
-    def multi(self) -> bool:
-        return self.count > 1
-
-    @classmethod
-    def current(cls) -> Processes:
-        import jax
-
-        return cls(jax.process_index(), jax.process_count())
-
-
-def padded_size(size: int) -> int:
-    return max(MIN_PAYLOAD_BYTES, 1 << max(size - 1, 0).bit_length())
 
 
 def share_step(processes: Processes, batch: SampledBatch | None, stop: bool) -> tuple[bool, SampledBatch | None]:
@@ -69,25 +36,16 @@ def share_step(processes: Processes, batch: SampledBatch | None, stop: bool) -> 
     but not trained is not committed, so the buffer delivers it again after its lease)."""
     if not processes.multi:
         return stop, batch
-    from jax.experimental import multihost_utils
-
     from stoker.buffer.client import decode_sample, encode_sample
     from stoker.v1 import buffer_pb2
 
     payload = encode_sample(batch).SerializeToString() if processes.primary and batch is not None else b""
-    with collective("agreeing on the next step"):
-        headers = multihost_utils.process_allgather(np.asarray([int(stop), len(payload)], np.int64))
-    stop_any, size = bool(headers[:, 0].any()), int(headers[0, 1])
-    if stop_any or size == 0:
-        return stop_any, None
-    buf = np.zeros(padded_size(size), np.uint8)
-    if processes.primary:
-        buf[:size] = np.frombuffer(payload, np.uint8)
-    with collective("sharing the batch"):
-        data = multihost_utils.broadcast_one_to_all(buf)
+    flags, data = share(processes, int(stop), payload, doing="agreeing on the next step", skip=lambda f: bool(f.any()))
+    if flags.any() or not data:
+        return bool(flags.any()), None
     if processes.primary:
         return False, batch
-    return False, decode_sample(buffer_pb2.SampleResponse.FromString(np.asarray(data[:size]).tobytes()))
+    return False, decode_sample(buffer_pb2.SampleResponse.FromString(data))
 
 
 def broadcast_int(processes: Processes, value: int) -> int:
@@ -118,17 +76,4 @@ def replicate(processes: Processes, tree: Any, mesh: Mesh) -> Any:
         return _replicate_fn(mesh)(tree)
 
 
-class collective:  # noqa: N801 - used as a context manager, reads as a phrase
-    """Turns a failed collective into ``PeerFailure`` naming what the learner was doing."""
-
-    def __init__(self, doing: str):
-        self.doing = doing
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        import jax
-
-        if exc is not None and isinstance(exc, jax.errors.JaxRuntimeError):
-            raise PeerFailure(f"another learner process failed while {self.doing}: {exc}") from exc
+__all__ = ["PeerFailure", "Processes", "broadcast_int", "collective", "padded_size", "replicate", "share_step"]

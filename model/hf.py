@@ -148,14 +148,19 @@ def load_hf(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
         current = var.get_value()
         if tuple(arr.shape) != tuple(current.shape):
             raise CheckpointError(f"{name}: checkpoint shape {tuple(flat[name].shape)} does not fit the model")
-        value = jnp.asarray(arr, dtype=current.dtype)
         # Keep placement (and committed-ness: jit caches on it) as it was, so sharded models stay
-        # sharded and reloading weights never triggers a recompile.
-        if isinstance(current, jax.Array):
-            if current.committed:
-                value = jax.device_put(value, current.sharding)
-        elif isinstance(getattr(current, "sharding", None), jax.sharding.Sharding):
-            value = jax.device_put(value, current.sharding)
+        # sharded and reloading weights never triggers a recompile. A placed parameter is cast on
+        # the host and each device receives only its own shard: the whole array never lands on
+        # one chip, which a model split over several chips may not fit. On a multi-host mesh
+        # every process holds the same ``flat`` and places its own devices' shards.
+        if isinstance(current, jax.Array) and not current.committed:
+            placement = None
+        else:
+            placement = getattr(current, "sharding", None)
+        if isinstance(placement, jax.sharding.Sharding):
+            value = jax.device_put(np.asarray(arr).astype(current.dtype, copy=False), placement)
+        else:
+            value = jnp.asarray(arr, dtype=current.dtype)
         var.set_value(value)
 
 

@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from stoker.distributed import PeerFailure
+from stoker.model.weights import WeightsError
 from stoker.rollout.sampling import Sampler
 
 log = logging.getLogger("stoker.rollout")
@@ -140,6 +142,8 @@ class Engine:
         self.rejected_total = 0
         self.segments_total = 0
         self._version = sampler.version
+        self.failure: PeerFailure | None = None  # why the engine ended on its own
+        self.finished = threading.Event()  # the engine thread has ended
 
     # ------------------------------------------------------------------ any thread
 
@@ -215,14 +219,15 @@ class Engine:
             raise
 
     def load_weights(self, flat: Mapping[str, np.ndarray], version: int, timeout: float | None = None) -> bool:
-        """Serve ``version`` from the next segment on; blocks until it is loaded (False on timeout)."""
+        """Serve ``version`` from the next segment on; blocks until it is loaded (False on timeout,
+        or when it could not be loaded)."""
         loaded = threading.Event()
         with self._lock:
             self._weights.append((flat, version, loaded))
             self._lock.notify_all()
         if self._thread is None:  # not started: load here (start-up, tests)
             self._apply_control()
-        return loaded.wait(timeout)
+        return loaded.wait(timeout) and self._version >= version
 
     def end_session(self, session: str) -> None:
         with self._lock:
@@ -276,12 +281,17 @@ class Engine:
         try:
             while self.step(block=True):
                 pass
+        except PeerFailure as exc:
+            log.error("the rollout engine stops: %s", exc)
+            self.failure = exc
         finally:
             with self._lock:
+                self._stopping = True
                 turns = [*self._running, *self._queue]
                 self._running, self._queue = [], deque()
             for turn in turns:
                 turn.on_done(EngineStopped("the rollout server stopped before answering"))
+            self.finished.set()
 
     def step(self, block: bool = False) -> bool:
         """Apply pending weights and session ends, then run one segment if any turn waits.
@@ -309,7 +319,12 @@ class Engine:
         for session in ends:
             self.sampler.end_session(session)
         for flat, version, loaded in weights:
-            self.sampler.load_weights(dict(flat), version)
+            try:
+                self.sampler.load_weights(dict(flat), version)
+            except WeightsError as exc:  # a multi-host server's other hosts lack it: asked again later
+                log.warning("policy version %d not loaded: %s", version, exc)
+                loaded.set()
+                continue
             self._version = version
             loaded.set()
             log.info("rollout engine now samples new turns with policy version %d", version)
@@ -356,6 +371,8 @@ class Engine:
                 sessions=[t.session for t in batch],
                 **({"temperature": 0.0} if batch[0].greedy else {}),
             )
+        except PeerFailure:
+            raise  # a multi-host server lost a host: the engine ends (``run``) and the server with it
         except Exception as exc:  # noqa: BLE001 - the turns of this call fail with it; the engine goes on
             log.exception("a rollout segment failed")
             with self._lock:

@@ -1,4 +1,4 @@
-"""The rollout server's mesh: tensor parallelism over the chips of its own host.
+"""The rollout server's mesh: tensor parallelism over its chips (every host's, multi-host).
 
 One axis, ``tp``. Column-parallel projections (q/k/v, gate/up, the vocabulary of the embedding and
 the LM head) split their output features over it, row-parallel ones (o_proj, down_proj) their
@@ -37,24 +37,44 @@ def parse_mesh(text: str) -> int:
     return int(value)
 
 
-def default_tp(config: TransformerConfig, devices: Sequence[jax.Device]) -> int:
-    """All local chips of an accelerator, or the most of them that divides the attention heads
-    (so each chip holds whole heads); 1 on the CPU, where extra devices are the same cores."""
-    if not devices or devices[0].platform == "cpu":
+def default_tp(config: TransformerConfig, devices: Sequence[jax.Device], processes: int = 1) -> int:
+    """All chips of an accelerator, or the most of them that divides the attention heads (so
+    each chip holds whole heads) and takes as many chips from every host; on the CPU 1 per
+    process, where extra devices are the same cores."""
+    if not devices:
         return 1
-    return max(n for n in range(1, len(devices) + 1) if config.num_heads % n == 0)
+    if devices[0].platform == "cpu":
+        return processes
+    fits = [n for n in range(processes, len(devices) + 1, processes) if config.num_heads % n == 0]
+    if not fits:
+        raise MeshError(
+            f"no tensor-parallel size divides the model's {config.num_heads} attention heads and spreads evenly "
+            f"over {processes} hosts; set --mesh tp=N"
+        )
+    return max(fits)
 
 
 def rollout_mesh(config: TransformerConfig, tp: int | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A 1-D ``tp`` mesh over the first ``tp`` of ``devices`` (this process's local devices when
-    None; ``tp`` None: ``default_tp``)."""
-    devs = list(jax.local_devices() if devices is None else devices)
-    size = default_tp(config, devs) if tp is None else tp
+    """A 1-D ``tp`` mesh over ``tp`` of ``devices`` (None: every process's devices; ``tp`` None:
+    ``default_tp``). Over several processes it takes the same number of devices from each, in
+    process order, since every host runs the same programs and holds a part of the model."""
+    devs = list(jax.devices() if devices is None else devices)
+    processes = len({d.process_index for d in devs})
+    size = default_tp(config, devs, processes) if tp is None else tp
     if size > len(devs):
-        raise MeshError(f"--mesh tp={size}: this process has only {len(devs)} {devs[0].platform} device(s)")
+        raise MeshError(f"--mesh tp={size}: the server has only {len(devs)} {devs[0].platform} device(s)")
+    if size % processes:
+        raise MeshError(f"--mesh tp={size} does not spread evenly over the server's {processes} hosts")
     if config.num_heads % size:
         raise MeshError(f"--mesh tp={size} does not divide the model's {config.num_heads} attention heads")
-    return Mesh(np.asarray(devs[:size]), (TP,))
+    per_host = size // processes
+    by_host: dict[int, list[jax.Device]] = {}
+    for d in devs:
+        by_host.setdefault(d.process_index, []).append(d)
+    if min(len(v) for v in by_host.values()) < per_host:
+        raise MeshError(f"--mesh tp={size} needs {per_host} devices on each of {processes} hosts")
+    chosen = [d for host in sorted(by_host) for d in by_host[host][:per_host]]
+    return Mesh(np.asarray(chosen), (TP,))
 
 
 def _module_of(path: Sequence[Any]) -> tuple[str, str]:

@@ -34,6 +34,7 @@ calls run the same compiled programs as sampled ones.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -323,8 +324,16 @@ class Sampler:
         if params is None:
             self._model = init_model(config, seed, dtype)
         else:
-            # Abstract shapes only: no random init is computed just to be overwritten.
+            # Abstract shapes only: no random init is computed just to be overwritten. Over a
+            # mesh they carry their shardings too, so each array goes from the host straight to
+            # its chips (``load_hf``).
             self._model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype))
+            if mesh is not None:
+                abstract = nnx.state(self._model)
+                nnx.update(self._model, jax.tree.map(
+                    lambda a, where: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
+                    abstract, param_shardings(abstract, config, mesh),
+                ))
             load_hf(self._model, params)
         self._graphdef, self._state = nnx.split(self._model)
         # ``mesh``: parameters and the conversation cache are laid out over it (rollout/mesh.py).
@@ -407,6 +416,18 @@ class Sampler:
         placed = jax.device_put(state, param_shardings(state, self.config, self.mesh))
         nnx.update(self._model, placed)
         return placed
+
+    def bookkeeping_digest(self) -> int:
+        """A 63-bit digest of everything that decides the programs the next call runs: the
+        weights version, every session's row, version and cached length, and the random-key
+        count. Hosts replaying one sampler's calls (rollout/hosts.py) compare it to catch a
+        divergence before it deadlocks or corrupts a turn."""
+        table = sorted(
+            (repr(key), -1 if r.row is None else r.row, r.version, len(r.cached), r.last_used)
+            for key, r in self._sessions.items()
+        )
+        text = repr((self.version, self._uses, sorted(self._pinned_states), table)).encode()
+        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
     def end_session(self, session: Any) -> None:
         """Forget a conversation: its cache row is free again (and, pinned, its weights if no other

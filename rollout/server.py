@@ -191,4 +191,6 @@ class RolloutServer:
         await stopping
 
     def wait(self) -> None:
-        self._stop.wait()
+        """Until ``stop``, or until the engine ends on its own (``engine.failure`` says why)."""
+        while not self._stop.is_set() and not self.engine.finished.wait(1.0):
+            pass

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from stoker.distributed import Processes
 from stoker.spec import RLJobSpec, SamplingSpec, TransformerConfig
+
+if TYPE_CHECKING:
+    from stoker.rollout.engine import Engine
+    from stoker.rollout.sampling import Sampler
 
 
 @dataclass(frozen=True)
@@ -24,7 +29,7 @@ class RolloutSettings:
     port: int
     weight_poll_seconds: float
     compilation_cache_dir: str | None = None
-    tensor_parallel: int | None = None  # chips of this host the model splits over (None: rollout.mesh.default_tp)
+    tensor_parallel: int | None = None  # chips the model splits over, every host's (None: rollout.mesh.default_tp)
 
     @classmethod
     def from_spec(cls, spec: RLJobSpec, **overrides: Any) -> RolloutSettings:
@@ -58,15 +63,18 @@ class RolloutSettings:
         )
 
 
-def make_engine(settings: RolloutSettings) -> Any:
-    """The sampler (initial weights: the checkpoint, else the learner's version-0 init) and its
-    engine, over a mesh of this process's local devices. Raises ``CheckpointError`` for a
-    checkpoint that cannot be read, ``MeshError`` for a mesh the devices or the model cannot take."""
+def make_sampler(settings: RolloutSettings, processes: Processes | None = None) -> Sampler:
+    """The sampler (initial weights: the checkpoint, else the learner's version-0 init) over a
+    mesh of the server's devices: every host's, on a multi-host server, where the primary's is a
+    ``LeaderSampler`` and the others replay its calls (rollout/hosts.py). Raises
+    ``CheckpointError`` for a checkpoint that cannot be read, ``MeshError`` for a mesh the devices
+    or the model cannot take."""
     from stoker.model.hf import dtype_from_name, read_config, read_weights
-    from stoker.rollout.engine import Engine
+    from stoker.rollout.hosts import LeaderSampler
     from stoker.rollout.mesh import rollout_mesh
     from stoker.rollout.sampling import Sampler
 
+    processes = processes or Processes()
     if settings.compilation_cache_dir:
         import jax
 
@@ -75,7 +83,9 @@ def make_engine(settings: RolloutSettings) -> Any:
     if settings.checkpoint:
         config, params = read_config(settings.checkpoint), read_weights(settings.checkpoint)
     mesh = rollout_mesh(config, settings.tensor_parallel)  # MeshError for one the chips cannot take
-    sampler = Sampler(
+    options: dict[str, Any] = {"processes": processes} if processes.multi and processes.primary else {}
+    make = LeaderSampler if options else Sampler
+    return make(
         config,
         settings.sampling,
         seed=settings.seed,
@@ -92,7 +102,15 @@ def make_engine(settings: RolloutSettings) -> Any:
         pin_sessions=True,  # the engine decides when a session moves to new weights
         min_chunk=1,  # a segment continues a turn from the one token sampled last
         mesh=mesh if mesh.size > 1 else None,
+        **options,
     )
+
+
+def make_engine(settings: RolloutSettings, sampler: Sampler | None = None) -> Engine:
+    """The continuous-batching engine over ``sampler`` (None: ``make_sampler(settings)``)."""
+    from stoker.rollout.engine import Engine
+
     return Engine(
-        sampler, max_batch=settings.max_batch, max_queue=settings.max_queue, segment_tokens=settings.segment_tokens
+        sampler or make_sampler(settings), max_batch=settings.max_batch, max_queue=settings.max_queue,
+        segment_tokens=settings.segment_tokens,
     )

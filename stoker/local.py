@@ -67,6 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="D",
         help="CPU devices per learner process (--xla_force_host_platform_device_count) with --learner-processes",
     )
+    parser.add_argument(
+        "--rollout-processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the rollout server (spec.rollout) as N JAX processes on loopback, one mesh over all, as on a multi-host slice",
+    )
     parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of the live display")
 
 
@@ -84,6 +91,7 @@ class RunOptions:
     live: bool = True
     learner_processes: int = 1
     learner_devices: int = 1
+    rollout_processes: int = 1
 
     @property
     def metrics_path(self) -> Path:
@@ -108,7 +116,12 @@ def resolve_options(args: argparse.Namespace) -> RunOptions:
         raise UsageError(f"--learner-processes {processes} --learner-devices {devices}; both must be >= 1")
     if processes > 1 and args.mode == "sync":
         raise UsageError("--learner-processes applies to --mode async (the sync baseline trains in this process)")
+    rollout_processes = getattr(args, "rollout_processes", 1)
+    if rollout_processes < 1:
+        raise UsageError(f"--rollout-processes {rollout_processes}; expected >= 1")
     job = load_job(args.file)
+    if rollout_processes > 1 and (job.spec.rollout is None or args.mode == "sync"):
+        raise UsageError("--rollout-processes needs spec.rollout and --mode async (a rollout server to split)")
     problems = environment_problems(job, str(args.file))
     if problems:
         raise ManifestError(problems)  # before any process starts: a bad plugin is a start-up error
@@ -124,6 +137,7 @@ def resolve_options(args: argparse.Namespace) -> RunOptions:
         live=not args.no_progress and sys.stderr.isatty(),
         learner_processes=processes,
         learner_devices=devices,
+        rollout_processes=rollout_processes,
     )
 
 
@@ -275,10 +289,11 @@ def _terminate_on_signals() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def learner_process_envs(env: dict[str, str], processes: int, devices: int) -> list[dict[str, str]]:
-    """The environment of each of ``processes`` learner processes: one JAX process each on the CPU,
+def jax_process_envs(env: dict[str, str], processes: int, devices: int) -> list[dict[str, str]]:
+    """The environment of each of ``processes`` processes of one JAX group (the learner's, or a
+    rollout server's): one JAX process each on the CPU,
     ``devices`` devices apiece, meeting at a coordinator on a free loopback port
-    (``stoker.learner.distributed``). One process gets ``env`` unchanged."""
+    (``stoker.distributed``). One process gets ``env`` unchanged."""
     if processes == 1:
         return [env]
     import socket
@@ -307,13 +322,16 @@ class AsyncRun:
     learners: list[Child] = field(default_factory=list)  # process 0 (the primary) first
     actors: list[Child] = field(default_factory=list)
     rollout: Child | None = None  # with spec.rollout: one generation server the actors call
+    rollout_followers: list[Child] = field(default_factory=list)  # its other processes (--rollout-processes)
 
     @property
     def learner(self) -> Child | None:
         return self.learners[0] if self.learners else None
 
     def children(self) -> list[Child]:
-        return [c for c in (*self.learners, *self.actors, self.rollout, self.buffer) if c is not None]
+        return [
+            c for c in (*self.learners, *self.actors, self.rollout, *self.rollout_followers, self.buffer) if c is not None
+        ]
 
     def start(self, env: dict[str, str]) -> str:
         o = self.options
@@ -328,7 +346,7 @@ class AsyncRun:
         )
         if o.max_steps is not None:
             learner_argv += ["--max-steps", str(o.max_steps)]
-        for index, learner_env in enumerate(learner_process_envs(env, o.learner_processes, o.learner_devices)):
+        for index, learner_env in enumerate(jax_process_envs(env, o.learner_processes, o.learner_devices)):
             name, log_name = ("learner", "learner.log") if index == 0 else (f"learner-{index}", f"learner-{index}.log")
             learner = Child(name, learner_argv, o.logs_dir / log_name)
             learner.start(learner_env)
@@ -353,8 +371,20 @@ class AsyncRun:
         return address
 
     def _start_rollout(self, env: dict[str, str]) -> str:
-        """One ``stoker rollout`` on loopback following the learner's weights; its address."""
-        return self._serve("rollout", env, "--weights", str(self.options.weights_dir))
+        """One ``stoker rollout`` on loopback following the learner's weights (over
+        ``--rollout-processes`` JAX processes, process 0 serving); its address."""
+        o = self.options
+        envs = jax_process_envs(env, o.rollout_processes, 1)
+        weights = ("--weights", str(o.weights_dir))
+        for index, follower_env in enumerate(envs[1:], start=1):
+            follower = Child(
+                f"rollout-{index}",
+                _stoker("rollout", "--manifest", str(o.manifest), *weights, "--host", "127.0.0.1", "--port", "0"),
+                o.logs_dir / f"rollout-{index}.log",
+            )
+            follower.start(follower_env)
+            self.rollout_followers.append(follower)
+        return self._serve("rollout", envs[0], *weights)
 
     def _serve(self, command: str, env: dict[str, str], *args: str) -> str:
         """Start a ``stoker COMMAND`` server on a free loopback port as ``self.<command>`` (set
@@ -389,7 +419,9 @@ class AsyncRun:
         for actor in self.actors:
             actor.finish(max(0.0, deadline - time.monotonic()))
         if self.rollout is not None:
-            self.rollout.stop()
+            self.rollout.stop()  # its other processes stop when it does
+        for follower in self.rollout_followers:
+            follower.finish(STOP_GRACE_SECONDS)
         if self.buffer is not None:
             self.buffer.stop()
 

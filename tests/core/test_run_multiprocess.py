@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from stoker.local import UsageError, learner_process_envs, resolve_options
+from stoker.local import UsageError, jax_process_envs, resolve_options
 
 pytestmark = pytest.mark.slow
 
@@ -54,8 +54,8 @@ def test_two_learner_processes_train_once_and_stop_together_on_ctrl_c(tmp_path: 
 
 def test_learner_process_environments() -> None:
     base = {"XLA_FLAGS": "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=8", "PATH": "/bin"}
-    assert learner_process_envs(base, 1, 4) == [base]
-    envs = learner_process_envs(base, 3, 2)
+    assert jax_process_envs(base, 1, 4) == [base]
+    envs = jax_process_envs(base, 3, 2)
     assert [e["STOKER_PROCESS_ID"] for e in envs] == ["0", "1", "2"]
     assert {e["STOKER_NUM_PROCESSES"] for e in envs} == {"3"}
     assert len({e["STOKER_COORDINATOR_ADDRESS"] for e in envs}) == 1

@@ -26,7 +26,7 @@ def main() -> int:
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
 
-    from stoker.learner import distributed
+    from stoker import distributed
 
     distributed.initialize()
     import json

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stoker.learner.distributed import DistributedConfig, DistributedEnvError, from_environment
+from stoker.distributed import DistributedConfig, DistributedEnvError, from_environment
 
 
 def test_single_host_needs_no_distributed_init() -> None:
@@ -53,7 +53,7 @@ def test_an_explicit_topology_wins_over_the_tpu_variables() -> None:
 
 
 def test_the_heartbeat_timeout_bounds_failure_detection_and_is_configurable() -> None:
-    from stoker.learner.distributed import HEARTBEAT_TIMEOUT_SECONDS
+    from stoker.distributed import HEARTBEAT_TIMEOUT_SECONDS
 
     env = {"TPU_WORKER_ID": "1", "TPU_WORKER_HOSTNAMES": "a,b"}
     assert from_environment(env).heartbeat_timeout_seconds == HEARTBEAT_TIMEOUT_SECONDS  # type: ignore[union-attr]

@@ -196,7 +196,7 @@ def test_a_killed_process_ends_the_group_within_the_bound_and_the_restart_loses_
         # coordination service misses the peer's heartbeats.
         assert primary.returncode not in (0, None), output[-3000:]
         assert survived_for < HEARTBEAT_SECONDS + 30, survived_for
-        reasons = ("another learner process failed", "JAX distributed service detected fatal errors")
+        reasons = ("another process failed", "JAX distributed service detected fatal errors")
         assert any(reason in output for reason in reasons), output[:6000]
         killed_at = max(json.loads(x)["policy_version"] for x in metrics.read_text().splitlines())
         saved = max(int(p.name) for p in (run_dir / "ckpt").iterdir() if p.name.isdigit())

@@ -297,6 +297,26 @@ def test_component_command_lines_parse_with_the_real_clis(mode: str) -> None:
     assert seen == ({"buffer", "actor", "learner"} if mode == "disaggregated" else {"learner"})
 
 
+@pytest.mark.parametrize(
+    "server", [{"accelerator": "nvidia-gpu", "gpus": 1}, {"accelerator": "tpu-v6e-slice", "topology": "4x4"}]
+)
+def test_rollout_server_command_lines_parse_with_the_real_cli(server: dict[str, Any]) -> None:
+    """Every rollout pod, single- or multi-host, runs a command line `stoker rollout` accepts."""
+    from stoker.cli import build_parser
+
+    ctx = make_ctx(rollout={"replicas": 1, **server}, rollout_replicas=1)
+    pods = [
+        c["spec"]["template"]["spec"] if c["kind"] == "Deployment"
+        else c["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+        for c in desired_children(ctx)
+        if c["kind"] in ("Deployment", "JobSet") and c["metadata"]["name"].startswith("lake-rollout")
+    ]
+    assert len(pods) == 1
+    argv = pods[0]["containers"][0]["args"]
+    args = build_parser(argv).parse_args(argv)  # argparse exits (SystemExit) on an unknown flag
+    assert (args.command, args.job, args.weights, args.port) == ("rollout", "lake", "lake-weights:50052", 50053)
+
+
 def test_weights_service_selects_the_learners_first_host() -> None:
     from stoker.operator.learner_workload import build_weights_service
 
@@ -316,7 +336,7 @@ def test_weights_service_selects_the_learners_first_host() -> None:
 def test_megascale_and_jax_coordinator_ports_never_collide(jobset_api: bool) -> None:
     """Slice 0's first host runs JAX's coordinator and libtpu's Megascale coordinator: the address
     the learner derives from the pod's environment and the Megascale address must differ in port."""
-    from stoker.learner.distributed import from_environment
+    from stoker.distributed import from_environment
 
     ctx = make_ctx(jobset_api=jobset_api, learner={"accelerator": "tpu-v6e-slice", "topology": "4x4", "numSlices": 2})
     if jobset_api:

@@ -61,16 +61,19 @@ def serve(xla_cache: Path) -> Iterator[ServerFactory]:
         server.stop(grace=0)
 
 
-def teacher_forced(version: int, sequences: Sequence[Sequence[int]]) -> list[np.ndarray]:
-    """log p(token t | tokens < t) under ``version``'s weights for every token after the first."""
-    width = CONFIG.max_seq_len
+def teacher_forced(
+    version: int, sequences: Sequence[Sequence[int]], config: TransformerConfig = CONFIG
+) -> list[np.ndarray]:
+    """log p(token t | tokens < t) under ``version``'s weights (the model initialised with seed
+    ``version``) for every token after the first."""
+    width = config.max_seq_len
     ids = np.zeros((len(sequences), width), np.int32)
     segments = np.zeros_like(ids)
     for row, seq in enumerate(sequences):
         ids[row, : len(seq)] = seq
         segments[row, : len(seq)] = 1
     positions = np.broadcast_to(np.arange(width), ids.shape)
-    model = init_model(CONFIG, seed=version)
+    model = init_model(config, seed=version)
     logits = model(jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(segments))
     out = np.asarray(token_logprobs(logits[:, :-1], jnp.asarray(ids[:, 1:])))
     return [out[row, : len(seq) - 1] for row, seq in enumerate(sequences)]

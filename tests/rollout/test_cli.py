@@ -30,4 +30,4 @@ def test_a_mesh_the_devices_cannot_take_exits_2_with_the_reason(capsys: pytest.C
     assert "--mesh 'tp=two': expected tp=N" in capsys.readouterr().err
     assert cli.main(["rollout", "--manifest", str(EXAMPLE), "--port", "0", "--mesh", "tp=64"]) == 2
     err = capsys.readouterr().err
-    assert "--mesh tp=64: this process has only 1 cpu device(s)" in err and "Traceback" not in err
+    assert "--mesh tp=64: the server has only 1 cpu device(s)" in err and "Traceback" not in err

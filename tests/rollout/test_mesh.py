@@ -61,6 +61,25 @@ SCRIPT = textwrap.dedent(
             "q_shards": len(state["layers"][0]["self_attn"]["q_proj"]["kernel"][...].addressable_shards),
             "cache": spec(sampler._store[0].keys),
         }
+    # A checkpoint's arrays, at start and as new weights, go from the host straight to their
+    # chips: none lands whole on one device first (a model split over chips may not fit one).
+    import jax.numpy as jnp
+    landed = []
+    def spying(real):
+        def call(*args, **kwargs):
+            value = real(*args, **kwargs)
+            landed.extend(len(leaf.sharding.device_set) for leaf in jax.tree.leaves(value))
+            return value
+        return call
+    first, later = to_hf(init_model(cfg, seed=5)), to_hf(init_model(cfg, seed=9))
+    real = jax.device_put, jnp.asarray
+    jax.device_put, jnp.asarray = spying(jax.device_put), spying(jnp.asarray)
+    loaded = Sampler(cfg, SamplingSpec(), seed=3, buckets=(16, 32), params=first,
+                     session_rows=2, pin_sessions=True, mesh=rollout_mesh(cfg, 4))
+    loaded.load_weights(later, version=1)
+    jax.device_put, jnp.asarray = real
+    out["landed"] = sorted(set(landed))
+    out["loaded_logprobs"] = loaded.generate([[1, 2, 3]], max_new_tokens=4, sessions=["a"])[0].logprobs
     json.dump(out, sys.stdout)
     """
 )
@@ -79,6 +98,7 @@ def test_sampling_over_a_tensor_parallel_mesh_matches_one_device() -> None:
     for a, b in zip(mesh["logprobs"], single["logprobs"], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     assert mesh["compiles"] == single["compiles"] == 2  # stateless + session program, not per layout
+    assert out["landed"] == [4] and len(out["loaded_logprobs"]) == 4
     assert (mesh["q_proj"], mesh["down_proj"], mesh["cache"]) == (
         "P(None, 'tp')", "P('tp', None)", "P(None, None, 'tp')",
     )

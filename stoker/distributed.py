@@ -1,4 +1,5 @@
-"""Multi-host start: ``jax.distributed.initialize`` from the environment of a TPU pod.
+"""Multi-host JAX: ``jax.distributed.initialize`` from a pod's environment, and the few
+host-to-host exchanges the learner and the rollout server build their lockstep on.
 
 GKE (with JobSet) gives every TPU VM host of a slice::
 
@@ -31,8 +32,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+
+import numpy as np
 
 from stoker.ports import JAX_COORDINATOR_PORT
 
@@ -46,6 +49,12 @@ HEARTBEAT_TIMEOUT_SECONDS = 60
 # a clean exit.
 INITIALIZATION_TIMEOUT_SECONDS = 600
 SHUTDOWN_TIMEOUT_SECONDS = 120
+# The exit status of a process that left because another of its group failed: its JobSet
+# restarts the group.
+EXIT_PEER_FAILED = 3
+# Payloads are padded to a power of two no smaller than this, so a broadcast compiles one
+# program per size class (a handful per run), not one per message.
+MIN_PAYLOAD_BYTES = 1 << 12
 
 
 class DistributedEnvError(ValueError):
@@ -145,3 +154,75 @@ def initialize(env: Mapping[str, str] | None = None) -> DistributedConfig | None
         shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_SECONDS,
     )
     return config
+
+
+# ---------------------------------------------------------------------------- exchanges
+
+
+class PeerFailure(RuntimeError):
+    """A collective failed: another process of the group died or lost its connection."""
+
+
+@dataclass(frozen=True)
+class Processes:
+    """This process's place among a group's JAX processes; process 0 is the *primary*."""
+
+    index: int = 0
+    count: int = 1
+
+    @property
+    def primary(self) -> bool:
+        return self.index == 0
+
+    @property
+    def multi(self) -> bool:
+        return self.count > 1
+
+    @classmethod
+    def current(cls) -> Processes:
+        import jax
+
+        return cls(jax.process_index(), jax.process_count())
+
+
+def padded_size(size: int) -> int:
+    return max(MIN_PAYLOAD_BYTES, 1 << max(size - 1, 0).bit_length())
+
+
+def share(
+    processes: Processes, flag: int, payload: bytes = b"", *, doing: str,
+    skip: Callable[[np.ndarray], bool] | None = None,
+) -> tuple[np.ndarray, bytes]:
+    """Every process's ``flag`` (one all-gather) and the primary's ``payload`` (one broadcast,
+    left out when it is empty or ``skip(flags)``). Every process must call it, in the same order;
+    only the primary's ``payload`` is read."""
+    from jax.experimental import multihost_utils
+
+    data = payload if processes.primary else b""
+    with collective(doing):
+        headers = multihost_utils.process_allgather(np.asarray([int(flag), len(data)], np.int64))
+    flags, size = headers[:, 0], int(headers[0, 1])
+    if size == 0 or (skip is not None and skip(flags)):
+        return flags, b""
+    buf = np.zeros(padded_size(size), np.uint8)
+    if processes.primary:
+        buf[:size] = np.frombuffer(data, np.uint8)
+    with collective(doing):
+        shared = multihost_utils.broadcast_one_to_all(buf)
+    return flags, data if processes.primary else np.asarray(shared[:size]).tobytes()
+
+
+class collective:  # noqa: N801 - used as a context manager, reads as a phrase
+    """Turns a failed collective into ``PeerFailure`` naming what the group was doing."""
+
+    def __init__(self, doing: str):
+        self.doing = doing
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        import jax
+
+        if exc is not None and isinstance(exc, jax.errors.JaxRuntimeError):
+            raise PeerFailure(f"another process failed while {self.doing}: {exc}") from exc

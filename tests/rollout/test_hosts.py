@@ -1,0 +1,107 @@
+"""The multi-host rollout server's rules, without a second process: how a sampler call travels,
+when hosts count as diverged, and that new weights load only where every host has them.
+(tests/rollout/test_multihost.py runs the real thing over two JAX processes.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stoker.distributed import PeerFailure, Processes
+from stoker.rollout import hosts
+from stoker.rollout.engine import Engine
+from stoker.rollout.hosts import LeaderSampler, WeightsDisagree, check_agreement, decode_call, encode_call
+from stoker.rollout.sampling import Sampler
+from stoker.spec import SamplingSpec
+
+from .conftest import CONFIG, MAX_BATCH, weights
+
+OPTIONS: dict[str, Any] = dict(
+    seed=0, buckets=(128,), min_batch=MAX_BATCH, session_rows=2 * MAX_BATCH, pin_sessions=True, min_chunk=1
+)
+
+
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 2**31 - 1), max_size=40), max_size=8),
+    sessions=st.lists(st.text(), max_size=8),
+    temperature=st.none() | st.floats(0, 4),
+)
+def test_a_call_arrives_as_it_was_sent(prompts: list[list[int]], sessions: list[str], temperature: float | None) -> None:
+    header, received = decode_call(encode_call(hosts.GENERATE, prompts, sessions=sessions, temperature=temperature))
+    assert received == prompts
+    assert (header["kind"], header["sessions"], header["temperature"]) == (hosts.GENERATE, sessions, temperature)
+
+
+def test_hosts_that_replay_differently_are_caught() -> None:
+    check_agreement(np.asarray([7, 7, 7]))
+    with pytest.raises(PeerFailure, match=r"hosts \[2\] replayed"):
+        check_agreement(np.asarray([7, 7, 8]))
+
+
+def test_the_digest_follows_every_call_that_shapes_the_next_program(xla_cache: object) -> None:
+    one, two = (Sampler(CONFIG, SamplingSpec(), **OPTIONS) for _ in range(2))
+    assert one.bookkeeping_digest() == two.bookkeeping_digest()
+    seen = {one.bookkeeping_digest()}
+    for sampler in (one, two):
+        sampler.generate([[1, 2, 3], [4, 5]], max_new_tokens=3, sessions=["a", "b"])
+    assert one.bookkeeping_digest() == two.bookkeeping_digest()  # the same calls, the same state
+    seen.add(one.bookkeeping_digest())
+    one.end_session("a")
+    seen.add(one.bookkeeping_digest())
+    assert one.bookkeeping_digest() != two.bookkeeping_digest()
+    one.load_weights(weights(1), 1)
+    seen.add(one.bookkeeping_digest())
+    assert len(seen) == 4
+
+
+class FakeGroup:
+    """Stands in for ``stoker.distributed.share`` on a two-host group whose other host agrees on
+    every call but reports ``other_has_weights`` for new weights."""
+
+    def __init__(self, other_has_weights: bool):
+        self.other_has_weights = other_has_weights
+        self.calls: list[str] = []
+
+    def __call__(self, processes: Processes, flag: int, payload: bytes = b"", *, doing: str, **_: Any) -> Any:
+        if payload:
+            self.calls.append(decode_call(payload)[0]["kind"])
+            return np.asarray([flag, flag]), payload
+        return np.asarray([flag, int(self.other_has_weights)]), b""
+
+
+@pytest.mark.parametrize("other_has_weights", [True, False])
+def test_new_weights_load_only_where_every_host_has_them(
+    other_has_weights: bool, monkeypatch: pytest.MonkeyPatch, xla_cache: object
+) -> None:
+    group = FakeGroup(other_has_weights)
+    monkeypatch.setattr(hosts, "share", group)
+    leader = LeaderSampler(CONFIG, SamplingSpec(), processes=Processes(0, 2), **OPTIONS)
+    engine = Engine(leader, max_batch=MAX_BATCH, max_queue=8)
+    assert engine.load_weights(weights(1), 1, timeout=60) is other_has_weights
+    assert (engine.version, leader.version) == ((1, 1) if other_has_weights else (0, 0))
+    assert group.calls == [hosts.LOAD_WEIGHTS]
+    if not other_has_weights:
+        with pytest.raises(WeightsDisagree, match=r"hosts \[1\] could not fetch policy version 2"):
+            leader.load_weights(weights(2), 2)
+
+
+def test_a_follower_that_cannot_fetch_withholds_its_agreement(monkeypatch: pytest.MonkeyPatch, xla_cache: object) -> None:
+    shared: list[int] = []
+
+    def share(processes: Processes, flag: int, payload: bytes = b"", *, doing: str, **_: Any) -> Any:
+        shared.append(flag)
+        return np.asarray([1, flag]), b""
+
+    def fetch(version: int) -> Any:
+        raise LookupError(f"version {version} was pruned")
+
+    monkeypatch.setattr(hosts, "share", share)
+    follower = Sampler(CONFIG, SamplingSpec(), **OPTIONS)
+    hosts._follow_load(follower, Processes(1, 2), fetch, 3)
+    assert shared == [0] and follower.version == 0
+    hosts._follow_load(follower, Processes(1, 2), lambda version: weights(version), 3)
+    assert shared == [0, 1] and follower.version == 3
