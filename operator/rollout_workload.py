@@ -10,7 +10,8 @@
   so each actor's conversations stay on one server and its cache.
 
 Contract with the image: ``stoker rollout --manifest JOB_FILE --job NAME --port PORT --weights
-<job>-weights:50052 --metrics-port 9090``, serving gRPC health checking on ``PORT``.
+<job>-weights:50052 --token-file TOKEN --metrics-port 9090`` (the buffer's token, which also
+guards the weight channel), serving gRPC health checking on ``PORT``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from stoker.operator.manifests import (
     common_volumes,
     container_env,
     metadata,
+    token_file,
 )
 from stoker.operator.naming import ROLE_ROLLOUT, labels, selector
 from stoker.operator.rollout import Paths, config_hash
@@ -94,7 +96,8 @@ def _accelerator(rollout: RolloutSpec, shape: SliceShape, container: dict[str, A
 
 def _pod_spec(ctx: JobContext, shape: SliceShape, *, restart_policy: str) -> dict[str, Any]:
     rollout = _spec(ctx)
-    volumes, mounts = common_volumes(ctx, token=False)  # servers never talk to the buffer
+    # Servers never talk to the buffer, but its token also guards the learner's weight channel.
+    volumes, mounts = common_volumes(ctx, token=True)
     port = rollout.port
     probe = {"grpc": {"port": port}}
     container: dict[str, Any] = {
@@ -104,7 +107,8 @@ def _pod_spec(ctx: JobContext, shape: SliceShape, *, restart_policy: str) -> dic
         "command": ["stoker"],
         "args": [
             *("rollout", "--manifest", JOB_FILE, "--job", ctx.name, "--port", str(port)),
-            *("--weights", f"{ctx.names.weights}:{WEIGHTS_PORT}", "--metrics-port", str(METRICS_PORT)),
+            *("--weights", f"{ctx.names.weights}:{WEIGHTS_PORT}", "--token-file", token_file(ctx)),
+            *("--metrics-port", str(METRICS_PORT)),
         ],
         "ports": [
             {"name": "grpc", "containerPort": port, "protocol": "TCP"},

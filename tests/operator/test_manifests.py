@@ -315,6 +315,10 @@ def test_rollout_server_command_lines_parse_with_the_real_cli(server: dict[str, 
     argv = pods[0]["containers"][0]["args"]
     args = build_parser(argv).parse_args(argv)  # argparse exits (SystemExit) on an unknown flag
     assert (args.command, args.job, args.weights, args.port) == ("rollout", "lake", "lake-weights:50052", 50053)
+    # The learner's weight channel takes the buffer's bearer token: without it no new weights load.
+    assert args.token_file == "/var/run/stoker/buffer-token/token"
+    mounts = {m["mountPath"] for m in pods[0]["containers"][0]["volumeMounts"]}
+    assert "/var/run/stoker/buffer-token" in mounts
 
 
 def test_weights_service_selects_the_learners_first_host() -> None:
