@@ -54,7 +54,7 @@ from stoker.spec_learner import (
     SecretRef,
 )
 from stoker.spec_model import ModelSpec, RopeScaling, TransformerConfig
-from stoker.spec_rollout import RolloutSpec, rollout_hosts, rollout_problems
+from stoker.spec_rollout import RolloutSpec, rollout_chips, rollout_hosts, rollout_problems
 from stoker.spec_rules import CEL_RULES, ROOT_CEL_RULES, cross_field_problems, name_problems
 
 __all__ = [
@@ -65,7 +65,7 @@ __all__ = [
     "ModelSpec", "ObjectMeta", "RLJob", "RLJobSpec", "ResourceList", "Resources", "RewardSpec", "RewardTermSpec",
     "RolloutSpec", "RopeScaling", "SamplingSpec", "SandboxSpec", "SecretRef", "SpecModel", "StepLatency", "SweOptions",
     "TpuAccelerator", "TpuTopology", "TransformerConfig", "cel", "cross_field_problems", "name_problems",
-    "rollout_hosts", "rollout_problems",
+    "rollout_chips", "rollout_hosts", "rollout_problems",
 ]
 
 GROUP = "stoker.dev"

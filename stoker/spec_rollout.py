@@ -13,7 +13,7 @@ from pydantic import Field
 from stoker import spec_cel
 from stoker.spec_base import DNS_LABEL_PATTERN, TPU_ACCELERATORS, ResourceList, Resources, SpecModel, TpuAccelerator, TpuTopology
 from stoker.spec_cel import cel
-from stoker.tpu import TopologyError, hosts_per_slice
+from stoker.tpu import TopologyError, hosts_per_slice, slice_shape
 
 if TYPE_CHECKING:
     from stoker.spec import RLJobSpec
@@ -32,12 +32,20 @@ class RolloutSpec(SpecModel):
     accelerator: Literal["cpu", "nvidia-gpu", TpuAccelerator] = Field(
         "cpu", description="cpu, nvidia-gpu, or a GKE TPU accelerator label."
     )
-    topology: TpuTopology | None = Field(
-        None, description="TPU topology of each server's slice, e.g. 2x2."
-    )
+    topology: TpuTopology | None = Field(None, description="TPU topology of each server's slice, e.g. 2x2.")
     gpus: int = Field(1, ge=1, le=16, description="GPUs per server (accelerator nvidia-gpu): the nvidia.com/gpu limit.")
     gpu_type: Annotated[str, Field(pattern=DNS_LABEL_PATTERN, max_length=63)] | None = Field(
         None, description="GKE GPU node label cloud.google.com/gke-accelerator, e.g. nvidia-l4 (nvidia-gpu only)."
+    )
+    tensor_parallel: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Chips each server splits the model over (tensor parallelism: each chip holds 1/tensorParallel "
+            "of every large matrix). At most the server's chips: gpus (nvidia-gpu), the chips of its TPU "
+            "slice (all its hosts); any on cpu (a local run forces host devices). Unset: all the server's "
+            "chips, or the most of them that divides the model's attention heads; 1 on cpu."
+        ),
     )
     image: str | None = Field(None, description="Rollout image; the learner image when unset (it has the accelerator runtime).")
     resources: Resources = Field(
@@ -87,7 +95,24 @@ def rollout_problems(spec: RLJobSpec) -> list[tuple[str, str]]:
             problems.append(("rollout.gpus", f"got {rollout.gpus}; expected unset for accelerator {accelerator} (nvidia-gpu only)"))
         if rollout.gpu_type is not None:
             problems.append(("rollout.gpuType", f"got {rollout.gpu_type}; expected unset for accelerator {accelerator} (nvidia-gpu only)"))
+    chips = rollout_chips(rollout)
+    if rollout.tensor_parallel is not None and chips is not None and rollout.tensor_parallel > chips:
+        server = f"gpus ({chips})" if accelerator == "nvidia-gpu" else f"the {chips} chips of a {accelerator} {rollout.topology} slice"
+        problems.append(("rollout.tensorParallel", f"got {rollout.tensor_parallel}; expected <= {server}"))
     return problems
+
+
+def rollout_chips(rollout: RolloutSpec) -> int | None:
+    """Chips per rollout server as the spec gives them: ``gpus``, or every chip of the TPU slice
+    (hosts x chips per host); None on the CPU and for a bad topology (reported on its own)."""
+    if rollout.accelerator == "nvidia-gpu":
+        return rollout.gpus
+    if rollout.accelerator not in TPU_ACCELERATORS:
+        return None
+    try:
+        return slice_shape(rollout.accelerator, rollout.topology).chips
+    except TopologyError:
+        return None
 
 
 def rollout_hosts(rollout: RolloutSpec) -> int:
@@ -115,6 +140,12 @@ ROLLOUT_CEL_RULES: list[dict[str, Any]] = [
     cel(f"self.accelerator in {_TPUS} || !has(self.topology)", "topology is for TPU accelerators only"),
     cel("self.accelerator == 'nvidia-gpu' || self.gpus == 1", "gpus is for accelerator nvidia-gpu only"),
     cel("self.accelerator == 'nvidia-gpu' || !has(self.gpuType)", "gpuType is for accelerator nvidia-gpu only"),
+    # A topology the accelerator lacks is refused above; its chips here only add a second message.
+    cel(
+        "!has(self.tensorParallel) || self.accelerator == 'cpu' || (self.accelerator == 'nvidia-gpu' ? "
+        f"self.tensorParallel <= self.gpus : !has(self.topology) || self.tensorParallel <= {spec_cel.chips('self.topology')})",
+        "tensorParallel must not exceed the server's chips (gpus, or the chips of its TPU slice)",
+    ),
 ]
 
 # At the root, beside the learner's name rule (name_problems): a multi-host server's pod names.
