@@ -63,7 +63,8 @@ class RolloutSpec(SpecModel):
 
 
 def rollout_problems(spec: RLJobSpec) -> list[tuple[str, str]]:
-    """``spec.rollout``'s rules: the accelerator's own fields only, a slice GKE has, sane bounds.
+    """``spec.rollout``'s rules: the accelerator's own fields only, a slice GKE has, sane bounds,
+    no more tensor-parallel chips than a server has.
 
     A colocated job refuses a rollout tier: its learner generates on its own mesh, so servers
     beside it would never be called (docs/operator.md, "The rollout tier")."""
