@@ -45,7 +45,7 @@ class RunRecords:
 
     def final_success(self, steps: int = 10) -> float:
         last = self.metrics[-steps:]
-        return sum(m.get("success_rate", 0.0) for m in last) / max(len(last), 1)
+        return sum(m.get("success_rate") or 0.0 for m in last) / max(len(last), 1)
 
     def seconds_to(self, target: float) -> float | None:
         return time_to_reach(self.metrics, "success_rate", target, start=self.started)

@@ -6,7 +6,6 @@ the run the accelerator had work. A learner waiting on the buffer (actors too sl
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -18,6 +17,8 @@ from types import TracebackType
 from typing import IO, Any
 
 import prometheus_client as prom
+
+from stoker.jsonl import json_line
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +231,7 @@ class MetricsSink:
             if key in metrics:
                 gauge.set(metrics[key])
         if self._file is not None:
-            self._file.write(json.dumps({"time": time.time(), **metrics}, sort_keys=True) + "\n")
+            self._file.write(json_line({"time": time.time(), **metrics}, sort_keys=True))
             self._file.flush()
         values = scalars(metrics)
         step = int(values.get("step", self._records))

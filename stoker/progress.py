@@ -21,6 +21,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from stoker.jsonl import json_line
+
 if TYPE_CHECKING:
     from stoker.local import RunOptions
 
@@ -72,7 +74,7 @@ class RunState:
 
     def fold(self, record: dict[str, Any]) -> None:
         self.last = record
-        if "success_rate" in record:
+        if record.get("success_rate") is not None:  # null: no finite value this step
             self.recent_success.append(float(record["success_rate"]))
         step = record.get("step")
         if isinstance(step, int) and self.first_step is None:
@@ -197,7 +199,7 @@ class Progress:
             ],
         }
         self.state.buffer = sample
-        self._buffer_log.write(json.dumps(sample) + "\n")
+        self._buffer_log.write(json_line(sample))
         self._buffer_log.flush()
 
     def summary(self) -> str:

@@ -56,7 +56,7 @@ def time_to_reach(
 ) -> float | None:
     """Seconds from ``start`` (default: the first record) until the rolling mean of ``key`` first
     reaches ``target``."""
-    points = [(r["time"], float(r[key])) for r in records if key in r and "time" in r]
+    points = [(r["time"], float(r[key])) for r in records if r.get(key) is not None and "time" in r]
     if not points:
         return None
     smoothed = rolling_mean([v for _, v in points], window)
@@ -91,8 +91,8 @@ def eval_rounds(metrics: list[dict[str, Any]]) -> list[tuple[int, float, float, 
             continue
         version = int(record["eval_policy_version"])
         rounds[version] = (
-            version, float(record["eval_success_rate"]), float(record.get("eval_reward_mean", 0.0)),
-            int(record.get("eval_episodes", 0)),
+            version, float(record["eval_success_rate"]), float(record.get("eval_reward_mean") or 0.0),
+            int(record.get("eval_episodes") or 0),
         )
     return [rounds[v] for v in sorted(rounds)]
 

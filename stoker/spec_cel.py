@@ -1,6 +1,6 @@
 """CEL versions of the spec's cross-field rules, built from the same tables as the Python checks.
 
-``stoker.spec.CEL_RULES`` attaches these to the CRD so the API server refuses what
+``stoker.spec_rules.CEL_RULES`` attaches these to the CRD so the API server refuses what
 ``cross_field_problems`` and ``stoker validate`` refuse. Only standard CEL plus ``split`` (from
 the strings library Kubernetes enables for CRD rules) is used. Object-valued fields get no
 defaults from the API server, so every read through an optional object goes through ``opt``.
@@ -9,6 +9,7 @@ defaults from the API server, so every read through an optional object goes thro
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from stoker.jobname import DNS_LABEL_MAX, FIXED_OVERHEAD, ROLLOUT_FIXED_OVERHEAD
 from stoker.tpu import ACCELERATORS, CHIPS_PER_HOST_2D_MULTI, CHIPS_PER_HOST_3D, SINGLE_HOST_MAX_CHIPS_2D, SMALL_3D
@@ -16,6 +17,11 @@ from stoker.tpu import ACCELERATORS, CHIPS_PER_HOST_2D_MULTI, CHIPS_PER_HOST_3D,
 # A positive multiple of 4 without leading zeros (the topology pattern already forbids those):
 # 4, 8, or a number whose last two digits are a multiple of 4.
 MULTIPLE_OF_4 = "(4|8|[0-9]*([02468][048]|[13579][26]))"
+
+
+def cel(rule: str, message: str) -> dict[str, Any]:
+    """A CEL rule, emitted into the CRD's ``x-kubernetes-validations``."""
+    return {"rule": rule, "message": message}
 
 
 def quote(text: str) -> str:

@@ -63,6 +63,10 @@ def test_multi_document_files_validate_each_document() -> None:
         ("spec: {actors: {weightPollSeconds: 0}}", "spec.actors.weightPollSeconds: got 0; expected greater than 0"),
         ("spec: {model: {architecture: {numHeads: 3, numKvHeads: 2}}}", "spec.model.architecture: numHeads must be a multiple of numKvHeads"),
         ("spec: {mode: hybrid}", "spec.mode: got 'hybrid'; expected one of 'disaggregated' or 'colocated'"),
+        ("spec: {rollout: {tensorParallel: 0}}", "spec.rollout.tensorParallel: got 0; expected greater than or equal to 1"),
+        ("spec: {rollout: {accelerator: nvidia-gpu, gpus: 2, tensorParallel: 4}}", "spec.rollout.tensorParallel: got 4; expected <= gpus (2)"),
+        ("spec: {rollout: {accelerator: tpu-v6e-slice, topology: 2x4, tensorParallel: 16}}",
+         "spec.rollout.tensorParallel: got 16; expected <= the 8 chips of a tpu-v6e-slice 2x4 slice"),
         ("spec: [1, 2]", "spec: got [1, 2]; expected a valid dictionary"),
     ],
 )

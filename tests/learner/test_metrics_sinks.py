@@ -14,6 +14,8 @@ from tensorboardX.crc32c import crc32c
 from tensorboardX.proto import event_pb2
 
 from stoker.learner.metrics import MetricsSink
+from stoker.progress import RunState
+from stoker.report import time_to_reach, write_report
 
 
 def _masked_crc(data: bytes) -> int:
@@ -54,6 +56,37 @@ def test_tensorboard_events_beside_the_jsonl(tmp_path: Path, monkeypatch: pytest
     assert scalars[("loss", 1)] == 0.5 and scalars[("loss", 2)] == 0.25
     assert scalars[("learning_rate", 2)] == pytest.approx(2e-3)
     assert ("step", 1) in scalars and ("grad_norm", 2) not in scalars  # NaN stays in the JSONL only
+
+
+def strict_json(line: str) -> Any:
+    """Parse as jq, JavaScript and Go do: NaN and Infinity are not JSON."""
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_non_finite_metrics_are_written_as_null_and_every_reader_skips_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    nan, inf = float("nan"), float("inf")
+    with MetricsSink(tmp_path / "learner_metrics.jsonl") as sink:
+        sink.record({"step": 1, "success_rate": 0.5, "grad_norm": nan, "loss": inf, "pg_loss": -inf})
+        sink.record({"step": 2, "success_rate": nan, "loss": 0.25, "eval_policy_version": 0,
+                     "eval_success_rate": 0.75, "eval_reward_mean": nan, "eval_episodes": 4})
+    lines = [strict_json(line) for line in (tmp_path / "learner_metrics.jsonl").read_text().splitlines()]
+    assert [(r["grad_norm"], r["loss"], r["pg_loss"]) for r in lines[:1]] == [(None, None, None)]
+    assert (lines[1]["success_rate"], lines[1]["loss"], lines[1]["eval_reward_mean"]) == (None, 0.25, None)
+    assert time_to_reach(lines, "success_rate", 0.5) == 0.0
+    report = write_report(tmp_path).read_text()
+    assert "final rolling success rate: 0.500" in report
+    assert "| 0 | 0.750 | 0.000 | 4 |" in report  # the round is kept; its missing mean reads 0
+    state = RunState()
+    for record in lines:
+        state.fold(record)
+    assert state.success_rate() == 0.5
 
 
 class FakeRun:

@@ -1,0 +1,197 @@
+"""The training sections of the RLJob spec: the RL objective, the buffer that feeds the learner,
+and the learner's hardware, mesh and checkpoints.
+
+Import the spec from ``stoker.spec``.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+
+from stoker.spec_base import DNS_LABEL_PATTERN, DNS_SUBDOMAIN_PATTERN, QUANTITY_PATTERN, SpecModel, TpuAccelerator, TpuTopology
+
+# CEL compares neighbouring buckets one by one, so the list is bounded.
+MAX_SEQUENCE_BUCKETS = 16
+
+
+# ----------------------------------------------------------------------------------- algorithm
+
+
+class AlgorithmName(StrEnum):
+    """str(AlgorithmName.GRPO) == "grpo", so the default and a parsed value read the same."""
+
+    GRPO = "grpo"
+    PPO = "ppo"
+    DPO = "dpo"
+    GSPO = "gspo"
+
+
+class LearningRateScheduleSpec(SpecModel):
+    """Linear warmup from 0 to ``learningRate``, then constant, or a decay to ``minLearningRate``."""
+
+    kind: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="constant | cosine | linear: the shape after the warmup."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Updates of linear warmup from 0 to learningRate.")
+    decay_steps: int | None = Field(
+        None, ge=1, description="Updates of decay after the warmup; to learner.maxSteps when unset."
+    )
+    min_learning_rate: float = Field(0.0, ge=0, description="Where the cosine or linear decay ends.")
+
+
+class AlgorithmSpec(SpecModel):
+    """The RL objective and its hyperparameters."""
+
+    name: AlgorithmName = Field(AlgorithmName.GRPO, description="grpo | ppo | dpo | gspo.")
+    learning_rate: float = Field(3e-3, gt=0, description="Adam learning rate (the peak, under a schedule).")
+    clip_epsilon: float = Field(0.2, gt=0, description="PPO-style ratio clip (low side).")
+    clip_epsilon_high: float | None = Field(None, gt=0, description="Upper ratio clip; clipEpsilon when unset.")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference policy (0 disables it).")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus.")
+    off_policy_correction: Literal["clip", "decoupled", "none"] = Field(
+        "clip",
+        description=(
+            "How stale tokens are corrected. clip: PPO's clipped ratio against the sampler's own "
+            "log-probs (a trust region around the policy that generated them); decoupled: AReaL's "
+            "truncated weight min(pi/mu, importanceCap) with the clip around the current policy; "
+            "none: no correction."
+        ),
+    )
+    importance_cap: float = Field(2.0, ge=1, description="Truncation cap of the decoupled importance weight (and DPO's).")
+    dual_clip: float = Field(
+        3.0, gt=1, description="Bound on a negative-advantage token's ratio term (dual-clip PPO)."
+    )
+    loss_aggregation: Literal["token-mean", "sequence-mean"] = Field(
+        "token-mean", description="How per-token losses are averaged."
+    )
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount (PPO).")
+    gae_lambda: float = Field(0.95, ge=0, le=1, description="GAE lambda (PPO).")
+    value_coef: float = Field(0.5, ge=0, description="Value loss weight (PPO).")
+    dpo_beta: float = Field(0.1, gt=0, description="DPO inverse temperature.")
+    dpo_dataset: str | None = Field(None, description="JSONL of chosen/rejected pairs; buffer groups ranked by reward when unset.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    learning_rate_schedule: LearningRateScheduleSpec = Field(default_factory=LearningRateScheduleSpec)
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW decoupled weight decay on weight matrices (not norms or biases); 0 is Adam."
+    )
+    advantage_normalization: Literal["population-std", "sample-std", "none"] = Field(
+        "population-std",
+        description=(
+            "GRPO/GSPO group advantage (r - mean) / (std + 1e-6). population-std: std with ddof=0; "
+            "sample-std: ddof=1, as TRL, verl and Tunix compute it (advantages sqrt((G-1)/G) as large); "
+            "none: r - mean (Dr. GRPO)."
+        ),
+    )
+
+
+# -------------------------------------------------------------------------------------- buffer
+
+
+class SecretRef(SpecModel):
+    name: Annotated[str, Field(pattern=DNS_LABEL_PATTERN, max_length=253)]
+    key: str = "token"
+
+
+class BufferSpec(SpecModel):
+    capacity: int = Field(
+        4096,
+        ge=1,
+        description="Trajectories waiting for the learner before Put is refused (backpressure). Batches the "
+        "learner has leased are held on top until committed, up to as many again.",
+    )
+    group_size: int = Field(8, ge=1, description="Episodes per task group (GRPO's G).")
+    max_staleness: int = Field(
+        4,
+        ge=0,
+        description=(
+            "Policy versions a group's oldest token may lag behind the policy when the learner takes "
+            "the batch (admission and the buffer enforce it; the learner, a batch ahead, trains it at "
+            "most 2 versions later)."
+        ),
+    )
+    sync: Literal["batch", "none"] = Field("batch", description="batch: fsync per Put; none: leave it to the OS.")
+    sample_order: Literal["oldest-first", "newest-first"] = Field(
+        "oldest-first",
+        description=(
+            "Which complete groups the learner gets first. oldest-first: in the order they completed "
+            "(FIFO); newest-first: the latest completed, so a queue that builds up while actors run "
+            "ahead ages (and is dropped at maxStaleness) instead of delaying every batch behind it."
+        ),
+    )
+    failed_group_policy: Literal["mask", "discard"] = Field(
+        "mask", description="Deliver groups containing a failed episode masked, or discard (and count) them."
+    )
+    group_timeout_seconds: float = Field(600.0, gt=0, description="Incomplete groups older than this are reported.")
+    storage_size: Annotated[str, Field(pattern=QUANTITY_PATTERN)] = Field(
+        "10Gi", description="PersistentVolumeClaim size for the write-ahead log."
+    )
+    auth_secret_ref: SecretRef | None = Field(
+        None, description="Secret holding the bearer token; the operator generates one when unset."
+    )
+    port: int = Field(50051, ge=1, le=65535)
+
+
+# ------------------------------------------------------------------------------------- learner
+
+
+class MeshSpec(SpecModel):
+    """Named mesh axes and their sizes; -1 takes all remaining devices."""
+
+    fsdp: int = Field(-1, description="Parameter/optimizer sharding axis.")
+    tp: int = Field(1, ge=1, description="Tensor-parallel axis.")
+
+
+class CheckpointSpec(SpecModel):
+    dir: str = Field("checkpoints", description="Orbax checkpoint directory (local path or gs://).")
+    interval_steps: int = Field(50, ge=1)
+    keep: int = Field(3, ge=1, description="Checkpoints retained.")
+
+
+class LearnerSpec(SpecModel):
+    accelerator: Literal["cpu", TpuAccelerator] = Field(
+        "cpu", description="GKE TPU accelerator label, or cpu for a local run (immutable)."
+    )
+    topology: TpuTopology | None = Field(
+        None, description="TPU topology, e.g. 2x4 (immutable once set)."
+    )
+    num_slices: int = Field(1, ge=1, le=1024, description="TPU slices (multislice when > 1; immutable).")
+    mesh: MeshSpec = Field(default_factory=MeshSpec)
+    batch_groups: int = Field(4, ge=1, description="Groups per training step.")
+    sequence_buckets: list[int] = Field(
+        default_factory=lambda: [128, 256, 512],
+        min_length=1,
+        max_length=MAX_SEQUENCE_BUCKETS,
+        description="Packed row lengths.",
+    )
+    microbatch_tokens: int | None = Field(
+        None,
+        ge=8,
+        description="Tokens (rows x bucket length) per packed micro-batch; 4 x the longest bucket when unset.",
+    )
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    publish_interval_steps: int = Field(1, ge=1, description="Publish weights to actors every k steps.")
+    max_steps: int = Field(
+        500, ge=1, description="Training stops after this many steps (batches consumed, updates or not)."
+    )
+    compilation_cache_dir: str | None = Field(None, description="JAX persistent compilation cache.")
+    max_restarts: int = Field(3, ge=0, description="JobSet failurePolicy.maxRestarts.")
+    queue_name: str | None = Field(None, description="Kueue LocalQueue (label kueue.x-k8s.io/queue-name).")
+    image: str | None = Field(None, description="Learner image; the operator's default when unset.")
+    service_account_name: Annotated[str, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)] | None = Field(
+        None,
+        description=(
+            "ServiceAccount the learner pods run as (e.g. one bound to a Google service account by "
+            "Workload Identity for gs:// checkpoints); the namespace's default when unset. "
+            "Disaggregated mode only: a colocated learner runs as the job's sandbox manager."
+        ),
+    )
+
+    @field_validator("sequence_buckets")
+    @classmethod
+    def _buckets_ascending(cls, buckets: list[int]) -> list[int]:
+        if buckets != sorted(set(buckets)) or buckets[0] < 8:
+            raise ValueError(f"got {buckets}; expected strictly ascending lengths >= 8")
+        return buckets

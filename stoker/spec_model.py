@@ -1,0 +1,125 @@
+"""The policy's section of the RLJob spec: its architecture, or the checkpoint it comes from.
+
+Import the spec from ``stoker.spec``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from stoker.spec_base import SpecModel
+
+
+class RopeScaling(SpecModel):
+    """Rotary frequency rescaling for long contexts, as Hugging Face's ``rope_type`` names it.
+
+    llama3 (Llama 3.1+): by wavelength band; high frequencies kept, low ones divided by
+    ``factor``, a smooth blend between. linear (Gemma 3's global layers): all divided by ``factor``.
+    """
+
+    type: Literal["llama3", "linear"] = Field(description="llama3 | linear.")
+    factor: float = Field(gt=0, description="How much longer the context is than the one trained on.")
+    low_freq_factor: float = Field(1.0, gt=0, description="llama3: wavelengths above originalMaxPositionEmbeddings / this are scaled.")
+    high_freq_factor: float = Field(4.0, gt=0, description="llama3: wavelengths below originalMaxPositionEmbeddings / this are kept.")
+    original_max_position_embeddings: int = Field(8192, ge=1, description="llama3: the pre-extension context.")
+
+
+class TransformerConfig(SpecModel):
+    """Architecture of the decoder-only policy (Llama, Qwen2/3, Gemma 2/3 families).
+
+    With ``model.checkpoint`` set, this is read from the checkpoint's config.json; fields written
+    in the manifest must then agree with it."""
+
+    vocab_size: int = Field(64, ge=2, description="Tokenizer vocabulary size.")
+    hidden_size: int = Field(64, ge=8, description="Width of the residual stream.")
+    num_layers: int = Field(2, ge=1, description="Number of transformer blocks.")
+    num_heads: int = Field(4, ge=1, description="Query heads per block.")
+    num_kv_heads: int = Field(2, ge=1, description="Key/value heads (grouped-query attention).")
+    head_dim: int | None = Field(None, ge=4, description="Per-head width; hiddenSize/numHeads when unset.")
+    intermediate_size: int = Field(128, ge=8, description="SwiGLU hidden width.")
+    max_seq_len: int = Field(512, ge=16, description="Longest sequence the rotary tables cover.")
+    rope_theta: float = Field(10000.0, gt=0, description="Rotary embedding base.")
+    rms_norm_eps: float = Field(1e-6, gt=0, description="RMSNorm epsilon.")
+    tie_embeddings: bool = Field(True, description="Share the input embedding with the output head.")
+    attention_bias: bool = Field(False, description="Biases on the query/key/value projections (Qwen2).")
+    qk_norm: bool = Field(False, description="RMSNorm on each query and key head before rotary (Qwen3, Gemma 3).")
+    rope_scaling: RopeScaling | None = Field(None, description="Rotary frequency rescaling (global layers only).")
+    mlp_activation: Literal["silu", "gelu-tanh"] = Field(
+        "silu", description="Gate activation: silu (SwiGLU, Llama/Qwen) or gelu-tanh (GeGLU, Gemma)."
+    )
+    norm_unit_offset: bool = Field(False, description="RMSNorm scales by (1 + weight) (Gemma).")
+    sandwich_norms: bool = Field(False, description="Also normalise the attention and MLP outputs (Gemma 2/3).")
+    embedding_scale: bool = Field(False, description="Multiply token embeddings by sqrt(hiddenSize) (Gemma).")
+    query_pre_attn_scalar: float | None = Field(
+        None, gt=0, description="Scale queries by this^-1/2 instead of headDim^-1/2 (Gemma)."
+    )
+    attn_logit_softcap: float | None = Field(None, gt=0, description="cap * tanh(score / cap) on attention scores (Gemma 2).")
+    final_logit_softcap: float | None = Field(None, gt=0, description="cap * tanh(logit / cap) on the output logits (Gemma 2).")
+    sliding_window: int | None = Field(
+        None, ge=1, description="Local layers see only the last slidingWindow tokens (the token itself included)."
+    )
+    global_layer_every: int | None = Field(
+        None, ge=1, description="With slidingWindow: layer i is global iff (i + 1) % this == 0, the rest local (Gemma 2: 2, Gemma 3: 6)."
+    )
+    rope_local_theta: float | None = Field(None, gt=0, description="Rotary base of local layers; ropeTheta when unset (Gemma 3).")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TransformerConfig:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("numHeads must be a multiple of numKvHeads")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise ValueError("hiddenSize must be a multiple of numHeads when headDim is unset")
+        if (self.sliding_window is None) != (self.global_layer_every is None):
+            raise ValueError("slidingWindow and globalLayerEvery go together")
+        return self
+
+    def is_local_layer(self, index: int) -> bool:
+        """Whether layer ``index`` attends through the sliding window."""
+        return self.global_layer_every is not None and (index + 1) % self.global_layer_every != 0
+
+
+class ModelSpec(SpecModel):
+    """The policy: an architecture to initialise, or a Hugging Face-format checkpoint."""
+
+    checkpoint: str | None = Field(
+        None, description="Directory with safetensors weights and config.json; random init when unset."
+    )
+    tokenizer: str | None = Field(
+        None,
+        description=(
+            "A tokenizers tokenizer.json, or a Hugging Face tokenizer directory (tokenizer_config.json and "
+            "its chat template beside it); the checkpoint's own when unset, the environment's built-in "
+            "without a checkpoint. 'builtin' pairs even a checkpoint with the built-in tokenizer."
+        ),
+    )
+    chat_template: str | None = Field(
+        None,
+        description=(
+            "A jinja chat template file for the opening and the turn wrapper; the tokenizer's own "
+            "(tokenizer_config.json) when unset; 'none' for Stoker's plain turn format."
+        ),
+    )
+    system_prompt: str | None = Field(None, description="System message rendered by the chat template.")
+    architecture: TransformerConfig = Field(
+        default_factory=TransformerConfig,
+        description="Read from the checkpoint's config.json when checkpoint is set; fields given here must agree with it.",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter and compute dtype.")
+    remat: Literal["none", "full", "save-matmuls"] = Field(
+        "full",
+        description=(
+            "Per-layer rematerialisation in the learner's step: full keeps only each layer's input and "
+            "recomputes the rest in the backward pass; save-matmuls also keeps matmul outputs; none keeps all."
+        ),
+    )
+    attention: Literal["auto", "blockwise", "xla", "cudnn", "splash"] = Field(
+        "auto",
+        description=(
+            "Attention kernel of the learner's training forward: auto picks splash on a TPU, cuDNN on an "
+            "NVIDIA GPU and blockwise elsewhere, falling back to blockwise where the model needs what the "
+            "kernel lacks (cuDNN: bfloat16/float16, no soft-cap); blockwise (memory-efficient, anywhere); "
+            "xla (jax.nn.dot_product_attention, dense scores); cudnn and splash are refused off their hardware."
+        ),
+    )
