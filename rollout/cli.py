@@ -131,9 +131,10 @@ def follow_primary(sampler: Any, processes: Any, settings: Any, args: argparse.N
 
     from stoker.actor.wiring import make_weight_source
     from stoker.distributed import PeerFailure
-    from stoker.rollout.hosts import follow
+    from stoker.rollout.hosts import WeightPrefetcher, follow
 
-    weights = make_weight_source(args.weights, token) if args.weights else None
+    subscriber = make_weight_source(args.weights, token) if args.weights else None
+    weights = WeightPrefetcher(subscriber, settings.weight_poll_seconds).start() if subscriber is not None else None
     checks = health.HealthServicer()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=[("grpc.so_reuseport", 0)])
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)
@@ -149,6 +150,8 @@ def follow_primary(sampler: Any, processes: Any, settings: Any, args: argparse.N
         _peer_failed(str(exc))
     finally:
         server.stop(0)
+        if weights is not None:
+            weights.stop()
     return 0
 
 

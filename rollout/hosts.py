@@ -6,9 +6,9 @@ makes the same call on its own ``Sampler``. A sampler's bookkeeping (session row
 random keys) is a deterministic function of its calls, so every host enters the same XLA programs
 with the same inputs in the same order, and one mesh spans all their chips.
 
-Weights are not broadcast: each host fetches the announced version from the weight channel
-itself, and the version is loaded only where every host has it (otherwise none loads it and the
-primary asks again). A lost host, or any failed collective, ends the server (``PeerFailure``):
+Weights are not broadcast: each host follows the weight channel itself (``WeightPrefetcher``,
+fetching as the primary does, so a swap waits for no download), and an announced version is
+loaded only where every host has it (otherwise none loads it and the primary asks again). A lost host, or any failed collective, ends the server (``PeerFailure``):
 the JobSet restarts the slice, and the actors retry their turns elsewhere. So does a host whose
 sampler state differs from the primary's, which every call checks first.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import struct
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -159,3 +160,45 @@ def _follow_load(
     if flags.all() and flat is not None:
         with collective("loading weights"):
             sampler.load_weights(flat, version)
+
+
+class WeightPrefetcher:
+    """A follower's copy of the newest published weights, fetched in the background while the
+    primary fetches its own, so that when the primary announces the version the swap waits for
+    no download. ``fetch(version)`` answers from it, or fetches a version it does not hold."""
+
+    def __init__(self, subscriber: Any, poll_seconds: float):
+        self.subscriber = subscriber
+        self.poll_seconds = poll_seconds
+        self._newest: tuple[int, Mapping[str, np.ndarray]] | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, name="rollout-prefetch", daemon=True)
+
+    def start(self) -> WeightPrefetcher:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def fetch(self, version: int) -> Mapping[str, np.ndarray]:
+        with self._lock:
+            if self._newest is not None and self._newest[0] == version:
+                return self._newest[1]
+        return dict(self.subscriber.fetch(version))
+
+    def _follow(self) -> None:
+        from stoker.model.weights import WeightsError
+
+        while not self._stop.wait(self.poll_seconds):
+            try:
+                latest = self.subscriber.latest_version()
+                with self._lock:
+                    held = -1 if self._newest is None else self._newest[0]
+                if latest > held:
+                    flat = self.subscriber.fetch(latest)
+                    with self._lock:
+                        self._newest = (latest, flat)
+            except WeightsError as exc:
+                log.warning("weight prefetch: %s; retrying", exc)

@@ -62,17 +62,17 @@ def rollout_mesh(config: TransformerConfig, tp: int | None = None, devices: Sequ
     processes = len({d.process_index for d in devs})
     size = default_tp(config, devs, processes) if tp is None else tp
     if size > len(devs):
-        raise MeshError(f"--mesh tp={size}: the server has only {len(devs)} {devs[0].platform} device(s)")
+        raise MeshError(f"tp={size}: the server has only {len(devs)} {devs[0].platform} device(s)")
     if size % processes:
-        raise MeshError(f"--mesh tp={size} does not spread evenly over the server's {processes} hosts")
+        raise MeshError(f"tp={size} does not spread evenly over the server's {processes} hosts")
     if config.num_heads % size:
-        raise MeshError(f"--mesh tp={size} does not divide the model's {config.num_heads} attention heads")
+        raise MeshError(f"tp={size} does not divide the model's {config.num_heads} attention heads")
     per_host = size // processes
     by_host: dict[int, list[jax.Device]] = {}
     for d in devs:
         by_host.setdefault(d.process_index, []).append(d)
     if min(len(v) for v in by_host.values()) < per_host:
-        raise MeshError(f"--mesh tp={size} needs {per_host} devices on each of {processes} hosts")
+        raise MeshError(f"tp={size} needs {per_host} devices on each of {processes} hosts")
     chosen = [d for host in sorted(by_host) for d in by_host[host][:per_host]]
     return Mesh(np.asarray(chosen), (TP,))
 

@@ -59,6 +59,7 @@ class RolloutSettings:
             port=int(given.pop("port", rollout.port if rollout else 50053)),
             weight_poll_seconds=float(given.pop("weight_poll_seconds", spec.actors.weight_poll_seconds)),
             compilation_cache_dir=spec.learner.compilation_cache_dir,
+            tensor_parallel=given.pop("tensor_parallel", rollout.tensor_parallel if rollout else None),
             **given,
         )
 

@@ -105,3 +105,37 @@ def test_a_follower_that_cannot_fetch_withholds_its_agreement(monkeypatch: pytes
     assert shared == [0] and follower.version == 0
     hosts._follow_load(follower, Processes(1, 2), lambda version: weights(version), 3)
     assert shared == [0, 1] and follower.version == 3
+
+
+def test_a_follower_prefetches_the_newest_weights_so_a_swap_waits_for_no_download(tmp_path: Any) -> None:
+    import time
+
+    from stoker.model.weights import WeightPublisher, WeightsNotFound, WeightSubscriber
+
+    class Counting:
+        def __init__(self, inner: WeightSubscriber):
+            self.inner, self.fetched = inner, []
+
+        def latest_version(self) -> int:
+            return self.inner.latest_version()
+
+        def fetch(self, version: int) -> Any:
+            self.fetched.append(version)
+            return self.inner.fetch(version)
+
+    with WeightPublisher(directory=tmp_path) as publisher:
+        subscriber = Counting(WeightSubscriber(directory=tmp_path))
+        prefetcher = hosts.WeightPrefetcher(subscriber, poll_seconds=0.02).start()
+        try:
+            publisher.publish(1, weights(1))
+            deadline = time.monotonic() + 30
+            while not subscriber.fetched:
+                assert time.monotonic() < deadline, "the prefetcher never fetched version 1"
+                time.sleep(0.02)  # polling for the background fetch
+            flat = prefetcher.fetch(1)  # held already: no second download
+            assert subscriber.fetched == [1]
+            assert all(np.array_equal(flat[name], array) for name, array in weights(1).items())
+            with pytest.raises(WeightsNotFound):
+                prefetcher.fetch(7)  # one it does not hold is fetched, and may not exist
+        finally:
+            prefetcher.stop()
