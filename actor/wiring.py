@@ -55,8 +55,9 @@ def _sandbox_factory(settings: ActorSettings) -> EnvironmentFactory:
     return process_factory(settings.sandbox)
 
 
-def make_sampler(settings: ActorSettings, dtype: str = "float32") -> Any:
-    """The JAX sampler with the job's initial weights (checkpoint, or the learner's version-0 init)."""
+def make_sampler(settings: ActorSettings, dtype: str = "float32", mesh: Any = None) -> Any:
+    """The JAX sampler with the job's initial weights (checkpoint, or the learner's version-0 init),
+    over ``mesh`` when given (a colocated learner's chips: rollout/mesh.py)."""
     from stoker.model.hf import CheckpointError, dtype_from_name, read_config, read_weights
     from stoker.rollout.sampling import Sampler
 
@@ -83,6 +84,7 @@ def make_sampler(settings: ActorSettings, dtype: str = "float32") -> Any:
             min_batch=min(settings.concurrency, MIN_SAMPLER_BATCH),
             session_rows=conversation_rows(settings, config, dtype),
             pin_sessions=settings.weight_sync == "between-episodes",
+            mesh=mesh,
         )
     except CheckpointError as exc:
         raise ActorSetupError(f"spec.model.checkpoint: {exc}") from None
@@ -107,8 +109,8 @@ def conversation_rows(settings: ActorSettings, config: Any, dtype: str) -> int:
     return rows
 
 
-def make_policy(settings: ActorSettings, dtype: str = "float32") -> BatchedSampler:
-    return BatchedSampler(make_sampler(settings, dtype))
+def make_policy(settings: ActorSettings, dtype: str = "float32", mesh: Any = None) -> BatchedSampler:
+    return BatchedSampler(make_sampler(settings, dtype, mesh))
 
 
 def make_weight_source(target: str, token: str | None = None) -> Any:

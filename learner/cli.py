@@ -1,5 +1,8 @@
 """``stoker learner``: pull batches from the buffer, train, publish weights, checkpoint.
 
+In ``mode: colocated`` (no ``--buffer``) it runs the synchronous loop instead, playing its own
+episodes on its own chips (``stoker.sync``): the operator's colocated learner pod.
+
     stoker learner --manifest job.yaml --buffer HOST:PORT [--token-file F] --run-dir DIR \\
                    [--weights-dir DIR | --weights-port P] [--max-steps N] [--metrics-port P]
 
@@ -67,13 +70,25 @@ def main(args: argparse.Namespace) -> int:
         return _fail(f"--max-steps {args.max_steps}; expected >= 1")
     spec = job.spec
     dataset_only = str(spec.algorithm.name) == "dpo" and spec.algorithm.dpo_dataset is not None
-    if args.buffer is None and not dataset_only:
-        return _fail("--buffer is required (only DPO on a dataset file trains without one)")
+    colocated = spec.mode == "colocated" and args.buffer is None and not dataset_only
+    if args.buffer is None and not dataset_only and not colocated:
+        return _fail("--buffer is required (only DPO on a dataset file, or mode: colocated, trains without one)")
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
 
     # Multi-host TPU pods: must happen before anything touches a JAX backend.
     from stoker import distributed
+
+    if colocated:  # the learner plays its own episodes, on its own chips (stoker/sync.py)
+        try:
+            several = distributed.from_environment() is not None
+        except distributed.DistributedEnvError as exc:
+            return _fail(f"TPU environment: {exc}")
+        if several:
+            return _fail("mode: colocated runs on one host; a learner slice of several hosts needs mode: disaggregated")
+        from stoker.sync import run_colocated
+
+        return run_colocated(job, Path(args.manifest), run_dir, args.max_steps)
 
     try:
         topology = distributed.initialize()

@@ -194,6 +194,7 @@ class Learner:
             model = hf.load_checkpoint(settings.model_checkpoint, dtype=dtype)
         else:
             model = init_model(settings.architecture, settings.seed, dtype)
+        self.model_config = model.config  # the checkpoint's, when it has one
         kernel = select_attention(
             settings.attention, detect_backend(self.mesh.devices.flat[0]), dtype=dtype, head_dim=head_dim(model.config),
             softcap=model.config.attn_logit_softcap,

@@ -18,12 +18,15 @@ import logging
 import random
 import signal
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from stoker.actor.settings import ActorSettings
+    from stoker.learner.loop import Learner
     from stoker.local import Outcome, RunOptions
-    from stoker.spec import RLJobSpec
+    from stoker.spec import RLJob, RLJobSpec
 
 log = logging.getLogger("stoker.sync")
 
@@ -37,6 +40,17 @@ def run_sync(options: RunOptions) -> Outcome:
         return Outcome(130, f"interrupted; checkpoint kept in {options.run_dir}")
 
 
+def run_colocated(job: RLJob, manifest: Path, run_dir: Path, max_steps: int | None) -> int:
+    """``stoker learner`` in ``mode: colocated`` (the operator's colocated learner pod): this
+    loop, on the learner's chips, with plain log lines; its exit status."""
+    from stoker.local import RunOptions
+
+    options = RunOptions(manifest=manifest, job=job, mode="sync", run_dir=run_dir, max_steps=max_steps, live=False)
+    outcome = run_sync(options)
+    log.info("%s", outcome.message)
+    return outcome.exit_code
+
+
 def episode_settings(spec: RLJobSpec, job: str) -> ActorSettings:
     """The actor settings the loop plays episodes with. It runs a whole batch at once --
     ``learner.batchGroups`` x ``buffer.groupSize`` episodes, not one actor's ``concurrency`` -- so
@@ -45,6 +59,16 @@ def episode_settings(spec: RLJobSpec, job: str) -> ActorSettings:
 
     actor = ActorSettings.from_spec(spec, actor_id="sync", job=job)
     return dataclasses.replace(actor, concurrency=spec.learner.batch_groups * spec.buffer.group_size)
+
+
+def generation_mesh(learner: Learner) -> Any:
+    """Where the loop samples: the learner's own chips, tensor parallel (rollout/mesh.py), so
+    generation uses the mesh training does; None (one device) on the CPU or a one-chip mesh."""
+    from stoker.rollout.mesh import rollout_mesh
+
+    devices = list(learner.mesh.devices.flat)
+    mesh = rollout_mesh(learner.model_config, devices=devices)
+    return mesh if mesh.size > 1 else None
 
 
 async def _run(options: RunOptions) -> Outcome:
@@ -68,7 +92,7 @@ async def _run(options: RunOptions) -> Outcome:
     if actor.evaluation is not None:
         log.warning("environment.evalTasks: actors play evaluation rounds; the sync baseline does not")
     interface = text_interface(spec)
-    policy = make_policy(actor)
+    policy = make_policy(actor, spec.model.dtype, generation_mesh(learner))
     envs = environment_factory(actor)
     rng = random.Random(spec.seed * 7919 + learner.steps)
     pick_task = task_cycle(actor.tasks, rng)

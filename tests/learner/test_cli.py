@@ -155,3 +155,40 @@ def test_learner_cli_explains_bad_input(tmp_path: Path, capsys: pytest.CaptureFi
     missing = ["learner", "--manifest", str(good), "--buffer", "x:1", "--run-dir", str(tmp_path), "--token-file", "/nope"]
     assert stoker_main(missing) == 2
     assert "--token-file /nope" in capsys.readouterr().err
+
+
+COLOCATED = """\
+apiVersion: stoker.dev/v1alpha1
+kind: RLJob
+metadata: {name: colocated}
+spec:
+  mode: colocated
+  model: {architecture: {vocabSize: 32, hiddenSize: 32, numLayers: 1, intermediateSize: 64, maxSeqLen: 128}}
+  environment: {name: frozenlake, maxTurns: 3, frozenlake: {mapSeeds: [1], rewardShaping: true}, sandbox: {kind: inline}}
+  buffer: {groupSize: 4}
+  learner: {batchGroups: 1, sequenceBuckets: [128], maxSteps: 50}
+"""
+
+
+def test_a_colocated_learner_plays_its_own_episodes_without_a_buffer(tmp_path: Path) -> None:
+    """The operator's colocated learner pod runs `stoker learner` with no --buffer: it samples,
+    steps the environment and trains by itself (before, it refused to start without a buffer)."""
+    manifest = tmp_path / "colocated.yaml"
+    manifest.write_text(COLOCATED)
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "learner", "--manifest", str(manifest), "--run-dir", str(run),
+         "--max-steps", "2"],
+        capture_output=True, text=True, timeout=400,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [json.loads(line) for line in (run / "learner_metrics.jsonl").read_text().splitlines() if line]
+    assert [s["step"] for s in steps] == [1, 2] and all(s["episodes"] == 4 for s in steps)
+    assert "done: 2 steps" in done.stderr
+    # A learner slice of several hosts cannot run the single-process loop: refused in one line.
+    several = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "learner", "--manifest", str(manifest), "--run-dir", str(run)],
+        capture_output=True, text=True, timeout=120,
+        env={**__import__("os").environ, "STOKER_NUM_PROCESSES": "2", "STOKER_COORDINATOR_ADDRESS": "127.0.0.1:1"},
+    )
+    assert several.returncode != 0 and "mode: colocated runs on one host" in several.stderr
