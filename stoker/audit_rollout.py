@@ -19,19 +19,13 @@ from __future__ import annotations
 import math
 
 from stoker.spec import RLJobSpec, RolloutSpec
+from stoker.spec_rollout import rollout_chips
 from stoker.tpu import TopologyError, slice_shape
 
 
 def chips_per_server(rollout: RolloutSpec) -> int:
     """Accelerator chips one server holds (GPUs or TPU chips; 0 on the CPU)."""
-    if rollout.accelerator == "nvidia-gpu":
-        return rollout.gpus
-    if rollout.accelerator == "cpu":
-        return 0
-    try:
-        return slice_shape(rollout.accelerator, rollout.topology).chips
-    except TopologyError:
-        return 0
+    return rollout_chips(rollout) or 0
 
 
 def learner_chips(spec: RLJobSpec) -> int:
