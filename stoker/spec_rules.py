@@ -62,9 +62,26 @@ def cross_field_problems(spec: RLJobSpec) -> list[tuple[str, str]]:
         problems.append(
             ("learner.serviceAccountName", "set in colocated mode; expected unset (the learner runs as the sandbox manager)")
         )
+    if spec.mode == "colocated" and (hosts := _learner_hosts(spec)) > 1:
+        problems.append(
+            ("mode", f"colocated with a learner of {hosts} hosts; expected one host (the colocated learner plays its "
+                     "episodes in one process) or mode: disaggregated")
+        )
     if spec.rollout is not None:
         problems += rollout_problems(spec)
     return problems
+
+
+def _learner_hosts(spec: RLJobSpec) -> int:
+    """The learner's processes: every host of every slice (1 per slice for a bad topology, which
+    is reported on its own)."""
+    learner = spec.learner
+    if learner.accelerator == "cpu" or learner.topology is None:
+        return learner.num_slices
+    try:
+        return hosts_per_slice(learner.accelerator, learner.topology) * learner.num_slices
+    except TopologyError:
+        return learner.num_slices
 
 
 def name_problems(name: str, spec: RLJobSpec) -> list[str]:
@@ -135,6 +152,14 @@ CEL_RULES: dict[tuple[str, ...], list[dict[str, Any]]] = {
         cel(
             f"!({spec_cel.opt('self', ('mode',), repr('disaggregated'))} == 'colocated' && has(self.rollout))",
             "rollout is for disaggregated mode (a colocated learner generates on its own mesh)",
+        ),
+        cel(
+            f"!({spec_cel.opt('self', ('mode',), repr('disaggregated'))} == 'colocated' && has(self.learner)"
+            " && ((has(self.learner.numSlices) && self.learner.numSlices > 1)"
+            " || (has(self.learner.accelerator) && self.learner.accelerator != 'cpu' && has(self.learner.topology)"
+            f" && {spec_cel.hosts('self.learner.accelerator', 'self.learner.topology')} > 1)))",
+            "mode: colocated runs the learner on one host (it plays its episodes in one process); a learner of "
+            "several hosts or slices needs mode: disaggregated",
         ),
     ],
     ("rollout",): ROLLOUT_CEL_RULES,
