@@ -79,24 +79,10 @@ class LeaderSampler(Sampler):
         flags, _ = share(self.processes, self.bookkeeping_digest(), call, doing="announcing a sampler call")
         check_agreement(flags)
 
-    def generate(
-        self,
-        prompts: list[list[int]],
-        *,
-        max_new_tokens: int,
-        stop_token_ids: Sequence[int] = (),
-        sessions: Sequence[Any] | None = None,
-        temperature: float | None = None,
-    ) -> list[Generation]:
-        self._announce(encode_call(
-            GENERATE, prompts, max_new_tokens=max_new_tokens, stop_token_ids=list(stop_token_ids),
-            sessions=None if sessions is None else list(sessions), temperature=temperature,
-        ))
+    def generate(self, prompts: list[list[int]], **options: Any) -> list[Generation]:
+        self._announce(encode_call(GENERATE, prompts, **options))  # every option is JSON: ids, names, numbers
         with collective("generating"):
-            return super().generate(
-                prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, sessions=sessions,
-                temperature=temperature,
-            )
+            return super().generate(prompts, **options)
 
     def end_session(self, session: Any) -> None:
         self._announce(encode_call(END_SESSION, session=session))
@@ -130,12 +116,10 @@ def follow(sampler: Sampler, processes: Processes, fetch: Callable[[int], Mappin
             log.info("the primary stopped; this host stops too")
             return
         if kind == GENERATE:
+            options = {k: v for k, v in call.items() if k not in ("kind", "lengths")}
             try:
                 with collective("generating"):
-                    sampler.generate(
-                        prompts, max_new_tokens=call["max_new_tokens"], stop_token_ids=call["stop_token_ids"],
-                        sessions=call["sessions"], temperature=call["temperature"],
-                    )
+                    sampler.generate(prompts, **options)
             except (ValueError, KeyError) as exc:  # the primary's call fails the same way, before any program runs
                 log.debug("replayed call failed as on the primary: %s", exc)
         elif kind == END_SESSION:
