@@ -39,6 +39,13 @@ log = logging.getLogger("stoker.rollout")
 
 # Decode steps per segment: see docs/architecture.md ("The rollout tier") for the measurement.
 SEGMENT_TOKENS = 16
+# A turn whose uncached prompt pads wider than this is prefilled in a call of its own, sampling
+# its first token, and then decodes with the others: in the segment's call it would pad every
+# decoding row to its width (benchmarks/README.md, "Long prefills").
+PREFILL_APART_ABOVE = 64
+# Rows of such a prefill call: a long prompt is already a wide matrix, so calls are not batched
+# further, and one prefill call per segment bounds what the decoding rows wait.
+PREFILL_ROWS = 1
 STATS_WINDOW_SECONDS = 10.0
 # Sessions nobody ended (an actor that died mid-episode) are forgotten after this long idle.
 SESSION_IDLE_SECONDS = 600.0
@@ -102,7 +109,9 @@ class Engine:
     """Turns in, answers out, batched continuously over one ``Sampler`` with sessions.
 
     ``max_batch``: turns decoded together (at most the sampler's session rows). ``max_queue``:
-    turns waiting for a slot beyond which ``submit`` raises ``EngineBusy``."""
+    turns waiting for a slot beyond which ``submit`` raises ``EngineBusy``. ``prefill_apart_above``:
+    the prefill width (a ``Sampler.prefill_bucket``) beyond which a turn is prefilled apart from
+    the decoding rows, in calls of ``prefill_rows`` rows (None: never)."""
 
     def __init__(
         self,
@@ -111,6 +120,8 @@ class Engine:
         max_batch: int,
         max_queue: int,
         segment_tokens: int = SEGMENT_TOKENS,
+        prefill_apart_above: int | None = PREFILL_APART_ABOVE,
+        prefill_rows: int = PREFILL_ROWS,
         session_idle_seconds: float = SESSION_IDLE_SECONDS,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -118,10 +129,14 @@ class Engine:
             raise ValueError("the engine needs a sampler with session rows and pin_sessions=True")
         if max_batch > sampler.session_capacity:
             raise ValueError(f"max_batch {max_batch} exceeds the sampler's {sampler.session_capacity} session rows")
+        if not 1 <= prefill_rows <= max_batch:
+            raise ValueError(f"prefill_rows must lie in [1, max_batch={max_batch}], got {prefill_rows}")
         self.sampler = sampler
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.segment_tokens = segment_tokens
+        self.prefill_apart_above = prefill_apart_above
+        self.prefill_rows = prefill_rows
         self.session_idle_seconds = session_idle_seconds
         self._clock = clock
         self._lock = threading.Condition()
@@ -134,7 +149,8 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._anonymous = itertools.count()
-        self._window: deque[tuple[float, int, int]] = deque()  # (end time, tokens, rows) per segment
+        # (end time, tokens, rows) per call; rows None for a prefill call (not the decode batch)
+        self._window: deque[tuple[float, int, int | None]] = deque()
         self._turn_seconds = 0.0  # moving mean of a turn's time in the engine: the retry hint
         self.requests_total = 0
         self.rejected_total = 0
@@ -240,7 +256,7 @@ class Engine:
             now = self._clock()
             self._trim_window(now)
             tokens = sum(t for _, t, _ in self._window)
-            rows = [r for _, _, r in self._window]
+            rows = [r for _, _, r in self._window if r is not None]
             span = min(STATS_WINDOW_SECONDS, max(now - self._window[0][0], 1e-3)) if self._window else 1.0
             return EngineStats(
                 policy_version=self._version,
@@ -293,8 +309,16 @@ class Engine:
                 return False
         self._apply_control()
         batch = self._take_segment()
-        if batch:
-            self._run_segment(batch)
+        if not batch:
+            return True
+        self._begin(batch)
+        prefill, decode = self._split_long_prefills(batch)
+        if prefill:
+            self._run_segment(prefill, prefill=True)
+            with self._lock:  # their prompts are cached now: the unanswered ones decode along
+                decode += [t for t in prefill if t in self._running]
+        if decode:
+            self._run_segment(decode)
         return True
 
     def _apply_control(self) -> None:
@@ -339,21 +363,39 @@ class Engine:
             first = self._running[0]
             return [t for t in self._running if (t.stop_token_ids, t.greedy) == (first.stop_token_ids, first.greedy)]
 
-    def _run_segment(self, batch: list[_Turn]) -> None:
-        sampler = self.sampler
+    def _begin(self, batch: list[_Turn]) -> None:
         for turn in batch:
             if not turn.started:
                 turn.started = True
-                version = sampler.session_version(turn.session)
+                version = self.sampler.session_version(turn.session)
                 if not turn.pinned and version is not None and version != self._version:
-                    sampler.end_session(turn.session)  # a new turn samples with the newest weights
-        steps = min(self.segment_tokens, *(t.max_new_tokens - len(t.tokens) for t in batch))
+                    self.sampler.end_session(turn.session)  # a new turn samples with the newest weights
+
+    def _split_long_prefills(self, batch: list[_Turn]) -> tuple[list[_Turn], list[_Turn]]:
+        """(turns to prefill apart now, turns for the decode call): a turn whose uncached prompt
+        pads beyond ``prefill_apart_above`` stays out of the decode call; the oldest
+        ``prefill_rows`` of them are prefilled now, the rest at the next segments."""
+        if self.prefill_apart_above is None:
+            return [], batch
+        long = [
+            t for t in batch
+            if self.sampler.prefill_bucket(t.session, t.prompt + t.tokens) > self.prefill_apart_above
+        ]
+        return long[: self.prefill_rows], [t for t in batch if t not in long]
+
+    def _run_segment(self, batch: list[_Turn], prefill: bool = False) -> None:
+        """One sampler call over ``batch``: a decode segment of up to ``segment_tokens`` tokens per
+        turn, padded to the sampler's rows; or (``prefill``) the first token of long prompts in a
+        call of ``prefill_rows`` rows."""
+        sampler = self.sampler
+        steps = min(1 if prefill else self.segment_tokens, *(t.max_new_tokens - len(t.tokens) for t in batch))
         try:
             generations = sampler.generate(
                 [t.prompt + t.tokens for t in batch],
                 max_new_tokens=steps,
                 stop_token_ids=batch[0].stop_token_ids,
                 sessions=[t.session for t in batch],
+                min_batch=self.prefill_rows if prefill else None,
                 **({"temperature": 0.0} if batch[0].greedy else {}),
             )
         except Exception as exc:  # noqa: BLE001 - the turns of this call fail with it; the engine goes on
@@ -366,7 +408,8 @@ class Engine:
         answered: list[tuple[_Turn, TurnResult]] = []
         with self._lock:
             self.segments_total += 1
-            self._window.append((now, sum(len(g.token_ids) for g in generations), len(batch)))
+            rows = None if prefill else len(batch)  # a prefill call is not the decode batch
+            self._window.append((now, sum(len(g.token_ids) for g in generations), rows))
             self._trim_window(now)
             for turn, gen in zip(batch, generations, strict=True):
                 turn.tokens += gen.token_ids

@@ -464,11 +464,14 @@ class Sampler:
         stop_token_ids: Sequence[int] = (),
         sessions: Sequence[Any] | None = None,
         temperature: float | None = None,
+        min_batch: int | None = None,
     ) -> list[Generation]:
         """Continue each prompt (the whole conversation so far, as token ids) by up to
         ``max_new_tokens`` tokens, stopping a row at its first stop token. ``sessions[i]`` names
         prompt i's conversation (any hashable, distinct within a call) to reuse its cache.
-        ``temperature`` overrides the sampler's for this call; 0 is greedy (see module doc)."""
+        ``temperature`` overrides the sampler's for this call; 0 is greedy (see module doc).
+        ``min_batch`` overrides the sampler's row padding for this call (the rollout engine
+        prefills a long prompt in a call of few rows)."""
         if not prompts:
             return []
         if max_new_tokens < 1:
@@ -487,12 +490,13 @@ class Sampler:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         tau = self.sampling.temperature if temperature is None else float(temperature)
         limits = self._limits(max_new_tokens, tuple(stop_token_ids), tau)
+        rows = self.min_batch if min_batch is None else min_batch
         if sessions is not None:
-            return self._generate_sessions(prompts, list(sessions), limits, longest + max_new_tokens)
+            return self._generate_sessions(prompts, list(sessions), limits, longest + max_new_tokens, rows)
 
         cache_len = pick_bucket(self.buckets, longest + max_new_tokens)
         prefill_len = pick_bucket(self.buckets, longest)
-        batch = padded_batch(len(prompts), self.min_batch)
+        batch = padded_batch(len(prompts), rows)
         ids = np.zeros((batch, prefill_len), np.int32)
         for row, prompt in enumerate(prompts):
             ids[row, : len(prompt)] = prompt
@@ -543,7 +547,7 @@ class Sampler:
     # ---------------------------------------------------------------------------- sessions
 
     def _generate_sessions(
-        self, prompts: list[list[int]], sessions: list[Any], limits: _Limits, slots_needed: int
+        self, prompts: list[list[int]], sessions: list[Any], limits: _Limits, slots_needed: int, min_batch: int
     ) -> list[Generation]:
         if not self._store:
             raise ValueError("this sampler keeps no conversations (session_rows=0)")
@@ -567,7 +571,9 @@ class Sampler:
         for i, record in enumerate(records):
             by_version.setdefault(record.version, []).append(i)
         for version, members in sorted(by_version.items()):  # one call per weight version
-            gens = self._continue_rows([prompts[i] for i in members], [records[i] for i in members], version, limits)
+            gens = self._continue_rows(
+                [prompts[i] for i in members], [records[i] for i in members], version, limits, min_batch
+            )
             for i, gen in zip(members, gens, strict=True):
                 results[i] = gen
         return [g for g in results if g is not None]
@@ -602,7 +608,7 @@ class Sampler:
         return row
 
     def _continue_rows(
-        self, prompts: list[list[int]], records: list[_Session], version: int, limits: _Limits
+        self, prompts: list[list[int]], records: list[_Session], version: int, limits: _Limits, min_batch: int
     ) -> list[Generation]:
         state = self._state if version == self.version else self._pinned_states[version]
         # At least the prompt's last token is fed again: its logits start the sampling.
@@ -618,7 +624,7 @@ class Sampler:
         self.cache_stats.prompt_tokens += sum(map(len, prompts))
         self.cache_stats.reused_tokens += sum(starts)
         width = pick_bucket(chunk_buckets(self.session_len, self.min_chunk), max(map(len, chunks)))
-        batch = padded_batch(len(prompts), self.min_batch)
+        batch = padded_batch(len(prompts), min_batch)
         scratch = len(self._row_owner)
         rows = np.full((batch,), scratch, np.int32)
         source_arr = np.full((batch,), scratch, np.int32)
