@@ -40,7 +40,10 @@ import numpy as np
 from stoker.rollout.sampling import Sampler
 from stoker.rollout.turns import EngineBusy, EngineStats, EngineStopped, LoadWindow, Turn, TurnResult, check_turn
 
-__all__ = ["Engine", "EngineBusy", "EngineStats", "EngineStopped", "SEGMENT_TOKENS", "TurnResult"]
+__all__ = [
+    "PREFILL_APART_ABOVE", "PREFILL_ROWS", "SEGMENT_TOKENS", "Engine", "EngineBusy", "EngineStats", "EngineStopped",
+    "TurnResult",
+]
 
 log = logging.getLogger("stoker.rollout")
 
@@ -247,8 +250,8 @@ class Engine:
                 turn.on_done(EngineStopped("the rollout server stopped before answering"))
 
     def step(self, block: bool = False) -> bool:
-        """Apply pending weights and session ends, then run one segment if any turn waits.
-        Returns False once stopping."""
+        """Apply pending weights and session ends, then, if any turn waits, prefill one long prompt
+        apart and run one decode segment. Returns False once stopping."""
         with self._lock:
             while block and not self._stopping and not (self._queue or self._running or self._ends or self._weights):
                 self._lock.wait(timeout=60.0)
@@ -354,7 +357,8 @@ class Engine:
         now = self._clock()
         answered: list[tuple[Turn, TurnResult]] = []
         with self._lock:
-            self.segments_total += 1
+            if not prefill:
+                self.segments_total += 1
             self._window.record(now, sum(len(g.token_ids) for g in generations), None if prefill else len(batch))
             for turn, gen in zip(batch, generations, strict=True):
                 turn.tokens += gen.token_ids

@@ -97,7 +97,6 @@ class SessionRows:
         """Rows of the conversation cache: sessions held at once."""
         return len(self._row_owner)
 
-
     def _assign_rows(self, prompts: list[list[int]], sessions: list[Any]) -> list[Session]:
         """The records of one call's sessions, each with a row of the cache."""
         records = [self._session(s) for s in sessions]
@@ -140,7 +139,9 @@ class SessionRows:
         self._sessions[self._row_owner[row]].row = None
         return row
 
-    def _chunk_starts(self, prompts: list[list[int]], records: list[Session], version: int) -> tuple[list[int], list[int]]:
+    def _chunk_starts(
+        self, prompts: list[list[int]], records: list[Session], version: int
+    ) -> tuple[list[int], list[int]]:
         """Per prompt: where its uncached end starts, and the row whose keys/values precede it
         (its own, or a prefix donor's under the same weights)."""
         # At least the prompt's last token is fed again: its logits start the sampling.

@@ -125,32 +125,39 @@ def test_a_long_new_turn_is_prefilled_apart_and_never_widens_the_decoding_rows_c
     sampler = engine.sampler
     assert isinstance(sampler, _RecordingSampler)
     answers: dict[str, TurnResult | BaseException] = {}
-    prompts = {f"decoder-{i}": [1 + i, 2, 4] for i in range(3)}
+    prompts = {f"decoder-{i}": [1 + i, 2, 4] for i in range(3)} | {"agent": [3, 1, 4]}
 
     def submit(session: str, max_new_tokens: int) -> None:
         engine.submit(prompts[session], max_new_tokens=max_new_tokens, stop_token_ids=(), session=session,
-                      pin_weights=False, on_done=lambda r: answers.__setitem__(session, r))
+                      pin_weights=session == "agent", on_done=lambda r: answers.__setitem__(session, r))
 
     for session in list(prompts):
-        submit(session, 8)
-    engine.step()  # the decoders are mid-turn when the long one arrives
-    prompts["long"] = [(5 * j) % 29 + 1 for j in range(40)]  # a tool's long output: 40 uncached tokens
-    submit("long", 4)
+        submit(session, 2 if session == "agent" else 8)
+    engine.step()  # the agent's first turn is answered; the decoders are mid-turn
+    first = answers.pop("agent")
+    assert isinstance(first, TurnResult)
+    engine.load_weights(weights(1), 1)  # the agent pins its episode to version 0
+    # Its next turn carries a tool's long output: 41 tokens uncached (with its last sampled token).
+    prompts["agent"] = prompts["agent"] + first.token_ids + [(5 * j) % 29 + 1 for j in range(40)]
+    submit("agent", 4)
     while len(answers) < 4:
         engine.step()
 
-    long_calls = [c for c in sampler.calls if "long" in c.sessions]
+    agent_calls = [c for c in sampler.calls if "agent" in c.sessions][1:]
     # Its prefill: a call of its own, one row, sampling its first token.
-    assert (long_calls[0].sessions, long_calls[0].widths) == (["long"], [64])
-    assert (long_calls[0].max_new_tokens, long_calls[0].computed) == (1, (1, 64))
+    assert (agent_calls[0].sessions, agent_calls[0].widths) == (["agent"], [64])
+    assert (agent_calls[0].max_new_tokens, agent_calls[0].computed) == (1, (1, 64))
     # Then it decodes with the others from its cached prompt: one token uncached.
-    assert set(long_calls[1].sessions) == {*prompts} and long_calls[1].computed == (MAX_BATCH, 1)
+    assert set(agent_calls[1].sessions) == {*prompts} and agent_calls[1].computed == (MAX_BATCH, 1)
     # No call of the decoding rows was ever wider than the threshold, nor padded otherwise.
     decoding = [c for c in sampler.calls if "decoder-0" in c.sessions]
     assert all(c.computed[0] == MAX_BATCH and c.computed[1] <= 16 for c in decoding)
-    # Every token is the model's: log-probs equal a teacher-forced forward of the whole sequence.
+    # Every token is the model's under the version it started with (the agent's is pinned, the
+    # decoders' turns began before the swap): log-probs equal a teacher-forced forward.
     for session, prompt in prompts.items():
         result = answers[session]
         assert isinstance(result, TurnResult) and result.versions == [0] * len(result.token_ids)
         [model] = teacher_forced(0, [prompt + result.token_ids])
         np.testing.assert_allclose(model[len(prompt) - 1:], result.logprobs, atol=2e-4)
+    [model] = teacher_forced(0, [prompts["agent"]])
+    np.testing.assert_allclose(model[2:4], first.logprobs, atol=2e-4)
