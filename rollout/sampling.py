@@ -49,14 +49,15 @@ from stoker.model.hf import load_hf
 from stoker.model.model import LayerCache, Transformer, head_dim, init_model
 from stoker.rollout.mesh import cache_sharding, param_shardings
 
-# The constructor's names for the programs and the session record (it is kept as it was).
+# Imported under the names the Sampler's constructor has always used for them.
 from stoker.rollout.programs import Limits as _Limits
 from stoker.rollout.programs import continue_cached as _continue
 from stoker.rollout.programs import generate_fresh as _generate
 from stoker.rollout.programs import sample_token
-from stoker.rollout.sessions import CacheStats, SessionRows, cached_prefix, chunk_buckets, session_length
 from stoker.rollout.sessions import Session as _Session
-from stoker.rollout.sessions import session_row_bytes
+from stoker.rollout.sessions import (
+    CacheStats, SessionRows, cached_prefix, chunk_buckets, session_length, session_row_bytes,
+)
 from stoker.spec import SamplingSpec, TransformerConfig
 
 __all__ = [
