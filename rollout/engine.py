@@ -8,6 +8,12 @@ limit is answered at once, and its slot goes to the next queued turn at the next
 sampler's jitted program is unchanged: a segment is an ordinary call with a small
 ``max_new_tokens``. Why segments and how long (docs/architecture.md, "The rollout tier").
 
+Long prefills. A call's chunk is as wide as its widest row's uncached prompt, so a new turn with
+a long tool output would pad every decoding row of its segment to that width. A turn whose
+uncached prompt pads beyond ``prefill_apart_above`` is therefore prefilled in a call of its own
+(``prefill_rows`` rows, sampling its first token) and then decodes with the others from its
+cached prompt; one such call runs per segment.
+
 Weights. The sampler pins every session (``pin_sessions=True``), so a turn in flight keeps the
 weights it started with across segments and every token of one answer carries one version.
 A session asking ``pin_weights`` keeps its first version until it ends (``between-episodes``);
@@ -28,83 +34,41 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from stoker.distributed import PeerFailure
 from stoker.model.weights import WeightsError
 from stoker.rollout.sampling import Sampler
+from stoker.rollout.turns import EngineBusy, EngineStats, EngineStopped, LoadWindow, Turn, TurnResult, check_turn
+
+__all__ = [
+    "PREFILL_APART_ABOVE", "PREFILL_ROWS", "SEGMENT_TOKENS", "Engine", "EngineBusy", "EngineStats", "EngineStopped",
+    "TurnResult",
+]
 
 log = logging.getLogger("stoker.rollout")
 
 # Decode steps per segment: see docs/architecture.md ("The rollout tier") for the measurement.
 SEGMENT_TOKENS = 16
-STATS_WINDOW_SECONDS = 10.0
+# A turn whose uncached prompt pads wider than this is prefilled in a call of its own, sampling
+# its first token, and then decodes with the others: in the segment's call it would pad every
+# decoding row to its width (benchmarks/README.md, "Long prefills").
+PREFILL_APART_ABOVE = 64
+# Rows of such a prefill call: a long prompt is already a wide matrix, so calls are not batched
+# further, and one prefill call per segment bounds what the decoding rows wait.
+PREFILL_ROWS = 1
 # Sessions nobody ended (an actor that died mid-episode) are forgotten after this long idle.
 SESSION_IDLE_SECONDS = 600.0
-
-
-class EngineBusy(Exception):
-    """The queue is full; the caller should retry after ``retry_after_ms``."""
-
-    def __init__(self, retry_after_ms: int, queued: int):
-        super().__init__(f"{queued} requests are waiting for a batch slot; retry in {retry_after_ms} ms")
-        self.retry_after_ms = retry_after_ms
-
-
-class EngineStopped(Exception):
-    """The engine stopped before the turn was answered."""
-
-
-@dataclass
-class TurnResult:
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]  # one per token id
-    finished: bool  # ended on a stop token
-
-
-@dataclass
-class _Turn:
-    prompt: list[int]
-    max_new_tokens: int
-    stop_token_ids: tuple[int, ...]
-    session: str
-    pinned: bool
-    greedy: bool  # temperature 0 (evaluation); the sampler takes one temperature per call
-    private: bool  # no session named: the engine made one up and ends it with the turn
-    on_done: Callable[[TurnResult | BaseException], None]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    started: bool = False
-    cancelled: bool = False
-    queued_at: float = 0.0
-
-
-@dataclass
-class EngineStats:
-    policy_version: int
-    live_versions: list[int]
-    tokens_per_second: float
-    queue_depth: int
-    running: int
-    max_batch: int
-    batch_occupancy: float
-    kv_cache_bytes_used: int
-    kv_cache_bytes_total: int
-    requests_total: int
-    rejected_total: int
-    segments_total: int
 
 
 class Engine:
     """Turns in, answers out, batched continuously over one ``Sampler`` with sessions.
 
     ``max_batch``: turns decoded together (at most the sampler's session rows). ``max_queue``:
-    turns waiting for a slot beyond which ``submit`` raises ``EngineBusy``."""
+    turns waiting for a slot beyond which ``submit`` raises ``EngineBusy``. ``prefill_apart_above``:
+    the prefill width (a ``Sampler.prefill_bucket``) beyond which a turn is prefilled apart from
+    the decoding rows, in calls of ``prefill_rows`` rows (None: never)."""
 
     def __init__(
         self,
@@ -113,6 +77,8 @@ class Engine:
         max_batch: int,
         max_queue: int,
         segment_tokens: int = SEGMENT_TOKENS,
+        prefill_apart_above: int | None = PREFILL_APART_ABOVE,
+        prefill_rows: int = PREFILL_ROWS,
         session_idle_seconds: float = SESSION_IDLE_SECONDS,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -120,15 +86,19 @@ class Engine:
             raise ValueError("the engine needs a sampler with session rows and pin_sessions=True")
         if max_batch > sampler.session_capacity:
             raise ValueError(f"max_batch {max_batch} exceeds the sampler's {sampler.session_capacity} session rows")
+        if not 1 <= prefill_rows <= max_batch:
+            raise ValueError(f"prefill_rows must lie in [1, max_batch={max_batch}], got {prefill_rows}")
         self.sampler = sampler
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.segment_tokens = segment_tokens
+        self.prefill_apart_above = prefill_apart_above
+        self.prefill_rows = prefill_rows
         self.session_idle_seconds = session_idle_seconds
         self._clock = clock
         self._lock = threading.Condition()
-        self._queue: deque[_Turn] = deque()
-        self._running: list[_Turn] = []
+        self._queue: deque[Turn] = deque()
+        self._running: list[Turn] = []
         self._busy: set[str] = set()  # sessions with a turn queued or running
         self._idle: dict[str, tuple[bool, float]] = {}  # sessions between turns: (pinned, since)
         self._ends: list[str] = []
@@ -136,8 +106,7 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._anonymous = itertools.count()
-        self._window: deque[tuple[float, int, int]] = deque()  # (end time, tokens, rows) per segment
-        self._turn_seconds = 0.0  # moving mean of a turn's time in the engine: the retry hint
+        self._window = LoadWindow()  # tokens/s, occupancy and the retry hint
         self.requests_total = 0
         self.rejected_total = 0
         self.segments_total = 0
@@ -161,9 +130,9 @@ class Engine:
         """Queue one turn; ``on_done`` gets its result (or exception) on the engine thread.
         Returns a function that cancels the turn. Raises ``ValueError`` for a request the model
         cannot serve and ``EngineBusy`` when the queue is full."""
-        self._check(prompt, max_new_tokens, stop_token_ids)
+        check_turn(self.sampler.config, self.sampler.session_len, prompt, max_new_tokens, stop_token_ids)
         private = not session
-        turn = _Turn(
+        turn = Turn(
             list(prompt), int(max_new_tokens), tuple(stop_token_ids), session or f"\0anonymous/{next(self._anonymous)}",
             pinned=pin_weights, greedy=greedy, private=private, on_done=on_done, queued_at=self._clock(),
         )
@@ -173,7 +142,7 @@ class Engine:
             self.requests_total += 1
             if len(self._queue) >= self.max_queue:
                 self.rejected_total += 1
-                raise EngineBusy(self._retry_after_ms(), len(self._queue))
+                raise EngineBusy(self._window.retry_after_ms(len(self._queue), self.max_batch), len(self._queue))
             if turn.session in self._busy:
                 raise ValueError(f"session {session!r} already has a turn in flight")
             self._busy.add(turn.session)
@@ -243,18 +212,15 @@ class Engine:
         row_bytes = sampler.session_row_nbytes
         with self._lock:
             now = self._clock()
-            self._trim_window(now)
-            tokens = sum(t for _, t, _ in self._window)
-            rows = [r for _, _, r in self._window]
-            span = min(STATS_WINDOW_SECONDS, max(now - self._window[0][0], 1e-3)) if self._window else 1.0
+            self._window.trim(now)
             return EngineStats(
                 policy_version=self._version,
                 live_versions=sorted(sampler.live_versions),
-                tokens_per_second=tokens / span if self._window else 0.0,
+                tokens_per_second=self._window.tokens_per_second(now),
                 queue_depth=len(self._queue),
                 running=len(self._running),
                 max_batch=self.max_batch,
-                batch_occupancy=float(np.mean(rows)) / self.max_batch if rows else 0.0,
+                batch_occupancy=self._window.occupancy(self.max_batch),
                 kv_cache_bytes_used=sampler.rows_in_use * row_bytes,
                 kv_cache_bytes_total=sampler.session_capacity * row_bytes,
                 requests_total=self.requests_total,
@@ -294,8 +260,8 @@ class Engine:
             self.finished.set()
 
     def step(self, block: bool = False) -> bool:
-        """Apply pending weights and session ends, then run one segment if any turn waits.
-        Returns False once stopping."""
+        """Apply pending weights and session ends, then, if any turn waits, prefill one long prompt
+        apart and run one decode segment. Returns False once stopping."""
         with self._lock:
             while block and not self._stopping and not (self._queue or self._running or self._ends or self._weights):
                 self._lock.wait(timeout=60.0)
@@ -303,8 +269,16 @@ class Engine:
                 return False
         self._apply_control()
         batch = self._take_segment()
-        if batch:
-            self._run_segment(batch)
+        if not batch:
+            return True
+        self._begin(batch)
+        prefill, decode = self._split_long_prefills(batch)
+        if prefill:
+            self._run_segment(prefill, prefill=True)
+            with self._lock:  # their prompts are cached now: the unanswered ones decode along
+                decode += [t for t in prefill if t in self._running]
+        if decode:
+            self._run_segment(decode)
         return True
 
     def _apply_control(self) -> None:
@@ -337,7 +311,7 @@ class Engine:
                 if self.sampler.session_version(session) not in (None, self._version):
                     self.sampler.end_session(session)
 
-    def _take_segment(self) -> list[_Turn]:
+    def _take_segment(self) -> list[Turn]:
         """Running turns plus queued ones in free slots; those sharing the oldest's stop tokens
         and greediness (the sampler takes one set and one temperature per call)."""
         with self._lock:
@@ -354,21 +328,39 @@ class Engine:
             first = self._running[0]
             return [t for t in self._running if (t.stop_token_ids, t.greedy) == (first.stop_token_ids, first.greedy)]
 
-    def _run_segment(self, batch: list[_Turn]) -> None:
-        sampler = self.sampler
+    def _begin(self, batch: list[Turn]) -> None:
         for turn in batch:
             if not turn.started:
                 turn.started = True
-                version = sampler.session_version(turn.session)
+                version = self.sampler.session_version(turn.session)
                 if not turn.pinned and version is not None and version != self._version:
-                    sampler.end_session(turn.session)  # a new turn samples with the newest weights
-        steps = min(self.segment_tokens, *(t.max_new_tokens - len(t.tokens) for t in batch))
+                    self.sampler.end_session(turn.session)  # a new turn samples with the newest weights
+
+    def _split_long_prefills(self, batch: list[Turn]) -> tuple[list[Turn], list[Turn]]:
+        """(turns to prefill apart now, turns for the decode call): a turn whose uncached prompt
+        pads beyond ``prefill_apart_above`` stays out of the decode call; the oldest
+        ``prefill_rows`` of them are prefilled now, the rest at the next segments."""
+        if self.prefill_apart_above is None:
+            return [], batch
+        long = [
+            t for t in batch
+            if self.sampler.prefill_bucket(t.session, t.prompt + t.tokens) > self.prefill_apart_above
+        ]
+        return long[: self.prefill_rows], [t for t in batch if t not in long]
+
+    def _run_segment(self, batch: list[Turn], prefill: bool = False) -> None:
+        """One sampler call over ``batch``: a decode segment of up to ``segment_tokens`` tokens per
+        turn, padded to the sampler's rows; or (``prefill``) the first token of long prompts in a
+        call of ``prefill_rows`` rows."""
+        sampler = self.sampler
+        steps = min(1 if prefill else self.segment_tokens, *(t.max_new_tokens - len(t.tokens) for t in batch))
         try:
             generations = sampler.generate(
                 [t.prompt + t.tokens for t in batch],
                 max_new_tokens=steps,
                 stop_token_ids=batch[0].stop_token_ids,
                 sessions=[t.session for t in batch],
+                min_batch=self.prefill_rows if prefill else None,
                 **({"temperature": 0.0} if batch[0].greedy else {}),
             )
         except PeerFailure:
@@ -380,11 +372,11 @@ class Engine:
                     self._finish(turn, exc)
             return
         now = self._clock()
-        answered: list[tuple[_Turn, TurnResult]] = []
+        answered: list[tuple[Turn, TurnResult]] = []
         with self._lock:
-            self.segments_total += 1
-            self._window.append((now, sum(len(g.token_ids) for g in generations), len(batch)))
-            self._trim_window(now)
+            if not prefill:
+                self.segments_total += 1
+            self._window.record(now, sum(len(g.token_ids) for g in generations), None if prefill else len(batch))
             for turn, gen in zip(batch, generations, strict=True):
                 turn.tokens += gen.token_ids
                 turn.logprobs += gen.logprobs
@@ -392,12 +384,12 @@ class Engine:
                 if gen.finished or len(turn.tokens) >= turn.max_new_tokens:
                     result = TurnResult(turn.tokens, turn.logprobs, turn.versions, gen.finished)
                     answered.append((turn, result))
-                    self._turn_seconds = 0.8 * self._turn_seconds + 0.2 * (now - turn.queued_at)
+                    self._window.answered(now - turn.queued_at)
                     self._finish(turn, None)
         for turn, result in answered:
             turn.on_done(result)
 
-    def _finish(self, turn: _Turn, error: BaseException | None = None) -> None:
+    def _finish(self, turn: Turn, error: BaseException | None = None) -> None:
         """Take a turn out of the batch (lock held); failures are delivered here."""
         self._running.remove(turn)
         self._busy.discard(turn.session)
@@ -413,27 +405,3 @@ class Engine:
         for session in [s for s, (_, since) in self._idle.items() if since < cutoff]:
             del self._idle[session]
             self._ends.append(session)
-
-    def _trim_window(self, now: float) -> None:
-        while self._window and self._window[0][0] < now - STATS_WINDOW_SECONDS:
-            self._window.popleft()
-
-    def _retry_after_ms(self) -> int:
-        """About when a slot frees: a turn's recent time in the engine, per batch of queued turns."""
-        waves = len(self._queue) / self.max_batch
-        seconds = self._turn_seconds * max(waves, 1.0) if self._turn_seconds else 0.2
-        return int(min(max(seconds * 1000, 50), 5000))
-
-    def _check(self, prompt: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int]) -> None:
-        config, vocab = self.sampler.config, self.sampler.config.vocab_size
-        if not prompt:
-            raise ValueError("prompt_ids is empty")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt token ids must lie in [0, {vocab}), got {min(prompt)}..{max(prompt)}")
-        if any(not 0 <= t < vocab for t in stop_token_ids):
-            raise ValueError(f"stop token ids must lie in [0, {vocab})")
-        limit = min(config.max_seq_len, self.sampler.session_len)
-        if len(prompt) + max_new_tokens > limit:
-            raise ValueError(f"{len(prompt)} prompt + {max_new_tokens} new tokens exceed the model's {limit}")

@@ -34,11 +34,10 @@ calls run the same compiled programs as sampled ones.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -47,9 +46,24 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from stoker.model.hf import load_hf
-from stoker.model.model import KVCache, LayerCache, Transformer, head_dim, init_model
+from stoker.model.model import LayerCache, Transformer, head_dim, init_model
 from stoker.rollout.mesh import cache_sharding, param_shardings
+
+# Imported under the names the Sampler's constructor has always used for them.
+from stoker.rollout.programs import Limits as _Limits
+from stoker.rollout.programs import continue_cached as _continue
+from stoker.rollout.programs import generate_fresh as _generate
+from stoker.rollout.programs import sample_token
+from stoker.rollout.sessions import Session as _Session
+from stoker.rollout.sessions import (
+    CacheStats, SessionRows, cached_prefix, chunk_buckets, session_length, session_row_bytes,
+)
 from stoker.spec import SamplingSpec, TransformerConfig
+
+__all__ = [
+    "CacheStats", "Generation", "PromptTooLong", "Sampler", "chunk_buckets", "padded_batch", "pick_bucket",
+    "sample_token", "session_length", "session_row_bytes",
+]
 
 
 class PromptTooLong(ValueError):
@@ -79,203 +93,9 @@ def padded_batch(n: int, min_batch: int = 1) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, min_batch, 1))))
 
 
-def sample_token(
-    key: jax.Array, logits: jax.Array, temperature: jax.Array, top_p: jax.Array | None
-) -> tuple[jax.Array, jax.Array]:
-    """Draw one token per row from softmax(logits / temperature), restricted to the top-p nucleus.
-
-    The nucleus is the smallest set of most likely tokens whose probability mass reaches top_p
-    (always at least the most likely token). Returns (tokens [B], log pi(token) [B]) with the
-    log-prob under the untruncated tempered softmax. ``temperature <= 0`` is greedy: the argmax
-    of the logits, its log-prob taken at temperature 1."""
-    greedy = temperature <= 0
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature), axis=-1)
-    allowed = logp
-    if top_p is not None:
-        sorted_logp = jnp.sort(logp, axis=-1)[:, ::-1]
-        probs = jnp.exp(sorted_logp)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        # Smallest log-prob still inside the nucleus; ties with it are kept too.
-        in_nucleus = mass_before < top_p
-        threshold = jnp.min(jnp.where(in_nucleus, sorted_logp, jnp.inf), axis=-1, keepdims=True)
-        allowed = jnp.where(logp >= threshold, logp, -jnp.inf)
-    tokens = jnp.where(greedy, jnp.argmax(logp, axis=-1), jax.random.categorical(key, allowed, axis=-1))
-    return tokens.astype(jnp.int32), jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
-class _Loop(NamedTuple):
-    step: jax.Array  # tokens drawn so far, shared by all rows
-    logits: jax.Array  # [B, V] next-token logits
-    cache: KVCache
-    tokens: jax.Array  # [B, W] generated ids, by step
-    logprobs: jax.Array  # [B, W] log-prob of each generated token
-    done: jax.Array  # [B] row has hit a stop token (or is batch padding)
-    generated: jax.Array  # [B] tokens generated per row
-    key: jax.Array
-
-
-class _Limits(NamedTuple):
-    """The runtime sampling settings of one call."""
-
-    max_new_tokens: jax.Array
-    is_stop: jax.Array  # [V] bool
-    allowed: jax.Array  # [V] bool: constrained decoding (all true when unconstrained)
-    temperature: jax.Array
-    top_p: jax.Array
-
-
-def _sample(
-    model: Transformer,
-    logits: jax.Array,  # [B, V] after the prompt's last token
-    cache: KVCache,
-    first_slot: jax.Array,  # [B] where the first generated token goes
-    active: jax.Array,  # [B] false for batch padding
-    limits: _Limits,
-    key: jax.Array,
-    *,
-    width: int,
-    use_top_p: bool,
-) -> tuple[KVCache, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Draw up to ``limits.max_new_tokens`` (<= ``width``) tokens per row, one cached decode step
-    each; returns (cache, tokens [B, width], logprobs [B, width], generated [B], finished [B])."""
-    batch = logits.shape[0]
-    rows = jnp.arange(batch)
-
-    def cond(s: _Loop) -> jax.Array:
-        return (s.step < limits.max_new_tokens) & ~jnp.all(s.done)
-
-    def body(s: _Loop) -> _Loop:
-        key, draw = jax.random.split(s.key)
-        masked = jnp.where(limits.allowed, s.logits, jnp.asarray(-1e9, s.logits.dtype))  # as restrict_logits
-        token, logprob = sample_token(draw, masked, limits.temperature, limits.top_p if use_top_p else None)
-        live = ~s.done
-        tokens = s.tokens.at[rows, s.step].set(jnp.where(live, token, 0))
-        logprobs = s.logprobs.at[rows, s.step].set(jnp.where(live, logprob, 0.0))
-        generated = s.generated + live.astype(jnp.int32)
-        done = s.done | limits.is_stop[token]
-        step = s.step + 1
-
-        def advance(c: KVCache) -> tuple[jax.Array, KVCache]:
-            return model.decode(token, first_slot + s.step, c)
-
-        def stay(c: KVCache) -> tuple[jax.Array, KVCache]:
-            return s.logits, c
-
-        # The final draw needs no further forward pass.
-        more = (step < limits.max_new_tokens) & ~jnp.all(done)
-        next_logits, next_cache = jax.lax.cond(more, advance, stay, s.cache)
-        return _Loop(step, next_logits, next_cache, tokens, logprobs, done, generated, key)
-
-    init = _Loop(
-        step=jnp.zeros((), jnp.int32),
-        logits=logits,
-        cache=cache,
-        tokens=jnp.zeros((batch, width), jnp.int32),
-        logprobs=jnp.zeros((batch, width), jnp.float32),
-        done=~active,
-        generated=jnp.zeros((batch,), jnp.int32),
-        key=key,
-    )
-    out = jax.lax.while_loop(cond, body, init)
-    finished = out.done & active & (out.generated > 0)
-    return out.cache, out.tokens, out.logprobs, out.generated, finished
-
-
-def _generate(
-    graphdef: nnx.GraphDef[Transformer],
-    state: nnx.State,
-    prompt_ids: jax.Array,  # [B, P] right-padded
-    prompt_lens: jax.Array,  # [B]
-    active: jax.Array,  # [B] false for batch padding
-    limits: _Limits,
-    key: jax.Array,
-    *,
-    cache_len: int,
-    use_top_p: bool,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Stateless: prefill whole prompts into a fresh cache, then sample."""
-    model = nnx.merge(graphdef, state)
-    idx = jnp.arange(prompt_ids.shape[1])[None, :]
-    segments = (idx < prompt_lens[:, None]).astype(jnp.int32)
-    positions = jnp.broadcast_to(idx, prompt_ids.shape).astype(jnp.int32)
-    last, cache = model.prefill(prompt_ids, positions, segments, cache_len=cache_len, logits_at=prompt_lens - 1)
-    assert cache is not None
-    _, tokens, logprobs, generated, finished = _sample(
-        model, last, cache, prompt_lens, active, limits, key, width=cache_len, use_top_p=use_top_p
-    )
-    return tokens, logprobs, generated, finished
-
-
-def _continue(
-    graphdef: nnx.GraphDef[Transformer],
-    state: nnx.State,
-    store: tuple[LayerCache, ...],  # the persistent cache, [R, S, ...] per layer (donated)
-    rows: jax.Array,  # [B] store row of each batch row (padding rows share a scratch row)
-    sources: jax.Array,  # [B] store row whose keys/values start it: its own, or a prefix donor's
-    chunk_ids: jax.Array,  # [B, C] the uncached end of each prompt, right-padded
-    starts: jax.Array,  # [B] slot of each chunk's first token (= cached prefix length)
-    chunk_lens: jax.Array,  # [B] >= 1
-    active: jax.Array,  # [B]
-    limits: _Limits,
-    key: jax.Array,
-    *,
-    use_top_p: bool,
-) -> tuple[tuple[LayerCache, ...], jax.Array, jax.Array, jax.Array, jax.Array]:
-    """With sessions: extend cached rows by their chunks, sample, write the rows back. A row read
-    from a donor keeps the donor's slots before ``starts`` (the same tokens under the same weights)
-    and overwrites the rest."""
-    model = nnx.merge(graphdef, state)
-    idx = jnp.arange(chunk_ids.shape[1])[None, :]
-    cache = KVCache(
-        tuple(LayerCache(layer.keys[sources], layer.values[sources]) for layer in store),
-        jnp.zeros((rows.shape[0], store[0].keys.shape[1]), jnp.int32),  # extend() recomputes it
-    )
-    last, cache = model.extend(
-        chunk_ids, starts[:, None] + idx, idx < chunk_lens[:, None], cache, logits_at=chunk_lens - 1
-    )
-    cache, tokens, logprobs, generated, finished = _sample(
-        model, last, cache, starts + chunk_lens, active, limits, key, width=store[0].keys.shape[1], use_top_p=use_top_p
-    )
-    store = tuple(
-        LayerCache(old.keys.at[rows].set(new.keys), old.values.at[rows].set(new.values))
-        for old, new in zip(store, cache.layers, strict=True)
-    )
-    return store, tokens, logprobs, generated, finished
-
-
-@dataclass
-class CacheStats:
-    """How much of the prompts of session calls the conversation cache saved from prefilling."""
-
-    prompt_tokens: int = 0
-    reused_tokens: int = 0  # read from the cache instead of being prefilled again
-
-    @property
-    def reuse(self) -> float:
-        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-@dataclass
-class _Session:
-    """A conversation the sampler keeps cached keys/values for."""
-
-    version: int  # weights its cached keys/values were computed with (pinned: its sampling weights)
-    row: int | None = None  # its row of the persistent cache, while it has one
-    cached: list[int] = field(default_factory=list)  # ids held in slots 0..len-1 of that row
-    last_used: int = 0
-    opening: tuple[int, ...] = ()  # the prompt of its first turn (what conversations share)
-
-
-def _cached_prefix(cached: Sequence[int], prompt: Sequence[int]) -> int:
-    """How many of ``prompt``'s first tokens the cache holds; never the last one, whose logits
-    start the sampling and so must be computed."""
-    n = min(len(cached), len(prompt) - 1)
-    if list(cached[:n]) == list(prompt[:n]):  # the usual case, compared at C speed
-        return n
-    return next(i for i in range(n) if cached[i] != prompt[i])
-
-
-class Sampler:
+class Sampler(SessionRows):
     """Generates continuations with the current policy weights.
 
     ``params``: HF-named arrays to start from; without them the weights are ``init_model(config,
@@ -417,51 +237,6 @@ class Sampler:
         nnx.update(self._model, placed)
         return placed
 
-    def bookkeeping_digest(self) -> int:
-        """A 63-bit digest of everything that decides the programs the next call runs: the
-        weights version, every session's row, version and cached length, and the random-key
-        count. Hosts replaying one sampler's calls (rollout/hosts.py) compare it to catch a
-        divergence before it deadlocks or corrupts a turn."""
-        table = sorted(
-            (repr(key), -1 if r.row is None else r.row, r.version, len(r.cached), r.last_used)
-            for key, r in self._sessions.items()
-        )
-        text = repr((self.version, self._uses, sorted(self._pinned_states), table)).encode()
-        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
-
-    def end_session(self, session: Any) -> None:
-        """Forget a conversation: its cache row is free again (and, pinned, its weights if no other
-        session uses them). Unknown sessions are ignored."""
-        record = self._sessions.pop(session, None)
-        if record is not None and record.row is not None:
-            self._row_owner[record.row] = None
-        if record is not None and record.opening:
-            peers = self._openings.get(record.opening)
-            if peers is not None:
-                peers.discard(session)
-                if not peers:
-                    del self._openings[record.opening]
-        self._drop_unpinned_states()
-
-    def session_version(self, session: Any) -> int | None:
-        """The weight version a live session's cached keys/values (pinned: its sampling) use."""
-        record = self._sessions.get(session)
-        return None if record is None else record.version
-
-    @property
-    def live_versions(self) -> set[int]:
-        """Weight versions held now: the newest, and any a live session still uses."""
-        return {self.version, *self._pinned_states}
-
-    @property
-    def rows_in_use(self) -> int:
-        """Rows of the conversation cache that hold a session now."""
-        return sum(owner is not None for owner in self._row_owner)
-
-    @property
-    def session_capacity(self) -> int:
-        """Rows of the conversation cache: sessions held at once."""
-        return len(self._row_owner)
 
     @property
     def session_row_nbytes(self) -> int:
@@ -473,7 +248,7 @@ class Sampler:
         record = self._sessions.get(session)
         uncached = len(prompt)
         if record is not None and record.row is not None and self._cache_usable(record):
-            uncached -= _cached_prefix(record.cached, prompt)
+            uncached -= cached_prefix(record.cached, prompt)
         buckets = chunk_buckets(self.session_len, self.min_chunk) if self._store else self.buckets
         return next((b for b in buckets if b >= uncached), uncached)
 
@@ -485,11 +260,14 @@ class Sampler:
         stop_token_ids: Sequence[int] = (),
         sessions: Sequence[Any] | None = None,
         temperature: float | None = None,
+        min_batch: int | None = None,
     ) -> list[Generation]:
         """Continue each prompt (the whole conversation so far, as token ids) by up to
         ``max_new_tokens`` tokens, stopping a row at its first stop token. ``sessions[i]`` names
         prompt i's conversation (any hashable, distinct within a call) to reuse its cache.
-        ``temperature`` overrides the sampler's for this call; 0 is greedy (see module doc)."""
+        ``temperature`` overrides the sampler's for this call; 0 is greedy (see module doc).
+        ``min_batch`` overrides the sampler's row padding for this call (the rollout engine
+        prefills a long prompt in a call of few rows)."""
         if not prompts:
             return []
         if max_new_tokens < 1:
@@ -508,12 +286,13 @@ class Sampler:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         tau = self.sampling.temperature if temperature is None else float(temperature)
         limits = self._limits(max_new_tokens, tuple(stop_token_ids), tau)
+        rows = self.min_batch if min_batch is None else min_batch
         if sessions is not None:
-            return self._generate_sessions(prompts, list(sessions), limits, longest + max_new_tokens)
+            return self._generate_sessions(prompts, list(sessions), limits, longest + max_new_tokens, rows)
 
         cache_len = pick_bucket(self.buckets, longest + max_new_tokens)
         prefill_len = pick_bucket(self.buckets, longest)
-        batch = padded_batch(len(prompts), self.min_batch)
+        batch = padded_batch(len(prompts), rows)
         ids = np.zeros((batch, prefill_len), np.int32)
         for row, prompt in enumerate(prompts):
             ids[row, : len(prompt)] = prompt
@@ -561,10 +340,8 @@ class Sampler:
             for row in range(n)
         ]
 
-    # ---------------------------------------------------------------------------- sessions
-
     def _generate_sessions(
-        self, prompts: list[list[int]], sessions: list[Any], limits: _Limits, slots_needed: int
+        self, prompts: list[list[int]], sessions: list[Any], limits: _Limits, slots_needed: int, min_batch: int
     ) -> list[Generation]:
         if not self._store:
             raise ValueError("this sampler keeps no conversations (session_rows=0)")
@@ -574,72 +351,27 @@ class Sampler:
             raise ValueError("a session may appear only once per call")
         if slots_needed > self.session_len:
             raise PromptTooLong(f"{slots_needed} tokens do not fit the cache ({self.session_len} slots)")
-        records = [self._session(s) for s in sessions]
-        for session, record, prompt in zip(sessions, records, prompts, strict=True):
-            if not record.opening:
-                record.opening = tuple(prompt)
-                self._openings.setdefault(record.opening, set()).add(session)
-            if record.row is None:  # never takes the row of another session of this call
-                record.row = self._free_row(set(sessions))
-                self._row_owner[record.row] = session
-                record.cached = []
+        records = self._assign_rows(prompts, sessions)
         results: list[Generation | None] = [None] * len(prompts)
         by_version: dict[int, list[int]] = {}
         for i, record in enumerate(records):
             by_version.setdefault(record.version, []).append(i)
         for version, members in sorted(by_version.items()):  # one call per weight version
-            gens = self._continue_rows([prompts[i] for i in members], [records[i] for i in members], version, limits)
+            gens = self._continue_rows(
+                [prompts[i] for i in members], [records[i] for i in members], version, limits, min_batch
+            )
             for i, gen in zip(members, gens, strict=True):
                 results[i] = gen
         return [g for g in results if g is not None]
 
-    def _session(self, key: Any) -> _Session:
-        record = self._sessions.get(key)
-        if record is None:
-            record = self._sessions[key] = _Session(version=self.version)
-        elif not self._cache_usable(record):
-            record.version, record.cached = self.version, []
-        if self.pin_sessions and record.version == self.version:
-            self._pinned_states.setdefault(self.version, self._state)
-        self._uses += 1
-        record.last_used = self._uses
-        return record
-
-    def _cache_usable(self, record: _Session) -> bool:
-        """Its cached keys/values were computed by the weights it samples with next: pinned, its
-        own; unpinned, the current ones (else the replaced weights computed them)."""
-        return self.pin_sessions or record.version == self.version
-
-    def _free_row(self, busy: set[Any]) -> int:
-        for row, owner in enumerate(self._row_owner):
-            if owner is None:
-                return row
-        # All rows taken: evict the least recently used conversation outside this call.
-        candidates = [(self._sessions[o].last_used, row) for row, o in enumerate(self._row_owner) if o not in busy]
-        if not candidates:
-            raise ValueError(f"{len(busy)} sessions in one call exceed the cache's {len(self._row_owner)} rows")
-        _, row = min(candidates)
-        self._sessions[self._row_owner[row]].row = None
-        return row
-
     def _continue_rows(
-        self, prompts: list[list[int]], records: list[_Session], version: int, limits: _Limits
+        self, prompts: list[list[int]], records: list[_Session], version: int, limits: _Limits, min_batch: int
     ) -> list[Generation]:
         state = self._state if version == self.version else self._pinned_states[version]
-        # At least the prompt's last token is fed again: its logits start the sampling.
-        starts = [_cached_prefix(r.cached, p) for r, p in zip(records, prompts, strict=True)]
-        sources = [r.row for r in records]
-        if self.share_prefixes:
-            for i, (record, prompt) in enumerate(zip(records, prompts, strict=True)):
-                if starts[i] < len(record.opening) - 1:  # its own cache lacks even the opening
-                    donor, shared = self._donor(record, prompt, version)
-                    if donor is not None and shared > starts[i]:
-                        sources[i], starts[i] = donor.row, shared
+        starts, sources = self._chunk_starts(prompts, records, version)
         chunks = [p[s:] for p, s in zip(prompts, starts, strict=True)]
-        self.cache_stats.prompt_tokens += sum(map(len, prompts))
-        self.cache_stats.reused_tokens += sum(starts)
         width = pick_bucket(chunk_buckets(self.session_len, self.min_chunk), max(map(len, chunks)))
-        batch = padded_batch(len(prompts), self.min_batch)
+        batch = padded_batch(len(prompts), min_batch)
         scratch = len(self._row_owner)
         rows = np.full((batch,), scratch, np.int32)
         source_arr = np.full((batch,), scratch, np.int32)
@@ -648,9 +380,7 @@ class Sampler:
         chunk_lens = np.ones((batch,), np.int32)
         for i, (record, chunk) in enumerate(zip(records, chunks, strict=True)):
             assert record.row is not None
-            source = sources[i]
-            assert source is not None  # every session of the call has a row; donors have theirs
-            rows[i], source_arr[i], start_arr[i], chunk_lens[i] = record.row, source, starts[i], len(chunk)
+            rows[i], source_arr[i], start_arr[i], chunk_lens[i] = record.row, sources[i], starts[i], len(chunk)
             ids[i, : len(chunk)] = chunk
         active = np.arange(batch) < len(prompts)
         self._key, key = jax.random.split(self._key)
@@ -664,54 +394,9 @@ class Sampler:
             record.cached = prompt + gen.token_ids[:-1]
         return gens
 
-    def _donor(self, record: _Session, prompt: list[int], version: int) -> tuple[_Session | None, int]:
-        """The session that opened like ``record`` and holds the longest start of ``prompt`` in
-        keys/values computed by ``version``'s weights, and how many tokens it holds."""
-        best, best_shared = None, 0
-        for key in self._openings.get(record.opening, ()):
-            other = self._sessions.get(key)
-            if other is None or other is record or other.row is None:
-                continue
-            if other.version != version or not self._cache_usable(other):
-                continue
-            shared = _cached_prefix(other.cached, prompt)
-            if shared > best_shared:
-                best, best_shared = other, shared
-                if shared == len(prompt) - 1:
-                    break
-        return best, best_shared
-
-    def _drop_unpinned_states(self) -> None:
-        live = {r.version for r in self._sessions.values()}
-        for version in [v for v in self._pinned_states if v not in live and v != self.version]:
-            del self._pinned_states[version]
-
-
-def session_length(config: TransformerConfig, buckets: Sequence[int]) -> int:
-    """Slots of one conversation-cache row: the largest bucket the model can hold (0 if none)."""
-    return max((b for b in buckets if b <= config.max_seq_len), default=0)
-
-
-def session_row_bytes(config: TransformerConfig, buckets: Sequence[int], dtype: Any) -> int:
-    """Memory of one conversation-cache row: keys and values of every layer, for every slot."""
-    slots = session_length(config, buckets)
-    return 2 * config.num_layers * slots * config.num_kv_heads * head_dim(config) * np.dtype(dtype).itemsize
-
 
 def _snapshot(state: nnx.State) -> nnx.State:
     """A state holding the current arrays, unlike ``nnx.state``'s live view of the model: pinned
     sessions keep sampling with it after ``load_weights`` overwrites the model in place."""
     return jax.tree.map(lambda x: x, state)
 
-
-def chunk_buckets(longest: int, smallest: int = 16) -> tuple[int, ...]:
-    """Chunk lengths a session call pads to: powers of two from 16 up to ``longest`` (a turn's
-    new tokens are usually few; a re-prefill after new weights takes the largest), and
-    ``smallest`` below them when it is less than 16 (the rollout engine continues a turn with
-    a 1-token chunk: padded to 16 it cost ~16 decode steps of compute per segment)."""
-    sizes = [16]
-    while sizes[-1] < longest:
-        sizes.append(sizes[-1] * 2)
-    if smallest < 16:
-        sizes.insert(0, smallest)
-    return tuple(min(s, longest) for s in sizes)

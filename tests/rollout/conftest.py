@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -34,13 +35,18 @@ def weights(version: int) -> dict[str, np.ndarray]:
     return to_hf(init_model(CONFIG, seed=version))
 
 
-def make_engine(*, max_queue: int = 64, segment_tokens: int = 2, clock: Callable[[], float] = time.monotonic) -> Engine:
+def make_engine(
+    *, max_queue: int = 64, segment_tokens: int = 2, clock: Callable[[], float] = time.monotonic,
+    sampler_class: type[Sampler] = Sampler, **engine_options: Any,
+) -> Engine:
     # One batch shape for every call (min_batch = max batch): fewer programs to compile.
-    sampler = Sampler(
+    sampler = sampler_class(
         CONFIG, SamplingSpec(temperature=1.0), seed=0, buckets=(128,), min_batch=MAX_BATCH,
         session_rows=2 * MAX_BATCH, pin_sessions=True, min_chunk=1,
     )
-    return Engine(sampler, max_batch=MAX_BATCH, max_queue=max_queue, segment_tokens=segment_tokens, clock=clock)
+    return Engine(
+        sampler, max_batch=MAX_BATCH, max_queue=max_queue, segment_tokens=segment_tokens, clock=clock, **engine_options
+    )
 
 
 ServerFactory = Callable[..., RolloutServer]

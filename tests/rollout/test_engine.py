@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from stoker.rollout.engine import EngineBusy, TurnResult
+from stoker.rollout.sampling import Generation, Sampler
 
 from .conftest import MAX_BATCH, make_engine, teacher_forced, weights
 
@@ -86,3 +89,75 @@ def test_a_turn_keeps_its_weights_and_the_next_turn_moves_unless_pinned(xla_cach
             [model] = teacher_forced(version, [ids[:17]])
             mine = [i for i, v in enumerate(versions) if v == version]
             assert np.allclose(model[[positions[i] - 1 for i in mine]], [recorded[i] for i in mine], atol=2e-4)
+
+
+@dataclass
+class _Call:
+    sessions: list[str]
+    widths: list[int]  # each prompt's uncached part, padded to its chunk bucket, when called
+    max_new_tokens: int
+    computed: tuple[int, int] = (0, 0)  # (rows, chunk width) of the program it ran
+
+
+class _RecordingSampler(Sampler):
+    """A real sampler that records what each call asks of it and the shape its program computed."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.calls: list[_Call] = []
+        program: Any = self._jit_continue
+
+        def recorded(state: Any, store: Any, rows: Any, sources: Any, chunk_ids: Any, *rest: Any, **kw: Any) -> Any:
+            self.calls[-1].computed = chunk_ids.shape
+            return program(state, store, rows, sources, chunk_ids, *rest, **kw)
+
+        self._jit_continue = recorded
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, **options: Any) -> list[Generation]:
+        sessions = list(options["sessions"])
+        widths = [self.prefill_bucket(s, p) for s, p in zip(sessions, prompts, strict=True)]
+        self.calls.append(_Call(sessions, widths, max_new_tokens))
+        return super().generate(prompts, max_new_tokens=max_new_tokens, **options)
+
+
+def test_a_long_new_turn_is_prefilled_apart_and_never_widens_the_decoding_rows_call(xla_cache: Path) -> None:
+    engine = make_engine(segment_tokens=2, sampler_class=_RecordingSampler, prefill_apart_above=16)
+    sampler = engine.sampler
+    assert isinstance(sampler, _RecordingSampler)
+    answers: dict[str, TurnResult | BaseException] = {}
+    prompts = {f"decoder-{i}": [1 + i, 2, 4] for i in range(3)} | {"agent": [3, 1, 4]}
+
+    def submit(session: str, max_new_tokens: int) -> None:
+        engine.submit(prompts[session], max_new_tokens=max_new_tokens, stop_token_ids=(), session=session,
+                      pin_weights=session == "agent", on_done=lambda r: answers.__setitem__(session, r))
+
+    for session in list(prompts):
+        submit(session, 2 if session == "agent" else 8)
+    engine.step()  # the agent's first turn is answered; the decoders are mid-turn
+    first = answers.pop("agent")
+    assert isinstance(first, TurnResult)
+    engine.load_weights(weights(1), 1)  # the agent pins its episode to version 0
+    # Its next turn carries a tool's long output: 41 tokens uncached (with its last sampled token).
+    prompts["agent"] = prompts["agent"] + first.token_ids + [(5 * j) % 29 + 1 for j in range(40)]
+    submit("agent", 4)
+    while len(answers) < 4:
+        engine.step()
+
+    agent_calls = [c for c in sampler.calls if "agent" in c.sessions][1:]
+    # Its prefill: a call of its own, one row, sampling its first token.
+    assert (agent_calls[0].sessions, agent_calls[0].widths) == (["agent"], [64])
+    assert (agent_calls[0].max_new_tokens, agent_calls[0].computed) == (1, (1, 64))
+    # Then it decodes with the others from its cached prompt: one token uncached.
+    assert set(agent_calls[1].sessions) == {*prompts} and agent_calls[1].computed == (MAX_BATCH, 1)
+    # No call of the decoding rows was ever wider than the threshold, nor padded otherwise.
+    decoding = [c for c in sampler.calls if "decoder-0" in c.sessions]
+    assert all(c.computed[0] == MAX_BATCH and c.computed[1] <= 16 for c in decoding)
+    # Every token is the model's under the version it started with (the agent's is pinned, the
+    # decoders' turns began before the swap): log-probs equal a teacher-forced forward.
+    for session, prompt in prompts.items():
+        result = answers[session]
+        assert isinstance(result, TurnResult) and result.versions == [0] * len(result.token_ids)
+        [model] = teacher_forced(0, [prompt + result.token_ids])
+        np.testing.assert_allclose(model[len(prompt) - 1:], result.logprobs, atol=2e-4)
+    [model] = teacher_forced(0, [prompts["agent"]])
+    np.testing.assert_allclose(model[2:4], first.logprobs, atol=2e-4)

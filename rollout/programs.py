@@ -1,0 +1,179 @@
+"""The jitted programs one ``Sampler`` call runs: a prefill (of whole prompts, or of the uncached
+ends of cached conversations), then a ``lax.while_loop`` of cached decode steps that stops once
+every row has hit a stop token. Why the log-probs are recorded as they are is in
+``stoker.rollout.sampling``'s module doc."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from stoker.model.model import KVCache, LayerCache, Transformer
+
+
+def sample_token(
+    key: jax.Array, logits: jax.Array, temperature: jax.Array, top_p: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row from softmax(logits / temperature), restricted to the top-p nucleus.
+
+    The nucleus is the smallest set of most likely tokens whose probability mass reaches top_p
+    (always at least the most likely token). Returns (tokens [B], log pi(token) [B]) with the
+    log-prob under the untruncated tempered softmax. ``temperature <= 0`` is greedy: the argmax
+    of the logits, its log-prob taken at temperature 1."""
+    greedy = temperature <= 0
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature), axis=-1)
+    allowed = logp
+    if top_p is not None:
+        sorted_logp = jnp.sort(logp, axis=-1)[:, ::-1]
+        probs = jnp.exp(sorted_logp)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        # Smallest log-prob still inside the nucleus; ties with it are kept too.
+        in_nucleus = mass_before < top_p
+        threshold = jnp.min(jnp.where(in_nucleus, sorted_logp, jnp.inf), axis=-1, keepdims=True)
+        allowed = jnp.where(logp >= threshold, logp, -jnp.inf)
+    tokens = jnp.where(greedy, jnp.argmax(logp, axis=-1), jax.random.categorical(key, allowed, axis=-1))
+    return tokens.astype(jnp.int32), jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+class _Loop(NamedTuple):
+    step: jax.Array  # tokens drawn so far, shared by all rows
+    logits: jax.Array  # [B, V] next-token logits
+    cache: KVCache
+    tokens: jax.Array  # [B, W] generated ids, by step
+    logprobs: jax.Array  # [B, W] log-prob of each generated token
+    done: jax.Array  # [B] row has hit a stop token (or is batch padding)
+    generated: jax.Array  # [B] tokens generated per row
+    key: jax.Array
+
+
+class Limits(NamedTuple):
+    """The runtime sampling settings of one call."""
+
+    max_new_tokens: jax.Array
+    is_stop: jax.Array  # [V] bool
+    allowed: jax.Array  # [V] bool: constrained decoding (all true when unconstrained)
+    temperature: jax.Array
+    top_p: jax.Array
+
+
+def sample_loop(
+    model: Transformer,
+    logits: jax.Array,  # [B, V] after the prompt's last token
+    cache: KVCache,
+    first_slot: jax.Array,  # [B] where the first generated token goes
+    active: jax.Array,  # [B] false for batch padding
+    limits: Limits,
+    key: jax.Array,
+    *,
+    width: int,
+    use_top_p: bool,
+) -> tuple[KVCache, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Draw up to ``limits.max_new_tokens`` (<= ``width``) tokens per row, one cached decode step
+    each; returns (cache, tokens [B, width], logprobs [B, width], generated [B], finished [B])."""
+    batch = logits.shape[0]
+    rows = jnp.arange(batch)
+
+    def cond(s: _Loop) -> jax.Array:
+        return (s.step < limits.max_new_tokens) & ~jnp.all(s.done)
+
+    def body(s: _Loop) -> _Loop:
+        key, draw = jax.random.split(s.key)
+        masked = jnp.where(limits.allowed, s.logits, jnp.asarray(-1e9, s.logits.dtype))  # as restrict_logits
+        token, logprob = sample_token(draw, masked, limits.temperature, limits.top_p if use_top_p else None)
+        live = ~s.done
+        tokens = s.tokens.at[rows, s.step].set(jnp.where(live, token, 0))
+        logprobs = s.logprobs.at[rows, s.step].set(jnp.where(live, logprob, 0.0))
+        generated = s.generated + live.astype(jnp.int32)
+        done = s.done | limits.is_stop[token]
+        step = s.step + 1
+
+        def advance(c: KVCache) -> tuple[jax.Array, KVCache]:
+            return model.decode(token, first_slot + s.step, c)
+
+        def stay(c: KVCache) -> tuple[jax.Array, KVCache]:
+            return s.logits, c
+
+        # The final draw needs no further forward pass.
+        more = (step < limits.max_new_tokens) & ~jnp.all(done)
+        next_logits, next_cache = jax.lax.cond(more, advance, stay, s.cache)
+        return _Loop(step, next_logits, next_cache, tokens, logprobs, done, generated, key)
+
+    init = _Loop(
+        step=jnp.zeros((), jnp.int32),
+        logits=logits,
+        cache=cache,
+        tokens=jnp.zeros((batch, width), jnp.int32),
+        logprobs=jnp.zeros((batch, width), jnp.float32),
+        done=~active,
+        generated=jnp.zeros((batch,), jnp.int32),
+        key=key,
+    )
+    out = jax.lax.while_loop(cond, body, init)
+    finished = out.done & active & (out.generated > 0)
+    return out.cache, out.tokens, out.logprobs, out.generated, finished
+
+
+def generate_fresh(
+    graphdef: nnx.GraphDef[Transformer],
+    state: nnx.State,
+    prompt_ids: jax.Array,  # [B, P] right-padded
+    prompt_lens: jax.Array,  # [B]
+    active: jax.Array,  # [B] false for batch padding
+    limits: Limits,
+    key: jax.Array,
+    *,
+    cache_len: int,
+    use_top_p: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Stateless: prefill whole prompts into a fresh cache, then sample."""
+    model = nnx.merge(graphdef, state)
+    idx = jnp.arange(prompt_ids.shape[1])[None, :]
+    segments = (idx < prompt_lens[:, None]).astype(jnp.int32)
+    positions = jnp.broadcast_to(idx, prompt_ids.shape).astype(jnp.int32)
+    last, cache = model.prefill(prompt_ids, positions, segments, cache_len=cache_len, logits_at=prompt_lens - 1)
+    assert cache is not None
+    _, tokens, logprobs, generated, finished = sample_loop(
+        model, last, cache, prompt_lens, active, limits, key, width=cache_len, use_top_p=use_top_p
+    )
+    return tokens, logprobs, generated, finished
+
+
+def continue_cached(
+    graphdef: nnx.GraphDef[Transformer],
+    state: nnx.State,
+    store: tuple[LayerCache, ...],  # the persistent cache, [R, S, ...] per layer (donated)
+    rows: jax.Array,  # [B] store row of each batch row (padding rows share a scratch row)
+    sources: jax.Array,  # [B] store row whose keys/values start it: its own, or a prefix donor's
+    chunk_ids: jax.Array,  # [B, C] the uncached end of each prompt, right-padded
+    starts: jax.Array,  # [B] slot of each chunk's first token (= cached prefix length)
+    chunk_lens: jax.Array,  # [B] >= 1
+    active: jax.Array,  # [B]
+    limits: Limits,
+    key: jax.Array,
+    *,
+    use_top_p: bool,
+) -> tuple[tuple[LayerCache, ...], jax.Array, jax.Array, jax.Array, jax.Array]:
+    """With sessions: extend cached rows by their chunks, sample, write the rows back. A row read
+    from a donor keeps the donor's slots before ``starts`` (the same tokens under the same weights)
+    and overwrites the rest."""
+    model = nnx.merge(graphdef, state)
+    idx = jnp.arange(chunk_ids.shape[1])[None, :]
+    cache = KVCache(
+        tuple(LayerCache(layer.keys[sources], layer.values[sources]) for layer in store),
+        jnp.zeros((rows.shape[0], store[0].keys.shape[1]), jnp.int32),  # extend() recomputes it
+    )
+    last, cache = model.extend(
+        chunk_ids, starts[:, None] + idx, idx < chunk_lens[:, None], cache, logits_at=chunk_lens - 1
+    )
+    cache, tokens, logprobs, generated, finished = sample_loop(
+        model, last, cache, starts + chunk_lens, active, limits, key, width=store[0].keys.shape[1], use_top_p=use_top_p
+    )
+    store = tuple(
+        LayerCache(old.keys.at[rows].set(new.keys), old.values.at[rows].set(new.values))
+        for old, new in zip(store, cache.layers, strict=True)
+    )
+    return store, tokens, logprobs, generated, finished
+
