@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
@@ -159,6 +161,26 @@ def _context(runtime: Runtime, name: str, namespace: str, uid: str, spec: RLJobS
     )
 
 
+def one_writer(handler: Callable[..., None]) -> Callable[..., None]:
+    """Run ``handler`` holding its job's writer lock: the update handler and the timer never write
+    one job's children at the same time.
+
+    kopf runs both in threads over one live body. Without the lock, a look that read the spec
+    before an edit arrived went on writing for the old spec after the update handler had applied
+    the new one (a resume undone by a look that began while suspended: server JobSets deleted
+    again, the status back to Suspended). With it, a look that holds the lock when an edit arrives
+    finishes first and the update handler applies the edit after it; the next look reads the new
+    spec. An edit waits at most one look (bounded by the Stats timeouts)."""
+
+    @functools.wraps(handler)
+    def locked(*args: Any, memo: Any, **kwargs: Any) -> None:
+        lock: threading.Lock = memo.setdefault("writer_lock", threading.Lock())  # per object: kopf copies memo
+        with lock:
+            handler(*args, memo=memo, **kwargs)
+
+    return locked
+
+
 # ---------------------------------------------------------------------------------- handlers
 
 
@@ -280,8 +302,9 @@ def monitor(
     namespace = namespace or "default"
     settings = runtime.settings
     spec_problem = None
+    looked_at = dict(spec)  # kopf's body is live: an edit arriving during this look replaces it
     try:
-        parsed = parse_spec(name, spec)
+        parsed = parse_spec(name, looked_at)
     except InvalidJob as exc:
         applied = _applied(runtime, namespace, name)
         if applied is None:
@@ -367,10 +390,12 @@ def monitor(
         rollout_reading=look.reading if look is not None else None,
         rollout_blocked=rollout_blocked(ctx),
     )
-    new_status = build_status(observed, previous, now)
-    runtime.metrics.observe(namespace, name, new_status)
     if reaped:
         runtime.metrics.reaped(namespace, name, reaped)
+    if dict(spec) != looked_at:
+        return  # the spec changed during this look: its status would describe the old one
+    new_status = build_status(observed, previous, now)
+    runtime.metrics.observe(namespace, name, new_status)
     # Write only what changed: an unchanged status costs no API call and no watch event.
     for key, value in new_status.items():
         if previous.get(key) != value:
@@ -442,11 +467,12 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Non
     rljobs = (GROUP, VERSION, PLURAL)
     kopf.on.startup(registry=registry, id="configure")(configure)
     kopf.on.login(registry=registry, id="login")(login)
-    kopf.on.create(*rljobs, registry=registry, id="reconcile")(reconcile)
-    kopf.on.resume(*rljobs, registry=registry, id="reconcile")(reconcile)
-    kopf.on.update(*rljobs, registry=registry, id="reconcile")(reconcile)
+    kopf.on.create(*rljobs, registry=registry, id="reconcile")(one_writer(reconcile))
+    kopf.on.resume(*rljobs, registry=registry, id="reconcile")(one_writer(reconcile))
+    kopf.on.update(*rljobs, registry=registry, id="reconcile")(one_writer(reconcile))
     kopf.on.delete(*rljobs, registry=registry, id="forget", optional=True)(forget)
     kopf.index("", "v1", "pods", registry=registry, id=POD_INDEX, labels={JOB_LABEL: kopf.PRESENT})(index_pods)
     kopf.index("", "v1", "pods", registry=registry, id=ROLLOUT_POD_INDEX,
                labels={JOB_LABEL: kopf.PRESENT, ROLE_LABEL: ROLE_ROLLOUT})(index_rollout_pods)
-    kopf.timer(*rljobs, registry=registry, id="monitor", interval=settings.status_interval_seconds, idle=None)(monitor)
+    kopf.timer(*rljobs, registry=registry, id="monitor", interval=settings.status_interval_seconds, idle=None)(
+        one_writer(monitor))
