@@ -167,8 +167,8 @@ def one_writer(handler: Callable[..., None]) -> Callable[..., None]:
 
     kopf runs both in threads over one live body. Without the lock, a look that read the spec
     before an edit arrived went on writing for the old spec after the update handler had applied
-    the new one (a resume undone by a look that began while suspended: server JobSets deleted
-    again, the status back to Suspended). With it, a look that holds the lock when an edit arrives
+    the new one (a resume undone by a look that began while suspended: the servers scaled to 0
+    and their JobSets deleted again, the status back to Suspended). With it, a look that holds the lock when an edit arrives
     finishes first and the update handler applies the edit after it; the next look reads the new
     spec. An edit waits at most one look (bounded by the Stats timeouts)."""
 
@@ -302,9 +302,8 @@ def monitor(
     namespace = namespace or "default"
     settings = runtime.settings
     spec_problem = None
-    looked_at = dict(spec)  # kopf's body is live: an edit arriving during this look replaces it
     try:
-        parsed = parse_spec(name, looked_at)
+        parsed = parse_spec(name, spec)
     except InvalidJob as exc:
         applied = _applied(runtime, namespace, name)
         if applied is None:
@@ -390,12 +389,10 @@ def monitor(
         rollout_reading=look.reading if look is not None else None,
         rollout_blocked=rollout_blocked(ctx),
     )
-    if reaped:
-        runtime.metrics.reaped(namespace, name, reaped)
-    if dict(spec) != looked_at:
-        return  # the spec changed during this look: its status would describe the old one
     new_status = build_status(observed, previous, now)
     runtime.metrics.observe(namespace, name, new_status)
+    if reaped:
+        runtime.metrics.reaped(namespace, name, reaped)
     # Write only what changed: an unchanged status costs no API call and no watch event.
     for key, value in new_status.items():
         if previous.get(key) != value:
