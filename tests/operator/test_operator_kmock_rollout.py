@@ -16,6 +16,8 @@ import kmock
 import pytest
 
 from stoker.actor.labels import JOB_LABEL, ROLE_LABEL
+from stoker.operator.learner_workload import COMPLETION_INDEX_LABEL
+from stoker.operator.rollout_workload import SERVER_LABEL
 from stoker.v1 import buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(90)]
@@ -23,6 +25,7 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(90)]
 RLJOBS = "/apis/stoker.dev/v1alpha1/namespaces/{ns}/rljobs"
 DEPLOYMENTS = "/apis/apps/v1/namespaces/{ns}/deployments"
 PODS = "/api/v1/namespaces/{ns}/pods"
+JOBSETS = "/apis/jobset.x-k8s.io/v1alpha2/namespaces/{ns}/jobsets"
 # Nothing listens here: the buffer's Stats fail at once instead of waiting out a DNS lookup.
 NO_BUFFER = "127.0.0.1:1"
 
@@ -72,17 +75,20 @@ def actor_env(c: Any, job: str) -> dict[str, str]:
     return {e["name"]: e.get("value", "") for e in container["env"]}
 
 
-def server_pod(name: str, job: str, ip: str) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "labels": {JOB_LABEL: job, ROLE_LABEL: "rollout"}},
-            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}}
+def server_pod(name: str, job: str, ip: str, *, server: int | None = None, host: int = 0, ready: bool = True) -> dict[str, Any]:
+    """A rollout pod as its controller makes it; ``server``: a host of that multi-host server."""
+    labels = {JOB_LABEL: job, ROLE_LABEL: "rollout"}
+    if server is not None:
+        labels |= {SERVER_LABEL: str(server), COMPLETION_INDEX_LABEL: str(host)}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
+            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
 
 
 async def test_rollout_tier_children_status_scaling_and_removal(rollout_servers: Any, operator_factory: Any) -> None:
     servicers, servers, port = rollout_servers
     c = await operator_factory(buffer_address_template=NO_BUFFER, stats_timeout_seconds=0.3)
     await c.create(RLJOBS, rljob("gen", rollout={"replicas": 2, "minReplicas": 1, "maxReplicas": 3, "port": port}))
-    tpu = {"accelerator": "tpu-v5p-slice", "topology": "2x2x4", "replicas": 2, "maxReplicas": 4}
+    tpu = {"accelerator": "tpu-v5p-slice", "topology": "2x2x4", "replicas": 2, "maxReplicas": 4, "port": port}
     await c.create(RLJOBS, rljob("big", rollout=tpu))  # multi-host servers, beside it
 
     # -- children: the servers' Deployment and Service, owned by the job; actors get the address
@@ -153,6 +159,28 @@ async def test_rollout_tier_children_status_scaling_and_removal(rollout_servers:
     await c.eventually(lambda: "big-rollout-1" not in c.names(jobsets), what="server 1 removed")
     assert "big-rollout-0" in c.names(jobsets)
     await c.eventually(lambda: status_of(c, "big").get("rollout", {}).get("desired") == 1, what="status desired 1")
+
+    # -- its Stats come from host 0 while all 4 hosts are ready; the followers serve only gRPC
+    #    health (Stats UNIMPLEMENTED, as at 127.0.0.5) and are never read
+    servicers[0].stats.queue_depth = 0
+    follower = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    follower.add_insecure_port(f"127.0.0.5:{port}")
+    follower.start()
+    try:
+        for host, ip in enumerate(["127.0.0.2", "127.0.0.5", "127.0.0.6", "127.0.0.7"]):
+            await c.create(PODS, server_pod(f"big-rollout-0-{host}", "big", ip, server=0, host=host))
+        await c.patch(JOBSETS + "/big-rollout-0/status", {"status": {"replicatedJobsStatus": [{"name": "slice", "ready": 1}]}})
+        await c.eventually(lambda: condition(c, "big", "RolloutReady").get("reason") == "Serving", what="the slice serving")
+        rollout = status_of(c, "big")["rollout"]
+        assert rollout["answering"] == 1 and rollout["tokensPerSecond"] == 1500.0 and rollout["summary"] == "1/1"
+        assert "not answering" not in condition(c, "big", "RolloutReady")["message"]
+        # a host restarting: the server cannot generate, and is no longer read
+        await c.patch(PODS + "/big-rollout-0-3/status", {"status": {"conditions": [{"type": "Ready", "status": "False"}]}})
+        await c.patch(JOBSETS + "/big-rollout-0/status", {"status": {"replicatedJobsStatus": [{"name": "slice", "ready": 0}]}})
+        await c.eventually(lambda: status_of(c, "big")["rollout"]["answering"] == 0, what="a slice missing a host not read")
+        assert condition(c, "big", "RolloutReady")["reason"] == "MinimumReplicasUnavailable"
+    finally:
+        follower.stop(None)
 
 
 
