@@ -88,7 +88,7 @@ def indexed(name: str, ip: str, *, ready: bool = True, server: str | None = None
     meta = {"deletionTimestamp": "2026-01-01T00:00:00Z"} if deleting else {}
     [(key, pod)] = index_rollout_pods(name, labels, annotations, status, meta, "ns").items()
     assert key == ("ns", "gen")
-    return pod  # type: ignore[no-any-return]
+    return pod
 
 
 def test_single_host_servers_are_every_ready_pod() -> None:
