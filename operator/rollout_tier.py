@@ -214,6 +214,8 @@ class RolloutLook:
     observed: RolloutObservation
     reading: RolloutReading
     actions: tuple[Action, ...] = field(default_factory=tuple)
+    done: tuple[str, ...] = ()
+    """What it did to the children, e.g. ``("deleted JobSet/lake-rollout-1",)``."""
 
 
 def look_after_rollout(
@@ -265,4 +267,4 @@ def look_after_rollout(
         raise ApiError(exc.status, f"rollout tier: {exc.message}") from None
     if done:
         logger.info("rollout tier: %s", ", ".join(done))
-    return RolloutLook(target=target, observed=observed, reading=reading, actions=tuple(actions))
+    return RolloutLook(target=target, observed=observed, reading=reading, actions=tuple(actions), done=tuple(done))

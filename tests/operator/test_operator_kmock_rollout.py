@@ -286,3 +286,14 @@ async def test_a_look_begun_while_suspended_does_not_undo_the_resume(held_buffer
         )
     ]
     assert not undone, f"the resume was undone by a look that read the suspended spec: {undone}"
+
+    # -- what `kubectl describe rljob` lists: the lifecycle as Normal Events on each job
+    def reasons(job: str) -> set[str]:
+        return {e["reason"] for e in c.objects("v1/events") for e in [e.raw]
+                if e["involvedObject"]["name"] == job and e["type"] == "Normal"}
+
+    for job in ("gen", "big"):
+        await c.eventually(lambda: {"CreatedChildren", "Suspending", "Resuming"} <= reasons(job), what=f"{job}'s Events")
+    assert "actors and rollout servers scaled to 0" in c.events("Suspending")[0]["message"]
+    assert "deleted JobSet/big-rollout-0" in " ".join(e["message"] for e in c.events("SyncedRolloutTier"))
+    assert any("JobSet/big-rollout-1" in e["message"] for e in c.events("CreatedChildren"))  # recreated on resume
