@@ -1,8 +1,10 @@
 """The rollout tier against kmock with the real operator (kopf): an RLJob with spec.rollout gets
 its Deployment and Service and its actors the address; the servers' real Stats (fake Rollout
-servicers over gRPC on loopback) reach the status and scale the tier; removing spec.rollout
-removes it; a multi-host TPU tier is one JobSet per server. One operator runs both jobs (each
-operator start and stop costs seconds)."""
+servicers over gRPC on loopback) reach the status and scale the tier; suspend and resume keep the
+scaled target; removing spec.rollout removes it; a multi-host TPU tier is one JobSet per server,
+read for Stats at host 0 only while all its hosts are ready. One operator runs both jobs (each
+operator start and stop costs seconds). A second test holds the operator's look across a resume
+and checks that it does not undo it, and the lifecycle Events."""
 
 from __future__ import annotations
 
@@ -129,14 +131,15 @@ async def test_rollout_tier_children_status_scaling_and_removal(rollout_servers:
     # -- suspend: the servers go to 0 and the target stays; resume brings them back
     replicas = lambda: c.get("apps/v1/deployments", "gen-rollout")["spec"]["replicas"]  # noqa: E731
     await c.patch(RLJOBS + "/gen", {"spec": {"suspend": True}})
-    await c.eventually(lambda: replicas() == 0, what="servers scaled to 0")
+    await c.eventually(lambda: replicas() == 0, timeout=30, what="servers scaled to 0")
     await c.eventually(lambda: condition(c, "gen", "RolloutReady").get("reason") == "Suspended", what="RolloutReady Suspended")
     await c.patch(DEPLOYMENTS + "/gen-rollout/status", {"status": {"readyReplicas": 0}})
     assert status_of(c, "gen")["rollout"]["desired"] == 3
     await c.patch(RLJOBS + "/gen", {"spec": {"suspend": False}})
-    await c.eventually(lambda: replicas() == 3, what="servers back at 3")
+    await c.eventually(lambda: replicas() == 3, timeout=30, what="servers back at 3")
     await c.patch(DEPLOYMENTS + "/gen-rollout/status", {"status": {"readyReplicas": 3}})
-    await c.eventually(lambda: condition(c, "gen", "RolloutReady").get("status") == "True", what="RolloutReady after resume")
+    await c.eventually(lambda: condition(c, "gen", "RolloutReady").get("status") == "True", timeout=30,
+                       what="RolloutReady after resume")
     await c.eventually(lambda: condition(c, "gen", "Suspended").get("status") == "False", what="Suspended False")
     assert status_of(c, "gen")["rollout"]["desired"] == 3 and replicas() == 3
 
@@ -249,11 +252,11 @@ async def test_a_look_begun_while_suspended_does_not_undo_the_resume(held_buffer
     def serving() -> bool:
         return replicas() == 2 and servers <= c.names(jobsets)
 
-    await c.eventually(serving, what="both rollout tiers")
+    await c.eventually(serving, timeout=30, what="both rollout tiers")
     for job in ("gen", "big"):
         await c.patch(RLJOBS + f"/{job}", {"spec": {"suspend": True}})
-    await c.eventually(lambda: replicas() == 0, what="single-host servers scaled to 0")
-    await c.eventually(lambda: not servers & c.names(jobsets), what="multi-host server JobSets deleted")
+    await c.eventually(lambda: replicas() == 0, timeout=30, what="single-host servers scaled to 0")
+    await c.eventually(lambda: not servers & c.names(jobsets), timeout=30, what="multi-host server JobSets deleted")
     for job in ("gen", "big"):
         await c.eventually(lambda: condition(c, job, "RolloutReady").get("reason") == "Suspended", what=f"{job} suspended")
         assert status_of(c, job)["rollout"]["desired"] == 2  # the target is kept for the resume
@@ -271,7 +274,7 @@ async def test_a_look_begun_while_suspended_does_not_undo_the_resume(held_buffer
     await c.eventually(lambda: all(buffer.calls[t] > n for t, n in calls.items()), timeout=30, what="the held looks finished")
     await c.eventually(serving, timeout=30, what="both rollout tiers back")
     for job in ("gen", "big"):
-        await c.eventually(lambda: condition(c, job, "Suspended").get("status") == "False", what=f"{job} resumed")
+        await c.eventually(lambda: condition(c, job, "Suspended").get("status") == "False", timeout=30, what=f"{job} resumed")
         assert condition(c, job, "RolloutReady")["reason"] != "Suspended"
 
     undone = [
@@ -289,11 +292,12 @@ async def test_a_look_begun_while_suspended_does_not_undo_the_resume(held_buffer
 
     # -- what `kubectl describe rljob` lists: the lifecycle as Normal Events on each job
     def reasons(job: str) -> set[str]:
-        return {e["reason"] for e in c.objects("v1/events") for e in [e.raw]
-                if e["involvedObject"]["name"] == job and e["type"] == "Normal"}
+        events = [o.raw for o in c.objects("v1/events")]
+        return {e["reason"] for e in events if e["involvedObject"]["name"] == job and e["type"] == "Normal"}
 
     for job in ("gen", "big"):
-        await c.eventually(lambda: {"CreatedChildren", "Suspending", "Resuming"} <= reasons(job), what=f"{job}'s Events")
+        await c.eventually(lambda: {"CreatedChildren", "Suspending", "Resuming"} <= reasons(job), timeout=30,
+                           what=f"{job}'s Events")
     assert "actors and rollout servers scaled to 0" in c.events("Suspending")[0]["message"]
     assert "deleted JobSet/big-rollout-0" in " ".join(e["message"] for e in c.events("SyncedRolloutTier"))
     assert any("JobSet/big-rollout-1" in e["message"] for e in c.events("CreatedChildren"))  # recreated on resume
