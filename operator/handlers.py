@@ -158,12 +158,11 @@ def one_writer(handler: Callable[..., None]) -> Callable[..., None]:
     """Run ``handler`` holding its job's writer lock: the update handler and the timer never write
     one job's children at the same time.
 
-    kopf runs both in threads over one live body. Without the lock, a look that read the spec
-    before an edit arrived went on writing for the old spec after the update handler had applied
-    the new one (a resume undone by a look that began while suspended: the servers scaled to 0
-    and their JobSets deleted again, the status back to Suspended). With it, a look that holds the lock when an edit arrives
-    finishes first and the update handler applies the edit after it; the next look reads the new
-    spec. An edit waits at most one look (bounded by the Stats timeouts)."""
+    kopf runs both in threads over one live body, so a look that read the spec before an edit
+    arrived would go on writing for the old spec after the update handler applied the new one
+    (a resume undone: docs/operator.md, "One writer per job"). With the lock, a look in progress
+    finishes first and the edit is applied after it; an edit waits at most one look (bounded by
+    the Stats timeouts)."""
 
     @functools.wraps(handler)
     def locked(*args: Any, memo: Any, **kwargs: Any) -> None:

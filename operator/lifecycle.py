@@ -28,7 +28,8 @@ def dig(value: Any, path: Sequence[str]) -> Any:
 
 def field_values(diff: Any, field: tuple[str, ...]) -> Iterator[tuple[Any, Any]]:
     """(old, new) of ``field`` for each diff item that changes it, however kopf reports it: the
-    field itself (or below it), or a whole enclosing block added, removed or replaced."""
+    field itself, or a whole enclosing block added, removed or replaced; (None, None) for a change
+    below it (the field is a mapping and only a part of it changed)."""
     for _, path, old, new in diff or ():
         path = tuple(path)
         if path[: len(field)] == field:
