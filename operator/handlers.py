@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
@@ -17,9 +19,10 @@ import kopf
 from stoker.actor.labels import JOB_LABEL, ROLE_LABEL, ROLE_SANDBOX
 from stoker.operator import kube as kubeapi
 from stoker.operator.bufferstats import StatsUnavailable
-from stoker.operator.control import clamp_replicas, decide
+from stoker.operator.control import Action, clamp_replicas, decide
 from stoker.operator.jobstatus import Observed, build_status, failed_status
 from stoker.operator.learner_workload import ephemeral_checkpoints
+from stoker.operator.lifecycle import children_created, field_values, resumed, resuming, rollout_changed, suspending
 from stoker.operator.manifests import JobContext
 from stoker.operator.reconcile import (
     POD,
@@ -112,23 +115,15 @@ def _refused(
 REPLICAS_PATH = ("spec", "actors", "replicas")
 
 
-def _dig(value: Any, path: tuple[str, ...]) -> Any:
-    for part in path:
-        value = value.get(part) if isinstance(value, Mapping) else None
-    return value
-
-
 def replicas_changed(diff: Any) -> bool:
     """Whether a kopf diff changes ``spec.actors.replicas``, however it is reported: the field
     itself, or a whole ``spec.actors`` block added or replaced (kopf reports the block's path)."""
-    for _, path, old, new in diff or ():
-        path = tuple(path)
-        if path[: len(REPLICAS_PATH)] == REPLICAS_PATH:
-            return True
-        rest = REPLICAS_PATH[len(path):]
-        if REPLICAS_PATH[: len(path)] == path and _dig(old, rest) != _dig(new, rest):
-            return True
-    return False
+    return any(True for _ in field_values(diff, REPLICAS_PATH))
+
+
+def _post(body: kopf.Body, action: Action | None) -> None:
+    if action is not None:
+        kopf.event(body, type=action.type, reason=action.reason, message=action.message)
 
 
 def _actor_target(spec: RLJobSpec, status: dict[str, Any], diff: Any) -> int:
@@ -159,6 +154,25 @@ def _context(runtime: Runtime, name: str, namespace: str, uid: str, spec: RLJobS
     )
 
 
+def one_writer(handler: Callable[..., None]) -> Callable[..., None]:
+    """Run ``handler`` holding its job's writer lock: the update handler and the timer never write
+    one job's children at the same time.
+
+    kopf runs both in threads over one live body, so a look that read the spec before an edit
+    arrived would go on writing for the old spec after the update handler applied the new one
+    (a resume undone: docs/operator.md, "One writer per job"). With the lock, a look in progress
+    finishes first and the edit is applied after it; an edit waits at most one look (bounded by
+    the Stats timeouts)."""
+
+    @functools.wraps(handler)
+    def locked(*args: Any, memo: Any, **kwargs: Any) -> None:
+        lock: threading.Lock = memo.setdefault("writer_lock", threading.Lock())  # per object: kopf copies memo
+        with lock:
+            handler(*args, memo=memo, **kwargs)
+
+    return locked
+
+
 # ---------------------------------------------------------------------------------- handlers
 
 
@@ -174,7 +188,8 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
-    # Events are posted explicitly (scaling, reaping, errors); handler logs stay in the log.
+    # Events are posted explicitly (lifecycle, scaling, reaping, errors; stoker.operator.lifecycle):
+    # at INFO, every handler log line of every look would become an Event.
     settings.posting.level = logging.WARNING
     settings.execution.max_workers = 16
 
@@ -234,12 +249,15 @@ def reconcile(
     try:
         ctx = _context(runtime, name, namespace, uid, parsed, target, scale, servers)
         created = apply_children(runtime.kube, ctx, patch_existing=True, logger=logger)
+        _post(body, children_created(created))
         if any(c.startswith(("JobSet/", "Job/")) for c in created) and ephemeral_checkpoints(ctx):
             kopf.warn(body, reason="EphemeralCheckpoints", message=(
                 f"learner.checkpoint.dir {parsed.learner.checkpoint.dir!r} is local to each learner host and is lost "
                 "on suspend or restart; use a shared location such as gs://bucket/path"))
         if parsed.suspend and remove_learner(runtime.kube, ctx, jobset_api=ctx.jobset_api):
-            kopf.info(body, reason="Suspending", message="actors scaled to 0; the learner checkpoints and stops")
+            _post(body, suspending(parsed))
+        elif resumed(diff):
+            _post(body, resuming(parsed))
     except kubeapi.ApiError as exc:
         raise _refused(exc, body, status, patch, generation, retry, runtime.settings) from None
     memo["reconciled"] = True
@@ -295,7 +313,7 @@ def monitor(
     try:
         ctx = _context(runtime, name, namespace, uid, parsed, target, scale, servers)
         children = observe_children(runtime.kube, ctx, jobset_api=ctx.jobset_api)
-        heal_children(runtime.kube, ctx, children, logger)
+        _post(body, children_created(heal_children(runtime.kube, ctx, children, logger), missing=True))
         reading = read_buffer(runtime, ctx, memo.get("last_stats"))
         if reading.stats is not None:
             memo["last_stats"] = reading.stats
@@ -304,7 +322,7 @@ def monitor(
             except StatsUnavailable as exc:
                 logger.warning("buffer settings not applied yet: %s", exc)
             else:
-                if configured:  # kopf.event, not kopf.info: posting.level filters out INFO
+                if configured:
                     kopf.event(body, type="Normal", reason="BufferConfigured", message=configured)
 
         finished = children.learner.completed or children.learner.failed
@@ -340,6 +358,7 @@ def monitor(
                 pods=index.get((namespace, name), []) if index is not None else [], memo=memo, now=now,
                 starved=reading.starved, running=not parsed.suspend and not finished, logger=logger,
             )
+            _post(body, rollout_changed(look.done) if look is not None else None)
             for action in look.actions if look is not None else ():
                 kopf.event(body, type=action.type, reason=action.reason, message=action.message)
                 runtime.metrics.action(namespace, name, action.reason)
@@ -442,11 +461,12 @@ def register(registry: kopf.OperatorRegistry, settings: OperatorSettings) -> Non
     rljobs = (GROUP, VERSION, PLURAL)
     kopf.on.startup(registry=registry, id="configure")(configure)
     kopf.on.login(registry=registry, id="login")(login)
-    kopf.on.create(*rljobs, registry=registry, id="reconcile")(reconcile)
-    kopf.on.resume(*rljobs, registry=registry, id="reconcile")(reconcile)
-    kopf.on.update(*rljobs, registry=registry, id="reconcile")(reconcile)
+    kopf.on.create(*rljobs, registry=registry, id="reconcile")(one_writer(reconcile))
+    kopf.on.resume(*rljobs, registry=registry, id="reconcile")(one_writer(reconcile))
+    kopf.on.update(*rljobs, registry=registry, id="reconcile")(one_writer(reconcile))
     kopf.on.delete(*rljobs, registry=registry, id="forget", optional=True)(forget)
     kopf.index("", "v1", "pods", registry=registry, id=POD_INDEX, labels={JOB_LABEL: kopf.PRESENT})(index_pods)
     kopf.index("", "v1", "pods", registry=registry, id=ROLLOUT_POD_INDEX,
                labels={JOB_LABEL: kopf.PRESENT, ROLE_LABEL: ROLE_ROLLOUT})(index_rollout_pods)
-    kopf.timer(*rljobs, registry=registry, id="monitor", interval=settings.status_interval_seconds, idle=None)(monitor)
+    kopf.timer(*rljobs, registry=registry, id="monitor", interval=settings.status_interval_seconds, idle=None)(
+        one_writer(monitor))

@@ -257,13 +257,15 @@ def observe_children(kube: Kube, ctx: JobContext, *, jobset_api: bool) -> Childr
     )
 
 
-def heal_children(kube: Kube, ctx: JobContext, children: Children, logger: logging.Logger | logging.LoggerAdapter[Any]) -> None:
-    """Recreate what should exist and does not (deleted by hand, or a learner gone after resume)."""
+def heal_children(kube: Kube, ctx: JobContext, children: Children, logger: logging.Logger | logging.LoggerAdapter[Any]) -> list[str]:
+    """Recreate what should exist and does not (deleted by hand, or a learner gone after resume);
+    "Kind/name" of what it created."""
     missing_parts = (children.actors is not None and not children.actors.exists) or (
         children.buffer is not None and not children.buffer.exists
     )
     if missing_parts or (not ctx.spec.suspend and not children.learner.exists):
-        apply_children(kube, ctx, patch_existing=False, logger=logger)
+        return apply_children(kube, ctx, patch_existing=False, logger=logger)
+    return []
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from stoker.operator.learner_workload import COMPLETION_INDEX_LABEL, JOBSET_API_
 from stoker.operator.manifests import CONFIG_HASH_ANNOTATION, JobContext
 from stoker.operator.naming import ROLE_ROLLOUT
 from stoker.operator.rollout_control import RolloutReading, decide_rollout, rejected_since
-from stoker.operator.rollout_workload import build_rollout, multi_host, rollout_config_hash
+from stoker.operator.rollout_workload import SERVER_LABEL, build_rollout, multi_host, rollout_config_hash, rollout_shape
 from stoker.operator.rolloutstats import RolloutStatsReader
 from stoker.operator.settings import OperatorSettings
 from stoker.spec import RLJobSpec, RolloutSpec
@@ -40,24 +40,49 @@ class RolloutPod:
     ip: str
     ready: bool
     leader: bool
-    """Serves gRPC: every single-host server pod, host 0 of a multi-host one."""
+    """Serves ``stoker.v1.Rollout``: every single-host server pod, host 0 of a multi-host one."""
+    server: str = ""
+    """The multi-host server (JobSet index) this pod is a host of; "" in a single-host Deployment."""
+    host: int = 0
+    """Its completion index in that server (0 for single-host pods)."""
 
 
-def index_rollout_pods(name: str, labels: Mapping[str, str], status: Mapping[str, Any], namespace: str | None, **_: Any) -> Any:
-    """kopf index: rollout pods by (namespace, job)."""
+def index_rollout_pods(name: str, labels: Mapping[str, str], annotations: Mapping[str, str], status: Mapping[str, Any],
+                       meta: Mapping[str, Any], namespace: str | None, **_: Any) -> Any:
+    """kopf index: rollout pods by (namespace, job). A terminating pod counts as not ready (its
+    server's replacement may already be starting beside it)."""
     conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or []}
+    # The Job controller sets the completion index as a label (Kubernetes >= 1.28) and an annotation.
+    index = labels.get(COMPLETION_INDEX_LABEL) or annotations.get(COMPLETION_INDEX_LABEL) or "0"
     pod = RolloutPod(
         name=name,
         ip=str(status.get("podIP") or ""),
-        ready=conditions.get("Ready") == "True",
-        leader=labels.get(COMPLETION_INDEX_LABEL, "0") == "0",
+        ready=conditions.get("Ready") == "True" and not meta.get("deletionTimestamp"),
+        leader=index == "0",
+        server=labels.get(SERVER_LABEL, ""),
+        host=int(index) if index.isdigit() else -1,
     )
     return {(namespace, labels[JOB_LABEL]): pod}
 
 
-def server_addresses(pods: Iterable[RolloutPod], port: int) -> list[str]:
-    """``ip:port`` of every ready server (its gRPC host), sorted."""
-    return sorted({f"{p.ip}:{port}" for p in pods if p.ready and p.leader and p.ip})
+def server_addresses(pods: Iterable[RolloutPod], port: int, hosts: int = 1) -> list[str]:
+    """``ip:port`` of every server that can answer Stats, sorted: each ready single-host server
+    pod, and host 0 of each multi-host server (``hosts`` pods) once all its hosts are ready. The
+    other hosts of a multi-host server serve only gRPC health (their probes pass) and answer Stats
+    UNIMPLEMENTED, so they are never addressed; a server still missing hosts cannot generate."""
+    pods = list(pods)
+    ready_hosts: dict[str, set[int]] = {}
+    for pod in pods:
+        if pod.ready and pod.server:
+            ready_hosts.setdefault(pod.server, set()).add(pod.host)
+    addresses = set()
+    for pod in pods:
+        if not (pod.ready and pod.leader and pod.ip):
+            continue
+        if hosts > 1 and (not pod.server or len(ready_hosts.get(pod.server, ())) < hosts):
+            continue
+        addresses.add(f"{pod.ip}:{port}")
+    return sorted(addresses)
 
 
 def rollout_target(spec: RLJobSpec, status: Mapping[str, Any]) -> int:
@@ -189,6 +214,8 @@ class RolloutLook:
     observed: RolloutObservation
     reading: RolloutReading
     actions: tuple[Action, ...] = field(default_factory=tuple)
+    done: tuple[str, ...] = ()
+    """What it did to the children, e.g. ``("deleted JobSet/lake-rollout-1",)``."""
 
 
 def look_after_rollout(
@@ -217,7 +244,7 @@ def look_after_rollout(
         return None
     observed = observe_rollout(kube, ctx)
     pods = list(pods)
-    addresses = server_addresses(pods, rollout.port)
+    addresses = server_addresses(pods, rollout.port, rollout_shape(rollout).hosts)
     reader.forget([a for a in memo.get("rollout_addresses", []) if a not in addresses])
     memo["rollout_addresses"] = addresses
     reading = reader.read_all(addresses)
@@ -240,4 +267,4 @@ def look_after_rollout(
         raise ApiError(exc.status, f"rollout tier: {exc.message}") from None
     if done:
         logger.info("rollout tier: %s", ", ".join(done))
-    return RolloutLook(target=target, observed=observed, reading=reading, actions=tuple(actions))
+    return RolloutLook(target=target, observed=observed, reading=reading, actions=tuple(actions), done=tuple(done))
