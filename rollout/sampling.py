@@ -15,21 +15,8 @@ Conversations (``sessions``) and shared openings: a session keeps its keys/value
 so a turn prefills only its new tokens; why it stays exact is in docs/architecture.md, "Sampler
 conversations and shared openings".
 
-Log-probs. For a sampled token y the sampler records
-
-    log pi(y) = z_y / tau - logsumexp(z / tau)
-
-with z the model's logits and tau the sampling temperature: the softmax at the sampling
-temperature, *before* top-p truncation. The trainer reproduces exactly this number with
-``token_logprobs(logits, targets, temperature=sampler.temperature)`` on the same token ids (at
-tau = 1 that is the plain model log-prob), which is what the token-in/token-out consistency check
-compares. Top-p only restricts which tokens can be drawn; the log-prob is not renormalised over
-the nucleus, so with top_p < 1 the recorded value is the untruncated policy's log-prob.
-
-Greedy decoding (a call's ``temperature=0``, held-out evaluation): each row takes
-argmax_v z_v (among the allowed tokens) and records log softmax(z)_y, the log-prob at tau = 1
-(``token_logprobs(..., temperature=1.0)``). The temperature stays a runtime value, so greedy
-calls run the same compiled programs as sampled ones.
+Log-probs are the softmax at the sampling temperature before top-p (greedy: at tau = 1), so the
+trainer's ``token_logprobs`` reproduces them exactly: docs/architecture.md, "Sampler log-probs".
 """
 
 from __future__ import annotations

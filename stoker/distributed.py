@@ -1,31 +1,11 @@
 """Multi-host JAX: ``jax.distributed.initialize`` from a pod's environment, and the few
 host-to-host exchanges the learner and the rollout server build their lockstep on.
 
-GKE (with JobSet) gives every TPU VM host of a slice::
-
-    TPU_WORKER_ID            this host's index within its slice (0..hosts-1)
-    TPU_WORKER_HOSTNAMES     comma-separated hostnames of the slice's hosts, in worker order
-
-and, for multislice, every host of every slice::
-
-    MEGASCALE_SLICE_ID             this slice's index
-    MEGASCALE_NUM_SLICES           number of slices
-    MEGASCALE_COORDINATOR_ADDRESS  host[:port] of the job-wide coordinator (slice 0, worker 0)
-
-Processes are numbered slice-major: ``process_id = worker_id + slice_id * hosts_per_slice``, out of
-``hosts_per_slice * num_slices``. The JAX coordinator is the megascale coordinator's host for
-multislice, else the slice's first worker, on ``COORDINATOR_PORT``.
-
-Off TPU (``stoker run --learner-processes N``, any other launcher) the topology is given directly,
-and wins over the TPU variables::
-
-    STOKER_COORDINATOR_ADDRESS   host:port of process 0's coordinator
-    STOKER_NUM_PROCESSES         number of processes
-    STOKER_PROCESS_ID            this process's index
-
-A dead process is noticed by the others through JAX's coordination service: a process that stops
-heartbeating for ``STOKER_HEARTBEAT_TIMEOUT_SECONDS`` (default ``HEARTBEAT_TIMEOUT_SECONDS``) is
-declared failed and every other process is terminated (see docs/architecture.md for the bound).
+The topology comes from GKE's TPU variables (``TPU_WORKER_ID``, ``TPU_WORKER_HOSTNAMES``, and
+``MEGASCALE_*`` for multislice; processes numbered slice-major) or, off TPU and winning over
+them, ``STOKER_COORDINATOR_ADDRESS``/``STOKER_NUM_PROCESSES``/``STOKER_PROCESS_ID``. A process
+silent for ``STOKER_HEARTBEAT_TIMEOUT_SECONDS`` ends the group. The variables and the failure
+bound: docs/architecture.md, "One learner over several JAX processes".
 """
 
 from __future__ import annotations
