@@ -33,6 +33,7 @@ from typing import Any, Protocol, TypeVar
 import grpc
 
 from stoker.actor.environments import Environment, EnvironmentProblem, Observation, StepLatency, StepResult
+from stoker.channels import channel_options
 from stoker.v1 import sandbox_pb2, sandbox_pb2_grpc
 
 T = TypeVar("T")
@@ -372,7 +373,7 @@ class SandboxEnvironment:
     def __init__(self, handle: SandboxHandle, config: SandboxConfig):
         self.handle = handle
         self.config = config
-        self.channel = grpc.aio.insecure_channel(handle.address)
+        self.channel = grpc.aio.insecure_channel(handle.address, options=channel_options())
         self.stub = sandbox_pb2_grpc.SandboxStub(self.channel)
         self._heartbeat: asyncio.Task[None] | None = None
         self._closed = False

@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from stoker.channels import channel_options
 from stoker.v1 import sandbox_pb2, sandbox_pb2_grpc
 
 REJECTIONS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
@@ -69,7 +70,7 @@ def run_checks(
     address: str, task: str, actions: list[str], environment: str = "", options_json: str = "{}",
     step_timeout: float = 30.0, exit_timeout: float = 10.0,
 ) -> tuple[list[Result], bool]:
-    channel = grpc.insecure_channel(address)
+    channel = grpc.insecure_channel(address, options=channel_options())
     try:
         grpc.channel_ready_future(channel).result(timeout=min(step_timeout, 10.0))
     except grpc.FutureTimeoutError:

@@ -38,6 +38,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stoker.buffer.wire import encode_put_request, encode_trajectory
+from stoker.channels import channel_options
 from stoker.trajectory import Episode, from_proto, to_proto
 from stoker.v1 import buffer_pb2, trajectory_pb2
 
@@ -207,10 +208,10 @@ class BufferClient:
         self.max_batch_trajectories = max_batch_trajectories
         self.max_batch_bytes = max_batch_bytes
         self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
-        options = [
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ]
+        # Bounded reconnect backoff (stoker.channels): back within about a second of the buffer.
+        options = channel_options(
+            [("grpc.max_receive_message_length", max_message_bytes), ("grpc.max_send_message_length", max_message_bytes)]
+        )
         if tls_ca is not None:
             credentials = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes())
             self.channel = grpc.secure_channel(address, credentials, options=options)

@@ -52,6 +52,9 @@ JOBSET_JOB_INDEX_LABEL = "jobset.sigs.k8s.io/job-index"
 CPU_LEARNER_RESOURCES = {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "8Gi"}}
 
 CPU_SHAPE = SliceShape(chips=0, hosts=1, chips_per_host=0)
+# libtpu's Megascale service listens on MEGASCALE_PORT (its default is not the port the coordinator
+# address names): every multislice host must listen where slice 0's first host is dialled.
+_MEGASCALE_PORT = {"name": "MEGASCALE_PORT", "value": str(MEGASCALE_COORDINATOR_PORT)}
 
 
 def learner_shape(learner: LearnerSpec) -> SliceShape:
@@ -206,6 +209,7 @@ def build_learner_jobset(ctx: JobContext) -> Manifest:
             {"name": "MEGASCALE_NUM_SLICES", "value": str(slices)},
             _field_env("MEGASCALE_SLICE_ID", f"metadata.annotations['{JOBSET_JOB_INDEX_ANNOTATION}']"),
             {"name": "MEGASCALE_COORDINATOR_ADDRESS", "value": f"{coordinator}:{MEGASCALE_COORDINATOR_PORT}"},
+            dict(_MEGASCALE_PORT),
         ]
     pod_spec = _pod_spec(ctx, shape, env, subdomain=None)  # JobSet sets the subdomain itself
     meta = metadata(ctx, names.learner, ROLE_LEARNER)
@@ -270,6 +274,7 @@ def build_learner_indexed_jobs(ctx: JobContext) -> list[Manifest]:
                 {"name": "MEGASCALE_NUM_SLICES", "value": str(slices)},
                 {"name": "MEGASCALE_SLICE_ID", "value": str(s)},
                 {"name": "MEGASCALE_COORDINATOR_ADDRESS", "value": f"{coordinator}:{MEGASCALE_COORDINATOR_PORT}"},
+                dict(_MEGASCALE_PORT),
             ]
         meta = metadata(ctx, job_name, ROLE_LEARNER)
         meta["labels"] = _workload_labels(ctx)

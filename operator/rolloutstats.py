@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from stoker.channels import channel_options
 from stoker.operator.rollout_control import RolloutReading, ServerStats
 from stoker.v1 import rollout_pb2, rollout_pb2_grpc
 
@@ -47,7 +48,7 @@ class RolloutStatsReader:
         with self._lock:
             entry = self._stubs.get(address)
             if entry is None:
-                channel = grpc.insecure_channel(address)
+                channel = grpc.insecure_channel(address, options=channel_options())
                 entry = (channel, rollout_pb2_grpc.RolloutStub(channel))
                 self._stubs[address] = entry
         return entry[1]

@@ -179,7 +179,7 @@ class LearnerSpec(SpecModel):
     compilation_cache_dir: str | None = Field(None, description="JAX persistent compilation cache.")
     max_restarts: int = Field(3, ge=0, description="JobSet failurePolicy.maxRestarts.")
     queue_name: str | None = Field(None, description="Kueue LocalQueue (label kueue.x-k8s.io/queue-name).")
-    image: str | None = Field(None, description="Learner image; the operator's default when unset.")
+    image: str | None = Field(None, description="Learner image; the operator's default when unset (immutable).")
     service_account_name: Annotated[str, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)] | None = Field(
         None,
         description=(

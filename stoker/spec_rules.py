@@ -102,6 +102,7 @@ _ROOT_ACCELERATOR = spec_cel.opt("self", ("spec", "learner", "accelerator"), "'c
 _ROOT_TOPOLOGY = spec_cel.opt("self", ("spec", "learner", "topology"), "''")
 _ROOT_SLICES = spec_cel.opt("self", ("spec", "learner", "numSlices"), "1")
 _ROOT_MODE = spec_cel.opt("self", ("spec", "mode"), "'disaggregated'")
+_ROOT_LEARNER_IMAGE = spec_cel.opt("self", ("spec", "learner", "image"), "''")
 _LEARNER = "self.spec.learner"
 _ROOT_HAS_TPU = f"has(self.spec) && has({_LEARNER}) && has({_LEARNER}.topology) && {_LEARNER}.accelerator != 'cpu'"
 
@@ -131,6 +132,9 @@ ROOT_CEL_RULES: list[dict[str, Any]] = [
     cel(f"{_ROOT_ACCELERATOR} == {_old(_ROOT_ACCELERATOR)}", "spec.learner.accelerator is immutable"),
     cel(f"{_old(_ROOT_TOPOLOGY)} == '' || {_ROOT_TOPOLOGY} == {_old(_ROOT_TOPOLOGY)}", "spec.learner.topology is immutable once set"),
     cel(f"{_ROOT_SLICES} == {_old(_ROOT_SLICES)}", "spec.learner.numSlices is immutable"),
+    # The learner's JobSet (or Jobs) is created once and never patched: an edited image would be
+    # admitted and never run.
+    cel(f"{_ROOT_LEARNER_IMAGE} == {_old(_ROOT_LEARNER_IMAGE)}", "spec.learner.image is immutable"),
     ROLLOUT_NAME_CEL_RULE,
 ]
 

@@ -30,10 +30,16 @@ class StatusModel(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
 
+# metav1.Condition's type: CamelCase, or a DNS-subdomain-prefixed name (k8s.io/apimachinery types.go).
+CONDITION_TYPE_PATTERN = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$"
+)
+
+
 class Condition(StatusModel):
     """A ``metav1.Condition``."""
 
-    type: str
+    type: str = Field(pattern=CONDITION_TYPE_PATTERN, min_length=1, max_length=316)
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
     message: str = ""

@@ -257,6 +257,12 @@ UPDATES: list[tuple[str, dict[str, Any], dict[str, Any], str | None]] = [
     ("numSlices set to its default", {}, learner(numSlices=1), None),
     ("numSlices added later", {}, learner(numSlices=2), "spec.learner.numSlices is immutable"),
     ("mode change", {}, {"mode": "colocated"}, "spec.mode is immutable"),
+    # The learner's workload is never patched: an image edit would be admitted and never applied.
+    ("learner image change", learner(image="stoker/learner:1"), learner(image="stoker/learner:2"),
+     "spec.learner.image is immutable"),
+    ("learner image set later", {}, learner(image="stoker/learner:2"), "spec.learner.image is immutable"),
+    ("learner image unset later", learner(image="stoker/learner:1"), {}, "spec.learner.image is immutable"),
+    ("learner image kept", learner(image="stoker/learner:1"), learner(image="stoker/learner:1", maxSteps=9), None),
     ("suspend", learner(accelerator="tpu-v6e-slice", topology="4x4"),
      {**learner(accelerator="tpu-v6e-slice", topology="4x4"), "suspend": True}, None),
 ]

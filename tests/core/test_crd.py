@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import kubernetes_validate
+import pytest
 import yaml
+from pydantic import ValidationError
 
 from stoker.crd import CRD_PATH, build_crd, render_crd
-from stoker.status import CONDITION_TYPES
+from stoker.status import CONDITION_TYPES, Condition
 
 K8S_VERSION = "1.35"
 
@@ -71,6 +74,14 @@ def test_status_subresource_printer_columns_and_conditions() -> None:
     fields = conditions["items"]["properties"]
     assert fields["lastTransitionTime"]["format"] == "date-time"
     assert (fields["type"]["maxLength"], fields["reason"]["maxLength"], fields["message"]["maxLength"]) == (316, 1024, 32768)
+    # metav1's type pattern (CamelCase, or prefixed by a DNS subdomain), applied to every type we write.
+    type_pattern = re.compile(fields["type"]["pattern"])
+    assert all(type_pattern.match(t) for t in CONDITION_TYPES)
+    assert type_pattern.match("stoker.dev/LearnerReady")
+    assert not any(type_pattern.match(t) for t in ("Learner Ready", "-Ready", "Ready!", "Stoker.dev/Ready", "a/"))
+    for bad in ("Learner Ready", "x" * 317, ""):
+        with pytest.raises(ValidationError, match="type"):
+            Condition(type=bad, status="True", reason="Ok", last_transition_time="2026-01-01T00:00:00Z")
     assert "StalenessExceeded" in CONDITION_TYPES and "LearnerStarved" in CONDITION_TYPES
 
 

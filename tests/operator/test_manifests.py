@@ -359,6 +359,7 @@ def test_megascale_and_jax_coordinator_ports_never_collide(jobset_api: bool) -> 
     jax_host, jax_port = jax.coordinator_address.rsplit(":", 1)
     assert jax_host == megascale_host  # the same pod...
     assert jax_port != megascale_port  # ...so two ports
+    assert env["MEGASCALE_PORT"] == megascale_port  # every host listens where the coordinator is dialled
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert len(set(ports.values())) == len(container["ports"])
     assert {ports["megascale"], ports["jax-coordinator"]} == {int(megascale_port), int(jax_port)}
