@@ -237,6 +237,25 @@ class BufferClient:
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self._committer: futures.ThreadPoolExecutor | None = None
         self._committer_lock = threading.Lock()
+        # Set while the channel is connected: a retry after a lost connection goes out as soon as
+        # gRPC has reconnected, not after the rest of its backoff sleep.
+        self._connected = threading.Event()
+        self.channel.subscribe(self._on_connectivity, try_to_connect=False)
+
+    def _on_connectivity(self, state: grpc.ChannelConnectivity) -> None:
+        if state == grpc.ChannelConnectivity.READY:
+            self._connected.set()
+        else:
+            self._connected.clear()
+
+    def pause(self, delay: float, code: grpc.StatusCode | None = None) -> None:
+        """Wait ``delay`` seconds before a retry; after ``UNAVAILABLE`` on a channel that is not
+        connected, only until it connects again (an ``UNAVAILABLE`` the buffer itself answers, on
+        a connected channel, waits the whole delay)."""
+        if code == grpc.StatusCode.UNAVAILABLE and not self._connected.is_set():
+            self._connected.wait(delay)
+        else:
+            time.sleep(delay)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -264,7 +283,7 @@ class BufferClient:
                         f"buffer at {self.address}: {code.name}: {exc.details()} "
                         f"(gave up after {time.monotonic() - started:.1f}s)"
                     ) from None
-                time.sleep(delay)
+                self.pause(delay, None if hint else code)
                 attempt += 1
 
     # ------------------------------------------------------------------ actors
@@ -436,6 +455,7 @@ class BufferClient:
             if self._committer is not None:
                 self._committer.shutdown(wait=True)
                 self._committer = None
+        self.channel.unsubscribe(self._on_connectivity)
         self.channel.close()
 
     def __enter__(self) -> BufferClient:

@@ -189,8 +189,8 @@ class PutStream:
             if now - broken_since + delay > self.client.retry.deadline:
                 self._fail(BufferUnavailableError(f"buffer at {self.client.address}: PutStream: {code.name} for {now - broken_since:.1f}s"))
                 return
-            log.debug("PutStream broken (%s); reopening in %.2fs", code.name, delay)
-            time.sleep(delay)
+            log.debug("PutStream broken (%s); reopening in %.2fs at most", code.name, delay)
+            self.client.pause(delay, code)  # on the same channel, as soon as it has reconnected
             attempt += 1
 
     def _resend_unacked(self) -> None:
