@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from stoker.spec import RLJobSpec
+from stoker.spec_learner import MAX_STALENESS
 
 SyncPolicy = Literal["batch", "none"]
 FailedGroupPolicy = Literal["mask", "discard"]
@@ -58,7 +59,14 @@ class BufferSettings:
         checks: list[tuple[bool, str]] = [
             (self.capacity >= 1, f"capacity: got {self.capacity}; expected >= 1"),
             (self.group_size >= 0, f"group_size: got {self.group_size}; expected >= 0"),
-            (self.max_staleness >= 0, f"max_staleness: got {self.max_staleness}; expected >= 0"),
+            (
+                0 <= self.max_staleness <= MAX_STALENESS,
+                f"max_staleness: got {self.max_staleness}; expected 0..{MAX_STALENESS}",
+            ),
+            (
+                self.group_size == 0 or self.capacity >= self.group_size,
+                f"capacity: got {self.capacity}; expected >= group_size ({self.group_size}): a full buffer must hold a complete group",
+            ),
             (self.batch_groups >= 1, f"batch_groups: got {self.batch_groups}; expected >= 1"),
             (self.sync in ("batch", "none"), f"sync: got {self.sync!r}; expected 'batch' or 'none'"),
             (

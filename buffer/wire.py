@@ -51,9 +51,11 @@ def read_varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
         pos += 1
         result |= (byte & 0x7F) << shift
         if not byte & 0x80:
+            if result >> 64:  # a tenth byte above 1: no 64-bit field holds it
+                raise WireError("varint above 2^64 - 1")
             return result, pos
         shift += 7
-        if shift >= 64:
+        if shift >= 70:
             raise WireError("varint longer than 10 bytes")
 
 

@@ -15,6 +15,8 @@ from stoker.spec_base import DNS_LABEL_PATTERN, DNS_SUBDOMAIN_PATTERN, QUANTITY_
 
 # CEL compares neighbouring buckets one by one, so the list is bounded.
 MAX_SEQUENCE_BUCKETS = 16
+# Policy versions a group may lag: far past any run's, and what the buffer takes live (Configure).
+MAX_STALENESS = 1_000_000
 
 
 # ----------------------------------------------------------------------------------- algorithm
@@ -106,6 +108,7 @@ class BufferSpec(SpecModel):
     max_staleness: int = Field(
         4,
         ge=0,
+        le=MAX_STALENESS,
         description=(
             "Policy versions a group's oldest token may lag behind the policy when the learner takes "
             "the batch (admission and the buffer enforce it; the learner, a batch ahead, trains it at "

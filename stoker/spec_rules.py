@@ -40,6 +40,11 @@ def cross_field_problems(spec: RLJobSpec) -> list[tuple[str, str]]:
         problems.append(
             ("buffer.groupSize", f"got {spec.buffer.group_size}; expected >= 2 for group-relative advantages")
         )
+    if spec.buffer.capacity < spec.buffer.group_size:
+        problems.append(
+            ("buffer.capacity", f"got {spec.buffer.capacity}; expected >= buffer.groupSize ({spec.buffer.group_size}): "
+                                "a full buffer must hold a complete group")
+        )
     longest_bucket = spec.learner.sequence_buckets[-1]
     if longest_bucket > spec.model.architecture.max_seq_len:
         problems.append(
@@ -114,6 +119,7 @@ def _old(expression: str) -> str:
 
 _ALGORITHM = spec_cel.opt("self", ("algorithm", "name"), "'grpo'")
 _GROUP_SIZE = spec_cel.opt("self", ("buffer", "groupSize"), str(BufferSpec().group_size))
+_CAPACITY = spec_cel.opt("self", ("buffer", "capacity"), str(BufferSpec().capacity))
 _BUCKETS = spec_cel.opt("self", ("learner", "sequenceBuckets"), str(LearnerSpec().sequence_buckets))
 _MAX_SEQ_LEN = spec_cel.opt("self", ("model", "architecture", "maxSeqLen"), str(TransformerConfig().max_seq_len))
 
@@ -144,6 +150,7 @@ CEL_RULES: dict[tuple[str, ...], list[dict[str, Any]]] = {
             f"!({_ALGORITHM} in ['grpo', 'gspo'] && {_GROUP_SIZE} < 2)",
             "buffer.groupSize must be >= 2 for grpo and gspo (group-relative advantages)",
         ),
+        cel(f"{_CAPACITY} >= {_GROUP_SIZE}", "buffer.capacity must be >= buffer.groupSize (a full buffer must hold a complete group)"),
         cel(
             f"{_BUCKETS}[{_BUCKETS}.size() - 1] <= {_MAX_SEQ_LEN}",
             "learner.sequenceBuckets must not exceed model.architecture.maxSeqLen",

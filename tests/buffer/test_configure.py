@@ -104,14 +104,21 @@ def test_a_higher_capacity_lets_a_full_buffer_take_puts(
 
 @pytest.mark.parametrize(
     ("changes", "message"),
-    [({"capacity": 0}, "capacity: got 0; expected >= 1"), ({"capacity": 1 << 41}, "capacity: got 2199023255552; expected 1..")],
+    [
+        ({"capacity": 0}, "capacity: got 0; expected >= 1"),
+        ({"capacity": 1 << 41}, "capacity: got 2199023255552; expected 1.."),
+        # The spec's own bounds (stoker.spec), applied live too: a complete group must fit...
+        ({"capacity": 1}, "capacity: got 1; expected >= group_size (2)"),
+        # ...and a staleness limit within buffer.maxStaleness's range (2^32 - 1: a -1 gone through uint32).
+        ({"capacity": 10, "max_staleness": 2**32 - 1}, "max_staleness: got 4294967295; expected 0..1000000"),
+    ],
 )
 def test_a_bad_value_is_refused_and_changes_nothing(
     server_factory: ServerFactory, settings: BufferSettings, changes: dict[str, int], message: str
 ) -> None:
     with client_of(server_factory(settings, token=TOKEN)) as buffer:
         with pytest.raises(grpc.RpcError) as refused:
-            buffer.configure(max_staleness=7, **changes)  # all or nothing: maxStaleness stays 2
+            buffer.configure(**({"max_staleness": 7} | changes))  # all or nothing: nothing changes
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert message in (refused.value.details() or "") and "Traceback" not in (refused.value.details() or "")
         stats = buffer.stats()
@@ -125,3 +132,13 @@ def test_configure_needs_the_token(server_factory: ServerFactory, settings: Buff
             intruder.configure(max_staleness=100)
     with client_of(server) as buffer:
         assert buffer.stats().max_staleness == settings.max_staleness
+
+
+def test_the_crd_and_the_buffer_share_the_staleness_bound() -> None:
+    from stoker.crd import build_crd
+    from stoker.spec_learner import MAX_STALENESS
+
+    schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert schema["properties"]["buffer"]["properties"]["maxStaleness"]["maximum"] == MAX_STALENESS
+    with pytest.raises(ValueError, match="max_staleness"):
+        BufferSettings(max_staleness=MAX_STALENESS + 1)

@@ -145,3 +145,43 @@ def test_a_put_with_many_invalid_trajectories_still_reports_each_by_field(
     with pytest.raises(InvalidTrajectoryError) as refused:
         buffer.put([make_episode(group, group_size=2) for _ in range(64)])
     assert refused.value.fields == ["group_id"] * 64
+
+
+def test_malformed_health_checks_are_invalid_argument_without_a_traceback(
+    server_factory: ServerFactory, settings: BufferSettings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Kubernetes and load balancers probe grpc.health.v1.Health, so anyone reaching the port can
+    send it anything: 150 random payloads get OK, NOT_FOUND or INVALID_ARGUMENT, a rate-limited
+    log line at most each, no traceback; real probes still answer."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    caplog.set_level(logging.DEBUG)
+    server = server_factory(settings)
+    rng = random.Random(35)
+    valid = health_pb2.HealthCheckRequest(service="stoker.v1.Buffer").SerializeToString()
+    codes: set[grpc.StatusCode] = set()
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check")
+        for request in [rng.randbytes(rng.randint(1, 64)) for _ in range(75)] + [mutate(rng, valid) for _ in range(75)]:
+            try:
+                check(request, timeout=5)
+                codes.add(grpc.StatusCode.OK)
+            except grpc.RpcError as exc:
+                codes.add(exc.code())
+                assert len(exc.details() or "") <= 400
+        watch = channel.unary_stream("/grpc.health.v1.Health/Watch")
+        with pytest.raises(grpc.RpcError) as refused:
+            next(iter(watch(b"\xff\xff\xff", timeout=5)))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        stub = health_pb2_grpc.HealthStub(channel)
+        assert stub.Check(health_pb2.HealthCheckRequest(service="stoker.v1.Buffer"), timeout=5).status == (
+            health_pb2.HealthCheckResponse.SERVING
+        )
+        first = next(iter(stub.Watch(health_pb2.HealthCheckRequest(service=""), timeout=5)))
+        assert first.status == health_pb2.HealthCheckResponse.SERVING
+    assert grpc.StatusCode.INVALID_ARGUMENT in codes and codes <= {
+        grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT}, codes
+    tracebacks = [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+    assert not tracebacks, [r.getMessage() for r in tracebacks[:3]]
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and "Health" in r.getMessage()]
+    assert len(warnings) <= 20, len(warnings)  # rate-limited (10 a second), not one per request

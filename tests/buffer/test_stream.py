@@ -17,7 +17,7 @@ import stoker.buffer.wal as wal_module
 from stoker.buffer.client import BufferClient, InvalidTrajectoryError, RetryPolicy
 from stoker.buffer.server import BufferServer
 from stoker.buffer.settings import BufferSettings
-from stoker.buffer.wire import encode_put_stream_request, encode_trajectory
+from stoker.buffer.wire import encode_put_request, encode_put_stream_request, encode_trajectory
 from stoker.trajectory import Episode, to_proto
 from stoker.v1 import buffer_pb2
 
@@ -105,6 +105,13 @@ def test_a_malformed_stream_message_ends_the_stream_with_invalid_argument(
                 buffer_pb2.PutStreamResponse.FromString(response)
         assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "malformed PutStreamRequest" in (ended.value.details() or "")
+        # A sequence no uint64 holds (2^64, a 10-byte varint): malformed too, not INTERNAL.
+        huge = encode_put_request("x", [encode_trajectory(make_episode(group_size=1))]) + b"\x18" + b"\x80" * 9 + b"\x02"
+        with pytest.raises(grpc.RpcError) as ended:
+            for response in call(iter([huge]), timeout=10):
+                buffer_pb2.PutStreamResponse.FromString(response)
+        assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ended.value.details()
+        assert "varint above 2^64" in (ended.value.details() or "")
 
 
 def free_port() -> int:

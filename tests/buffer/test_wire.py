@@ -28,6 +28,16 @@ def test_varint_round_trip(value: int) -> None:
     assert end == len(encode_varint(value))
 
 
+def test_varints_past_64_bits_are_malformed() -> None:
+    """A 10-byte varint carries 70 bits: a value no uint64/int64 field holds is refused as the
+    wire error it is (a PutStream sequence of 2^64 used to end the stream with INTERNAL)."""
+    top = encode_varint(2**64 - 1)
+    assert read_varint(top, 0) == (2**64 - 1, 10)
+    for too_big in (top[:9] + bytes([0x02]), b"\x80" * 9 + b"\x7f", b"\xff" * 10 + b"\x01"):
+        with pytest.raises(WireError, match="varint"):
+            read_varint(too_big, 0)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     tokens=st.integers(0, 40),

@@ -125,6 +125,11 @@ CASES: list[Case] = [
     ("grpo groupSize 1", "lake", {"buffer": {"groupSize": 1}}, "spec.buffer.groupSize"),
     ("gspo groupSize 1", "lake", {"buffer": {"groupSize": 1}, "algorithm": {"name": "gspo"}}, "spec.buffer.groupSize"),
     ("ppo groupSize 1", "lake", {"buffer": {"groupSize": 1}, "algorithm": {"name": "ppo"}}, None),
+    # The buffer's own bounds, which Configure applies live too: a complete group must fit.
+    ("capacity below groupSize", "lake", {"buffer": {"capacity": 1}}, "spec.buffer.capacity"),
+    ("capacity below the default groupSize", "lake", {"buffer": {"capacity": 7}}, "spec.buffer.capacity"),
+    ("capacity = groupSize", "lake", {"buffer": {"capacity": 4, "groupSize": 4}}, None),
+    ("maxStaleness at its bound", "lake", {"buffer": {"maxStaleness": 1_000_000}}, None),
     ("buckets descending", "lake", learner(sequenceBuckets=[256, 128]), "spec.learner.sequenceBuckets"),
     ("buckets repeated", "lake", learner(sequenceBuckets=[128, 128]), "spec.learner.sequenceBuckets"),
     ("bucket below 8", "lake", learner(sequenceBuckets=[4, 16]), "spec.learner.sequenceBuckets"),
