@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stoker.buffer.client import BufferClient, LeaseLostError
+from stoker.buffer.client import BufferClient, BufferClientError, LeaseLostError, RetryPolicy
 from stoker.buffer.server import BufferServer
 from stoker.buffer.settings import BufferSettings
 from stoker.channels import RECONNECT_BOUND_SECONDS
@@ -121,7 +121,9 @@ def test_clients_come_back_within_the_backoff_bound_after_repeated_restarts(tmp_
             threading.Event().wait(outage)  # the outage itself, the clients retrying throughout
             server = start()
             back = time.monotonic()
-            with BufferClient(address) as fresh:
+            # A new client's very first attempt (no retry) connects: it inherits no other
+            # client's backoff (a shared subchannel in backoff would fail it at once).
+            with BufferClient(address, retry=RetryPolicy(deadline=0.0)) as fresh:
                 fresh.stats()
                 fresh_seconds = time.monotonic() - back
             recovered = [p.back_since(back, BOUND) for p in pollers]
@@ -187,3 +189,37 @@ def test_writers_and_the_reader_come_back_after_kill_9(buffer_process: Callable[
         stream.close()
         for client in (putter, streamer, reader):
             client.close()
+
+
+def test_a_retry_goes_out_once_the_channel_reconnects_not_after_its_whole_backoff(tmp_path: Path) -> None:
+    """``BufferClient.pause`` after UNAVAILABLE on a channel that lost its connection ends when gRPC
+    has reconnected; on a connected channel (the buffer itself said UNAVAILABLE) it waits it out."""
+    import grpc
+
+    settings = BufferSettings(group_size=1, capacity=64, max_staleness=2, batch_groups=1)
+    port = free_port()
+
+    def start() -> BufferServer:
+        return BufferServer(settings, tmp_path / "data", host="127.0.0.1", port=port).start()
+
+    server = start()
+    with BufferClient(f"127.0.0.1:{port}", retry=RetryPolicy(deadline=0.0)) as client:
+        client.stats()
+        started = time.monotonic()
+        client.pause(0.3, grpc.StatusCode.UNAVAILABLE)
+        assert time.monotonic() - started >= 0.3  # connected: the whole delay
+        server.stop(grace=0)
+        with pytest.raises(BufferClientError):
+            client.stats()  # the connection is gone; gRPC is backing off
+        done = threading.Event()
+        waiter = threading.Thread(target=lambda: (client.pause(60.0, grpc.StatusCode.UNAVAILABLE), done.set()))
+        waiter.start()
+        server = start()
+        try:
+            back = time.monotonic()
+            assert done.wait(BOUND), f"still pausing {BOUND:.1f} s after the buffer came back"
+            assert time.monotonic() - back < BOUND
+            client.stats()
+        finally:
+            waiter.join(60)
+            server.stop(grace=0)
