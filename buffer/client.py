@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 SERVICE = "/stoker.v1.Buffer/"
 PUT_RESPONSE_KEY = "stoker-put-response-bin"
 RETRY_AFTER_KEY = "stoker-retry-after-ms"
+# How long a channel being watched may take to report its current state.
+CONNECTED_NOW_SECONDS = 0.05
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 class BufferClientError(Exception):
@@ -237,25 +239,37 @@ class BufferClient:
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self._committer: futures.ThreadPoolExecutor | None = None
         self._committer_lock = threading.Lock()
-        # Set while the channel is connected: a retry after a lost connection goes out as soon as
-        # gRPC has reconnected, not after the rest of its backoff sleep.
-        self._connected = threading.Event()
-        self.channel.subscribe(self._on_connectivity, try_to_connect=False)
-
-    def _on_connectivity(self, state: grpc.ChannelConnectivity) -> None:
-        if state == grpc.ChannelConnectivity.READY:
-            self._connected.set()
-        else:
-            self._connected.clear()
 
     def pause(self, delay: float, code: grpc.StatusCode | None = None) -> None:
         """Wait ``delay`` seconds before a retry; after ``UNAVAILABLE`` on a channel that is not
-        connected, only until it connects again (an ``UNAVAILABLE`` the buffer itself answers, on
-        a connected channel, waits the whole delay)."""
-        if code == grpc.StatusCode.UNAVAILABLE and not self._connected.is_set():
-            self._connected.wait(delay)
-        else:
+        connected, only until gRPC has connected it again, so the retry does not wait out the rest
+        of its sleep. An ``UNAVAILABLE`` the buffer itself answered (the channel connected all
+        along) waits the whole delay. The channel is watched only while pausing (gRPC polls a
+        watched channel from a thread of its own)."""
+        if code != grpc.StatusCode.UNAVAILABLE:
             time.sleep(delay)
+            return
+        started = time.monotonic()
+        connected, reported = threading.Event(), threading.Event()
+
+        def watch(state: grpc.ChannelConnectivity) -> None:
+            if state == grpc.ChannelConnectivity.READY:
+                connected.set()
+            else:
+                connected.clear()
+            reported.set()
+
+        # Not try_to_connect: the failed call already set gRPC reconnecting, and a connect request
+        # pending when the channel closes makes gRPC's polling thread fail on the closed channel.
+        self.channel.subscribe(watch, try_to_connect=False)
+        try:
+            reported.wait(min(delay, CONNECTED_NOW_SECONDS))  # the first report is the current state
+            if connected.is_set():
+                time.sleep(max(0.0, delay - (time.monotonic() - started)))
+            else:
+                connected.wait(max(0.0, delay - (time.monotonic() - started)))
+        finally:
+            self.channel.unsubscribe(watch)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -455,7 +469,6 @@ class BufferClient:
             if self._committer is not None:
                 self._committer.shutdown(wait=True)
                 self._committer = None
-        self.channel.unsubscribe(self._on_connectivity)
         self.channel.close()
 
     def __enter__(self) -> BufferClient:
