@@ -128,12 +128,17 @@ def _hf_name(name: str, gemma: bool) -> str:
     raise GGUFImportError(f"tensor {name!r} has no Hugging Face name for this architecture")
 
 
-def _tensors(reader: Any, config: TransformerConfig, arch: str, dtype: Any) -> dict[str, np.ndarray]:
+def _tensors(
+    reader: Any, config: TransformerConfig, arch: str, dtype: Any, progress: Callable[[str], None]
+) -> dict[str, np.ndarray]:
     from gguf.quants import dequantize
 
     gemma = arch.startswith("gemma")
     out: dict[str, np.ndarray] = {}
-    for tensor in reader.tensors:
+    total = len(reader.tensors)
+    for done, tensor in enumerate(reader.tensors):
+        if done and done % max(1, total // 10) == 0:
+            progress(f"dequantized {done}/{total} tensors")
         if tensor.name == "rope_freqs.weight":
             continue
         name = _hf_name(tensor.name, gemma)
@@ -242,7 +247,8 @@ def import_gguf(path: str | Path, target: str | Path, *, dtype: str = "float32",
     config = _config(meta, names, vocab_size)
     progress(f"{meta.arch}: {config.num_layers} layers, hidden {config.hidden_size}, vocabulary {vocab_size}; dequantizing")
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
-    tensors = _tensors(reader, config, meta.arch, np_dtype)
+    tensors = _tensors(reader, config, meta.arch, np_dtype, progress)
+    progress(f"writing {target / WEIGHTS_FILE}")
     target.mkdir(parents=True, exist_ok=True)
     (target / CONFIG_FILE).write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n")
     (target / WEIGHTS_FILE).write_bytes(encode_safetensors(tensors, metadata={"format": "pt"}))
