@@ -14,11 +14,18 @@ encoded again, so the ids trained on are the ids sampled, whatever the tokenizer
 their text. A turn that ended on its end-of-turn token already holds it, so ``close`` then starts
 after that token; a turn cut off by the token limit gets the whole closing text, end-of-turn
 token included, as the template would have rendered it.
+
+Later observations are rendered as the template renders message contents -- verbatim, trimmed
+(Llama 3's and Gemma's ``| trim``) or JSON-quoted (Llama 3.1's ipython turns) -- which two probe
+contents find out, and in ``spec.environment.observationRole`` (tool, ipython) where the template
+has that role; a template without it (Gemma) gets them as user turns, and the actor says so.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NoReturn
@@ -80,6 +87,18 @@ def render(
         raise ChatTemplateError(f"the chat template does not render: {err}") from err
 
 
+# Observation contents that tell apart what templates do to a message's content: kept verbatim,
+# ``| trim``-med (Llama 3, Gemma 3) or ``| tojson``-ed (Llama 3.1's ipython turns).
+_PROBES = ('  STOKERPROBE "one"\n é  ', "\nSTOKERPROBE\ttwo \\ ")
+_CONTENT_FORMS: tuple[tuple[str, Callable[[str], str]], ...] = (
+    ("verbatim", lambda text: text),
+    ("trim", str.strip),
+    ("json", lambda text: _tojson(text)),
+    ("trimmed json", lambda text: _tojson(text.strip())),
+)
+OBSERVATION_ROLES = ("user", "tool", "ipython")
+
+
 @dataclass(frozen=True)
 class ChatTurns:
     """The rendered pieces of one chat template for one tokenizer (see the module docstring)."""
@@ -92,6 +111,9 @@ class ChatTurns:
     unterminated_close_ids: tuple[int, ...]  # after a model turn cut off by the token limit
     generation_ids: tuple[int, ...]  # after every later observation: the generation prompt
     turn_end_id: int | None  # the template's end-of-turn token (a stop token), when it is one token
+    observation_role: str = "user"  # the role later observations are rendered in
+    content_form: str = "verbatim"  # what the template does to an observation's text (_CONTENT_FORMS)
+    role_fallback: str | None = None  # why the asked-for observation role was not used
 
     def messages(self, first_observation: str) -> list[dict[str, str]]:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
@@ -102,21 +124,63 @@ class ChatTurns:
             self.template, self.messages(first_observation), bos_token=self.bos_token, eos_token=self.eos_token
         )
 
+    def observation_text(self, observation: str) -> str:
+        """A later observation as the template renders its content (trimmed, JSON-quoted...)."""
+        return dict(_CONTENT_FORMS)[self.content_form](observation)
+
+
+def _split_later_turn(
+    template: Any, head: list[dict[str, str]], role: str, *, bos_token: str | None, eos_token: str | None
+) -> tuple[str, str, str]:
+    """(close, generation, content form): the text the template puts around a later observation
+    in ``role``, and what it does to the observation's content, found with two probe contents."""
+    found: dict[str, set[tuple[str, str]]] = {name: set() for name, _ in _CONTENT_FORMS}
+    for probe in _PROBES:
+        full = render(template, [*head, {"role": role, "content": probe}], bos_token=bos_token, eos_token=eos_token)
+        model_end = full.index(_SENTINELS[1]) + len(_SENTINELS[1])
+        for name, form in _CONTENT_FORMS:
+            shown = form(probe)
+            at = full.find(shown, model_end)
+            if at >= 0 and full.count(shown, model_end) == 1:
+                found[name].add((full[model_end:at], full[at + len(shown) :]))
+    for name, _ in _CONTENT_FORMS:
+        if len(found[name]) == 1:  # the same close and generation around both probes
+            close, generation = found[name].pop()
+            return close, generation, name
+    raise ChatTemplateError(
+        f"the chat template renders a {role} message's content in a way other than verbatim, trimmed or "
+        "JSON-quoted, so later observations cannot be appended as ids; set model.chatTemplate to one that does"
+    )
+
+
+def _role_fallback(
+    template: Any, source: str, head: list[dict[str, str]], role: str, *, bos_token: str | None, eos_token: str | None
+) -> str | None:
+    """Why ``role`` cannot carry observations in this template (None when it can)."""
+    if role == "user":
+        return None
+    if not re.search(rf"""['"]{role}['"]""", source):
+        return f"the chat template has no {role!r} role"
+    try:
+        render(template, [*head, {"role": role, "content": _SENTINELS[2]}], bos_token=bos_token, eos_token=eos_token)
+    except ChatTemplateError as err:
+        return f"the chat template refuses a {role!r} turn after the model's ({err})"
+    return None
+
 
 def build_chat_turns(
-    tokenizer: Tokenizer, source: str, *, bos_token: str | None, eos_token: str | None, system_prompt: str | None = None
+    tokenizer: Tokenizer, source: str, *, bos_token: str | None, eos_token: str | None, system_prompt: str | None = None,
+    observation_role: str = "user",
 ) -> ChatTurns:
-    """Render ``source`` with sentinel turns and cut the fixed wrapper ids out of it."""
+    """Render ``source`` with sentinel turns and cut the fixed wrapper ids out of it. Later
+    observations go in ``observation_role`` (tool, ipython) where the template has that role, else
+    in the user role (``ChatTurns.role_fallback`` says why)."""
     template = compile_template(source)
     first, model, nxt = _SENTINELS
     system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    head = [*system, {"role": "user", "content": first}, {"role": "assistant", "content": model}]
     opening = render(template, [*system, {"role": "user", "content": first}], bos_token=bos_token, eos_token=eos_token)
-    full = render(
-        template,
-        [*system, {"role": "user", "content": first}, {"role": "assistant", "content": model},
-         {"role": "user", "content": nxt}],
-        bos_token=bos_token, eos_token=eos_token,
-    )
+    full = render(template, [*head, {"role": "user", "content": nxt}], bos_token=bos_token, eos_token=eos_token)
     if not full.startswith(opening) or any(full.count(s) != 1 for s in _SENTINELS):
         raise ChatTemplateError(
             "the chat template renders the first turn differently once later turns follow it, so the "
@@ -125,8 +189,9 @@ def build_chat_turns(
     model_at = full.index(model)
     if not opening.endswith(full[full.index(first) + len(first) : model_at]) or model_at < len(opening):
         raise ChatTemplateError("the chat template's generation prompt does not precede the model's turn")
-    close = full[model_at + len(model) : full.index(nxt)]
-    generation = full[full.index(nxt) + len(nxt) :]
+    fallback = _role_fallback(template, source, head, observation_role, bos_token=bos_token, eos_token=eos_token)
+    role = "user" if fallback else observation_role
+    close, generation, content_form = _split_later_turn(template, head, role, bos_token=bos_token, eos_token=eos_token)
 
     def encode(text: str) -> tuple[int, ...]:
         return tuple(tokenizer.encode(text, add_special_tokens=False).ids)
@@ -144,5 +209,5 @@ def build_chat_turns(
     return ChatTurns(
         template=template, bos_token=bos_token, eos_token=eos_token, system_prompt=system_prompt,
         close_ids=terminated, unterminated_close_ids=close_ids, generation_ids=encode(generation),
-        turn_end_id=turn_end,
+        turn_end_id=turn_end, observation_role=role, content_form=content_form, role_fallback=fallback,
     )

@@ -21,6 +21,7 @@ must build the same one, so it calls ``environment_tokenizer(spec)`` too):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -29,6 +30,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from stoker.actor.chat_template import ChatTurns
 from stoker.spec import RLJobSpec
+
+_log = logging.getLogger(__name__)
 
 PAD, UNK, BOS, EOT, ACT = "<pad>", "<unk>", "<bos>", "<eot>", "<act>"
 SPECIALS = (PAD, UNK, BOS, EOT, ACT)
@@ -138,7 +141,7 @@ class TextInterface:
             return [*self.encode(observation), *self.prompt_ids]
         ended = bool(sampled) and sampled[-1] in self.stop_token_ids
         close = self.chat.close_ids if ended else self.chat.unterminated_close_ids
-        return [*close, *self.encode(observation), *self.chat.generation_ids]
+        return [*close, *self.encode(self.chat.observation_text(observation)), *self.chat.generation_ids]
 
     @property
     def vocab_size(self) -> int:
@@ -199,10 +202,12 @@ def _pretrained_interface(spec: RLJobSpec, tokenizer: Tokenizer, directory: str)
         try:
             chat = build_chat_turns(
                 tokenizer, source, bos_token=files.bos_token, eos_token=files.eos_token,
-                system_prompt=spec.model.system_prompt,
+                system_prompt=spec.model.system_prompt, observation_role=spec.environment.observation_role,
             )
         except ChatTemplateError as exc:
             raise TokenizerProblem(f"{field} chat template: {exc}") from None
+        if chat.role_fallback:
+            _log.warning("spec.environment.observationRole: %s; observations go in user turns", chat.role_fallback)
         if chat.turn_end_id is not None:
             stops.append(chat.turn_end_id)
     if not stops:

@@ -16,9 +16,11 @@ import shutil
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 from flax import nnx
 from pydantic import ValidationError
 
+from stoker.checkpoint_files import checkpoint_tensors, stored_dtype
 from stoker.hfconfig import CONFIG_FILE, CheckpointError
 from stoker.model.hf import dtype_from_name, load_checkpoint, load_hf, save_checkpoint
 from stoker.model.model import Transformer
@@ -70,12 +72,25 @@ def _from_run(run_dir: Path) -> tuple[Transformer, Path | None, int]:
     return model, tokenizer_dir, version
 
 
+def _checkpoint_dtype(directory: Path) -> jnp.dtype:
+    """The dtype a checkpoint's weights are stored in (bfloat16 stays bfloat16): the one its float
+    tensors share, else config.json's ``dtype``/``torch_dtype``, else float32."""
+    name = stored_dtype(checkpoint_tensors(directory))
+    if name is None:
+        hf = json.loads((directory / CONFIG_FILE).read_text())
+        name = hf.get("dtype") or hf.get("torch_dtype")
+    try:
+        return dtype_from_name(str(name))
+    except CheckpointError:
+        return jnp.dtype(jnp.float32)  # float64 (or an unknown name): the loader's default
+
+
 def export(source: str | Path, target: str | Path) -> tuple[Path, list[str]]:
     """Write the HF directory; returns it and the tokenizer files copied."""
     source, target = Path(source), Path(target)
     tokenizer_dir: Path | None
     if (source / CONFIG_FILE).exists():
-        model, tokenizer_dir = load_checkpoint(source), source
+        model, tokenizer_dir = load_checkpoint(source, dtype=_checkpoint_dtype(source)), source
     elif (source / RUN_RECORD).exists():
         model, tokenizer_dir, _ = _from_run(source)
     else:

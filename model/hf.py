@@ -32,19 +32,15 @@ import numpy as np
 from flax import nnx
 from safetensors import SafetensorError, TensorSpec, deserialize, serialize
 
+from stoker.checkpoint_files import IGNORED_SUFFIXES, INDEX_FILE, WEIGHTS_FILE, weight_files
 from stoker.hfconfig import CONFIG_FILE, CheckpointError, config_from_hf, config_to_hf, read_config
 from stoker.model.model import Transformer
 
 __all__ = [
     "CheckpointError", "config_from_hf", "config_to_hf", "read_config", "load_checkpoint", "save_checkpoint",
     "read_weights", "load_hf", "to_hf", "dtype_from_name", "encode_safetensors", "decode_safetensors",
+    "WEIGHTS_FILE", "INDEX_FILE",
 ]
-
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-
-# Present in some older Llama exports; recomputed on the fly here, so safe to skip.
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 _SAFETENSORS_DTYPES: dict[str, Any] = {
     "F64": np.float64,
@@ -134,7 +130,7 @@ def load_hf(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
     unexpected = sorted(
         n
         for n in flat
-        if n not in expected and not n.endswith(_IGNORED_SUFFIXES) and not (tied and n == "lm_head.weight")
+        if n not in expected and not n.endswith(IGNORED_SUFFIXES) and not (tied and n == "lm_head.weight")
     )
     missing = sorted(expected - set(flat))
     if missing or unexpected:
@@ -170,13 +166,7 @@ def load_hf(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
 def read_weights(directory: str | Path) -> dict[str, np.ndarray]:
     """All tensors of a checkpoint directory: ``model.safetensors`` or a sharded index."""
     directory = Path(directory)
-    index = directory / INDEX_FILE
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = [WEIGHTS_FILE] if (directory / WEIGHTS_FILE).exists() else sorted(
-            p.name for p in directory.glob("*.safetensors")
-        )
+    files = weight_files(directory)
     if not files:
         raise CheckpointError(f"no .safetensors weights in {directory}")
     flat: dict[str, np.ndarray] = {}

@@ -45,7 +45,7 @@ _REQUIRED_VALUES: dict[str, Any] = {
 _COMMON_KEYS = frozenset({
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "head_dim", "intermediate_size", "max_position_embeddings", "rms_norm_eps", "hidden_act",
-    "rope_theta", "rope_scaling", "rope_parameters", "attention_bias",
+    "rope_theta", "rope_scaling", "rope_parameters", "attention_bias", "layer_types",
 })
 _GEMMA_KEYS = frozenset({
     "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
@@ -148,6 +148,23 @@ def _global_layer_every(hf: Mapping[str, Any], default: int) -> int:
     return period
 
 
+def _check_full_attention(hf: Mapping[str, Any]) -> None:
+    """transformers 5 writes ``layer_types`` for every family; without a sliding window (Llama,
+    Qwen with use_sliding_window false, Mistral without one) every layer must be full_attention."""
+    types = hf.get("layer_types")
+    if types is None:
+        return
+    layers = hf.get("num_hidden_layers")
+    if not isinstance(types, list) or len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
+        raise CheckpointError(f"layer_types: expected {layers} of full_attention / sliding_attention, got {types!r}")
+    local = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if local:
+        raise CheckpointError(
+            f"layer_types: layers {local[:4]}{'...' if len(local) > 4 else ''} are sliding_attention; "
+            f"sliding-window attention is supported for Gemma only, not {hf.get('model_type')}"
+        )
+
+
 def _check_keys(hf: Mapping[str, Any], known: frozenset[str]) -> None:
     for key, required in _REQUIRED_VALUES.items():
         if key in hf and hf[key] not in (required, None):
@@ -178,6 +195,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> TransformerConfig:
     _check_keys(hf, _COMMON_KEYS | _GEMMA_KEYS if gemma else _COMMON_KEYS | {"sliding_window"})
     if model_type == "mistral" and hf.get("sliding_window") is not None:
         raise CheckpointError("sliding-window attention is supported for Gemma only, not mistral")
+    if not gemma:
+        _check_full_attention(hf)
     if gemma:
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
         if act not in GELU_TANH:

@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from stoker.checkpoint_files import weight_problems
 from stoker.hfconfig import resolve_architecture
 from stoker.spec import API_VERSION, KIND, RLJob, cross_field_problems, name_problems
 
@@ -98,6 +99,8 @@ def validate_document(doc: Any, source: str) -> tuple[RLJob | None, list[Problem
     problems = [Problem(source, "metadata.name", message) for message in name_problems(job.metadata.name, job.spec)]
     # The checkpoint's config.json is the architecture; the cross-field rules then check that one.
     resolved, found = resolve_architecture(job.spec)
+    if not any(path == "model.checkpoint" for path, _ in found):  # config.json read: check the weights
+        found += weight_problems(resolved.model.checkpoint, resolved.model.architecture)
     job = job.model_copy(update={"spec": resolved})
     found += cross_field_problems(job.spec)
     problems += [Problem(source, f"spec.{path}", message) for path, message in found]

@@ -114,6 +114,13 @@ class EnvironmentSpec(SpecModel):
     frozenlake: FrozenLakeOptions = Field(default_factory=FrozenLakeOptions)
     swe: SweOptions = Field(default_factory=SweOptions)
     reward: RewardSpec = Field(default_factory=RewardSpec)
+    observation_role: Literal["user", "tool", "ipython"] = Field(
+        "user",
+        description=(
+            "Chat-template role of the observations after the first (the first is always the user's task): "
+            "tool (Qwen's <tool_response>) or ipython (Llama 3); user where the template has no such role (Gemma)."
+        ),
+    )
     max_turns: int = Field(8, ge=1, description="Turn limit per episode.")
     max_episode_seconds: float = Field(300.0, gt=0, description="Wall-clock limit per episode.")
     step_latency: StepLatency = Field(default_factory=StepLatency)

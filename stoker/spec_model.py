@@ -52,8 +52,8 @@ class TransformerConfig(SpecModel):
     norm_unit_offset: bool = Field(False, description="RMSNorm scales by (1 + weight) (Gemma).")
     sandwich_norms: bool = Field(False, description="Also normalise the attention and MLP outputs (Gemma 2/3).")
     embedding_scale: bool = Field(False, description="Multiply token embeddings by sqrt(hiddenSize) (Gemma).")
-    query_pre_attn_scalar: float | None = Field(
-        None, gt=0, description="Scale queries by this^-1/2 instead of headDim^-1/2 (Gemma)."
+    query_pre_attn_scalar: int | None = Field(
+        None, ge=1, description="Scale queries by this^-1/2 instead of headDim^-1/2 (Gemma; an integer, as transformers declares it)."
     )
     attn_logit_softcap: float | None = Field(None, gt=0, description="cap * tanh(score / cap) on attention scores (Gemma 2).")
     final_logit_softcap: float | None = Field(None, gt=0, description="cap * tanh(logit / cap) on the output logits (Gemma 2).")

@@ -51,19 +51,18 @@ class Style:
     turn_end: str
     bos: str | None
     after_last_turn: str  # what the template renders after the model's last end-of-turn token
-    trims: bool  # the template strips message contents
 
 
 QWEN = Style(
     "qwen", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), CHATML,
     {"bos_token": None, "eos_token": "<|im_end|>", "add_bos_token": False}, ("<|im_end|>", "<|endoftext|>"),
-    "<|im_end|>", None, "\n", False,
+    "<|im_end|>", None, "\n",
 )
 # Llama 3 base-style configs name only <|end_of_text|>: the turn's <|eot_id|> stop comes from the template.
 LLAMA = Style(
     "llama3", ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
     LLAMA3, {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}, ("<|end_of_text|>",),
-    "<|eot_id|>", "<|begin_of_text|>", "", True,
+    "<|eot_id|>", "<|begin_of_text|>", "",
 )
 
 
@@ -106,10 +105,7 @@ class TalkativeEnv:
 
     texts = ("Fix the bug in  app.py\n", "ran: `pytest -q` -> 1 failed <b>é</b>", "  all green  ", "done")
 
-    def __init__(self, trimmed: bool = False) -> None:
-        # A template that trims contents would render "  all green  " as "all green", while the
-        # trajectory holds the observation verbatim; the text comparison then uses trimmed texts.
-        self.texts = tuple(t.strip() for t in self.texts) if trimmed else self.texts
+    def __init__(self) -> None:
         self.turn = 0
         self.actions: list[str] = []
 
@@ -163,7 +159,7 @@ async def test_trained_ids_are_sampled_ids_through_the_chat_template(tmp_path: P
         [*interface.encode("submit"), turn_end],
     ]
     sampler = ScriptedSampler(answers)
-    env = TalkativeEnv(trimmed=style.trims)
+    env = TalkativeEnv()  # a template that trims contents gets "  all green  " trimmed, as it renders it
     limits = EpisodeLimits(max_turns=5, max_new_tokens=16, max_tokens=512)
     episode = await run_episode(sampler, env, interface, "t", seed=0, limits=limits)
     ids, mask = episode.token_ids.tolist(), episode.loss_mask.tolist()
@@ -244,3 +240,92 @@ def test_the_system_prompt_and_a_template_that_raises(tmp_path: Path) -> None:
     model = with_system.model.model_copy(update={"chat_template": str(strict)})
     with pytest.raises(TokenizerProblem, match="chat template.*raised: no system role"):
         text_interface(with_system.model_copy(update={"model": model}))
+
+
+# ------------------------------------------------ later turns, against transformers' own rendering
+
+# Written from the published turn formats (not copied): Llama 3.1 trims user contents and renders
+# tool results in an ipython turn as JSON; Qwen 2.5 wraps them in <tool_response> inside a user
+# turn; Gemma 3 trims, names the assistant "model", and refuses roles that do not alternate.
+LLAMA31 = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{%- if message['role'] in ['ipython', 'tool'] %}{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}"
+    "{%- if message['content'] is mapping or message['content'] is iterable %}{{- message['content'] | tojson }}"
+    "{%- else %}{{- message['content'] }}{%- endif %}{{- '<|eot_id|>' }}"
+    "{%- else %}{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+QWEN25 = (
+    "{%- for message in messages %}{%- if message.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+GEMMA3 = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif %}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{- '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
+)
+REFEREE_STYLES = {
+    "llama3.1": (LLAMA, LLAMA31),
+    "qwen2.5": (QWEN, QWEN25),
+    "gemma3": (Style("gemma3", ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"), GEMMA3,
+                     {"bos_token": "<bos>", "eos_token": "<eos>"}, ("<eos>", "<end_of_turn>"), "<end_of_turn>",
+                     "<bos>", "\n"), GEMMA3),
+}
+
+
+class UntrimmedEnv(TalkativeEnv):
+    texts = ("Fix the bug in  app.py\n", "  ran: `pytest -q`\n -> 1 \"failed\" <b>é</b>  ", "\n all green \t", "done")
+
+
+@pytest.mark.parametrize(
+    ("name", "role", "used"),
+    [("llama3.1", "user", "user"), ("llama3.1", "ipython", "ipython"), ("qwen2.5", "tool", "tool"),
+     ("qwen2.5", "user", "user"), ("gemma3", "user", "user"), ("gemma3", "tool", "user")],
+)
+@pytest.mark.asyncio
+async def test_every_turn_is_what_transformers_apply_chat_template_renders(
+    tmp_path: Path, name: str, role: str, used: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    import transformers
+
+    style, template = REFEREE_STYLES[name]
+    style = Style(style.name, style.specials, template, dict(style.tokenizer_config), style.generation_eos,
+                  style.turn_end, style.bos, style.after_last_turn)
+    spec = write_checkpoint(tmp_path, style)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config | {"tokenizer_class": "PreTrainedTokenizerFast"}))
+    env_spec = spec.environment.model_copy(update={"observation_role": role})
+    interface = text_interface(spec.model_copy(update={"environment": env_spec}))
+    assert interface.chat is not None and interface.chat.observation_role == used
+    if used != role:
+        assert f"observationRole: the chat template has no {role!r} role; observations go in user turns" in caplog.text
+    turn_end = interface.tokenizer.token_to_id(style.turn_end)
+    texts = ["edit app.py", "run the \"tests\"", "submit"]
+    sampler = ScriptedSampler([[*interface.encode(t), turn_end] for t in texts])
+    env = UntrimmedEnv()
+    episode = await run_episode(sampler, env, interface, "t", seed=0, limits=EpisodeLimits(5, 16, 1024))
+
+    referee = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    messages = [{"role": "user", "content": env.texts[0]}]
+    for turn, prompt in enumerate(sampler.prompts):
+        rendered = referee.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert interface.tokenizer.decode(prompt, skip_special_tokens=False) == rendered, f"turn {turn}"
+        assert prompt == referee(rendered, add_special_tokens=False)["input_ids"], f"turn {turn}"
+        messages += [{"role": "assistant", "content": texts[turn]}, {"role": used, "content": env.texts[turn + 1]}]
+    assert episode.token_ids.tolist()[: len(sampler.prompts[-1])] == sampler.prompts[-1]
+
+
+def test_a_template_that_rewrites_observations_is_refused(tmp_path: Path) -> None:
+    upper = CHATML.replace("message['content'] + '<|im_end|>", "message['content'] | upper + '<|im_end|>")
+    spec = write_checkpoint(tmp_path, Style(QWEN.name, QWEN.specials, upper, dict(QWEN.tokenizer_config),
+                                            QWEN.generation_eos, QWEN.turn_end, None, "\n"))
+    with pytest.raises(TokenizerProblem, match="other than verbatim, trimmed or JSON-quoted"):
+        text_interface(spec)
