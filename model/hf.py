@@ -127,7 +127,12 @@ def load_hf(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
     """Overwrite the model's parameters in place from HF-named arrays (cast to the model's dtype).
 
     Every parameter must be present with the right shape; extra tensors are an error too, except
-    a tied model's redundant ``lm_head.weight`` and stale rotary tables."""
+    a tied model's redundant ``lm_head.weight`` and stale rotary tables. Sharded weights
+    (``stoker.model.shards.ShardedWeights``) load by slice instead, each parameter in its sharding."""
+    load_into = getattr(flat, "load_into", None)
+    if callable(load_into):
+        load_into(model)
+        return
     items = _param_items(model)
     expected = {hf_name(path)[0] for path, _ in items}
     tied = getattr(model, "lm_head", "absent") is None
