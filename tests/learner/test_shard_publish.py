@@ -150,3 +150,33 @@ def test_a_learner_killed_mid_publish_leaves_the_previous_version_served_and_the
     assert not any(p.exists() for p in partial)
     with WeightSubscriber(directory=weights) as subscriber:
         assert subscriber.latest_version() == 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_learner_processes_publish_sharded_from_the_training_loop(tmp_path: Path, xla_cache_dir: Path) -> None:
+    """The loop's publishing over two processes: every version is published by both or neither
+    (no process waits at a barrier the other skipped), reported after its commit, and the last
+    one is the trained weights."""
+    import numpy as np
+
+    argv = [sys.executable, str(WORKER.with_name("multiprocess_worker.py")), str(tmp_path), "--devices", "1",
+            "--steps", "3", "--mesh", "2x1", "--sharded"]
+    env = {
+        **os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(xla_cache_dir),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+        "STOKER_NUM_PROCESSES": "2", "STOKER_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
+        "STOKER_HEARTBEAT_TIMEOUT_SECONDS": "20",
+    }
+    finish([
+        subprocess.Popen(argv, env={**env, "STOKER_PROCESS_ID": str(i)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)
+    ], timeout=500)
+    run = json.loads((tmp_path / "2x1.json").read_text())
+    other = json.loads((tmp_path / "2x1-process1.json").read_text())
+    assert run["published"] == other["published"]  # both processes staged the same versions
+    assert run["published"][0] == 0 and run["published"][-1] == 3
+    assert run["versions"] == run["published"]  # each reported once, after its commit
+    arrays = np.load(tmp_path / "2x1.npz")
+    for name in (k[len("param/") :] for k in arrays.files if k.startswith("param/")):
+        np.testing.assert_array_equal(arrays[f"published/{name}"], arrays[f"param/{name}"])

@@ -102,3 +102,30 @@ def test_a_reader_reads_only_the_rows_it_asks_for(tmp_path: Path, publisher: Sha
         part = weights.read_box(tensor, ((10, 20), (0, 128)))
         assert np.array_equal(part.view(np.uint16), want[10:20].view(np.uint16))
         assert weights.stats.bytes_read == 10 * 128 * 2
+
+
+@pytest.mark.slow
+def test_the_learner_loop_publishes_sharded_versions_and_reports_each_after_its_commit(tmp_path: Path, xla_cache: Path) -> None:
+    from stoker.learner.loop import Learner
+
+    from .test_learner import ScriptedBuffer, settings
+
+    class Reporting(ScriptedBuffer):
+        def set_policy_version(self, version: int, duty_cycle: float | None = None) -> None:
+            with WeightSubscriber(directory=tmp_path / "weights") as sub:  # never a version not yet committed
+                assert sub.latest_version() == version
+            super().set_policy_version(version, duty_cycle)
+
+    buffer = Reporting()
+    learner = Learner(settings(tmp_path, publish_interval=2))
+    buffer.learner_ref.append(learner)
+    with ShardedPublisher(directory=str(tmp_path / "weights"), processes=Processes()) as publisher:
+        assert learner.run(buffer, publisher, max_steps=4) == 4
+    learner.close()
+    assert buffer.versions[0] == 0 and buffer.versions[-1] == 4 and buffer.versions == sorted(set(buffer.versions))
+    with WeightSubscriber(directory=tmp_path / "weights") as sub:
+        published = sub.fetch(4)
+        trained = learner.flat_weights()
+        assert set(published) == set(trained)
+        for name, array in trained.items():
+            assert published[name].tobytes() == array.tobytes(), name
