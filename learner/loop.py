@@ -176,6 +176,8 @@ class Learner:
     """The trainer plus policy version, checkpoints, compile and duty-cycle accounting."""
 
     def __init__(self, settings: LearnerSettings, *, mesh: Any = None, resume: bool = True):
+        import functools
+
         import jax
         from flax import nnx
 
@@ -190,10 +192,12 @@ class Learner:
         self.compiles = metrics.CompileCounter.install()
         self.mesh = mesh if mesh is not None else sharding.make_mesh(settings.mesh_fsdp, settings.mesh_tp)
         dtype = hf.dtype_from_name(settings.dtype)
+        # Straight into the training layout: no device ever holds the whole model.
+        placement = functools.partial(sharding.param_sharding, mesh=self.mesh)
         if settings.model_checkpoint:
-            model = hf.load_checkpoint(settings.model_checkpoint, dtype=dtype)
+            model = hf.load_checkpoint(settings.model_checkpoint, dtype=dtype, placement=placement)
         else:
-            model = init_model(settings.architecture, settings.seed, dtype)
+            model = init_model(settings.architecture, settings.seed, dtype, placement=placement)
         self.model_config = model.config  # the checkpoint's, when it has one
         kernel = select_attention(
             settings.attention, detect_backend(self.mesh.devices.flat[0]), dtype=dtype, head_dim=head_dim(model.config),

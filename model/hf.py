@@ -21,7 +21,8 @@ loaded subtly wrong.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import struct
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +91,27 @@ def decode_safetensors(data: bytes) -> dict[str, np.ndarray]:
     return out
 
 
-def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    return decode_safetensors(Path(path).read_bytes())
+def read_safetensors(path: str | Path, *, mmap: bool = False) -> dict[str, np.ndarray]:
+    """A file's tensors; ``mmap``: memory-mapped views, so only the slices used are ever read."""
+    if not mmap:
+        return decode_safetensors(Path(path).read_bytes())
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + size)
+        out: dict[str, np.ndarray] = {}
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+            if dtype is None:
+                raise CheckpointError(f"tensor {name!r} has unsupported dtype {entry['dtype']}")
+            start, end = entry["data_offsets"]
+            out[name] = data[start:end].view(dtype).reshape(entry["shape"])
+        return out
+    except (struct.error, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path}: not a valid safetensors file: {err}") from err
 
 
 # ------------------------------------------------------------------------------ name mapping
@@ -163,7 +183,12 @@ def load_hf(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
         else:
             placement = getattr(current, "sharding", None)
         if isinstance(placement, jax.sharding.Sharding):
-            value = jax.device_put(np.asarray(arr).astype(current.dtype, copy=False), placement)
+            # Each device's slice cut (and cast) on its own: a memory-mapped checkpoint is read
+            # only where this process's devices need it, and no whole tensor is copied to cast.
+            value = jax.make_array_from_callback(
+                tuple(current.shape), placement,
+                lambda index, arr=arr, dtype=current.dtype: np.ascontiguousarray(arr[index]).astype(dtype, copy=False),
+            )
         else:
             value = jnp.asarray(arr, dtype=current.dtype)
         var.set_value(value)
@@ -172,8 +197,9 @@ def load_hf(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
 # ---------------------------------------------------------------------------- checkpoints
 
 
-def read_weights(directory: str | Path) -> dict[str, np.ndarray]:
-    """All tensors of a checkpoint directory: ``model.safetensors`` or a sharded index."""
+def read_weights(directory: str | Path, *, mmap: bool = False) -> dict[str, np.ndarray]:
+    """All tensors of a checkpoint directory: ``model.safetensors`` or a sharded index
+    (``mmap``: memory-mapped, see ``read_safetensors``)."""
     directory = Path(directory)
     index = directory / INDEX_FILE
     if index.exists():
@@ -186,16 +212,27 @@ def read_weights(directory: str | Path) -> dict[str, np.ndarray]:
         raise CheckpointError(f"no .safetensors weights in {directory}")
     flat: dict[str, np.ndarray] = {}
     for name in files:
-        flat.update(read_safetensors(directory / name))
+        flat.update(read_safetensors(directory / name, mmap=mmap))
     return flat
 
 
-def load_checkpoint(directory: str | Path, *, dtype: jnp.dtype = jnp.float32) -> Transformer:
-    """A ``Transformer`` built from a Hugging Face-format directory (no random init is run)."""
+def load_checkpoint(
+    directory: str | Path, *, dtype: jnp.dtype = jnp.float32,
+    placement: Callable[[tuple[int, ...]], jax.sharding.Sharding] | None = None,
+) -> Transformer:
+    """A ``Transformer`` built from a Hugging Face-format directory (no random init is run).
+
+    ``placement(shape)``: each parameter's sharding. The files are then memory-mapped and every
+    device receives only its own slice straight from them: no device (and, over several hosts,
+    no process) ever holds a whole tensor it does not own."""
     config = read_config(directory)
-    flat = read_weights(directory)
+    flat = read_weights(directory, mmap=placement is not None)
     # eval_shape leaves abstract placeholders (no init compute); load_hf replaces every one of them.
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype))
+    if placement is not None:
+        nnx.update(model, jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placement(tuple(a.shape))), nnx.state(model)
+        ))
     load_hf(model, flat)
     return model
 

@@ -3,7 +3,8 @@
     python shards_worker.py learn OUT --devices D --mesh FSDPxTP [--die-after K]
     python shards_worker.py read OUT --devices D --tp N --source grpc|dir --version V
 
-``learn``: a learner process (topology from ``STOKER_*``): a bfloat16 model in a ``Trainer`` on an
+``learn``: a learner process (topology from ``STOKER_*``): checks that the random init and
+``OUT/checkpoint`` load straight into the training sharding; then a bfloat16 model in a ``Trainer`` on an
 fsdp x tp mesh over every process's devices publishes version 1 (its init) and version 2 (every
 parameter + 1) with a ``ShardedPublisher`` (directory and peer gRPC), writes
 ``OUT/learn-<i>.json`` (its publish stats, server port) and serves until ``OUT/readers-done``
@@ -39,14 +40,17 @@ def reference(version: int) -> dict:
 
 
 def learn(args: argparse.Namespace) -> int:
+    import functools
     import json
     import time
     from pathlib import Path
 
     import jax
     import jax.numpy as jnp
+    import numpy as np
     import optax
 
+    from stoker.model.hf import _param_items, hf_name, load_checkpoint
     from stoker.learner import sharding, train
     from stoker.learner.publish import ShardedPublisher
     from stoker.model.model import init_model
@@ -57,11 +61,25 @@ def learn(args: argparse.Namespace) -> int:
     me = jax.process_index()
     fsdp, tp = (int(x) for x in args.mesh.split("x"))
     mesh = sharding.make_mesh(fsdp, tp)
-    trainer = train.Trainer(init_model(TransformerConfig(**CONFIG), 0, jnp.bfloat16), train.StepOptions("grpo"), optax.sgd(0.1), mesh)
+    placement = functools.partial(sharding.param_sharding, mesh=mesh)
+    config = TransformerConfig(**CONFIG)
+    model = init_model(config, 0, jnp.bfloat16, placement=placement)  # as the Learner inits: in place
+    stats: dict = {"process": me, "versions": {}}
+    want = reference(1)
+    for label, placed in (("init", model), ("checkpoint", load_checkpoint(out / "checkpoint", dtype=jnp.bfloat16, placement=placement))):
+        in_place = True
+        for path, var in _param_items(placed):
+            name, transpose = hf_name(path)
+            value, full = var.get_value(), (want[name].T if transpose else want[name])
+            in_place &= value.sharding.is_equivalent_to(placement(tuple(value.shape)), value.ndim)
+            for shard in value.addressable_shards:
+                in_place &= np.asarray(shard.data).tobytes() == np.ascontiguousarray(full[shard.index]).tobytes()
+        stats[f"{label}_in_place"] = bool(in_place)
+    trainer = train.Trainer(model, train.StepOptions("grpo"), optax.sgd(0.1), mesh)
     publisher = ShardedPublisher(
         directory=str(out / "weights"), address="127.0.0.1:0", commit_timeout_s=30.0, block_bytes=BLOCK_BYTES
     )
-    stats: dict = {"process": me, "port": publisher.port, "versions": {}}
+    stats["port"] = publisher.port
     # The publish program keeps the training sharding: no device holds more than its shard.
     copy = trainer.policy_copy()
     stats["copy_keeps_training_sharding"] = all(
@@ -93,7 +111,8 @@ def learn(args: argparse.Namespace) -> int:
     while not (out / "readers-done").exists() and "publish_error" not in stats and time.monotonic() < deadline:
         time.sleep(0.1)  # serve the readers until the test says they are done
     publisher.close()
-    os._exit(0)  # not jax's shutdown barrier: a dead peer would hold it up
+    jax.distributed.shutdown()  # together: the coordination service lives in process 0
+    return 0
 
 
 def read(args: argparse.Namespace) -> int:
@@ -139,7 +158,9 @@ def read(args: argparse.Namespace) -> int:
         "bytes_needed": needed, "bytes_total": sum(a.nbytes for a in want.values()), "version": sampler.version,
     }
     (out / f"read-{jax.process_index()}.json").write_text(json.dumps(result))
-    os._exit(0)
+    subscriber.close()
+    jax.distributed.shutdown()
+    return 0
 
 
 def main() -> int:

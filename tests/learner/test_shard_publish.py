@@ -18,7 +18,7 @@ from stoker.model.weights import WeightsNotFound, WeightSubscriber
 
 WORKER = Path(__file__).with_name("shards_worker.py")
 sys.path.insert(0, str(WORKER.parent))
-from shards_worker import reference  # noqa: E402
+from shards_worker import CONFIG, reference  # noqa: E402
 
 
 def free_port() -> int:
@@ -28,6 +28,14 @@ def free_port() -> int:
 
 
 def start(role: str, out: Path, processes: int, cache: Path, *extra: str) -> list[subprocess.Popen[str]]:
+    if role == "learn" and not (out / "checkpoint").exists():
+        import jax.numpy as jnp
+
+        from stoker.model.hf import save_checkpoint
+        from stoker.model.model import init_model
+        from stoker.spec import TransformerConfig
+
+        save_checkpoint(init_model(TransformerConfig(**CONFIG), 0, jnp.bfloat16), out / "checkpoint")
     env = {
         **os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
@@ -86,6 +94,9 @@ def test_learners_publish_their_own_shards_and_rollout_hosts_with_another_tp_rea
     replicated = sum(a.nbytes for a in want.values() if a.ndim < 2 or a.size < 2**14)  # sharding.MIN_SHARDED_SIZE
 
     for stats in learned:
+        # The random init and a checkpoint load land in the training sharding, each process
+        # placing only its devices' slices, bit-exact.
+        assert stats["init_in_place"] and stats["checkpoint_in_place"]
         assert stats["copy_keeps_training_sharding"]
         for version in ("1", "2"):
             v = stats["versions"][version]
@@ -143,8 +154,6 @@ def test_a_learner_killed_mid_publish_leaves_the_previous_version_served_and_the
     from stoker.learner.publish import ShardedPublisher
     from stoker.model.model import init_model
     from stoker.spec import TransformerConfig
-    from shards_worker import CONFIG
-
     with ShardedPublisher(directory=str(weights), processes=Processes()) as restarted:
         restarted.publish(3, init_model(TransformerConfig(**CONFIG), 0, jnp.bfloat16))
     assert not any(p.exists() for p in partial)
