@@ -344,6 +344,14 @@ class Learner:
         }
         return out
 
+    def device_weights(self) -> Any:
+        """A copy of the current policy for a sampler in this process (colocated mode): loaded
+        with ``load_hf``/``Sampler.load_weights``, it is resharded device to device into the
+        sampler's layout, never gathered on the host (``stoker.model.shards.DeviceWeights``)."""
+        from stoker.model.shards import DeviceWeights
+
+        return DeviceWeights(self.trainer.policy_model(self.trainer.policy_copy()))
+
     def flat_weights(self, params: Any = None) -> dict[str, np.ndarray]:
         """The policy's parameters -- the current ones, or a ``Trainer.policy_copy`` -- as Hugging
         Face-named host arrays (what actors load)."""

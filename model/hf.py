@@ -20,6 +20,7 @@ loaded subtly wrong.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from collections.abc import Callable, Mapping
@@ -185,13 +186,17 @@ def load_hf(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
         if isinstance(placement, jax.sharding.Sharding):
             # Each device's slice cut (and cast) on its own: a memory-mapped checkpoint is read
             # only where this process's devices need it, and no whole tensor is copied to cast.
-            value = jax.make_array_from_callback(
-                tuple(current.shape), placement,
-                lambda index, arr=arr, dtype=current.dtype: np.ascontiguousarray(arr[index]).astype(dtype, copy=False),
+            value: jax.Array = jax.make_array_from_callback(
+                tuple(current.shape), placement, functools.partial(_cut, arr, current.dtype)
             )
         else:
             value = jnp.asarray(arr, dtype=current.dtype)
         var.set_value(value)
+
+
+def _cut(arr: np.ndarray, dtype: Any, index: Any) -> np.ndarray:
+    """One device's slice of ``arr``, cast: only that slice is read or copied."""
+    return np.ascontiguousarray(arr[index]).astype(dtype, copy=False)
 
 
 # ---------------------------------------------------------------------------- checkpoints

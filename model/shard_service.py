@@ -71,6 +71,7 @@ class _ShardServicer(weights_pb2_grpc.WeightsServicer):
             found = self._manifests.get(request.policy_version)
         if found is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"policy version {request.policy_version} is not retained")
+            raise AssertionError("abort raises")
         return weights_pb2.ShardManifest(manifest=found[1])
 
     def ReadShard(self, request: weights_pb2.ReadShardRequest, context: grpc.ServicerContext) -> Iterator[weights_pb2.WeightsChunk]:

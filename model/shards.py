@@ -140,7 +140,8 @@ def rows_of(shape: Sequence[int]) -> int:
 def as_bytes(array: np.ndarray) -> memoryview:
     """The C-order bytes of ``array`` without a copy when it is contiguous (bfloat16 too, which
     the buffer protocol does not know)."""
-    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    flat: Any = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    return memoryview(flat)
 
 
 def checksums(array: np.ndarray, rows_per_block: int) -> tuple[int, ...]:
@@ -303,7 +304,7 @@ class ShardedWeights(Mapping[str, np.ndarray]):
             if isinstance(sharding, jax.sharding.Sharding):
                 placed = sharding.addressable_devices_indices_map(tuple(current.shape))
                 devices = list(placed)
-                boxes = [_box(index, current.shape) for index in placed.values()]
+                boxes = [_box(index, current.shape) for index in placed.values() if index is not None]
             else:
                 devices, boxes = [None], [tuple((0, n) for n in current.shape)]
             reads = [(name, tuple(reversed(b)) if transpose else b) for b in boxes]
@@ -426,3 +427,52 @@ class ShardDirectory:
                 return os.pread(f.fileno(), size, offset)
         except FileNotFoundError as err:
             raise ShardsMissing(f"policy version {manifest.version} was pruned from {self.directory}") from err
+
+
+# ------------------------------------------------------------------------------ in process
+
+
+class DeviceWeights(Mapping[str, np.ndarray]):
+    """Weights handed over inside one process (colocated mode): ``load_into`` reshards each
+    parameter from ``source``'s arrays (another module of the same architecture, e.g. the
+    learner's policy over a ``policy_copy``) into the target's sharding device to device, never
+    through the host. As a Mapping it gives host copies (HF names and layout)."""
+
+    def __init__(self, source: Any):
+        from stoker.model.hf import _param_items, hf_name
+
+        self._values: dict[str, tuple[Any, bool]] = {}
+        for path, var in _param_items(source):
+            name, transpose = hf_name(path)
+            self._values[name] = (var.get_value(), transpose)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        value, transpose = self._values[name]
+        host = np.asarray(value)
+        return np.ascontiguousarray(host.T) if transpose else host
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def load_into(self, model: Any) -> None:
+        import jax
+
+        from stoker.model.hf import CheckpointError, _param_items, hf_name
+
+        items = _param_items(model)
+        missing = sorted({hf_name(path)[0] for path, _ in items} - set(self._values))
+        if missing:
+            raise CheckpointError(f"the weights do not match the model: missing {missing[:5]}")
+        for path, var in items:
+            value, _ = self._values[hf_name(path)[0]]
+            current = var.get_value()
+            if tuple(value.shape) != tuple(current.shape):
+                raise CheckpointError(f"{hf_name(path)[0]}: shape {tuple(value.shape)} does not fit the model")
+            where = getattr(current, "sharding", None)
+            if isinstance(current, jax.Array) and not current.committed:
+                where = None
+            cast = value.astype(current.dtype)
+            var.set_value(jax.device_put(cast, where) if isinstance(where, jax.sharding.Sharding) else cast)

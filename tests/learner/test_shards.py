@@ -129,3 +129,16 @@ def test_the_learner_loop_publishes_sharded_versions_and_reports_each_after_its_
         assert set(published) == set(trained)
         for name, array in trained.items():
             assert published[name].tobytes() == array.tobytes(), name
+
+
+def test_colocated_weights_move_device_to_device_into_the_samplers_model() -> None:
+    from stoker.model.shards import DeviceWeights
+
+    source = init_model(CONFIG, 3, jnp.float32)  # the learner's float32 copy; the sampler's model is bfloat16
+    weights = DeviceWeights(source)
+    target = init_model(CONFIG, 4, jnp.bfloat16)
+    load_hf(target, weights)
+    want = {k: v.astype(jnp.bfloat16) for k, v in to_hf(source).items()}
+    for name, array in to_hf(target).items():
+        assert array.dtype == want[name].dtype and array.tobytes() == want[name].tobytes(), name
+    assert weights["model.layers.0.mlp.down_proj.weight"].tobytes() == to_hf(source)["model.layers.0.mlp.down_proj.weight"].tobytes()
