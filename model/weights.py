@@ -12,6 +12,10 @@ its sha256. Two transports, usable together:
 Either way the subscriber checks size and sha256 before decoding, so truncated or corrupted
 weights raise ``WeightsCorrupt`` instead of loading silently wrong.
 
+A learner of several processes publishes sharded instead (``stoker.model.shards``,
+``stoker.learner.publish``): ``Latest`` says so, and ``fetch`` returns ``ShardedWeights``, read by
+slice (crc32 per block) from the directory or from every learner process's server.
+
 Only the newest ``keep`` versions are retained; fetching a pruned one raises ``WeightsNotFound``
 (ask for the latest again).
 """
@@ -400,7 +404,7 @@ class WeightSubscriber:
             raise WeightsNotFound(f"policy version {version} was pruned from {self._directory}") from err
         return decode_weights(info, data)
 
-    def _fetch_grpc(self, version: int) -> dict[str, np.ndarray]:
+    def _fetch_grpc(self, version: int) -> Mapping[str, np.ndarray]:
         assert self._stub is not None
         parts: list[bytes] = []
         info: WeightsInfo | None = None
@@ -416,6 +420,9 @@ class WeightSubscriber:
                 parts.append(chunk.data)
                 received += len(chunk.data)
         except grpc.RpcError as err:
+            if isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                self._sharded = True  # a sharded publisher (fetched before any Latest)
+                return self._fetch_sharded(version)
             raise self._translate(err) from err
         if info is None:
             raise WeightsCorrupt(f"version {version}: empty stream")

@@ -55,6 +55,8 @@ def test_both_transports_serve_the_published_version_bit_exact_and_load_it_into_
             load_hf(target, subscriber.fetch(1))
             for name, array in to_hf(target).items():
                 assert array.tobytes() == want[name].tobytes(), name
+    with WeightSubscriber(address=f"127.0.0.1:{publisher.port}", auth_token="secret") as fresh:  # no Latest first
+        assert fresh.fetch(1)["model.norm.weight"].tobytes() == want["model.norm.weight"].tobytes()
     with pytest.raises(ValueError, match="not newer"):
         publisher.publish(1, model)
 
