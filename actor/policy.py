@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -64,7 +64,7 @@ class SamplerLike(Protocol):
     keeps_sessions: bool
     min_batch: int  # every call is padded to at least this many rows
 
-    def load_weights(self, flat: dict[str, np.ndarray], version: int) -> None: ...
+    def load_weights(self, flat: Mapping[str, np.ndarray], version: int) -> None: ...
 
     def generate(
         self,
@@ -175,7 +175,7 @@ class BatchedSampler:
         if self.sampler.keeps_sessions:
             await asyncio.get_running_loop().run_in_executor(self._executor, self.sampler.end_session, session)
 
-    async def load_weights(self, flat: dict[str, np.ndarray], version: int) -> None:
+    async def load_weights(self, flat: Mapping[str, np.ndarray], version: int) -> None:
         """Switch weights after the batch in flight (if any) finishes."""
         await asyncio.get_running_loop().run_in_executor(self._executor, self.sampler.load_weights, flat, version)
 

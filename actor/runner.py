@@ -15,7 +15,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -71,7 +71,7 @@ class LoadsWeights(Protocol):
     @property
     def version(self) -> Any: ...
 
-    async def load_weights(self, flat: dict[str, np.ndarray], version: int) -> None: ...
+    async def load_weights(self, flat: Mapping[str, np.ndarray], version: int) -> None: ...
 
 
 @dataclass

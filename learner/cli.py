@@ -11,8 +11,8 @@ Resumes from the latest checkpoint under the spec's ``learner.checkpoint.dir`` (
 ``RUN_DIR/learner_metrics.jsonl`` and, with ``--metrics-port``, to Prometheus.
 
 On a multi-host slice every host runs this same command (``stoker.distributed`` reads the
-topology from the environment); only process 0 connects to the buffer, publishes weights and
-writes metrics. If another process dies, this one exits with ``EXIT_PEER_FAILED`` at once, without
+topology from the environment); only process 0 connects to the buffer and writes metrics, and
+weights are published sharded (each process writes or serves its own shards; ``--weights-format``). If another process dies, this one exits with ``EXIT_PEER_FAILED`` at once, without
 a final checkpoint: the group restarts from the last one.
 """
 
@@ -26,7 +26,7 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from stoker.distributed import EXIT_PEER_FAILED
 
@@ -42,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     weights = parser.add_mutually_exclusive_group()
     weights.add_argument("--weights-dir", metavar="DIR", help="publish weights into this shared directory")
     weights.add_argument("--weights-port", type=int, metavar="P", help="serve weights over gRPC on this port")
+    parser.add_argument(
+        "--weights-format", choices=["auto", "blob", "shards"], default="auto",
+        help="shards: every process publishes only its own shards (stoker.learner.publish); blob: the primary "
+        "publishes one safetensors file; auto (default): shards when the learner spans several processes",
+    )
     parser.add_argument("--max-steps", type=int, metavar="N", help="stop after N total steps (default: spec)")
     parser.add_argument("--metrics-port", type=int, default=0, metavar="P", help="serve Prometheus metrics here")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -116,13 +121,15 @@ def main(args: argparse.Namespace) -> int:
         except BufferUnavailableError as exc:
             learner.close()
             return _fail(f"buffer {args.buffer}: {exc}", 1)
-    publisher = None
-    if (args.weights_dir or args.weights_port is not None) and primary:
-        publisher = WeightPublisher(
-            directory=args.weights_dir,
-            address=f"0.0.0.0:{args.weights_port}" if args.weights_port is not None else None,
-            auth_token=token,
-        )
+    publisher: Any = None
+    weights_address = f"0.0.0.0:{args.weights_port}" if args.weights_port is not None else None
+    sharded = args.weights_format == "shards" or (args.weights_format == "auto" and topology is not None)
+    if (args.weights_dir or weights_address) and sharded:  # every process serves/writes its own shards
+        from stoker.learner.publish import ShardedPublisher
+
+        publisher = ShardedPublisher(directory=args.weights_dir, address=weights_address, auth_token=token)
+    elif (args.weights_dir or weights_address) and primary:
+        publisher = WeightPublisher(directory=args.weights_dir, address=weights_address, auth_token=token)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -72,7 +72,8 @@ class RunLoop:
         # Side effects belong to the primary; the others never see the buffer or the publisher.
         primary = processes.primary
         self.source = source if primary else None
-        self.publisher = publisher if primary else None
+        # A sharded publisher (``stoker.learner.publish``) publishes from every process.
+        self.publisher = publisher if primary or getattr(publisher, "every_process", False) else None
         self.sink = sink if primary else None
         self.stop = stop
         self.stopped = False  # the stop every process agreed on (``multihost.share_step``)
@@ -87,6 +88,11 @@ class RunLoop:
         # Whether weights are gathered for publishing: the primary's choice, made on every process
         # (the gather is a collective).
         self.publishing = bool(multihost.broadcast_int(processes, int(self.publisher is not None)))
+        self.sharded = bool(multihost.broadcast_int(processes, int(getattr(self.publisher, "every_process", False))))
+        if self.sharded and self.publisher is None:
+            raise ValueError(f"process {processes.index} has no sharded weights publisher, but the primary has one")
+        self._shards_idle = threading.Event()  # no sharded publish of this process queued or running
+        self._shards_idle.set()
 
     def run(self, limit: int) -> int:
         learner, s = self.learner, self.learner.settings
@@ -115,7 +121,7 @@ class RunLoop:
                 made = self._run_steps(dataset, prefetcher, outbox, limit, duty)
             if made:
                 duty.busy_seconds = learner.busy_seconds
-                self._publish(outbox, duty.value)
+                self._publish(outbox, duty.value, final=True)
             if self.stopped:
                 # Stopped from outside -- maybe because the buffer is gone, when every commit would
                 # retry for minutes: checkpoint first (it needs nothing from the buffer), then give
@@ -267,17 +273,21 @@ class RunLoop:
                 "eval_episodes": float(newest.episodes),
             }
 
-    def _publish(self, outbox: Outbox, duty_cycle: float | None = None) -> None:
+    def _publish(self, outbox: Outbox, duty_cycle: float | None = None, final: bool = False) -> None:
         """Publish the current version's weights (once per version) and then report it to the
         buffer, with the duty cycle when there is one (not before the first step: the operator would
         read a learner that has not started as a starved one).
 
         Only the copy of the parameters happens here (the next step donates them); converting,
-        writing and reporting run on the outbox's thread, newest version wins. Over several
-        processes the copy is gathered to a full replica on every device (a collective, so every
-        process makes it), which the primary reads to the host."""
+        writing and reporting run on the outbox's thread, newest version wins. With the single-blob
+        publisher over several processes the copy is gathered to a full replica on every device (a
+        collective, so every process makes it), which the primary reads to the host; a sharded
+        publisher gathers nothing (``_publish_shards``)."""
         learner, publisher, source = self.learner, self.publisher, self.source
         version = learner.version
+        if self.sharded:
+            self._publish_shards(outbox, duty_cycle, final)
+            return
         if self.publishing and self._copied_version < version:
             copy = multihost.replicate(self.processes, learner.trainer.policy_copy(), learner.mesh)
             self._copied_version = version
@@ -298,12 +308,50 @@ class RunLoop:
             with self._unpublished_lock:  # unless a newer copy arrived meanwhile
                 if self._unpublished is unpublished:
                     self._unpublished = None  # do not hold a second copy of the weights once published
-            if source is not None and self._reported_version != version:
-                if duty_cycle is None:
-                    source.set_policy_version(version)
-                else:
-                    source.set_policy_version(version, duty_cycle=duty_cycle)
-                self._reported_version = version
-                self._read_eval(source)
+            self._report(version, duty_cycle)
+
+        outbox.send(publish_and_report)
+
+    def _report(self, version: int, duty_cycle: float | None) -> None:
+        source = self.source
+        if source is not None and self._reported_version != version:
+            if duty_cycle is None:
+                source.set_policy_version(version)
+            else:
+                source.set_policy_version(version, duty_cycle=duty_cycle)
+            self._reported_version = version
+            self._read_eval(source)
+
+    def _publish_shards(self, outbox: Outbox, duty_cycle: float | None, final: bool) -> None:
+        """Every process stages its own shards of a ``policy_copy`` (training sharding, no gather)
+        on its outbox's thread; the primary commits and then reports the version.
+
+        A version is published on every process or on none, and no process holds a second copy
+        waiting: while any process is still publishing the previous version, this one is skipped
+        (decided together, one all-gather); the last one of a run waits its turn instead."""
+        from stoker.distributed import share
+
+        learner, publisher, version = self.learner, self.publisher, self.learner.version
+        assert publisher is not None
+        if self._copied_version >= version:
+            return
+        if final:
+            self._shards_idle.wait()
+        busy = not self._shards_idle.is_set()
+        if self.processes.multi:
+            flags, _ = share(self.processes, int(busy), doing="agreeing on publishing weights")
+            busy = bool(flags.any())
+        if busy:
+            return
+        copy = learner.trainer.policy_copy()
+        self._copied_version = version
+        self._shards_idle.clear()
+
+        def publish_and_report() -> None:
+            try:
+                publisher.publish(version, learner.trainer.policy_model(copy))
+            finally:
+                self._shards_idle.set()
+            self._report(version, duty_cycle)
 
         outbox.send(publish_and_report)

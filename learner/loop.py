@@ -176,6 +176,8 @@ class Learner:
     """The trainer plus policy version, checkpoints, compile and duty-cycle accounting."""
 
     def __init__(self, settings: LearnerSettings, *, mesh: Any = None, resume: bool = True):
+        import functools
+
         import jax
         from flax import nnx
 
@@ -190,10 +192,12 @@ class Learner:
         self.compiles = metrics.CompileCounter.install()
         self.mesh = mesh if mesh is not None else sharding.make_mesh(settings.mesh_fsdp, settings.mesh_tp)
         dtype = hf.dtype_from_name(settings.dtype)
+        # Straight into the training layout: no device ever holds the whole model.
+        placement = functools.partial(sharding.param_sharding, mesh=self.mesh)
         if settings.model_checkpoint:
-            model = hf.load_checkpoint(settings.model_checkpoint, dtype=dtype)
+            model = hf.load_checkpoint(settings.model_checkpoint, dtype=dtype, placement=placement)
         else:
-            model = init_model(settings.architecture, settings.seed, dtype)
+            model = init_model(settings.architecture, settings.seed, dtype, placement=placement)
         self.model_config = model.config  # the checkpoint's, when it has one
         kernel = select_attention(
             settings.attention, detect_backend(self.mesh.devices.flat[0]), dtype=dtype, head_dim=head_dim(model.config),
@@ -339,6 +343,14 @@ class Learner:
             **({"learning_rate": sums["learning_rate"]} if "learning_rate" in sums else {}),
         }
         return out
+
+    def device_weights(self) -> Any:
+        """A copy of the current policy for a sampler in this process (colocated mode): loaded
+        with ``load_hf``/``Sampler.load_weights``, it is resharded device to device into the
+        sampler's layout, never gathered on the host (``stoker.model.shards.DeviceWeights``)."""
+        from stoker.model.shards import DeviceWeights
+
+        return DeviceWeights(self.trainer.policy_model(self.trainer.policy_copy()))
 
     def flat_weights(self, params: Any = None) -> dict[str, np.ndarray]:
         """The policy's parameters -- the current ones, or a ``Trainer.policy_copy`` -- as Hugging

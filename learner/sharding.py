@@ -64,6 +64,11 @@ def param_spec(shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
     return PartitionSpec(*axes)
 
 
+def param_sharding(shape: Sequence[int], mesh: Mesh) -> NamedSharding:
+    """Where a parameter of this shape lives (``param_spec``), for loading or initialising it in place."""
+    return NamedSharding(mesh, param_spec(shape, mesh))
+
+
 def tree_shardings(tree: Any, mesh: Mesh) -> Any:
     """A NamedSharding for every array leaf of ``tree`` (params, optimizer state)."""
     return jax.tree.map(lambda x: NamedSharding(mesh, param_spec(np.shape(x), mesh)), tree)

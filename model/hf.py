@@ -20,8 +20,10 @@ loaded subtly wrong.
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Mapping
+import struct
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +88,27 @@ def decode_safetensors(data: bytes) -> dict[str, np.ndarray]:
     return out
 
 
-def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    return decode_safetensors(Path(path).read_bytes())
+def read_safetensors(path: str | Path, *, mmap: bool = False) -> dict[str, np.ndarray]:
+    """A file's tensors; ``mmap``: memory-mapped views, so only the slices used are ever read."""
+    if not mmap:
+        return decode_safetensors(Path(path).read_bytes())
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + size)
+        out: dict[str, np.ndarray] = {}
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+            if dtype is None:
+                raise CheckpointError(f"tensor {name!r} has unsupported dtype {entry['dtype']}")
+            start, end = entry["data_offsets"]
+            out[name] = data[start:end].view(dtype).reshape(entry["shape"])
+        return out
+    except (struct.error, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path}: not a valid safetensors file: {err}") from err
 
 
 # ------------------------------------------------------------------------------ name mapping
@@ -123,7 +144,12 @@ def load_hf(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
     """Overwrite the model's parameters in place from HF-named arrays (cast to the model's dtype).
 
     Every parameter must be present with the right shape; extra tensors are an error too, except
-    a tied model's redundant ``lm_head.weight`` and stale rotary tables."""
+    a tied model's redundant ``lm_head.weight`` and stale rotary tables. Sharded weights
+    (``stoker.model.shards.ShardedWeights``) load by slice instead, each parameter in its sharding."""
+    load_into = getattr(flat, "load_into", None)
+    if callable(load_into):
+        load_into(model)
+        return
     items = _param_items(model)
     expected = {hf_name(path)[0] for path, _ in items}
     tied = getattr(model, "lm_head", "absent") is None
@@ -154,33 +180,54 @@ def load_hf(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
         else:
             placement = getattr(current, "sharding", None)
         if isinstance(placement, jax.sharding.Sharding):
-            value = jax.device_put(np.asarray(arr).astype(current.dtype, copy=False), placement)
+            # Each device's slice cut (and cast) on its own: a memory-mapped checkpoint is read
+            # only where this process's devices need it, and no whole tensor is copied to cast.
+            value: jax.Array = jax.make_array_from_callback(
+                tuple(current.shape), placement, functools.partial(_cut, arr, current.dtype)
+            )
         else:
             value = jnp.asarray(arr, dtype=current.dtype)
         var.set_value(value)
 
 
+def _cut(arr: np.ndarray, dtype: Any, index: Any) -> np.ndarray:
+    """One device's slice of ``arr``, cast: only that slice is read or copied."""
+    return np.ascontiguousarray(arr[index]).astype(dtype, copy=False)
+
+
 # ---------------------------------------------------------------------------- checkpoints
 
 
-def read_weights(directory: str | Path) -> dict[str, np.ndarray]:
-    """All tensors of a checkpoint directory: ``model.safetensors`` or a sharded index."""
+def read_weights(directory: str | Path, *, mmap: bool = False) -> dict[str, np.ndarray]:
+    """All tensors of a checkpoint directory: ``model.safetensors`` or a sharded index
+    (``mmap``: memory-mapped, see ``read_safetensors``)."""
     directory = Path(directory)
     files = weight_files(directory)
     if not files:
         raise CheckpointError(f"no .safetensors weights in {directory}")
     flat: dict[str, np.ndarray] = {}
     for name in files:
-        flat.update(read_safetensors(directory / name))
+        flat.update(read_safetensors(directory / name, mmap=mmap))
     return flat
 
 
-def load_checkpoint(directory: str | Path, *, dtype: jnp.dtype = jnp.float32) -> Transformer:
-    """A ``Transformer`` built from a Hugging Face-format directory (no random init is run)."""
+def load_checkpoint(
+    directory: str | Path, *, dtype: jnp.dtype = jnp.float32,
+    placement: Callable[[tuple[int, ...]], jax.sharding.Sharding] | None = None,
+) -> Transformer:
+    """A ``Transformer`` built from a Hugging Face-format directory (no random init is run).
+
+    ``placement(shape)``: each parameter's sharding. The files are then memory-mapped and every
+    device receives only its own slice straight from them: no device (and, over several hosts,
+    no process) ever holds a whole tensor it does not own."""
     config = read_config(directory)
-    flat = read_weights(directory)
+    flat = read_weights(directory, mmap=placement is not None)
     # eval_shape leaves abstract placeholders (no init compute); load_hf replaces every one of them.
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype))
+    if placement is not None:
+        nnx.update(model, jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placement(tuple(a.shape))), nnx.state(model)
+        ))
     load_hf(model, flat)
     return model
 

@@ -411,10 +411,22 @@ class Transformer(nnx.Module):
         return self._logits(h)[:, 0], KVCache(tuple(new_layers), segments)
 
 
-def init_model(config: TransformerConfig, seed: int, dtype: jnp.dtype = jnp.float32) -> Transformer:
+def init_model(
+    config: TransformerConfig, seed: int, dtype: jnp.dtype = jnp.float32,
+    placement: Callable[[tuple[int, ...]], jax.sharding.Sharding] | None = None,
+) -> Transformer:
     """The random initialisation every component agrees on: the learner's version 0 and an actor's
-    weights before its first fetch are the same arrays for the same seed."""
-    return Transformer(config, rngs=nnx.Rngs(params=seed), dtype=dtype)
+    weights before its first fetch are the same arrays for the same seed.
+
+    It runs as one compiled program, placed or not, so the values are the same either way (an
+    eager init fuses differently and differs in the last bit). ``placement(shape)``: each
+    parameter's sharding; each device then computes only its own shard (JAX's partitionable
+    random bits), so no device ever holds the whole model."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(params=seed), dtype=dtype)))
+    placed = {} if placement is None else {"out_shardings": jax.tree.map(lambda a: placement(tuple(a.shape)), abstract)}
+    state = jax.jit(lambda: nnx.state(Transformer(config, rngs=nnx.Rngs(params=seed), dtype=dtype)), **placed)()
+    model: Transformer = nnx.merge(graphdef, state)
+    return model
 
 
 def count_params(model: nnx.Module) -> int:

@@ -12,6 +12,10 @@ its sha256. Two transports, usable together:
 Either way the subscriber checks size and sha256 before decoding, so truncated or corrupted
 weights raise ``WeightsCorrupt`` instead of loading silently wrong.
 
+A learner of several processes publishes sharded instead (``stoker.model.shards``,
+``stoker.learner.publish``): ``Latest`` says so, and ``fetch`` returns ``ShardedWeights``, read by
+slice (crc32 per block) from the directory or from every learner process's server.
+
 Only the newest ``keep`` versions are retained; fetching a pruned one raises ``WeightsNotFound``
 (ask for the latest again).
 """
@@ -38,6 +42,9 @@ from flax import nnx
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from stoker.model.hf import CheckpointError, decode_safetensors, encode_safetensors, load_hf, to_hf
+from stoker.model.shards import FORMAT as SHARDS_FORMAT
+from stoker.model.shards import ShardDirectory, ShardedWeights
+from stoker.model.weight_errors import WeightsCorrupt, WeightsError, WeightsNotFound, WeightsUnavailable
 from stoker.v1 import weights_pb2, weights_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -46,22 +53,6 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 LATEST_FILE = "LATEST.json"
 # Room for one chunk plus framing, and for large subscribers' Latest calls.
 _GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
-
-
-class WeightsError(Exception):
-    """Base of the weight channel's errors."""
-
-
-class WeightsNotFound(WeightsError):
-    """The version was never published or has been pruned; fetch the latest instead."""
-
-
-class WeightsCorrupt(WeightsError):
-    """The bytes received do not match the published size/sha256 (truncated or damaged)."""
-
-
-class WeightsUnavailable(WeightsError):
-    """The publisher cannot be reached right now; retrying later may succeed."""
 
 
 def flatten_params(model: nnx.Module) -> dict[str, np.ndarray]:
@@ -79,6 +70,7 @@ class WeightsInfo:
     version: int
     sha256: str
     size_bytes: int
+    sharded: bool = False  # a ``stoker.model.shards`` manifest rather than one blob
 
 
 @dataclass(frozen=True)
@@ -145,7 +137,9 @@ def _read_info(path: Path) -> WeightsInfo | None:
     except json.JSONDecodeError as err:
         raise WeightsCorrupt(f"{path} is not valid JSON: {err}") from err
     try:
-        return WeightsInfo(int(raw["policy_version"]), str(raw["sha256"]), int(raw["size_bytes"]))
+        return WeightsInfo(
+            int(raw["policy_version"]), str(raw["sha256"]), int(raw["size_bytes"]), raw.get("format") == SHARDS_FORMAT
+        )
     except (KeyError, TypeError, ValueError) as err:
         raise WeightsCorrupt(f"{path} is not a weights manifest: {err}") from err
 
@@ -337,8 +331,11 @@ class WeightSubscriber:
         self.timeout_s = timeout_s
         self._directory = Path(directory) if directory is not None else None
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self._address = address
         self._channel: grpc.Channel | None = None
         self._stub: weights_pb2_grpc.WeightsStub | None = None
+        self._sharded = False  # what the server's last Latest said
+        self._peers: Any = None  # a PeerShards, once a sharded version was fetched over gRPC
         if address is not None:
             self._channel = grpc.insecure_channel(address, options=_GRPC_OPTIONS)
             self._stub = weights_pb2_grpc.WeightsStub(self._channel)
@@ -354,20 +351,32 @@ class WeightSubscriber:
             raise self._translate(err) from err
         if reply.policy_version < 0:
             return None
-        return WeightsInfo(reply.policy_version, reply.sha256, reply.size_bytes)
+        self._sharded = reply.sharded
+        return WeightsInfo(reply.policy_version, reply.sha256, reply.size_bytes, reply.sharded)
 
     def latest_version(self) -> int:
         """The newest published version, -1 before the first publish."""
         info = self.latest()
         return -1 if info is None else info.version
 
-    def fetch(self, version: int) -> dict[str, np.ndarray]:
-        """One version's HF-named arrays, verified against its published size and sha256."""
+    def fetch(self, version: int) -> Mapping[str, np.ndarray]:
+        """One version's HF-named arrays, verified against its published size and sha256; a
+        sharded version as ``ShardedWeights`` (read lazily, by slice, crc32-checked)."""
         if self._directory is not None:
             return self._fetch_directory(version)
+        if self._sharded:
+            return self._fetch_sharded(version)
         return self._fetch_grpc(version)
 
-    def fetch_latest(self) -> tuple[int, dict[str, np.ndarray]] | None:
+    def _fetch_sharded(self, version: int) -> ShardedWeights:
+        from stoker.model.shard_service import PeerShards
+
+        assert self._address is not None
+        if self._peers is None:
+            self._peers = PeerShards(self._metadata, self.timeout_s)
+        return ShardedWeights(self._peers.manifest(self._address, version), self._peers)
+
+    def fetch_latest(self) -> tuple[int, Mapping[str, np.ndarray]] | None:
         """(version, arrays) of the newest version, or None before the first publish. Retries
         once if the newest version is pruned between the two calls."""
         for _ in range(2):
@@ -380,10 +389,14 @@ class WeightSubscriber:
                 continue
         raise WeightsUnavailable("the latest version kept being replaced while fetching")
 
-    def _fetch_directory(self, version: int) -> dict[str, np.ndarray]:
+    def _fetch_directory(self, version: int) -> Mapping[str, np.ndarray]:
         assert self._directory is not None
         info = _read_info(self._directory / _manifest_name(version))
         if info is None:
+            shards = ShardDirectory(self._directory)
+            manifest = shards.manifest(version)
+            if manifest is not None:
+                return ShardedWeights(manifest, shards)
             raise WeightsNotFound(f"policy version {version} is not in {self._directory}")
         try:
             data = (self._directory / _weights_name(version)).read_bytes()
@@ -391,7 +404,7 @@ class WeightSubscriber:
             raise WeightsNotFound(f"policy version {version} was pruned from {self._directory}") from err
         return decode_weights(info, data)
 
-    def _fetch_grpc(self, version: int) -> dict[str, np.ndarray]:
+    def _fetch_grpc(self, version: int) -> Mapping[str, np.ndarray]:
         assert self._stub is not None
         parts: list[bytes] = []
         info: WeightsInfo | None = None
@@ -407,6 +420,9 @@ class WeightSubscriber:
                 parts.append(chunk.data)
                 received += len(chunk.data)
         except grpc.RpcError as err:
+            if isinstance(err, grpc.Call) and err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                self._sharded = True  # a sharded publisher (fetched before any Latest)
+                return self._fetch_sharded(version)
             raise self._translate(err) from err
         if info is None:
             raise WeightsCorrupt(f"version {version}: empty stream")
@@ -429,6 +445,9 @@ class WeightSubscriber:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
+        if self._peers is not None:
+            self._peers.close()
+            self._peers = None
 
     def __enter__(self) -> WeightSubscriber:
         return self

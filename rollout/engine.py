@@ -294,7 +294,7 @@ class Engine:
             self.sampler.end_session(session)
         for flat, version, loaded in weights:
             try:
-                self.sampler.load_weights(dict(flat), version)
+                self.sampler.load_weights(flat, version)
             except WeightsError as exc:  # a multi-host server's other hosts lack it: asked again later
                 log.warning("policy version %d not loaded: %s", version, exc)
                 loaded.set()

@@ -170,7 +170,7 @@ class WeightPrefetcher:
         with self._lock:
             if self._newest is not None and self._newest[0] == version:
                 return self._newest[1]
-        return dict(self.subscriber.fetch(version))
+        return self.subscriber.fetch(version)  # sharded weights stay lazy: each host reads its own slices
 
     def _follow(self) -> None:
         from stoker.model.weights import WeightsError

@@ -104,7 +104,7 @@ async def _run(options: RunOptions) -> Outcome:
     outcome = Outcome(0, "")
     try:
         with Progress(options) as progress, MetricsSink(options.metrics_path) as sink:
-            await policy.load_weights(learner.flat_weights(), learner.version)
+            await policy.load_weights(learner.device_weights(), learner.version)
             duty = DutyCycle()
             learner.busy_seconds = 0.0
             while learner.steps < settings.max_steps:
@@ -133,7 +133,7 @@ async def _run(options: RunOptions) -> Outcome:
                 duty.busy_seconds = learner.busy_seconds
                 metrics["duty_cycle"] = duty.value
                 if metrics.get("trained"):
-                    await policy.load_weights(learner.flat_weights(), learner.version)
+                    await policy.load_weights(learner.device_weights(), learner.version)
                     if learner.steps % settings.checkpoint_interval == 0:
                         learner.save()
                 sink.record(metrics)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 
 def main() -> int:
@@ -22,6 +23,7 @@ def main() -> int:
     parser.add_argument("--devices", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--mesh", action="append", required=True)
+    parser.add_argument("--sharded", action="store_true", help="publish with a ShardedPublisher on every process")
     args = parser.parse_args()
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
@@ -103,6 +105,17 @@ def main() -> int:
             assert version not in self.published, f"version {version} published twice"
             self.published[version] = flat
 
+    from stoker.learner.publish import ShardedPublisher
+
+    class ShardedRecorder(ShardedPublisher):
+        def __init__(self, directory: Path) -> None:
+            super().__init__(directory=str(directory), processes=processes)
+            self.published: dict[int, Any] = {}
+
+        def publish(self, version: int, model: Any) -> Any:
+            self.published[version] = None
+            return super().publish(version, model)
+
     class Sink:
         def __init__(self) -> None:
             self.records: list[dict[str, float]] = []
@@ -123,8 +136,13 @@ def main() -> int:
         # source holds other batches (as a second buffer client would sample other groups), so a
         # process that sampled for itself would train apart. Only the primary's may be used.
         source = Source(fixed_batches(args.steps, seed=7 + processes.index))
-        publisher, sink = Publisher(), Sink()
+        publisher, sink = (ShardedRecorder(out / f"weights-{mesh}") if args.sharded else Publisher()), Sink()
         made = learner.run(source, publisher, sink=sink)
+        if args.sharded:  # what was committed, as a reader fetches it
+            from stoker.model.weights import WeightSubscriber
+
+            with WeightSubscriber(directory=out / f"weights-{mesh}") as subscriber:
+                publisher.published[learner.version] = dict(subscriber.fetch(learner.version))
         params = multihost.replicate(processes, learner.trainer.params, learner.mesh)
         final = flatten_params(learner.trainer.policy_model(params["policy"]))
         programs = learner.trainer.compiled_programs()

@@ -9,14 +9,34 @@ class LatestRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WeightsInfo(_message.Message):
-    __slots__ = ("policy_version", "size_bytes", "sha256")
+    __slots__ = ("policy_version", "size_bytes", "sha256", "sharded")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    SHARDED_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     size_bytes: int
     sha256: str
-    def __init__(self, policy_version: _Optional[int] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    sharded: bool
+    def __init__(self, policy_version: _Optional[int] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., sharded: _Optional[bool] = ...) -> None: ...
+
+class ShardManifest(_message.Message):
+    __slots__ = ("manifest",)
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    manifest: bytes
+    def __init__(self, manifest: _Optional[bytes] = ...) -> None: ...
+
+class ReadShardRequest(_message.Message):
+    __slots__ = ("policy_version", "key", "offset", "size")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    key: str
+    offset: int
+    size: int
+    def __init__(self, policy_version: _Optional[int] = ..., key: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("policy_version",)

@@ -44,6 +44,16 @@ class WeightsStub:
                 request_serializer=stoker_dot_v1_dot_weights__pb2.FetchRequest.SerializeToString,
                 response_deserializer=stoker_dot_v1_dot_weights__pb2.WeightsChunk.FromString,
                 _registered_method=True)
+        self.Manifest = channel.unary_unary(
+                '/stoker.v1.Weights/Manifest',
+                request_serializer=stoker_dot_v1_dot_weights__pb2.FetchRequest.SerializeToString,
+                response_deserializer=stoker_dot_v1_dot_weights__pb2.ShardManifest.FromString,
+                _registered_method=True)
+        self.ReadShard = channel.unary_stream(
+                '/stoker.v1.Weights/ReadShard',
+                request_serializer=stoker_dot_v1_dot_weights__pb2.ReadShardRequest.SerializeToString,
+                response_deserializer=stoker_dot_v1_dot_weights__pb2.WeightsChunk.FromString,
+                _registered_method=True)
 
 
 class WeightsServicer:
@@ -62,6 +72,20 @@ class WeightsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Manifest(self, request, context):
+        """A sharded version's manifest (JSON, stoker.model.shards.ShardManifest); primary only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadShard(self, request, context):
+        """A byte range of one shard this process holds, streamed in chunks (offsets from the range's start).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +97,16 @@ def add_WeightsServicer_to_server(servicer, server):
             'Fetch': grpc.unary_stream_rpc_method_handler(
                     servicer.Fetch,
                     request_deserializer=stoker_dot_v1_dot_weights__pb2.FetchRequest.FromString,
+                    response_serializer=stoker_dot_v1_dot_weights__pb2.WeightsChunk.SerializeToString,
+            ),
+            'Manifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.Manifest,
+                    request_deserializer=stoker_dot_v1_dot_weights__pb2.FetchRequest.FromString,
+                    response_serializer=stoker_dot_v1_dot_weights__pb2.ShardManifest.SerializeToString,
+            ),
+            'ReadShard': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadShard,
+                    request_deserializer=stoker_dot_v1_dot_weights__pb2.ReadShardRequest.FromString,
                     response_serializer=stoker_dot_v1_dot_weights__pb2.WeightsChunk.SerializeToString,
             ),
     }
@@ -129,6 +163,60 @@ class Weights:
             target,
             '/stoker.v1.Weights/Fetch',
             stoker_dot_v1_dot_weights__pb2.FetchRequest.SerializeToString,
+            stoker_dot_v1_dot_weights__pb2.WeightsChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Manifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stoker.v1.Weights/Manifest',
+            stoker_dot_v1_dot_weights__pb2.FetchRequest.SerializeToString,
+            stoker_dot_v1_dot_weights__pb2.ShardManifest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/stoker.v1.Weights/ReadShard',
+            stoker_dot_v1_dot_weights__pb2.ReadShardRequest.SerializeToString,
             stoker_dot_v1_dot_weights__pb2.WeightsChunk.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,255 @@
+"""Sharded publishing: every learner process writes (or serves) only the shards its devices hold.
+
+``ShardedPublisher.publish(version, model)`` runs on every process, on the outbox's thread, over a
+``Trainer.policy_copy`` in the parameters' training sharding (no gather). Each distinct shard
+(replicas deduplicated: one holder per box, spread over the processes that hold a copy) is read
+from its device to the host one at a time, transposed to Hugging Face's layout, checksummed and
+written to the shared directory and/or kept for this process's ``ShardServer``. A process then
+posts its part (checksums, its server's address) to the JAX coordination service's key-value
+store; the primary waits for every part, with a deadline, then commits the manifest. The barrier
+is the key-value store rather than a device collective, so it never interleaves with the training
+thread's collectives. A process that dies mid-publish posts no part: the version is never
+committed, the previous one stays served, and the next commit prunes the partial folder.
+Format and commit: docs/architecture.md, "Sharded weights".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from stoker.distributed import Processes
+from stoker.model.shards import (
+    BLOCK_BYTES, Box, ShardDirectory, ShardManifest, ShardRecord, TensorRecord, block_rows, checksums, folder_name,
+)
+
+log = logging.getLogger(__name__)
+
+KV_PREFIX = "stoker/weights"
+COMMIT_TIMEOUT_SECONDS = 600.0  # how long the primary waits for every process's part of a version
+LATEST_FILE = "LATEST.json"  # the single-blob channel's pointer name: subscribers look here for either
+
+
+@dataclass(frozen=True)
+class PlannedShard:
+    name: str  # HF name
+    key: str
+    box: Box  # HF layout
+    device: Any  # the device whose copy is published
+    transpose: bool
+    array: Any  # the global jax.Array it is a shard of
+
+
+@dataclass
+class PublishStats:
+    """This process's side of its last publish (what the tests and the benchmark read)."""
+
+    version: int = -1
+    shards: int = 0
+    bytes_written: int = 0  # bytes of shards this process staged (to the directory and/or its server)
+    peak_staging_bytes: int = 0  # the largest single shard held on the host at once while staging
+    seconds: float = 0.0
+
+
+def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+
+
+def plan(model: Any) -> tuple[list[PlannedShard], dict[str, tuple[tuple[int, ...], str]]]:
+    """Every distinct shard of ``model``'s parameters and who publishes it, the same on every
+    process (computed from the shardings alone), and each tensor's HF shape and dtype."""
+    from stoker.model.hf import _param_items, hf_name
+
+    shards: list[PlannedShard] = []
+    tensors: dict[str, tuple[tuple[int, ...], str]] = {}
+    for t, (path, var) in enumerate(_param_items(model)):
+        name, transpose = hf_name(path)
+        array = var.get_value()
+        shape = tuple(array.shape)
+        holders: dict[Box, list[Any]] = {}
+        for device, index in array.sharding.devices_indices_map(shape).items():
+            holders.setdefault(_box(index, shape), []).append(device)
+        tensors[name] = (tuple(reversed(shape)) if transpose else shape, str(array.dtype))
+        for i, (box, devices) in enumerate(sorted(holders.items())):
+            devices.sort(key=lambda d: d.id)
+            owner = devices[(t + i) % len(devices)]  # spread replicated tensors over their holders
+            hf_box = tuple(reversed(box)) if transpose else box
+            shards.append(PlannedShard(name, f"{name}@{i}", hf_box, owner, transpose, array))
+    return shards, tensors
+
+
+def advertised(address: str, port: int) -> str:
+    """The address other pods reach this process's server at: the bound host, or the pod's IP
+    (``POD_IP``, from the downward API; else the host name's address) for a wildcard bind."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host in ("", "0.0.0.0", "::"):
+        host = os.environ.get("POD_IP") or socket.gethostbyname(socket.gethostname())
+    return f"{host}:{port}"
+
+
+class ShardedPublisher:
+    """Publishes sharded versions from every learner process (every process constructs one, in
+    the same order: the run id is agreed with a broadcast). ``directory``: the shared volume's
+    path; ``address``: serve this process's shards there (``host:port``). At least one."""
+
+    every_process = True  # the learner's loop hands it to every process, not only the primary
+
+    def __init__(
+        self,
+        *,
+        directory: str | None = None,
+        address: str | None = None,
+        keep: int = 2,
+        auth_token: str | None = None,
+        processes: Processes | None = None,
+        commit_timeout_s: float = COMMIT_TIMEOUT_SECONDS,
+        block_bytes: int = BLOCK_BYTES,
+    ):
+        if directory is None and address is None:
+            raise ValueError("ShardedPublisher needs a directory, an address, or both")
+        self.processes = processes or Processes.current()
+        self.keep = keep
+        self.commit_timeout_s = commit_timeout_s
+        self.block_bytes = block_bytes
+        self.directory = ShardDirectory(directory, keep) if directory is not None else None
+        if self.directory is not None:
+            self.directory.directory.mkdir(parents=True, exist_ok=True)
+        self.server: Any = None
+        self.address: str | None = None
+        if address is not None:
+            from stoker.model.shard_service import ShardServer
+
+            self.server = ShardServer(address, keep=keep, auth_token=auth_token)
+            self.address = advertised(address, self.server.port)
+        self.run = self._agree_run_id()
+        self.stats = PublishStats()
+        self._latest = -1
+        self._lock = threading.Lock()
+
+    @property
+    def latest_version(self) -> int:
+        return self._latest
+
+    @property
+    def port(self) -> int | None:
+        return None if self.server is None else int(self.server.port)
+
+    def held_bytes(self) -> int:
+        """Host memory this process's server holds for readers (its shards of ``keep`` versions)."""
+        return 0 if self.server is None else int(self.server.servicer.held_bytes())
+
+    def _agree_run_id(self) -> str:
+        from stoker.learner import multihost
+
+        mine = secrets.randbits(62)
+        return f"{multihost.broadcast_int(self.processes, mine):016x}"
+
+    def publish(self, version: int, model: Any) -> ShardManifest | None:
+        """Stage this process's shards of ``model`` (an nnx module over a ``policy_copy``) as
+        ``version``; on the primary, commit once every process has. Returns the committed manifest
+        (primary) or None."""
+        with self._lock:
+            if version <= self._latest:
+                raise ValueError(f"version {version} is not newer than the published {self._latest}")
+            started = time.perf_counter()
+            shards, tensors = plan(model)
+            me = self.processes.index
+            folder = folder_name(version, self.run)
+            stats = PublishStats(version)
+            part: dict[str, tuple[int, tuple[int, ...]]] = {}
+            local: dict[int, dict[Any, Any]] = {}
+            for shard in shards:
+                if shard.device.process_index != me:
+                    continue
+                by_device = local.setdefault(id(shard.array), {s.device: s for s in shard.array.addressable_shards})
+                host = np.asarray(by_device[shard.device].data)
+                if shard.transpose:
+                    host = np.ascontiguousarray(host.T)
+                rows = block_rows(host.shape, host.dtype.itemsize, self.block_bytes)
+                part[shard.key] = (rows, checksums(host, rows))
+                if self.directory is not None:
+                    self.directory.write_shard(folder, me, shard.key, host)
+                if self.server is not None:
+                    self.server.servicer.stage(version, shard.key, host)
+                stats.shards += 1
+                stats.bytes_written += int(host.nbytes)
+                stats.peak_staging_bytes = max(stats.peak_staging_bytes, int(host.nbytes))
+                del host
+            parts = self._exchange(version, part)
+            manifest = None
+            if parts is not None:
+                manifest = self._manifest(version, folder, shards, tensors, parts)
+                if self.directory is not None:
+                    self.directory.commit(manifest, LATEST_FILE)
+                if self.server is not None:
+                    self.server.servicer.commit(manifest)
+                log.info("published weights v%d: %d tensors, %d bytes in shards", version, len(tensors), manifest.nbytes)
+            stats.seconds = time.perf_counter() - started
+            self.stats = stats
+            self._latest = version
+            return manifest
+
+    def _exchange(self, version: int, part: dict[str, tuple[int, tuple[int, ...]]]) -> list[dict[str, Any]] | None:
+        """Post this process's part; the primary gets every process's (the barrier), others None."""
+        import json
+
+        mine = {"address": self.address, "shards": {k: [rows, list(crc)] for k, (rows, crc) in part.items()}}
+        if not self.processes.multi:
+            return [mine]
+        from jax._src.distributed import global_state
+
+        client = global_state.client
+        assert client is not None, "jax.distributed is not initialized"
+        prefix = f"{KV_PREFIX}/{self.run}/{version:012d}"
+        client.key_value_set(f"{prefix}/{self.processes.index}", json.dumps(mine))
+        if not self.processes.primary:
+            return None
+        deadline = time.monotonic() + self.commit_timeout_s
+        parts = []
+        for process in range(self.processes.count):
+            left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            try:
+                parts.append(json.loads(client.blocking_key_value_get(f"{prefix}/{process}", left_ms)))
+            except Exception as exc:  # noqa: BLE001 - the coordination service's errors are untyped
+                raise RuntimeError(
+                    f"weights v{version}: learner process {process} did not finish publishing its shards "
+                    f"within {self.commit_timeout_s:.0f} s ({exc}); the version stays unpublished"
+                ) from exc
+        for process in range(self.processes.count):
+            client.key_value_delete(f"{prefix}/{process}")
+        return parts
+
+    def _manifest(
+        self, version: int, folder: str, shards: list[PlannedShard],
+        tensors: dict[str, tuple[tuple[int, ...], str]], parts: list[dict[str, Any]],
+    ) -> ShardManifest:
+        records: dict[str, list[ShardRecord]] = {name: [] for name in tensors}
+        for shard in shards:
+            process = shard.device.process_index
+            rows, crc = parts[process]["shards"][shard.key]
+            records[shard.name].append(ShardRecord(shard.box, process, shard.key, int(rows), tuple(crc)))
+        peers = tuple(str(p["address"]) for p in parts) if self.server is not None else ()
+        return ShardManifest(
+            version, folder, self.processes.count,
+            {name: TensorRecord(name, shape, dtype, tuple(records[name])) for name, (shape, dtype) in tensors.items()},
+            peers,
+        )
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+    def __enter__(self) -> ShardedPublisher:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
