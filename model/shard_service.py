@@ -20,6 +20,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from stoker.channels import channel_options
 from stoker.model.shards import ShardManifest, ShardRecord, ShardsMissing, as_bytes
 from stoker.model.weight_errors import WeightsCorrupt, WeightsError, WeightsUnavailable
 from stoker.model.weights import _GRPC_OPTIONS, DEFAULT_CHUNK_BYTES, _BearerAuth
@@ -139,7 +140,7 @@ class PeerShards:
     def _stub(self, address: str) -> Any:
         with self._lock:
             if address not in self._stubs:
-                channel = grpc.insecure_channel(address, options=_GRPC_OPTIONS)
+                channel = grpc.insecure_channel(address, options=channel_options(_GRPC_OPTIONS))
                 self._stubs[address] = (channel, weights_pb2_grpc.WeightsStub(channel))
             return self._stubs[address][1]
 

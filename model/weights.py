@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from stoker.channels import channel_options
 from stoker.model.hf import CheckpointError, decode_safetensors, encode_safetensors, load_hf, to_hf
 from stoker.model.shards import FORMAT as SHARDS_FORMAT
 from stoker.model.shards import ShardDirectory, ShardedWeights
@@ -337,7 +338,7 @@ class WeightSubscriber:
         self._sharded = False  # what the server's last Latest said
         self._peers: Any = None  # a PeerShards, once a sharded version was fetched over gRPC
         if address is not None:
-            self._channel = grpc.insecure_channel(address, options=_GRPC_OPTIONS)
+            self._channel = grpc.insecure_channel(address, options=channel_options(_GRPC_OPTIONS))
             self._stub = weights_pb2_grpc.WeightsStub(self._channel)
 
     def latest(self) -> WeightsInfo | None:

@@ -19,6 +19,7 @@ from collections.abc import Hashable, Sequence
 import grpc
 
 from stoker.actor.policy import PolicyError, Sampled
+from stoker.channels import channel_options
 from stoker.v1 import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger("stoker.actor")
@@ -61,7 +62,7 @@ class RemotePolicy:
         loop = asyncio.get_running_loop()
         if self._stub is None or loop is not self._loop:  # an aio channel belongs to one event loop
             self._loop = loop
-            self._channel = grpc.aio.insecure_channel(self.address)
+            self._channel = grpc.aio.insecure_channel(self.address, options=channel_options())
             self._stub = rollout_pb2_grpc.RolloutStub(self._channel)
         return self._stub
 
