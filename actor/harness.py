@@ -154,6 +154,34 @@ def load_test_module(name: str, path: str) -> None:
     except BaseException:
         sys.modules.pop(name, None)
         raise
+    sys.modules[name] = module  # whatever the agent's code, imported by it, put there
+    if parent:
+        setattr(sys.modules[parent], name.rpartition(".")[2], module)
+    LOADED[name] = module
+
+
+LOADED: dict[str, types.ModuleType] = {}
+PRISTINE: set[str] = set()
+
+
+def load_tests(loader: unittest.loader.TestLoader, entry: str) -> Any:
+    """Tests for a module name or test id, resolved from the pristine modules the harness loaded."""
+    parts = entry.split(".")
+    for cut in range(len(parts), 0, -1):
+        module = LOADED.get(".".join(parts[:cut]))
+        if module is None:
+            continue
+        target: Any = module
+        for part in parts[cut:]:
+            target = getattr(target, part)
+        if isinstance(target, types.ModuleType):
+            return loader.loadTestsFromModule(target)
+        if isinstance(target, type):
+            return loader.loadTestsFromTestCase(target)
+        return loader.loadTestsFromName(parts[-1], getattr(module, parts[cut]) if len(parts) - cut == 2 else module)
+    if any(".".join(parts[:cut]) in PRISTINE for cut in range(1, len(parts) + 1)):
+        raise ImportError(f"{entry}: its test module did not import")  # reported once, at its load
+    return loader.loadTestsFromName(entry)
 
 
 def snapshot(modules: tuple[types.ModuleType, ...]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -264,6 +292,7 @@ def run(modules: list[str], test_files: dict[str, str]) -> list[str]:
     """Load and run the tests, telling the hook where each begins and ends; returns module errors."""
     result = _Result()
     errors: list[str] = []
+    PRISTINE.update(test_files)
     for name, path in test_files.items():
         try:
             load_test_module(name, path)
@@ -272,7 +301,7 @@ def run(modules: list[str], test_files: dict[str, str]) -> list[str]:
     loader = unittest.loader.TestLoader()
     for name in modules:
         try:
-            cases = _cases(loader.loadTestsFromName(name))
+            cases = _cases(load_tests(loader, name))
         except BaseException:  # noqa: BLE001
             errors.append(f"{name}: {traceback.format_exc(limit=3)}")
             continue

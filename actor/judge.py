@@ -119,11 +119,14 @@ def judge_unittest(
     judge_dir: Path,
     timeout_seconds: float,
     prepare: Callable[[Path], None] | None = None,
+    test_files: list[str] | None = None,
 ) -> Verdict:
     """Run ``test_modules`` against a copy of ``agent_tree`` with ``pristine`` files written over it.
 
     ``test_modules`` are names unittest loads (modules, or test ids such as ``mod.Class.test``);
-    ``prepare`` then changes the copy (applies a test patch) before the run. A sandbox that cannot
+    ``prepare`` then changes the copy (applies a test patch) before the run. ``test_files`` are the
+    copy's trusted test files after that (default: the pristine ones); only their assertions
+    count. A sandbox that cannot
     isolate raises ``EnvironmentProblem`` (one line: why, and what to set).
     """
     if judge_dir.exists():
@@ -139,6 +142,8 @@ def judge_unittest(
         path.write_text(content)
     if prepare is not None:
         prepare(repo)
+    names = test_files if test_files is not None else list(pristine)
+    tests = {name: (repo / name).read_text() for name in names if name.endswith(".py") and (repo / name).is_file()}
     harness_dir = judge_dir / "harness"
     harness_dir.mkdir()
     for name in HARNESS_FILES:
@@ -146,15 +151,15 @@ def judge_unittest(
     make_readable_by_nobody(judge_dir)
     channel = Path(tempfile.mkdtemp(prefix="stoker-judge-"))  # short: a socket path holds 107 bytes
     try:
-        verdict = _run(repo.resolve(), harness_dir.resolve(), channel, pristine, test_modules, timeout_seconds)
+        verdict = _run(repo.resolve(), harness_dir.resolve(), channel, tests, test_modules, timeout_seconds)
     finally:
         shutil.rmtree(channel, ignore_errors=True)
     (judge_dir / "report.xml").write_text(junit(verdict))
     return verdict
 
 
-def _run(repo: Path, harness: Path, channel: Path, pristine: dict[str, str], modules: list[str], timeout: float) -> Verdict:
-    expected = expected_tests(pristine, modules)
+def _run(repo: Path, harness: Path, channel: Path, tests: dict[str, str], modules: list[str], timeout: float) -> Verdict:
+    expected = expected_tests(tests, modules)
     socket_path = str(channel / "report")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(socket_path)
@@ -163,7 +168,7 @@ def _run(repo: Path, harness: Path, channel: Path, pristine: dict[str, str], mod
     os.chmod(socket_path, 0o666)
     tmp_bytes = tmp_limit_bytes()
     argv = ["python", "-I", "-S", "-B", str(harness / "harness.py"), "--repo", str(repo), "--socket", socket_path,
-            *[f"--test-file={name}" for name in pristine if name.endswith(".py")], f"--file-limit={tmp_bytes}", "--", *modules]
+            *[f"--test-file={name}" for name in tests], f"--file-limit={tmp_bytes}", "--", *modules]
     try:
         confined = confine(argv, str(repo), [str(repo), str(harness), str(channel)], tmp_bytes)
     except IsolationUnavailable as exc:
@@ -286,6 +291,8 @@ def _descendants(root: int) -> list[int]:
 
 def _read_report(report: bytes | None, output: str, tampering: tuple[tuple[str, str], ...], expected: tuple[str, ...]) -> Verdict:
     def verdict(problem: str, **more: Any) -> Verdict:
+        if tampering:  # the reason the agent and the user see first
+            problem = f"tampering: the code under test tried {', '.join(sorted({kind for kind, _ in tampering}))}"
         return Verdict(problem=problem, output=output, tampering=tampering, expected=expected, **more)
 
     if not report:
@@ -295,16 +302,17 @@ def _read_report(report: bytes | None, output: str, tampering: tuple[tuple[str, 
         outcomes = {str(test_id): str(kind) for test_id, (kind, _detail) in data["outcomes"].items()}
         details = {str(test_id): str(detail) for test_id, (_kind, detail) in data["outcomes"].items()}
         module_errors = [str(error) for error in data["module_errors"]]
-        tampering += tuple((str(kind), str(detail)) for kind, detail in data["tampering"])
+        reported = tuple((str(kind), str(detail)) for kind, detail in data["tampering"])
         checks = [(str(t), json.loads(a), json.loads(b), bool(same)) for t, a, b, same in data["checks"]]
     except (ValueError, KeyError, TypeError):
         return verdict("the test report is malformed")
+    # The report lists every refusal the output announced, unless the output was forged to add some.
+    tampering = reported + tuple(t for t in tampering if t[0] == "forged report" or t not in reported)
     for test_id, a, b, same in checks:  # plain data, compared again by a process the agent cannot reach
         if (a == b) != same:
             tampering += (("comparison mismatch", f"{test_id}: {a!r} vs {b!r}"),)
     if tampering:
-        kinds = ", ".join(sorted({kind for kind, _ in tampering}))
-        return verdict(f"tampering: the code under test tried {kinds}", outcomes=outcomes)
+        return verdict("", outcomes=outcomes)
     failing = [f"{test_id}: {details[test_id]}" for test_id, kind in sorted(outcomes.items()) if kind != "passed" and details[test_id]]
     output = "\n".join([output, *module_errors, *failing[:3]]) if module_errors or failing else output
     missing = [test_id for test_id in expected if test_id not in outcomes]

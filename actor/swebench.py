@@ -159,7 +159,7 @@ def judge_instance(instance: SweInstance, agent_tree: Path, base_tree: Path, jud
             (tree / name).unlink(missing_ok=True)
         git("apply", "--whitespace=nowarn", cwd=tree, stdin=instance.test_patch)
 
-    return judge_unittest(agent_tree, pristine, instance.tests, judge_dir, timeout, prepare=apply_test_patch)
+    return judge_unittest(agent_tree, pristine, instance.tests, judge_dir, timeout, prepare=apply_test_patch, test_files=sorted(test_files))
 
 
 class SweBenchEnvironment(SweEnvironment):

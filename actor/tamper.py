@@ -99,6 +99,8 @@ def install(
         if entry is None:
             return False
         code = entry.f_code
+        if code.co_filename.startswith("<frozen importlib"):
+            return True  # a standard-library module the agent imports, running its own body
         return code.co_name not in _LEAKING_NAMES and code.co_filename.endswith(_SAFE_ENTRY_FILES)
 
     def refuse(kind: str, detail: str) -> None:
