@@ -258,6 +258,17 @@ def _prctl(option: int, value: int) -> None:
         pass
 
 
+def _leave_root(uid: int) -> None:
+    """The fallback started by root: a network namespace of our own (loopback down), then ``uid``."""
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).unshare(0x40000000) != 0:  # CLONE_NEWNET
+        sys.stderr.write(f"stoker: the test process keeps the host network (unshare: errno {ctypes.get_errno()})\n")
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+
+
 def _arm(args: argparse.Namespace, test_files: list[str]) -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     tamper_file = os.path.join(here, "tamper.py")
@@ -323,6 +334,7 @@ def main() -> None:
     parser.add_argument("--socket", required=True)
     parser.add_argument("--test-file", action="append", default=[])
     parser.add_argument("--file-limit", type=int, default=0, help="RLIMIT_FSIZE in bytes (0: unchanged)")
+    parser.add_argument("--drop-to", type=int, default=0, help="uid to become after leaving the network (fallback as root)")
     parser.add_argument("modules", nargs="+")
     args = parser.parse_args()
     exit_now = os._exit
@@ -330,6 +342,8 @@ def main() -> None:
     test_files = {f.removesuffix(".py").replace("/", "."): os.path.join(repo, f) for f in args.test_file}
     if args.file_limit > 0:
         resource.setrlimit(resource.RLIMIT_FSIZE, (args.file_limit, args.file_limit))
+    if args.drop_to and os.getuid() == 0:
+        _leave_root(args.drop_to)
     _prctl(4, 0)  # PR_SET_DUMPABLE: the agent's processes cannot ptrace or read this one
     if os.getpid() != 1:
         _prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans of the agent's processes stay ours to kill

@@ -164,9 +164,12 @@ def confine(argv: list[str], workdir: str, readonly: list[str], tmp_bytes: int) 
         raise IsolationUnavailable(reason)
     argv = [interpreter() or sys.executable, *argv[1:]]
     env = {"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
-    popen: dict[str, Any] = {"env": env, "start_new_session": True, **_as_nobody()}
+    popen: dict[str, Any] = {"env": env, "start_new_session": True}
     if isolation() == FALLBACK:
-        return Confined(argv, popen)
+        # Root starts the harness, which leaves the host network and becomes nobody before
+        # anything of the agent's runs; as any other user it just runs (loopback stays open).
+        return Confined([*argv[:5], f"--drop-to={NOBODY}", *argv[5:]] if os.geteuid() == 0 else argv, popen)
+    popen.update(_as_nobody())
     read_end, write_end = os.pipe()
     args = [shutil.which("bwrap") or "bwrap", *_root_args()]
     for path in ("/tmp", "/dev/shm", "/var/tmp"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import json
+import logging
 import os
 import re
 import select
@@ -34,9 +35,19 @@ from typing import Any
 from xml.sax.saxutils import quoteattr
 
 from stoker.actor.environments import EnvironmentProblem
-from stoker.actor.isolation import BUBBLEWRAP, IsolationUnavailable, confine, isolation, make_readable_by_nobody, tmp_limit_bytes
+from stoker.actor.isolation import (
+    BUBBLEWRAP,
+    IsolationUnavailable,
+    confine,
+    describe,
+    isolation,
+    make_readable_by_nobody,
+    tmp_limit_bytes,
+)
 
 HARNESS_FILES = ("harness.py", "tamper.py")
+log = logging.getLogger("stoker.actor.judge")
+_warned: list[bool] = []
 NOTICE = re.compile(r"^stoker-tampering: ([^:\n]+): ?(.*)$", re.MULTILINE)
 REPORT_LIMIT = 4 << 20
 OUTPUT_LIMIT = 1 << 20
@@ -70,8 +81,10 @@ class Verdict:
 
 def tampering_metrics(kinds: dict[str, int]) -> dict[str, float]:
     """An episode's refused attempts for its ``info["metrics"]``: ``tampering_attempts`` (always)
-    and ``tampering/<kind>`` per kind seen; they reach the learner's metrics as ``episode_*``."""
-    return {"tampering_attempts": float(sum(kinds.values())),
+    and ``tampering/<kind>`` per kind seen; they reach the learner's metrics as ``episode_*``.
+    ``judge_confined`` is 0 when test runs go unconfined (the rlimits fallback), so a degraded
+    sandbox shows in every metrics row, not only in a log line."""
+    return {"tampering_attempts": float(sum(kinds.values())), "judge_confined": 1.0 if isolation() == BUBBLEWRAP else 0.0,
             **{f"tampering/{kind.replace(' ', '_')}": float(n) for kind, n in sorted(kinds.items())}}
 
 
@@ -167,6 +180,9 @@ def _run(repo: Path, harness: Path, channel: Path, tests: dict[str, str], module
     os.chmod(channel, 0o711)  # the test process may connect, never replace the socket
     os.chmod(socket_path, 0o666)
     tmp_bytes = tmp_limit_bytes()
+    if isolation() != BUBBLEWRAP and not _warned:
+        _warned.append(True)
+        log.warning("judged test runs are not confined: %s", describe())
     argv = ["python", "-I", "-S", "-B", str(harness / "harness.py"), "--repo", str(repo), "--socket", socket_path,
             *[f"--test-file={name}" for name in tests], f"--file-limit={tmp_bytes}", "--", *modules]
     try:
