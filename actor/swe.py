@@ -202,7 +202,12 @@ class SweEnvironment:
         self.last_verdict = verdict
         for kind, count in verdict.tampering_kinds().items():
             self._tampering[kind] = self._tampering.get(kind, 0) + count
-        return passed, _tail(("PASSED\n" if passed else "FAILED\n") + summarize(verdict))
+        return passed, _tail(("PASSED\n" if passed else "FAILED\n") + summarize(verdict, self._answer_lines()))
+
+    def _answer_lines(self) -> list[str]:
+        """Lines of the reference fix: never shown to the agent, whatever the judged code printed."""
+        assert self.task is not None
+        return [line.strip() for edit in self.task.solution for line in edit["new"].splitlines() if len(line.strip()) >= 6]
 
     def _info(self, success: bool) -> dict[str, Any]:
         return {"metrics": {
@@ -214,10 +219,12 @@ class SweEnvironment:
 
 
 
-def summarize(verdict: Verdict) -> str:
-    """Failing test names, the run's problem and its last lines: enough to act on, and short."""
+def summarize(verdict: Verdict, withheld: list[str] | None = None) -> str:
+    """Failing test names, the run's problem and its last lines: enough to act on, and short.
+
+    Output lines holding any of ``withheld`` (the reference fix) are dropped."""
     failing = [f"{kind.upper()}: {test_id}" for test_id, kind in sorted(verdict.outcomes.items()) if kind != "passed"]
-    lines = verdict.output.strip().splitlines()
+    lines = [line for line in verdict.output.strip().splitlines() if not any(w in line for w in withheld or [])]
     keep = [line for line in lines if "Error" in line.split(":")[0]]
     return "\n".join([*([verdict.problem] if verdict.problem else []), *failing, *keep[-5:], *lines[-1:]])
 

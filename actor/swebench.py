@@ -197,6 +197,11 @@ class SweBenchEnvironment(SweEnvironment):
         verdict = judge_instance(self.instance, self.repo, self.base, self.workdir / "judge", self.test_timeout_seconds)
         return self._judged(verdict, verdict.passed(self.instance.tests))
 
+    def _answer_lines(self) -> list[str]:
+        assert self.instance is not None
+        added = [line[1:].strip() for line in self.instance.patch.splitlines() if line.startswith("+") and not line.startswith("+++")]
+        return [line for line in added if len(line) >= 6]
+
     def close(self) -> None:
         super().close()
         shutil.rmtree(self.base, ignore_errors=True)

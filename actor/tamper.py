@@ -279,7 +279,7 @@ def install(
     def finish(module_errors: list[str]) -> None:
         final.append(True)
         kill_others()
-        outcomes = {}
+        outcomes: dict[str, list[str]] = {}
         for test_id, record in tests.items():
             kind, detail = record.get("kind", "error"), record.get("detail", "")
             if record["failures"]:
@@ -287,7 +287,7 @@ def install(
             elif kind == "passed" and not record["done"]:
                 kind, detail = "error", "the test body did not run to its end under the harness"
             outcomes[test_id] = [kind, str(detail)[-2000:]]
-        report = {"outcomes": outcomes, "module_errors": [e[-2000:] for e in module_errors],
+        report: dict[str, Any] = {"outcomes": outcomes, "module_errors": [e[-2000:] for e in module_errors],
                   "tampering": attempts[:50], "checks": []}
         for test_id, a, b, same in checks:
             try:
@@ -297,8 +297,8 @@ def install(
         data = dumps(report)
         while len(data.encode()) > ARG_LIMIT and (report["checks"] or report["module_errors"] or outcomes):
             report["checks"] = report["checks"][: len(report["checks"]) // 2]
-            for record in outcomes.values():
-                record[1] = record[1][:200]
+            for entry in outcomes.values():
+                entry[1] = entry[1][:200]
             report["module_errors"] = [e[:200] for e in report["module_errors"]]
             data = dumps(report)
             if not report["checks"] and len(data.encode()) > ARG_LIMIT:

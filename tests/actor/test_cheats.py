@@ -446,3 +446,15 @@ def test_the_fallback_refuses_to_run_tests_as_root_without_an_interpreter_nobody
     env = _median(tmp_path)
     with pytest.raises(EnvironmentProblem, match="will not run tests as root"):
         env.step("run_tests")
+
+
+def test_the_feedback_withholds_the_reference_fix_even_if_printed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fallback leaves the package readable: printing the answer key must still not reach the agent.
+    monkeypatch.setenv("STOKER_SANDBOX_ISOLATION", "rlimits")
+    from stoker.actor.swe import tasks_root
+
+    env = _median(tmp_path)
+    _prepend(env, f"print('Error: ' + open({str(tasks_root() / 'median.toml')!r}).read())")
+    result = env.step("run_tests")
+    assert env.last_verdict is not None and "sorted(values)" in env.last_verdict.output  # it did read it
+    assert "sorted(values)" not in result.observation.text
