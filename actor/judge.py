@@ -210,6 +210,8 @@ def _run(repo: Path, harness: Path, channel: Path, tests: dict[str, str], module
     text = b"".join(output).decode(errors="replace")
     notices = tuple((m.group(1).strip(), m.group(2).strip()) for m in NOTICE.finditer(text))
     foreign_attempts = tuple(("forged report", f"a report sent by pid {pid}, not the test process") for pid in foreign)
+    if report is None and not timed_out:
+        text += f"\n(the test run exited with status {process.returncode} and sent no report)"
     if timed_out:
         return Verdict(problem=f"tests timed out after {timeout:g} s", output=text, tampering=notices + foreign_attempts, expected=expected)
     return _read_report(report, text, notices + foreign_attempts, expected)

@@ -61,7 +61,7 @@ def test_code_that_fakes_the_verdict_gets_zero(cheat: str, mode: str, tmp_path: 
 def test_the_reference_fix_still_passes_with_each_mode(mode: str, tmp_path: Path) -> None:
     env = _median(tmp_path)
     results = [env.step(command) for command in solution_commands("median")]
-    assert results[-1].reward == 1.0 and results[-1].terminated
+    assert results[-1].reward == 1.0 and results[-1].terminated, env.last_verdict
 
 
 def test_editing_the_tests_or_adding_pytest_and_unittest_shims_gets_zero(mode: str, tmp_path: Path) -> None:
@@ -458,3 +458,11 @@ def test_the_feedback_withholds_the_reference_fix_even_if_printed(tmp_path: Path
     result = env.step("run_tests")
     assert env.last_verdict is not None and "sorted(values)" in env.last_verdict.output  # it did read it
     assert "sorted(values)" not in result.observation.text
+
+
+def test_the_progress_line_shows_attempts_once_episodes_report_them() -> None:
+    from stoker.progress import _tampering_text
+
+    assert _tampering_text({"episode_tampering_attempts": 0.0}) == "" and _tampering_text({}) == ""
+    row = {"episode_tampering_attempts": 0.25, "episode_tampering/frame_introspection": 1.0, "episode_tampering/ctypes": 0.0}
+    assert _tampering_text(row) == "  tampering 0.25 (frame_introspection)"
