@@ -101,9 +101,25 @@ class _Rewrite(ast.NodeTransformer):
         self.generic_visit(node)
         func = node.func
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self":
-            if func.attr in ASSERTIONS:
+            if func.attr in ASSERTIONS or (func.attr == "assertRaises" and len(node.args) >= 2):
                 return _assertion(func.attr, node.args, node.keywords)
         return node
+
+    def visit_With(self, node: ast.With) -> Any:
+        """``with self.assertRaises(E): body`` (no ``as``) -> try/except reporting to the hook."""
+        self.generic_visit(node)
+        if len(node.items) != 1 or node.items[0].optional_vars is not None:
+            return node
+        call = node.items[0].context_expr
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "assertRaises"
+                and isinstance(call.func.value, ast.Name) and call.func.value.id == "self" and len(call.args) == 1
+                and not call.keywords):
+            return node
+        raised = ast.Name("stoker_raised_", ast.Load())
+        handler = ast.ExceptHandler(type=ast.Name("BaseException", ast.Load()), name="stoker_raised_",
+                                    body=[ast.Expr(_audit(ast.Constant("stoker.raised"), call.args[0], raised))])
+        not_raised = _audit(ast.Constant("stoker.assert"), ast.Constant("fail"), ast.Tuple([ast.Constant("no exception raised")], ast.Load()), ast.Dict([], []))
+        return ast.Try(body=node.body, handlers=[handler], orelse=[ast.Expr(not_raised)], finalbody=[])
 
     def visit_Assert(self, node: ast.Assert) -> Any:
         self.generic_visit(node)

@@ -134,8 +134,9 @@ def describe() -> str:
     if mode == BUBBLEWRAP:
         return "bubblewrap (own root, read-only, private bounded /tmp, no /proc, no network, as uid 65534)"
     if mode == FALLBACK:
-        return ("rlimits only, by request: NO filesystem or network confinement (host files readable by "
-                "uid 65534, loopback open)" + ("" if not problem() else f"; {problem()}"))
+        network = "own network namespace" if os.geteuid() == 0 else "host network, loopback open"
+        return (f"rlimits only, by request: NO filesystem confinement (host files readable by uid 65534), {network}"
+                + ("" if not problem() else f"; {problem()}"))
     return f"NONE: {problem()}"
 
 

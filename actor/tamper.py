@@ -201,7 +201,17 @@ def install(
                 refuse("always-true comparison", f"a {type(a).__name__} both less and greater")
         return result
 
-    checkers = {
+    def raises(expected: Any, func: Any, *args: Any, **kwargs: Any) -> bool:
+        kwargs.pop("msg", None)
+        try:
+            call_agent(lambda: func(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - the test's own check decides
+            if issubclass(type(exc), expected):
+                return True
+            raise
+        return False
+
+    checkers: dict[str, Any] = {
         "assertEqual": lambda a, b, *m: equal(a, b), "assertNotEqual": lambda a, b, *m: not equal(a, b),
         "assertTrue": lambda x, *m: bool(call_agent(bool, x)), "assertFalse": lambda x, *m: not call_agent(bool, x),
         "assertIs": lambda a, b, *m: a is b, "assertIsNot": lambda a, b, *m: a is not b,
@@ -218,6 +228,8 @@ def install(
                   "assertSequenceEqual", "assertMultiLineEqual"):
         checkers[alias] = checkers["assertEqual"]
     checkers["assert"] = checkers["assertTrue"]
+    checkers["assertRaises"] = raises
+    checkers["fail"] = lambda *m: False
 
     def assertion(caller: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if caller.f_code not in trusted_codes or scan(caller)[0] is not None or not current:
@@ -315,6 +327,10 @@ def install(
     def on_stoker(event: str, args: tuple[Any, ...], caller: Any) -> None:
         if event == "stoker.assert":
             assertion(caller, *args)
+        elif event == "stoker.raised":  # the except clause of a rewritten ``with self.assertRaises``
+            assertion(caller, "assert", (True,), {})  # the same checks of where it was raised from
+            if not issubclass(type(args[1]), args[0]):
+                raise args[1]
         elif event == "stoker.done":
             code = caller.f_code
             if code not in trusted_codes or scan(caller)[0] is not None or not current:

@@ -466,3 +466,26 @@ def test_the_progress_line_shows_attempts_once_episodes_report_them() -> None:
     assert _tampering_text({"episode_tampering_attempts": 0.0}) == "" and _tampering_text({}) == ""
     row = {"episode_tampering_attempts": 0.25, "episode_tampering/frame_introspection": 1.0, "episode_tampering/ctypes": 0.0}
     assert _tampering_text(row) == "  tampering 0.25 (frame_introspection)"
+
+
+def test_assert_raises_is_judged_by_the_hook_not_by_a_patchable_unittest(tmp_path: Path) -> None:
+    tests = (
+        "import unittest\nfrom parse import parse\nclass P(unittest.TestCase):\n"
+        "    def test_ctx(self):\n        with self.assertRaises(ValueError):\n            parse('bad')\n"
+        "    def test_call(self):\n        self.assertRaises(ValueError, parse, 'bad')\n"
+    )
+    tree = tmp_path / "tree"
+    tree.mkdir()
+
+    def judged(code: str) -> judge.Verdict:
+        (tree / "parse.py").write_text(code)
+        return judge.judge_unittest(tree, {"test_parse.py": tests}, ["test_parse"], tmp_path / "judge", 20.0)
+
+    assert judged("def parse(s):\n    return int(s)\n").passed()
+    assert not judged("def parse(s):\n    if s == 'bad':\n        raise KeyError(s)\n").passed()  # another exception
+    patched = judged(
+        "import contextlib, unittest\n"
+        "unittest.TestCase.assertRaises = lambda self, *a, **k: contextlib.nullcontext()\n"
+        "def parse(s):\n    return 1\n"
+    )
+    assert not patched.passed() and set(patched.outcomes.values()) == {"failed"}
