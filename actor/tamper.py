@@ -27,6 +27,7 @@ outcomes, the assertion results and the record of refused attempts live only in 
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -65,6 +66,7 @@ def install(
     """Add the hook. ``reporter`` is the argv of the fresh interpreter that sends the report."""
     getframe, write, kill, waitpid, execve, getpid = sys._getframe, os.write, os.kill, os.waitpid, os.execve, os.getpid
     realpath, listdir, dumps, isfinite = os.path.realpath, os.listdir, json.dumps, math.isfinite
+    gc_isenabled, gc_disable, gc_enable = gc.isenabled, gc.disable, gc.enable
     local = threading.local()
     trusted_cache: dict[str, bool] = {}
     trusted_codes: dict[Any, str] = {}  # code object -> its module
@@ -113,11 +115,11 @@ def install(
 
     def call_agent(fn: Any, *args: Any) -> Any:
         """Run code that may be the agent's (an ``__eq__``) with the hook watching it again."""
-        local.busy = False
+        depth, local.depth = local.depth, 0
         try:
             return fn(*args)
         finally:
-            local.busy = True
+            local.depth = depth
 
     # ------------------------------------------------------------------ plain-data comparison
 
@@ -171,11 +173,11 @@ def install(
             if len(checks) < 200 and json_exact(a) and json_exact(b):
                 checks.append((current[-1] if current else "", a, b, same))
             return same
-        result = bool(call_agent(lambda: a == b))
+        result = call_agent(lambda: bool(a == b))
         if result:
             for value, other in ((a, b), (b, a)):
                 if not plain(value) and (
-                    bool(call_agent(lambda: value == _Probe())) or bool(call_agent(lambda: value == perturbed(other)))
+                    call_agent(lambda: bool(value == _Probe())) or call_agent(lambda: bool(value == perturbed(other)))
                 ):
                     refuse("always-equal value", f"a {type(value).__name__} equal to values it cannot equal")
         return result
@@ -183,21 +185,22 @@ def install(
     def contains(container: Any, item: Any) -> bool:
         if plain(container) and type(container) is not str and type(container) is not bytes:
             return any(equal(item, element) for element in (container.keys() if type(container) is dict else container))
-        return bool(call_agent(lambda: item in container))
+        return call_agent(lambda: bool(item in container))
 
     def close(a: Any, b: Any, places: Any = None, delta: Any = None) -> bool:
         if equal(a, b):
             return True
-        diff = call_agent(lambda: abs(a - b))
-        if type(diff) not in (int, float):
+        diff = call_agent(lambda: (lambda d: d if type(d) in (int, float) else None)(abs(a - b)))
+        if diff is None:
             return False
         return diff <= delta if delta is not None else round(diff, 7 if places is None else places) == 0
 
     def ordered(a: Any, b: Any, op: str) -> bool:
         forward = {"lt": lambda: a < b, "le": lambda: a <= b, "gt": lambda: a > b, "ge": lambda: a >= b}[op]
-        result = bool(call_agent(forward))
+        result = call_agent(lambda: bool(forward()))
         if result and not (plain(a) and plain(b)) and op in ("lt", "gt"):
-            if bool(call_agent({"lt": lambda: a > b, "gt": lambda: a < b}[op])):
+            reverse = {"lt": lambda: a > b, "gt": lambda: a < b}[op]
+            if call_agent(lambda: bool(reverse())):
                 refuse("always-true comparison", f"a {type(a).__name__} both less and greater")
         return result
 
@@ -376,9 +379,25 @@ def install(
             refuse("forged report", f"open({text})")
 
     def hook(event: str, args: tuple[Any, ...]) -> None:
-        if getattr(local, "busy", False):
-            return
-        local.busy = True
+        depth = getattr(local, "depth", 0)
+        if depth:
+            # Raised inside the hook: by its own code (pass), or by the agent's code that a
+            # finalizer ran in the middle of it (checked like any other).
+            if getattr(local, "peeking", False):
+                return
+            local.peeking = True
+            try:
+                own = getframe(1).f_code.co_filename == own_file
+            except ValueError:
+                own = True
+            finally:
+                local.peeking = False
+            if own:
+                return
+        collecting = not depth and gc_isenabled()
+        if collecting:  # the cyclic collector runs no finalizer of the agent's inside the hook
+            gc_disable()
+        local.depth = depth + 1
         try:
             try:
                 caller = getframe(1)
@@ -416,6 +435,9 @@ def install(
                 if realpath(os.fsdecode(args[1])) == realpath(socket_path):
                     refuse("forged report", where)
         finally:
-            local.busy = False
+            local.depth = depth
+            if collecting:
+                gc_enable()
 
+    own_file = getframe(0).f_code.co_filename
     sys.addaudithook(hook)
