@@ -173,8 +173,8 @@ def confine(argv: list[str], workdir: str, readonly: list[str], tmp_bytes: int) 
     popen.update(_as_nobody())
     read_end, write_end = os.pipe()
     args = [shutil.which("bwrap") or "bwrap", *_root_args()]
-    for path in ("/tmp", "/dev/shm", "/var/tmp"):
-        args += ["--size", str(tmp_bytes), "--tmpfs", path]
+    for path, size in (("/tmp", tmp_bytes), ("/dev/shm", tmp_bytes // 4), ("/var/tmp", tmp_bytes // 4)):
+        args += ["--size", str(max(size, 1 << 20)), "--tmpfs", path]  # together 3/4 of the memory limit
     for path in readonly:
         args += ["--ro-bind", path, path]
     args += ["--chdir", workdir, "--info-fd", str(write_end), "--"]
