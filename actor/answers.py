@@ -19,6 +19,8 @@ the episode ends after the first answer.
 
 from __future__ import annotations
 
+import ast
+import builtins
 import math
 import re
 from pathlib import Path
@@ -26,7 +28,7 @@ from typing import Any
 
 from stoker.actor.datasets import records_by_id
 from stoker.actor.environments import EnvironmentProblem, Observation, StepResult
-from stoker.actor.judge import judge_unittest
+from stoker.actor.judge import judge_unittest, tampering_metrics
 
 VERIFIERS = ("exact", "numeric", "regex", "python")
 NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
@@ -46,19 +48,47 @@ def strip_fences(text: str) -> str:
     return found[0] if found else text
 
 
+def solution_names(statements: list[str]) -> list[str]:
+    """Names the assert lines read and do not define: what they import from ``solution``."""
+    used: dict[str, None] = {}
+    bound: set[str] = set(dir(builtins))
+    for statement in statements:
+        try:
+            tree = ast.parse(statement)
+        except SyntaxError:
+            continue  # the test module will not compile: a module error, not passed
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name):
+                (bound.add(node.id) if isinstance(node.ctx, ast.Store) else used.setdefault(node.id))
+            elif isinstance(node, ast.arg):
+                bound.add(node.arg)
+    return [name for name in used if name not in bound]
+
+
 def tests_module(tests: Any) -> str:
-    """A unittest module from a task's ``tests``: kept as is, or one test method per assert."""
+    """A unittest module from a task's ``tests``: kept as is, or one test method per assert.
+
+    The solution's names are imported one by one, never with ``*``: a solution exporting
+    ``unittest`` (or anything else the module relies on) shadows nothing.
+    """
     if isinstance(tests, str):
         return tests
-    lines = ["import unittest", "", "from solution import *  # noqa", "", "", "class SolutionTest(unittest.TestCase):"]
+    names = solution_names([str(statement) for statement in tests])
+    imported = f"from solution import {', '.join(names)}" if names else "import solution  # noqa: F401"
+    lines = ["import unittest", "", imported, "", "", "class SolutionTest(unittest.TestCase):"]
     for index, statement in enumerate(tests):
         body = "\n".join("        " + line for line in str(statement).splitlines())
         lines += [f"    def test_{index}(self):", body, ""]
     return "\n".join(lines) + "\n"
 
 
-def verify(record: dict[str, Any], answer: str, options: dict[str, Any], workdir: Path) -> tuple[bool, str]:
-    """Whether ``answer`` is correct for ``record``, and a short note for the observation."""
+def verify(
+    record: dict[str, Any], answer: str, options: dict[str, Any], workdir: Path, tampering: dict[str, int] | None = None
+) -> tuple[bool, str]:
+    """Whether ``answer`` is correct for ``record``, and a short note for the observation.
+
+    ``tampering`` collects the judge's refused attempts by kind (python verifier)."""
+    tampering = {} if tampering is None else tampering
     kind = record.get("verifier", options.get("verifier", "exact"))
     if kind not in VERIFIERS:
         raise EnvironmentProblem(f"task {record['id']!r}: verifier {kind!r}; expected one of {', '.join(VERIFIERS)}")
@@ -87,6 +117,8 @@ def verify(record: dict[str, Any], answer: str, options: dict[str, Any], workdir
         float(options.get("testTimeoutSeconds", 10.0)),
     )
     failing = [test_id for test_id, kind in sorted(verdict.outcomes.items()) if kind != "passed"]
+    for kind, count in verdict.tampering_kinds().items():
+        tampering[kind] = tampering.get(kind, 0) + count
     return verdict.passed(), verdict.problem or ("failing: " + " ".join(failing) if failing else "")
 
 
@@ -118,13 +150,14 @@ class AnswersEnvironment:
     def step(self, action: str) -> StepResult:
         if self.record is None:
             raise EnvironmentProblem("step before reset")
-        correct, note = verify(self.record, action, self.options, self.workdir)
+        tampering: dict[str, int] = {}
+        correct, note = verify(self.record, action, self.options, self.workdir, tampering)
         text = ("correct" if correct else "incorrect") + (f": {note}" if note else "")
-        return StepResult(Observation(text, _info(correct)), 1.0 if correct else 0.0, True)
+        return StepResult(Observation(text, _info(correct, tampering)), 1.0 if correct else 0.0, True)
 
     def close(self) -> None:
         pass
 
 
-def _info(success: bool) -> dict[str, Any]:
-    return {"metrics": {"success": 1.0 if success else 0.0}}
+def _info(success: bool, tampering: dict[str, int] | None = None) -> dict[str, Any]:
+    return {"metrics": {"success": 1.0 if success else 0.0, **tampering_metrics(tampering or {})}}

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from stoker.actor.environments import EnvironmentProblem, Observation, StepResult
-from stoker.actor.judge import Verdict, judge_unittest, module_name
+from stoker.actor.judge import Verdict, judge_unittest, module_name, tampering_metrics
 
 TOOLS_HELP = (
     "tools, one per turn: ls | view <path> | replace <path> then lines <<< old === new >>> | run_tests"
@@ -116,6 +116,7 @@ class SweEnvironment:
         self.repo = self.workdir / "repo"
         self._test_runs = 0
         self._steps = 0
+        self._tampering: dict[str, int] = {}  # refused attempts this episode, by kind
         self.last_verdict: Verdict | None = None  # the latest test run's, for tests and debugging
 
     @classmethod
@@ -134,6 +135,7 @@ class SweEnvironment:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(content)
         self._test_runs = self._steps = 0
+        self._tampering = {}
         text = f"task: {self.task.description}\nfiles: {' '.join(self._files())}\n{TOOLS_HELP}"
         return Observation(text, self._info(False))
 
@@ -194,24 +196,35 @@ class SweEnvironment:
             self.workdir / "judge",
             self.test_timeout_seconds,
         )
+        return self._judged(verdict, verdict.passed())
+
+    def _judged(self, verdict: Verdict, passed: bool) -> tuple[bool, str]:
         self.last_verdict = verdict
-        passed = verdict.passed()
-        return passed, _tail(("PASSED\n" if passed else "FAILED\n") + summarize(verdict))
+        for kind, count in verdict.tampering_kinds().items():
+            self._tampering[kind] = self._tampering.get(kind, 0) + count
+        return passed, _tail(("PASSED\n" if passed else "FAILED\n") + summarize(verdict, self._answer_lines()))
+
+    def _answer_lines(self) -> list[str]:
+        """Lines of the reference fix: never shown to the agent, whatever the judged code printed."""
+        assert self.task is not None
+        return [line.strip() for edit in self.task.solution for line in edit["new"].splitlines() if len(line.strip()) >= 6]
 
     def _info(self, success: bool) -> dict[str, Any]:
-        return {
-            "metrics": {
-                "success": 1.0 if success else 0.0,
-                "test_runs": float(self._test_runs),
-                "steps": float(self._steps),
-            }
-        }
+        return {"metrics": {
+            "success": 1.0 if success else 0.0,
+            "test_runs": float(self._test_runs),
+            "steps": float(self._steps),
+            **tampering_metrics(self._tampering),
+        }}
 
 
-def summarize(verdict: Verdict) -> str:
-    """Failing test names, the run's problem and its last lines: enough to act on, and short."""
+
+def summarize(verdict: Verdict, withheld: list[str] | None = None) -> str:
+    """Failing test names, the run's problem and its last lines: enough to act on, and short.
+
+    Output lines holding any of ``withheld`` (the reference fix) are dropped."""
     failing = [f"{kind.upper()}: {test_id}" for test_id, kind in sorted(verdict.outcomes.items()) if kind != "passed"]
-    lines = verdict.output.strip().splitlines()
+    lines = [line for line in verdict.output.strip().splitlines() if not any(w in line for w in withheld or [])]
     keep = [line for line in lines if "Error" in line.split(":")[0]]
     return "\n".join([*([verdict.problem] if verdict.problem else []), *failing, *keep[-5:], *lines[-1:]])
 

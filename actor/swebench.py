@@ -35,7 +35,7 @@ from typing import Any
 from stoker.actor.datasets import jsonl_lines
 from stoker.actor.environments import EnvironmentProblem, Observation
 from stoker.actor.judge import Verdict, judge_unittest
-from stoker.actor.swe import TOOLS_HELP, SweEnvironment, SweTask, _tail, bundled_tasks, summarize, tasks_root
+from stoker.actor.swe import TOOLS_HELP, SweEnvironment, SweTask, bundled_tasks, tasks_root
 
 REQUIRED = ("instance_id", "repo", "base_commit", "test_patch", "FAIL_TO_PASS", "PASS_TO_PASS")
 # Fixed identity and dates: a conversion always produces the same commits.
@@ -159,7 +159,7 @@ def judge_instance(instance: SweInstance, agent_tree: Path, base_tree: Path, jud
             (tree / name).unlink(missing_ok=True)
         git("apply", "--whitespace=nowarn", cwd=tree, stdin=instance.test_patch)
 
-    return judge_unittest(agent_tree, pristine, instance.tests, judge_dir, timeout, prepare=apply_test_patch)
+    return judge_unittest(agent_tree, pristine, instance.tests, judge_dir, timeout, prepare=apply_test_patch, test_files=sorted(test_files))
 
 
 class SweBenchEnvironment(SweEnvironment):
@@ -187,6 +187,7 @@ class SweBenchEnvironment(SweEnvironment):
         protected = {f for f in (test_file_of(t, self.base) for t in instance.tests) if f is not None}
         self.task = SweTask(instance.instance_id, instance.problem_statement, {}, tuple(sorted(protected)), ())
         self._test_runs = self._steps = 0
+        self._tampering = {}
         text = f"task: {instance.problem_statement}\nfiles: {' '.join(self._files())}\n{TOOLS_HELP}"
         return Observation(text, self._info(False))
 
@@ -194,9 +195,12 @@ class SweBenchEnvironment(SweEnvironment):
         assert self.instance is not None
         self._test_runs += 1
         verdict = judge_instance(self.instance, self.repo, self.base, self.workdir / "judge", self.test_timeout_seconds)
-        self.last_verdict = verdict
-        passed = verdict.passed(self.instance.tests)
-        return passed, _tail(("PASSED\n" if passed else "FAILED\n") + summarize(verdict))
+        return self._judged(verdict, verdict.passed(self.instance.tests))
+
+    def _answer_lines(self) -> list[str]:
+        assert self.instance is not None
+        added = [line[1:].strip() for line in self.instance.patch.splitlines() if line.startswith("+") and not line.startswith("+++")]
+        return [line for line in added if len(line) >= 6]
 
     def close(self) -> None:
         super().close()

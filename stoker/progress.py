@@ -111,6 +111,16 @@ def _eval_text(buffer_sample: dict[str, Any]) -> str:
     return f"{newest['success_rate']:.3f} at v{newest['policy_version']} ({newest['episodes']} episodes)"
 
 
+def _tampering_text(last: dict[str, Any]) -> str:
+    """``  tampering 0.25 (frame_introspection, ...)`` once a batch's episodes were caught trying
+    to game the judge (docs/environments.md, "Seeing it try"); "" otherwise."""
+    rate = last.get("episode_tampering_attempts")
+    if not isinstance(rate, int | float) or not rate > 0:
+        return ""
+    kinds = sorted(k.removeprefix("episode_tampering/") for k, v in last.items() if k.startswith("episode_tampering/") and v)
+    return f"  tampering {rate:.2f}" + (f" ({', '.join(kinds)})" if kinds else "")
+
+
 def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -210,6 +220,7 @@ class Progress:
             f"duty {_fmt(last.get('duty_cycle'), 2)}  fill {_fmt(buf.get('fill'), 2)}  "
             f"staleness {_fmt(last.get('staleness_mean'), 2)}  traj/s {_fmt(buf.get('put_rate'), 1)}  "
             f"elapsed {_duration(time.monotonic() - self.state.started)}"
+            + _tampering_text(last)
         )
 
     def render(self) -> Table:
@@ -228,6 +239,7 @@ class Progress:
             ("buffer fill", _fmt(buf.get("fill"), 3)),
             ("staleness (mean / max)", f"{_fmt(last.get('staleness_mean'), 2)} / {_fmt(last.get('staleness_max'))}"),
             ("dropped", ", ".join(f"{k} {v}" for k, v in dropped.items()) or "0"),
+            ("judge tampering (per episode)", _fmt(last.get("episode_tampering_attempts"), 3)),
             ("trajectories/s", _fmt(buf.get("put_rate"), 1)),
             ("elapsed", _duration(time.monotonic() - self.state.started)),
             ("ETA", _duration(self.state.eta_seconds(self.max_steps))),

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from stoker.actor import isolation
+from stoker.actor import isolation, judge
+from stoker.actor.answers import tests_module as answers_tests_module
+from stoker.actor.answers import verify
+from stoker.actor.environments import EnvironmentProblem, StepResult
 from stoker.actor.swe import SweEnvironment, solution_commands
 
 from .conftest import CHEATS
@@ -18,8 +25,8 @@ BUBBLEWRAP = isolation.isolation() == isolation.BUBBLEWRAP
 
 @pytest.fixture(params=["bubblewrap", "rlimits"])
 def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    if request.param == "bubblewrap" and not BUBBLEWRAP:
-        pytest.skip("bwrap cannot run here (see docs/environments.md, Isolation)")
+    if request.param == "bubblewrap" and not BUBBLEWRAP:  # fail, never skip: CI is meant to isolate
+        pytest.fail(isolation.problem())
     if request.param == "rlimits":
         monkeypatch.setenv("STOKER_SANDBOX_ISOLATION", "rlimits")
     isolation.isolation.cache_clear()
@@ -54,7 +61,7 @@ def test_code_that_fakes_the_verdict_gets_zero(cheat: str, mode: str, tmp_path: 
 def test_the_reference_fix_still_passes_with_each_mode(mode: str, tmp_path: Path) -> None:
     env = _median(tmp_path)
     results = [env.step(command) for command in solution_commands("median")]
-    assert results[-1].reward == 1.0 and results[-1].terminated
+    assert results[-1].reward == 1.0 and results[-1].terminated, env.last_verdict
 
 
 def test_editing_the_tests_or_adding_pytest_and_unittest_shims_gets_zero(mode: str, tmp_path: Path) -> None:
@@ -70,7 +77,6 @@ def test_editing_the_tests_or_adding_pytest_and_unittest_shims_gets_zero(mode: s
     assert result.reward == 0.0 and "FAILED: test_stats.MedianTest.test_odd_unsorted" in result.observation.text
 
 
-@pytest.mark.skipif(not BUBBLEWRAP, reason="filesystem confinement needs bubblewrap")
 def test_code_under_test_cannot_write_outside_or_read_another_sandbox(tmp_path: Path) -> None:
     isolation.isolation.cache_clear()
     other = tmp_path / "other-sandbox"
@@ -104,3 +110,407 @@ print("UID", os.getuid())
     assert not (env.repo / "stats.py").read_text().endswith("x")
     assert "DENIED-READ" in output and "the-other-episodes-secret" not in output
     assert "UID 65534" in output  # never root
+
+
+# ---------------------------------------------------------------------------------------------
+# The nine classes of issue #33 that scored the full reward of a real fix, and the isolation leaks.
+# Each payload is what the agent's replace tool can put at the top of stats.py.
+
+FORGE_HEAD = """
+import os, sys, json, glob, socket
+_IDS = ["test_stats.MedianTest.test_odd_unsorted", "test_stats.MedianTest.test_even_unsorted"]
+_JSON = json.dumps({"outcomes": {i: ["passed", ""] for i in _IDS}, "module_errors": [], "tampering": [], "checks": []})
+"""
+
+REPORT_CHEATS = {
+    # 1. Forging the report: the nonce and report fd from the harness's stack, argv or memory.
+    "nonce and fd from the stack": FORGE_HEAD + """
+frame = sys._getframe()
+while frame is not None:
+    found = frame.f_locals
+    if "nonce" in found or "report_fd" in found:
+        fd, nonce = found.get("report_fd"), found.get("nonce")
+        xml = '<testsuite nonce="%s" tests="2" tampered="" module-errors="0">' % nonce
+        xml += "".join('<testcase classname="test_stats.MedianTest" name="%s"></testcase>' % i.rsplit(".", 1)[1] for i in _IDS)
+        os.write(fd, (xml + "</testsuite>\\n").encode())
+        os._exit(0)
+    frame = frame.f_back
+""",
+    "fd from argv, nonce from /proc/self/mem": FORGE_HEAD + """
+maps = open("/proc/self/maps").read()
+""",
+    "write a report to every descriptor": FORGE_HEAD + """
+for fd in range(3, 64):
+    try:
+        os.write(fd, _JSON.encode())
+    except OSError:
+        pass
+os._exit(0)
+""",
+    "connect to the judge's socket": FORGE_HEAD + """
+for path in glob.glob("/tmp/stoker-judge-*/report"):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    s.sendall(_JSON.encode())
+    s.close()
+    os._exit(0)
+""",
+    "a child process sends the report": FORGE_HEAD + """
+import subprocess
+code = "import socket, sys, glob\\nfor p in glob.glob('/tmp/stoker-judge-*/report'):\\n s = socket.socket(socket.AF_UNIX); s.connect(p); s.sendall(sys.argv[1].encode())"
+subprocess.run([sys.executable, "-I", "-c", code, _JSON])
+os._exit(0)
+""",
+    "exec in place keeps the pid": FORGE_HEAD + """
+code = "import socket, sys, glob\\nfor p in glob.glob('/tmp/stoker-judge-*/report'):\\n s = socket.socket(socket.AF_UNIX); s.connect(p); s.sendall(sys.argv[1].encode())"
+os.execv(sys.executable, [sys.executable, "-I", "-c", code, _JSON])
+""",
+    # 2. Patching what the old tamper check did not watch.
+    "patch the harness's result class": """
+import __main__
+for name in ("addFailure", "addError"):
+    setattr(__main__._Result, name, lambda self, test, err: self.outcomes.__setitem__(test.id(), ("passed", "")))
+""",
+    "patch the tamper check's code": """
+import __main__
+__main__.changed.__code__ = (lambda before, modules: []).__code__
+""",
+    # 3. Changes an identity snapshot cannot see.
+    "swap assertEqual's code in place": """
+import unittest
+unittest.TestCase.assertEqual.__code__ = (lambda self, first, second, msg=None: None).__code__
+""",
+    "patch then restore TestCase.__init_subclass__": """
+import unittest
+_saved = unittest.TestCase.__dict__.get("__init_subclass__")
+def _hook(cls, **kw):
+    for name in list(vars(cls)):
+        if name.startswith("test"):
+            setattr(cls, name, lambda self: None)
+    if _saved is None:
+        del unittest.TestCase.__init_subclass__
+    else:
+        unittest.TestCase.__init_subclass__ = _saved
+unittest.TestCase.__init_subclass__ = classmethod(_hook)
+""",
+    "settrace rewrites the arguments": """
+import sys
+def _tracer(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == "assertEqual":
+        frame.f_locals["second"] = frame.f_locals.get("first")
+    return _tracer
+sys.settrace(_tracer)
+""",
+    "replace the test module in sys.modules": """
+import sys, types, unittest
+_fake = types.ModuleType("test_stats")
+class MedianTest(unittest.TestCase):
+    def test_odd_unsorted(self): pass
+    def test_even_unsorted(self): pass
+MedianTest.__module__ = "test_stats"
+_fake.MedianTest = MedianTest
+sys.modules["test_stats"] = _fake
+""",
+    # 4. A value equal to everything, no patch at all.
+    "a value equal to everything": """
+class _Equal:
+    def __eq__(self, other):
+        return True
+    __hash__ = object.__hash__
+def _returns_equal(function):
+    return lambda values: _Equal()
+@_returns_equal""",
+    # heap and code introspection the hook refuses (variants of 1-3)
+    "heap search with gc": """
+import gc
+for obj in gc.get_objects():
+    pass
+""",
+    "native code with ctypes": """
+import ctypes
+ctypes.string_at(id(object()), 8)
+""",
+    "frames from a traceback": """
+try:
+    raise ValueError
+except ValueError as exc:
+    frame = exc.__traceback__.tb_frame.f_back
+""",
+}
+
+
+def _run_cheat(env: SweEnvironment, code: str) -> StepResult:
+    """The cheat at the top of stats.py, over the reference fix: a real fix alone scores 1."""
+    for command in solution_commands("median")[:-1]:
+        env.step(command)
+    _prepend(env, code)
+    return env.step("run_tests")
+
+
+@pytest.mark.parametrize("cheat", sorted(REPORT_CHEATS))
+def test_a_cheat_without_a_fix_scores_zero(cheat: str, mode: str, tmp_path: Path) -> None:
+    env = _median(tmp_path)
+    _prepend(env, REPORT_CHEATS[cheat])
+    result = env.step("run_tests")
+    assert result.reward == 0.0 and not result.terminated, result.observation.text
+    assert result.observation.text.startswith("FAILED")
+
+
+@pytest.mark.parametrize("cheat", ["nonce and fd from the stack", "swap assertEqual's code in place", "a value equal to everything",
+                                   "settrace rewrites the arguments", "heap search with gc", "native code with ctypes",
+                                   "frames from a traceback", "patch the tamper check's code", "exec in place keeps the pid",
+                                   "connect to the judge's socket", "a child process sends the report"])
+def test_a_refused_attempt_is_named_and_counted(cheat: str, tmp_path: Path) -> None:
+    env = _median(tmp_path)
+    result = _run_cheat(env, REPORT_CHEATS[cheat])
+    assert result.reward == 0.0
+    assert "tampering" in result.observation.text  # the agent's transcript keeps the reason
+    metrics = result.observation.info["metrics"]
+    assert metrics["tampering_attempts"] >= 1 and metrics["judge_confined"] == 1.0
+    assert any(key.startswith("tampering/") for key in metrics)
+    assert env.last_verdict is not None and env.last_verdict.tampering
+
+
+def test_tampering_counts_add_up_over_an_episode_and_start_at_zero(tmp_path: Path) -> None:
+    env = _median(tmp_path)
+    assert env.step("ls").observation.info["metrics"]["tampering_attempts"] == 0.0
+    _prepend(env, "import gc\ngc.get_objects()")
+    first = env.step("run_tests").observation.info["metrics"]
+    second = env.step("run_tests").observation.info["metrics"]
+    assert first["tampering/heap_introspection"] == 1.0 and second["tampering/heap_introspection"] == 2.0
+
+
+def test_honest_code_using_logging_namedtuple_and_tracebacks_still_passes(mode: str, tmp_path: Path) -> None:
+    env = _median(tmp_path)
+    honest = """
+import logging, traceback, collections, typing, enum, dataclasses
+Point = collections.namedtuple("Point", "x y")
+T = typing.TypeVar("T")
+Color = enum.Enum("Color", "RED GREEN")
+@dataclasses.dataclass
+class Box:
+    value: int
+try:
+    raise ValueError("handled")
+except ValueError:
+    traceback.format_exc()
+logging.getLogger("stats").warning("loaded %s", Point(1, 2))
+"""
+    result = _run_cheat(env, honest)
+    assert result.reward == 1.0 and result.terminated, result.observation.text
+
+
+# 5. Shadowing: a solution exporting ``unittest`` no longer replaces the test module's.
+def test_an_answer_exporting_unittest_shadows_nothing(tmp_path: Path) -> None:
+    record = {"id": "add", "verifier": "python", "tests": ["assert add(1, 2) == 3"]}
+    cheat = "import types\nunittest = types.SimpleNamespace(TestCase=object)\ndef add(a, b):\n    return 0\n"
+    assert verify(record, cheat, {}, tmp_path)[0] is False
+    assert verify(record, "def add(a, b):\n    return a + b\n", {}, tmp_path)[0] is True
+    assert "from solution import add" in answers_tests_module(record["tests"])
+
+
+def test_an_answer_equal_to_everything_scores_zero(tmp_path: Path) -> None:
+    record = {"id": "add", "verifier": "python", "tests": ["assert add(1, 2) == 3", "assert add(2, 2) == 4"]}
+    cheat = "class E:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\ndef add(a, b):\n    return E()\n"
+    tampering: dict[str, int] = {}
+    correct, note = verify(record, cheat, {}, tmp_path, tampering)
+    assert not correct and "tampering" in note and tampering == {"always-equal value": 2}  # one per test
+
+
+# 6. Reading the answer key: the bundled tasks, their reference patches, and the task files.
+def test_judged_code_cannot_read_the_answer_key(tmp_path: Path) -> None:
+    from stoker.actor.swe import tasks_root
+
+    secrets = [tasks_root() / "median.toml", tasks_root() / "swebench" / "instances.jsonl"]
+    payload = "for p in %r:\n    try:\n        print('READ', open(p).read()[-400:])\n    except OSError as exc:\n        print('DENIED', type(exc).__name__)\n" % [str(p) for p in secrets]
+    env = _median(tmp_path)
+    result = _run_cheat(env, payload)
+    assert env.last_verdict is not None
+    assert "READ" not in env.last_verdict.output and env.last_verdict.output.count("DENIED") == 2
+    assert "sorted(values)" not in result.observation.text  # the reference fix never reaches the agent
+
+
+# Isolation leaks.
+def test_judged_code_reads_no_root_files_and_reaches_no_host_socket(mode: str, tmp_path: Path) -> None:
+    private = tmp_path / "root-only"
+    private.mkdir(mode=0o700)
+    host = socket.socket(socket.AF_UNIX)
+    host.bind(str(private / "s"))
+    host.listen(1)
+    tcp = socket.socket()
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen(1)
+    payload = f"""
+import os, socket
+for target in ("/etc/shadow", "/root"):
+    try:
+        os.listdir(target) if target == "/root" else open(target).read()
+        print("LEAK", target)
+    except OSError as exc:
+        print("DENIED", target)
+for family, address in ((socket.AF_UNIX, {str(private / 's')!r}), (socket.AF_INET, ("127.0.0.1", {tcp.getsockname()[1]}))):
+    try:
+        socket.socket(family).connect(address)
+        print("LEAK", address)
+    except OSError:
+        print("DENIED", address)
+print("UID", os.getuid(), os.geteuid())
+"""
+    env = _median(tmp_path)
+    _run_cheat(env, payload)
+    assert env.last_verdict is not None
+    output = env.last_verdict.output
+    assert "LEAK /etc/shadow" not in output and "LEAK /root" not in output
+    assert f"LEAK {str(private / 's')}" not in output
+    assert "UID 65534 65534" in output
+    if mode == "bubblewrap" or os.geteuid() == 0:  # the fallback leaves the network only when root starts it
+        assert "LEAK ('127.0.0.1'" not in output  # no network at all, not even loopback
+    host.close()
+    tcp.close()
+
+
+def test_the_fallback_cannot_write_into_the_package_or_etc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STOKER_SANDBOX_ISOLATION", "rlimits")
+    package = Path(isolation.__file__).parent
+    payload = "\n".join(
+        f"try:\n    open({str(p)!r}, 'w').write('x')\n    print('WROTE', {str(p)!r})\nexcept OSError:\n    print('DENIED')"
+        for p in (package / f"cheat-{uuid.uuid4().hex}.py", Path("/etc") / f"cheat-{uuid.uuid4().hex}")
+    )
+    env = _median(tmp_path)
+    _run_cheat(env, payload)
+    assert env.last_verdict is not None and "WROTE" not in env.last_verdict.output
+    assert env.last_verdict.output.count("DENIED") == 2
+
+
+def test_setsid_children_die_with_the_run(mode: str, tmp_path: Path) -> None:
+    marker = f"stoker-orphan-{uuid.uuid4().hex}"
+    payload = f"""
+import subprocess, sys
+subprocess.Popen([sys.executable, "-I", "-c", "import time; time.sleep(120)", {marker!r}], start_new_session=True)
+"""
+    env = _median(tmp_path)
+    _run_cheat(env, payload)
+    survivors = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
+                survivors.append(entry.name)
+    assert not survivors
+
+
+def test_the_private_tmp_is_bounded(mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(judge, "tmp_limit_bytes", lambda: 8 << 20)
+    payload = f"""
+import os, tempfile
+written = 0
+try:
+    path = os.path.join(tempfile.gettempdir(), "fill-{uuid.uuid4().hex}")
+    with open(path, "wb") as handle:
+        for _ in range(64):
+            handle.write(b"x" * (1 << 20))
+            handle.flush()
+            written += 1 << 20
+except OSError:
+    pass
+print("WRITTEN", written)
+os.unlink(path)
+"""
+    env = _median(tmp_path)
+    _run_cheat(env, payload)
+    assert env.last_verdict is not None and "WRITTEN " in env.last_verdict.output, env.last_verdict
+    written = int(env.last_verdict.output.split("WRITTEN ")[1].split()[0])
+    assert written <= 8 << 20
+
+
+def test_a_sandbox_that_cannot_isolate_refuses_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("STOKER_SANDBOX_ISOLATION", raising=False)
+    real_which = shutil.which
+    monkeypatch.setattr(isolation.shutil, "which", lambda name, *a, **k: None if name == "bwrap" else real_which(name, *a, **k))
+    isolation.isolation.cache_clear()
+    try:
+        env = _median(tmp_path)
+        with pytest.raises(EnvironmentProblem) as caught:
+            env.step("run_tests")
+        message = str(caught.value)
+        assert "\n" not in message and "bwrap is not installed" in message and "STOKER_SANDBOX_ISOLATION=rlimits" in message
+        assert isolation.describe().startswith("NONE")
+    finally:
+        isolation.isolation.cache_clear()
+
+
+def test_the_fallback_refuses_to_run_tests_as_root_without_an_interpreter_nobody_can_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("only a root actor can be refused")
+    monkeypatch.setenv("STOKER_SANDBOX_ISOLATION", "rlimits")
+    monkeypatch.setattr(isolation, "interpreter", lambda: "")
+    env = _median(tmp_path)
+    with pytest.raises(EnvironmentProblem, match="will not run tests as root"):
+        env.step("run_tests")
+
+
+def test_the_feedback_withholds_the_reference_fix_even_if_printed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fallback leaves the package readable: printing the answer key must still not reach the agent.
+    monkeypatch.setenv("STOKER_SANDBOX_ISOLATION", "rlimits")
+    from stoker.actor.swe import tasks_root
+
+    env = _median(tmp_path)
+    _prepend(env, f"print('Error: ' + open({str(tasks_root() / 'median.toml')!r}).read())")
+    result = env.step("run_tests")
+    assert env.last_verdict is not None and "sorted(values)" in env.last_verdict.output  # it did read it
+    assert "sorted(values)" not in result.observation.text
+
+
+def test_the_progress_line_shows_attempts_once_episodes_report_them() -> None:
+    from stoker.progress import _tampering_text
+
+    assert _tampering_text({"episode_tampering_attempts": 0.0}) == "" and _tampering_text({}) == ""
+    row = {"episode_tampering_attempts": 0.25, "episode_tampering/frame_introspection": 1.0, "episode_tampering/ctypes": 0.0}
+    assert _tampering_text(row) == "  tampering 0.25 (frame_introspection)"
+
+
+def test_assert_raises_is_judged_by_the_hook_not_by_a_patchable_unittest(tmp_path: Path) -> None:
+    tests = (
+        "import unittest\nfrom parse import parse\nclass P(unittest.TestCase):\n"
+        "    def test_ctx(self):\n        with self.assertRaises(ValueError):\n            parse('bad')\n"
+        "    def test_call(self):\n        self.assertRaises(ValueError, parse, 'bad')\n"
+    )
+    tree = tmp_path / "tree"
+    tree.mkdir()
+
+    def judged(code: str) -> judge.Verdict:
+        (tree / "parse.py").write_text(code)
+        return judge.judge_unittest(tree, {"test_parse.py": tests}, ["test_parse"], tmp_path / "judge", 20.0)
+
+    assert judged("def parse(s):\n    return int(s)\n").passed()
+    assert not judged("def parse(s):\n    if s == 'bad':\n        raise KeyError(s)\n").passed()  # another exception
+    patched = judged(
+        "import contextlib, unittest\n"
+        "unittest.TestCase.assertRaises = lambda self, *a, **k: contextlib.nullcontext()\n"
+        "def parse(s):\n    return 1\n"
+    )
+    assert not patched.passed() and set(patched.outcomes.values()) == {"failed"}
+
+
+def test_a_finalizer_run_inside_the_hook_is_checked_too(tmp_path: Path) -> None:
+    # The cyclic collector can run the agent's __del__ in the middle of the hook's own work.
+    payload = """
+import gc, sys
+class _Leak:
+    def __del__(self):
+        try:
+            frame = sys._getframe(1)
+            if frame.f_code.co_filename.endswith("tamper.py"):
+                print("GOT THE HOOK", sorted(frame.f_locals)[:3])
+        except RuntimeError:
+            pass
+        _make()
+def _make():
+    leak = _Leak()
+    leak.cycle = leak
+_make()
+gc.set_threshold(1)
+"""
+    env = _median(tmp_path)
+    result = _run_cheat(env, payload)
+    assert env.last_verdict is not None and "GOT THE HOOK" not in env.last_verdict.output
+    assert result.reward == 0.0
