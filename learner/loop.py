@@ -95,6 +95,14 @@ class LearnerSettings:
     run_dir: str | None = None
     sample_timeout_s: float = 5.0
     allowed_token_ids: tuple[int, ...] | None = None  # constrained decoding, as the actors sample
+    # SFT (spec.algorithm.sft): the dataset paths as written (relative ones against the working
+    # directory, like environment.tasks), and the job for its tokenizer and chat template.
+    sft_dataset: str | None = None
+    sft_eval_dataset: str | None = None
+    sft_eval_fraction: float = 0.0
+    sft_loss_on: str = "assistant"
+    eval_interval: int = 10
+    spec: RLJobSpec | None = None
 
     @classmethod
     def from_spec(cls, spec: RLJobSpec, *, run_dir: str | Path | None = None, **overrides: Any) -> LearnerSettings:
@@ -150,7 +158,16 @@ class LearnerSettings:
             compilation_cache_dir=resolve(learner.compilation_cache_dir),
             run_dir=str(base),
             allowed_token_ids=_allowed_token_ids(spec),
+            spec=spec,
         )
+        if algorithm.sft is not None and algorithm.name == "sft":
+            sft = algorithm.sft
+            settings = settings.replace(
+                sft_dataset=sft.dataset, sft_eval_dataset=sft.eval_dataset, sft_eval_fraction=sft.eval_fraction,
+                sft_loss_on=sft.loss_on, eval_interval=sft.eval_interval_steps,
+                # The data's own tokens, unrestricted and untempered: no sampler to match.
+                temperature=1.0, allowed_token_ids=None,
+            )
         return settings.replace(**overrides) if overrides else settings
 
     def replace(self, **changes: Any) -> LearnerSettings:
@@ -223,6 +240,12 @@ class Learner:
             Checkpointer(settings.checkpoint_dir, keep=settings.checkpoint_keep) if settings.checkpoint_dir else None
         )
         self._saved_step = -1
+        self.sft_data = None
+        if settings.algorithm == "sft":
+            from stoker.learner.sft import settings_sft_data
+
+            self.sft_data = settings_sft_data(settings, model.config.vocab_size)
+            log.info("SFT: %d conversations to train on, %d held out", len(self.sft_data.train), len(self.sft_data.eval))
         self.resumed = bool(resume and self.restore())
 
     # ----------------------------------------------------------------------------- training
@@ -253,6 +276,24 @@ class Learner:
         """One DPO update from chosen/rejected pairs (``load_dpo_pairs``)."""
         prepared = Prepared(list(pairs), [], 2 * len(pairs), 0, num_pairs=len(pairs))
         return self._train_items(prepared)
+
+    def train_on_sequences(self, sequences: Sequence[TrainSequence]) -> dict[str, float]:
+        """One update from whole sequences trained where their loss mask says (SFT)."""
+        prepared = Prepared([[seq] for seq in sequences], [], len(sequences), 0)
+        return self._train_items(prepared)
+
+    def evaluate_sequences(self, sequences: Sequence[TrainSequence]) -> dict[str, float]:
+        """The mean loss per trained token over ``sequences``, without an update (a held-out split):
+        ``eval_loss`` (the NLL per token) and ``eval_tokens``."""
+        from stoker.learner.train import assign_weights
+
+        longest = max(self.settings.buckets)
+        items = [[packing.truncate(seq, longest)] for seq in sequences]
+        micros = packing.pack(items, self.settings.buckets, self.rows)
+        assign_weights(micros, [m.arrays["mask"] for m in micros], "token-mean")
+        sums = self.trainer.evaluate(micros, self.version)
+        tokens = sums.get("nll_tokens", 0.0)
+        return {"eval_loss": sums.get("nll_sum", 0.0) / max(tokens, 1.0), "eval_tokens": tokens}
 
     def _train_items(self, prepared: Prepared, sampled_at: int | None = None, max_staleness: int | None = None) -> dict[str, float]:
         started = time.perf_counter()

@@ -36,7 +36,7 @@ from stoker.learner.optimizer import updates_applied
 from stoker.learner.packing import FIELDS, MicroBatch
 from stoker.spec import TransformerConfig
 
-ALGORITHMS = ("grpo", "ppo", "gspo", "dpo")
+ALGORITHMS = ("grpo", "ppo", "gspo", "dpo", "sft")
 # Batch arrays the device needs (sequence_index stays on the host).
 DEVICE_FIELDS = (
     "tokens", "targets", "positions", "segment_ids", "weights", "behaviour_logprobs", "behaviour_known",
@@ -128,6 +128,8 @@ def _per_shard_loss(
             logp, old, batch["behaviour_logprobs"], batch["advantages"], weights, sequence_ids, cfg,
             ref_logprobs=ref, entropy=entropy, stuck=batch["stuck"], log_not_taken=extras["log_not_taken"],
         )
+    elif options.algorithm == "sft":
+        loss, stats = algorithms.sft_loss(logp, weights)
     elif options.algorithm == "ppo":
         values = extras["values"]
         advantages, returns = algorithms.gae(
@@ -222,6 +224,11 @@ class Trainer:
             in_shardings=(self.param_shardings, self.opt_shardings, self.param_shardings),
             out_shardings=(self.param_shardings, self.opt_shardings, rep, rep),
             donate_argnums=(0, 1),
+        )
+        self._evaluate = jax.jit(
+            lambda params, reference, batch, scalars: self._loss(params, reference, batch, scalars)[1],
+            in_shardings=(self.param_shardings, ref_shardings, batch_spec, rep),
+            out_shardings=rep,
         )
         self._accumulate = jax.jit(
             lambda a, b: jax.tree.map(jnp.add, a, b),
@@ -325,6 +332,18 @@ class Trainer:
         total["nonfinite_updates"] = float(self.nonfinite_updates)
         if self.schedule is not None and bool(finite):  # the rate the update just applied used
             total["learning_rate"] = float(self.schedule(updates_applied(self.opt_state) - 1))
+        return total
+
+    def evaluate(self, micros: list[MicroBatch], version: int) -> dict[str, float]:
+        """The loss's summed stats over micro-batches (weights already set), without an update:
+        a held-out split's loss."""
+        scalars = {"version": jnp.asarray(version, jnp.int32), "num_pairs": jnp.asarray(1.0, jnp.float32)}
+        device_stats = [
+            self._evaluate(self.params, self.reference, batch_to_device(micro, self.mesh), scalars) for micro in micros
+        ]
+        total: dict[str, float] = {}
+        for stats in jax.device_get(device_stats):
+            total = algorithms.combine_stats(total, {k: float(v) for k, v in stats.items()})
         return total
 
     def memory_analysis(self, rows: int, length: int) -> Any:

@@ -52,6 +52,7 @@ from stoker.spec_learner import (
     LearningRateScheduleSpec,
     MeshSpec,
     SecretRef,
+    SftSpec,
 )
 from stoker.spec_model import ModelSpec, RopeScaling, TransformerConfig
 from stoker.spec_rollout import RolloutSpec, rollout_chips, rollout_hosts, rollout_problems
@@ -63,7 +64,7 @@ __all__ = [
     "SINGULAR", "TPU_ACCELERATORS", "VERSION", "ActorsSpec", "AlgorithmName", "AlgorithmSpec", "BufferSpec",
     "CheckpointSpec", "EnvironmentSpec", "FrozenLakeOptions", "LearnerSpec", "LearningRateScheduleSpec", "MeshSpec",
     "ModelSpec", "ObjectMeta", "RLJob", "RLJobSpec", "ResourceList", "Resources", "RewardSpec", "RewardTermSpec",
-    "RolloutSpec", "RopeScaling", "SamplingSpec", "SandboxSpec", "SecretRef", "SpecModel", "StepLatency", "SweOptions",
+    "RolloutSpec", "RopeScaling", "SamplingSpec", "SandboxSpec", "SecretRef", "SftSpec", "SpecModel", "StepLatency", "SweOptions",
     "TpuAccelerator", "TpuTopology", "TransformerConfig", "cel", "cross_field_problems", "name_problems",
     "rollout_chips", "rollout_hosts", "rollout_problems",
 ]

@@ -40,6 +40,10 @@ def cross_field_problems(spec: RLJobSpec) -> list[tuple[str, str]]:
         problems.append(
             ("buffer.groupSize", f"got {spec.buffer.group_size}; expected >= 2 for group-relative advantages")
         )
+    if spec.algorithm.name == AlgorithmName.SFT and spec.algorithm.sft is None:
+        problems.append(("algorithm.sft", "missing; algorithm.name sft trains on algorithm.sft.dataset"))
+    if spec.algorithm.name == AlgorithmName.SFT and spec.mode == "colocated":
+        problems.append(("mode", "colocated with algorithm.name sft; expected disaggregated (SFT plays no episodes)"))
     longest_bucket = spec.learner.sequence_buckets[-1]
     if longest_bucket > spec.model.architecture.max_seq_len:
         problems.append(
@@ -139,6 +143,14 @@ CEL_RULES: dict[tuple[str, ...], list[dict[str, Any]]] = {
         cel(
             f"!({_ALGORITHM} in ['grpo', 'gspo'] && {_GROUP_SIZE} < 2)",
             "buffer.groupSize must be >= 2 for grpo and gspo (group-relative advantages)",
+        ),
+        cel(
+            f"{_ALGORITHM} != 'sft' || (has(self.algorithm) && has(self.algorithm.sft))",
+            "algorithm.sft (its dataset) is required for algorithm.name sft",
+        ),
+        cel(
+            f"!({_ALGORITHM} == 'sft' && {spec_cel.opt('self', ('mode',), repr('disaggregated'))} == 'colocated')",
+            "algorithm.name sft plays no episodes: it needs mode disaggregated",
         ),
         cel(
             f"{_BUCKETS}[{_BUCKETS}.size() - 1] <= {_MAX_SEQ_LEN}",

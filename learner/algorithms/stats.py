@@ -38,6 +38,8 @@ def finalize_stats(sums: dict[str, float]) -> dict[str, float]:
         out["tito_logprob_diff_mean"] = mean
         out["tito_logprob_diff_std"] = float(np.sqrt(max(sums["tito_sumsq"] / n - mean**2, 0.0)))
         out["tito_tokens"] = n
+    if sums.get("nll_tokens"):
+        out["nll"] = sums["nll_sum"] / sums["nll_tokens"]
     if sums.get("dpo_pairs"):
         out["dpo_accuracy"] = sums["dpo_accuracy_sum"] / sums["dpo_pairs"]
         out["dpo_margin_mean"] = sums["dpo_margin_sum"] / sums["dpo_pairs"]
