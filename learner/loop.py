@@ -34,6 +34,7 @@ import numpy as np
 
 from stoker.learner import algorithms, packing
 from stoker.learner.algorithms import LossConfig
+from stoker.learner.lora import LoraConfig
 from stoker.learner.optimizer import OptimizerConfig, learning_rate_schedule
 from stoker.learner.batches import (  # noqa: F401 - Group, DatasetError, load_dpo_pairs: the loop's API
     DatasetError,
@@ -103,6 +104,7 @@ class LearnerSettings:
     sft_loss_on: str = "assistant"
     eval_interval: int = 10
     spec: RLJobSpec | None = None
+    lora: LoraConfig | None = None  # spec.model.lora: adapters on a frozen base
 
     @classmethod
     def from_spec(cls, spec: RLJobSpec, *, run_dir: str | Path | None = None, **overrides: Any) -> LearnerSettings:
@@ -159,6 +161,10 @@ class LearnerSettings:
             run_dir=str(base),
             allowed_token_ids=_allowed_token_ids(spec),
             spec=spec,
+            lora=None if spec.model.lora is None else LoraConfig(
+                spec.model.lora.rank, spec.model.lora.alpha, tuple(spec.model.lora.targets), spec.model.lora.dropout,
+                seed=spec.seed,
+            ),
         )
         if algorithm.sft is not None and algorithm.name == "sft":
             sft = algorithm.sft
@@ -220,7 +226,7 @@ class Learner:
         options = train.StepOptions(
             settings.algorithm, settings.loss, settings.temperature, allowed_token_ids=settings.allowed_token_ids,
             remat=settings.remat,  # type: ignore[arg-type]  # a RematPolicy, checked by the spec
-            attention=kernel.implementation,
+            attention=kernel.implementation, lora=settings.lora,
         )
         value_model = None
         if options.needs_value:
@@ -398,8 +404,29 @@ class Learner:
         self.checkpointer.save(
             self.steps, self.trainer.params, self.trainer.opt_state, version=self.version, rng=self.rng
         )
+        if self.settings.lora is not None and self.settings.run_dir:
+            self._write_adapter()
         if wait:
             self.checkpointer.wait()
+
+    def _write_adapter(self) -> None:
+        """The LoRA adapters as a PEFT directory, ``RUN_DIR/adapter`` (``stoker.learner.peft``),
+        beside each checkpoint: ``stoker export`` copies it. Every process gathers; the primary writes."""
+        import jax
+
+        from stoker.learner import multihost
+        from stoker.learner.peft import ADAPTER_DIR, write_adapter
+
+        assert self.settings.lora is not None and self.settings.run_dir is not None
+        processes = multihost.Processes.current()
+        adapters = self.trainer.params["lora"]
+        if processes.multi:
+            adapters = multihost.replicate(processes, adapters, self.mesh)
+        if processes.primary:
+            write_adapter(
+                Path(self.settings.run_dir) / ADAPTER_DIR, jax.device_get(adapters), self.settings.lora,
+                base_model=self.settings.model_checkpoint, version=self.version,
+            )
 
     def restore(self) -> bool:
         """Load the latest checkpoint if there is one; True when something was restored."""
