@@ -105,6 +105,7 @@ class LearnerSettings:
     eval_interval: int = 10
     spec: RLJobSpec | None = None
     lora: LoraConfig | None = None  # spec.model.lora: adapters on a frozen base
+    teacher_checkpoint: str | None = None  # spec.algorithm.teacher.checkpoint (distill)
 
     @classmethod
     def from_spec(cls, spec: RLJobSpec, *, run_dir: str | Path | None = None, **overrides: Any) -> LearnerSettings:
@@ -161,6 +162,7 @@ class LearnerSettings:
             run_dir=str(base),
             allowed_token_ids=_allowed_token_ids(spec),
             spec=spec,
+            teacher_checkpoint=algorithm.teacher.checkpoint if algorithm.teacher is not None else None,
             lora=None if spec.model.lora is None else LoraConfig(
                 spec.model.lora.rank, spec.model.lora.alpha, tuple(spec.model.lora.targets), spec.model.lora.dropout,
                 seed=spec.seed,
@@ -231,9 +233,18 @@ class Learner:
         value_model = None
         if options.needs_value:
             value_model = train.ValueNetwork(model.config, rngs=nnx.Rngs(params=settings.seed + 1), dtype=dtype)
+        teacher = None
+        if options.needs_teacher:
+            from stoker.learner.teacher import TeacherError, load_teacher
+
+            if settings.teacher_checkpoint is None or settings.spec is None:
+                raise TeacherError("algorithm.teacher.checkpoint: missing (distill needs a teacher)")
+            teacher = load_teacher(settings.spec, settings.teacher_checkpoint, dtype, model.config.vocab_size)
         optimizer = train.make_optimizer(settings.learning_rate, settings.max_grad_norm, settings.optimizer)
         schedule = learning_rate_schedule(settings.learning_rate, settings.optimizer)
-        self.trainer = train.Trainer(model, options, optimizer, self.mesh, value_model=value_model, schedule=schedule)
+        self.trainer = train.Trainer(
+            model, options, optimizer, self.mesh, value_model=value_model, schedule=schedule, teacher_model=teacher
+        )
         self.rows = packing.rows_for_buckets(
             settings.buckets, settings.microbatch_tokens, sharding.data_parallel_size(self.mesh)
         )

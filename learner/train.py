@@ -36,7 +36,7 @@ from stoker.learner.optimizer import updates_applied
 from stoker.learner.packing import FIELDS, MicroBatch
 from stoker.spec import TransformerConfig
 
-ALGORITHMS = ("grpo", "ppo", "gspo", "dpo", "sft")
+ALGORITHMS = ("grpo", "ppo", "gspo", "dpo", "sft", "distill")
 # Batch arrays the device needs (sequence_index stays on the host).
 DEVICE_FIELDS = (
     "tokens", "targets", "positions", "segment_ids", "weights", "behaviour_logprobs", "behaviour_known",
@@ -68,6 +68,10 @@ class StepOptions:
     @property
     def needs_reference(self) -> bool:
         return self.algorithm == "dpo" or self.loss.kl_coef > 0
+
+    @property
+    def needs_teacher(self) -> bool:
+        return self.algorithm == "distill"
 
     @property
     def needs_value(self) -> bool:
@@ -132,6 +136,11 @@ def _per_shard_loss(
         )
     elif options.algorithm == "sft":
         loss, stats = algorithms.sft_loss(logp, weights)
+    elif options.algorithm == "distill":
+        loss, stats = algorithms.distill_loss(
+            logp, extras["teacher_logprobs"], batch["behaviour_logprobs"], batch["behaviour_known"], weights,
+            cfg.importance_cap,
+        )
     elif options.algorithm == "ppo":
         values = extras["values"]
         advantages, returns = algorithms.gae(
@@ -183,6 +192,7 @@ class Trainer:
         *,
         value_model: nnx.Module | None = None,
         schedule: optax.Schedule | None = None,
+        teacher_model: Transformer | None = None,
     ):
         self.options = options
         self.schedule = schedule  # the optimizer's learning rate per update, for the metrics
@@ -235,6 +245,17 @@ class Trainer:
             self.frozen["base"], frozen_shardings["base"] = self.base, self.base_shardings
         elif self.reference is not None:
             self.frozen["reference"], frozen_shardings["reference"] = self.reference, self.param_shardings["policy"]
+        self.teacher_def = None
+        if options.needs_teacher:  # frozen, in the compute dtype, laid out by the same rule as the reference
+            if teacher_model is None:
+                raise ValueError("distillation needs a teacher_model")
+            self.teacher_def, teacher_state = nnx.split(teacher_model)
+            teacher_state = _cast(teacher_state, self.compute_dtype)
+            frozen_shardings["teacher"] = sharding.tree_shardings(teacher_state, mesh)
+            self.frozen["teacher"] = (
+                _abstract(teacher_state, frozen_shardings["teacher"]) if self.abstract
+                else jax.device_put(teacher_state, frozen_shardings["teacher"])
+            )
         ref_shardings = frozen_shardings
         self._grad = jax.jit(
             self._grad_impl,
@@ -272,12 +293,12 @@ class Trainer:
 
     def _forward_logprobs(
         self, policy: Any, batch: dict[str, jax.Array], *, full: bool = True, adapters: Any = None,
-        dropout_key: jax.Array | None = None,
+        dropout_key: jax.Array | None = None, graphdef: Any = None,
     ) -> TokenStats:
         """The policy's per-token stats at the targets, the logits a chunk at a time
         (``logprobs.token_stats``); ``full=False``: log-probs only (the reference policy).
         ``adapters``: LoRA's, on the frozen ``policy`` (``stoker.learner.lora``)."""
-        model = nnx.merge(self.policy_def, _cast(policy, self.compute_dtype))
+        model = nnx.merge(self.policy_def if graphdef is None else graphdef, _cast(policy, self.compute_dtype))
         if adapters is not None:
             assert self.options.lora is not None
             lora.attach(model, adapters, self.options.lora, dropout_key)
@@ -319,6 +340,9 @@ class Trainer:
             extras["entropy"] = policy.entropy
         if policy.log_not_taken is not None:
             extras["log_not_taken"] = policy.log_not_taken
+        if "teacher" in frozen:
+            teacher = self._forward_logprobs(frozen["teacher"], batch, full=False, graphdef=self.teacher_def)
+            extras["teacher_logprobs"] = jax.lax.stop_gradient(teacher.logprobs)
         if reference is not None:
             extras["ref_logprobs"] = jax.lax.stop_gradient(self._forward_logprobs(reference, batch, full=False).logprobs)
         if self.value_def is not None:

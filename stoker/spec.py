@@ -53,6 +53,7 @@ from stoker.spec_learner import (
     MeshSpec,
     SecretRef,
     SftSpec,
+    TeacherSpec,
 )
 from stoker.spec_model import LoraSpec, ModelSpec, RopeScaling, TransformerConfig
 from stoker.spec_rollout import RolloutSpec, rollout_chips, rollout_hosts, rollout_problems
@@ -64,7 +65,7 @@ __all__ = [
     "SINGULAR", "TPU_ACCELERATORS", "VERSION", "ActorsSpec", "AlgorithmName", "AlgorithmSpec", "BufferSpec",
     "CheckpointSpec", "EnvironmentSpec", "FrozenLakeOptions", "LearnerSpec", "LearningRateScheduleSpec", "LoraSpec", "MeshSpec",
     "ModelSpec", "ObjectMeta", "RLJob", "RLJobSpec", "ResourceList", "Resources", "RewardSpec", "RewardTermSpec",
-    "RolloutSpec", "RopeScaling", "SamplingSpec", "SandboxSpec", "SecretRef", "SftSpec", "SpecModel", "StepLatency", "SweOptions",
+    "RolloutSpec", "RopeScaling", "SamplingSpec", "SandboxSpec", "SecretRef", "SftSpec", "SpecModel", "TeacherSpec", "StepLatency", "SweOptions",
     "TpuAccelerator", "TpuTopology", "TransformerConfig", "cel", "cross_field_problems", "name_problems",
     "rollout_chips", "rollout_hosts", "rollout_problems",
 ]

@@ -28,6 +28,7 @@ class AlgorithmName(StrEnum):
     DPO = "dpo"
     GSPO = "gspo"
     SFT = "sft"
+    DISTILL = "distill"
 
 
 class LearningRateScheduleSpec(SpecModel):
@@ -65,11 +66,20 @@ class SftSpec(SpecModel):
     )
 
 
+class TeacherSpec(SpecModel):
+    """The teacher of on-policy distillation (``algorithm.name: distill``)."""
+
+    checkpoint: str = Field(
+        description="Hugging Face-format directory of the teacher; its tokenizer must be the student's."
+    )
+
+
 class AlgorithmSpec(SpecModel):
     """The training objective and its hyperparameters."""
 
     name: AlgorithmName = Field(
-        AlgorithmName.GRPO, description="grpo | ppo | dpo | gspo (RL on the buffer's episodes) | sft (on algorithm.sft.dataset)."
+        AlgorithmName.GRPO, description="grpo | ppo | dpo | gspo (RL on the buffer's episodes) | sft (on algorithm.sft.dataset) | "
+        "distill (on-policy distillation from algorithm.teacher)."
     )
     learning_rate: float = Field(3e-3, gt=0, description="Adam learning rate (the peak, under a schedule).")
     clip_epsilon: float = Field(0.2, gt=0, description="PPO-style ratio clip (low side).")
@@ -103,6 +113,9 @@ class AlgorithmSpec(SpecModel):
         0.0, ge=0, description="AdamW decoupled weight decay on weight matrices (not norms or biases); 0 is Adam."
     )
     sft: SftSpec | None = Field(None, description="The SFT dataset (algorithm.name: sft).")
+    teacher: TeacherSpec | None = Field(
+        None, description="The teacher whose per-token log-probs the student is distilled toward (algorithm.name: distill)."
+    )
     advantage_normalization: Literal["population-std", "sample-std", "none"] = Field(
         "population-std",
         description=(

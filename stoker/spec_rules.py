@@ -44,6 +44,8 @@ def cross_field_problems(spec: RLJobSpec) -> list[tuple[str, str]]:
         problems.append(("algorithm.sft", "missing; algorithm.name sft trains on algorithm.sft.dataset"))
     if spec.algorithm.name == AlgorithmName.SFT and spec.mode == "colocated":
         problems.append(("mode", "colocated with algorithm.name sft; expected disaggregated (SFT plays no episodes)"))
+    if spec.algorithm.name == AlgorithmName.DISTILL and spec.algorithm.teacher is None:
+        problems.append(("algorithm.teacher", "missing; algorithm.name distill needs algorithm.teacher.checkpoint"))
     longest_bucket = spec.learner.sequence_buckets[-1]
     if longest_bucket > spec.model.architecture.max_seq_len:
         problems.append(
@@ -147,6 +149,10 @@ CEL_RULES: dict[tuple[str, ...], list[dict[str, Any]]] = {
         cel(
             f"{_ALGORITHM} != 'sft' || (has(self.algorithm) && has(self.algorithm.sft))",
             "algorithm.sft (its dataset) is required for algorithm.name sft",
+        ),
+        cel(
+            f"{_ALGORITHM} != 'distill' || (has(self.algorithm) && has(self.algorithm.teacher))",
+            "algorithm.teacher (its checkpoint) is required for algorithm.name distill",
         ),
         cel(
             f"!({_ALGORITHM} == 'sft' && {spec_cel.opt('self', ('mode',), repr('disaggregated'))} == 'colocated')",

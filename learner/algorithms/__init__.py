@@ -1,4 +1,4 @@
-"""Training objectives as pure functions of per-token arrays (GRPO, PPO, GSPO, DPO, SFT).
+"""Training objectives as pure functions of per-token arrays (GRPO, PPO, GSPO, DPO, SFT, on-policy distillation).
 
 Each function is pure, shape-checked on entry and works with or without ``jax.jit``, on arrays
 laid out as ``stoker.learner.packing`` lays out a micro-batch; each loss returns ``(loss, stats)``
@@ -8,7 +8,7 @@ docs/architecture.md, "Loss conventions".
 
 The modules: ``config`` (``LossConfig`` and the types), ``advantages`` (GRPO's group advantage,
 GAE), ``token_weights`` (aggregation and importance weights, stale tokens, the TiTO check),
-``policy_gradient`` (GRPO, GSPO, PPO), ``dpo``, ``sft``, ``stats``; import from here.
+``policy_gradient`` (GRPO, GSPO, PPO), ``dpo``, ``sft``, ``distill``, ``stats``; import from here.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from stoker.learner.algorithms.config import (
     LossConfig,
     OffPolicy,
 )
+from stoker.learner.algorithms.distill import distill_loss
 from stoker.learner.algorithms.dpo import dpo_loss
 from stoker.learner.algorithms.ops import exp_log_ratio
 from stoker.learner.algorithms.policy_gradient import grpo_loss, gspo_loss, kl_k3, ppo_loss, stuck_unlikelihood
@@ -44,6 +45,7 @@ __all__ = [
     "OffPolicy",
     "aggregation_weights",
     "combine_stats",
+    "distill_loss",
     "dpo_loss",
     "exp_log_ratio",
     "finalize_stats",

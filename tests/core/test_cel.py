@@ -129,6 +129,8 @@ CASES: list[Case] = [
     ("sft without its dataset", "lake", {"algorithm": {"name": "sft"}}, "spec.algorithm.sft"),
     ("sft groupSize 1", "lake", {"algorithm": {"name": "sft", "sft": {"dataset": "c.jsonl"}}, "buffer": {"groupSize": 1}}, None),
     ("sft colocated", "lake", {"algorithm": {"name": "sft", "sft": {"dataset": "c.jsonl"}}, "mode": "colocated"}, "spec.mode"),
+    ("distill with its teacher", "lake", {"algorithm": {"name": "distill", "teacher": {"checkpoint": "/m/t"}}}, None),
+    ("distill without a teacher", "lake", {"algorithm": {"name": "distill"}}, "spec.algorithm.teacher"),
     ("buckets descending", "lake", learner(sequenceBuckets=[256, 128]), "spec.learner.sequenceBuckets"),
     ("buckets repeated", "lake", learner(sequenceBuckets=[128, 128]), "spec.learner.sequenceBuckets"),
     ("bucket below 8", "lake", learner(sequenceBuckets=[4, 16]), "spec.learner.sequenceBuckets"),
