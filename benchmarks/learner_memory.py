@@ -65,11 +65,11 @@ def step_seconds(remats: list[str], length: int, repeats: int) -> dict[str, floa
     trainers = {r: trainer(TIME_CONFIG, r, abstract=False) for r in remats}
     times: dict[str, list[float]] = {r: [] for r in remats}
     for r, t in trainers.items():
-        jax.block_until_ready(t._grad(t.params, t.reference, batch, scalars))  # compile
+        jax.block_until_ready(t._grad(t.params, t.frozen, batch, scalars))  # compile
     for _ in range(repeats):
         for r, t in trainers.items():
             start = time.perf_counter()
-            jax.block_until_ready(t._grad(t.params, t.reference, batch, scalars))
+            jax.block_until_ready(t._grad(t.params, t.frozen, batch, scalars))
             times[r].append(time.perf_counter() - start)
     return {r: statistics.median(v) for r, v in times.items()}
 

@@ -173,7 +173,7 @@ def prepare_groups(
                     prepared.items.append([_sequence(e, advantage=float(advantages[i, j]))])
                 else:
                     prepared.items.append([_sequence(e, advantage=float(stuck[j]), stuck=True)])
-    elif algorithm == "ppo":
+    elif algorithm in ("ppo", "distill"):  # every trainable episode; distillation needs no reward
         prepared.items.extend([_sequence(e)] for episodes in trainable for e in episodes)
     elif algorithm == "dpo":
         for episodes in trainable:

@@ -36,7 +36,7 @@ log = logging.getLogger("stoker.learner")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--manifest", required=True, metavar="FILE", help="RLJob manifest")
-    parser.add_argument("--buffer", metavar="ADDR", help="buffer gRPC address HOST:PORT (not needed for DPO on a dataset)")
+    parser.add_argument("--buffer", metavar="ADDR", help="buffer gRPC address HOST:PORT (not needed for SFT or DPO on a dataset)")
     parser.add_argument("--token-file", metavar="F", help="file holding the buffer's bearer token (also guards the weights)")
     parser.add_argument("--run-dir", required=True, metavar="DIR", help="checkpoints, metrics and caches go here")
     weights = parser.add_mutually_exclusive_group()
@@ -74,10 +74,10 @@ def main(args: argparse.Namespace) -> int:
     if args.max_steps is not None and args.max_steps < 1:
         return _fail(f"--max-steps {args.max_steps}; expected >= 1")
     spec = job.spec
-    dataset_only = str(spec.algorithm.name) == "dpo" and spec.algorithm.dpo_dataset is not None
+    dataset_only = spec.algorithm.trains_on_dataset
     colocated = spec.mode == "colocated" and args.buffer is None and not dataset_only
     if args.buffer is None and not dataset_only and not colocated:
-        return _fail("--buffer is required (only DPO on a dataset file, or mode: colocated, trains without one)")
+        return _fail("--buffer is required (only SFT, DPO on a dataset file, or mode: colocated, train without one)")
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
 

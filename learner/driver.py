@@ -102,9 +102,13 @@ class RunLoop:
         duty = DutyCycle()
         learner.busy_seconds = 0.0
         self._skip_reported_versions()
-        dataset = self._dataset_batches() if s.algorithm == "dpo" and s.dpo_dataset else None
+        dataset: Iterator[Any] | None = None
+        if s.algorithm == "sft":
+            dataset = self._sft_batches()
+        elif s.algorithm == "dpo" and s.dpo_dataset:
+            dataset = self._dataset_batches()
         if dataset is None and self.source is None and self.processes.primary:
-            raise ValueError("no buffer to sample from (and no DPO dataset)")
+            raise ValueError("no buffer to sample from (and no DPO or SFT dataset)")
         with contextlib.ExitStack() as cleanup:
             # Entered first, so it closes last: every commit and the final weights are sent
             # before run() returns, after the prefetcher has stopped.
@@ -144,7 +148,7 @@ class RunLoop:
 
     def _run_steps(
         self,
-        dataset: Iterator[list[list[TrainSequence]]] | None,
+        dataset: Iterator[Any] | None,
         prefetcher: Prefetcher | None,
         outbox: Outbox,
         limit: int,
@@ -159,7 +163,8 @@ class RunLoop:
                 break
             batch_id = None
             if dataset is not None:
-                metrics = learner.train_on_pairs(next(dataset))
+                items = next(dataset)
+                metrics = learner.train_on_sequences(items) if s.algorithm == "sft" else learner.train_on_pairs(items)
             else:
                 if batch is None:
                     if made and source is not None:
@@ -175,6 +180,10 @@ class RunLoop:
                     self.sink.record(metrics)  # its episodes still count toward the success rate
                 continue
             made += 1
+            if learner.sft_data is not None and learner.sft_data.eval and (
+                learner.version % s.eval_interval == 0 or learner.steps >= limit
+            ):
+                metrics.update(learner.evaluate_sequences([c.sequence() for c in learner.sft_data.eval]))
             duty.busy_seconds = learner.busy_seconds
             metrics["duty_cycle"] = duty.value
             if learner.steps % s.publish_interval == 0:
@@ -200,21 +209,34 @@ class RunLoop:
     def _dataset_batches(self) -> Iterator[list[list[TrainSequence]]]:
         """Endless shuffled epochs over the DPO dataset, batch_groups pairs at a time. Every process
         reads the file and draws the same order from the shared seed."""
+        from stoker.learner.batches import load_dpo_pairs
+
+        assert self.learner.settings.dpo_dataset is not None
+        pairs = load_dpo_pairs(self.learner.settings.dpo_dataset)
+        for batch in self._shuffled_batches(len(pairs)):
+            yield [pairs[i] for i in batch]
+
+    def _sft_batches(self) -> Iterator[list[TrainSequence]]:
+        """Endless shuffled epochs over the SFT conversations, batch_groups at a time (the same
+        order on every process, from the shared seed)."""
+        data = self.learner.sft_data
+        assert data is not None
+        sequences = [c.sequence() for c in data.train]
+        for batch in self._shuffled_batches(len(sequences)):
+            yield [sequences[i] for i in batch]
+
+    def _shuffled_batches(self, count: int) -> Iterator[list[int]]:
         import jax
         import jax.numpy as jnp
 
-        from stoker.learner.batches import load_dpo_pairs
-
         learner = self.learner
-        assert learner.settings.dpo_dataset is not None
-        pairs = load_dpo_pairs(learner.settings.dpo_dataset)
         while True:
             key = jax.random.wrap_key_data(jnp.asarray(learner.rng))
             key, sub = jax.random.split(key)
             learner.rng = np.asarray(jax.random.key_data(key), np.uint32)
-            order = np.asarray(jax.random.permutation(sub, len(pairs)))
+            order = np.asarray(jax.random.permutation(sub, count))
             for start in range(0, len(order), learner.settings.batch_groups):
-                yield [pairs[i] for i in order[start : start + learner.settings.batch_groups]]
+                yield [int(i) for i in order[start : start + learner.settings.batch_groups]]
 
     def _skip_reported_versions(self) -> None:
         """Never hand out a version number twice.

@@ -89,10 +89,11 @@ def export(source: str | Path, target: str | Path) -> tuple[Path, list[str]]:
     """Write the HF directory; returns it and the tokenizer files copied."""
     source, target = Path(source), Path(target)
     tokenizer_dir: Path | None
+    version = None
     if (source / CONFIG_FILE).exists():
         model, tokenizer_dir = load_checkpoint(source, dtype=_checkpoint_dtype(source)), source
     elif (source / RUN_RECORD).exists():
-        model, tokenizer_dir, _ = _from_run(source)
+        model, tokenizer_dir, version = _from_run(source)
     else:
         raise ExportError(f"{source}: neither a checkpoint (no {CONFIG_FILE}) nor a run directory (no {RUN_RECORD})")
     if (target / CONFIG_FILE).exists():
@@ -105,6 +106,12 @@ def export(source: str | Path, target: str | Path) -> tuple[Path, list[str]]:
         if tokenizer_dir is not None and (tokenizer_dir / name).is_file():
             shutil.copyfile(tokenizer_dir / name, target / name)
             copied.append(name)
+    if version is not None:  # a LoRA run: its PEFT adapter directory too (stoker.learner.peft)
+        from stoker.learner.peft import copy_run_adapter
+
+        adapter = copy_run_adapter(source, target, version)
+        if adapter is not None:
+            copied.append(adapter)
     return target, copied
 
 

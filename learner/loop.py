@@ -34,6 +34,7 @@ import numpy as np
 
 from stoker.learner import algorithms, packing
 from stoker.learner.algorithms import LossConfig
+from stoker.learner.lora import LoraConfig
 from stoker.learner.optimizer import OptimizerConfig, learning_rate_schedule
 from stoker.learner.batches import (  # noqa: F401 - Group, DatasetError, load_dpo_pairs: the loop's API
     DatasetError,
@@ -95,6 +96,16 @@ class LearnerSettings:
     run_dir: str | None = None
     sample_timeout_s: float = 5.0
     allowed_token_ids: tuple[int, ...] | None = None  # constrained decoding, as the actors sample
+    # SFT (spec.algorithm.sft): the dataset paths as written (relative ones against the working
+    # directory, like environment.tasks), and the job for its tokenizer and chat template.
+    sft_dataset: str | None = None
+    sft_eval_dataset: str | None = None
+    sft_eval_fraction: float = 0.0
+    sft_loss_on: str = "assistant"
+    eval_interval: int = 10
+    spec: RLJobSpec | None = None
+    lora: LoraConfig | None = None  # spec.model.lora: adapters on a frozen base
+    teacher_checkpoint: str | None = None  # spec.algorithm.teacher.checkpoint (distill)
 
     @classmethod
     def from_spec(cls, spec: RLJobSpec, *, run_dir: str | Path | None = None, **overrides: Any) -> LearnerSettings:
@@ -150,7 +161,21 @@ class LearnerSettings:
             compilation_cache_dir=resolve(learner.compilation_cache_dir),
             run_dir=str(base),
             allowed_token_ids=_allowed_token_ids(spec),
+            spec=spec,
+            teacher_checkpoint=algorithm.teacher.checkpoint if algorithm.teacher is not None else None,
+            lora=None if spec.model.lora is None else LoraConfig(
+                spec.model.lora.rank, spec.model.lora.alpha, tuple(spec.model.lora.targets), spec.model.lora.dropout,
+                seed=spec.seed,
+            ),
         )
+        if algorithm.sft is not None and algorithm.name == "sft":
+            sft = algorithm.sft
+            settings = settings.replace(
+                sft_dataset=sft.dataset, sft_eval_dataset=sft.eval_dataset, sft_eval_fraction=sft.eval_fraction,
+                sft_loss_on=sft.loss_on, eval_interval=sft.eval_interval_steps,
+                # The data's own tokens, unrestricted and untempered: no sampler to match.
+                temperature=1.0, allowed_token_ids=None,
+            )
         return settings.replace(**overrides) if overrides else settings
 
     def replace(self, **changes: Any) -> LearnerSettings:
@@ -207,14 +232,23 @@ class Learner:
         options = train.StepOptions(
             settings.algorithm, settings.loss, settings.temperature, allowed_token_ids=settings.allowed_token_ids,
             remat=settings.remat,  # type: ignore[arg-type]  # a RematPolicy, checked by the spec
-            attention=kernel.implementation,
+            attention=kernel.implementation, lora=settings.lora,
         )
         value_model = None
         if options.needs_value:
             value_model = train.ValueNetwork(model.config, rngs=nnx.Rngs(params=settings.seed + 1), dtype=dtype)
+        teacher = None
+        if options.needs_teacher:
+            from stoker.learner.teacher import TeacherError, load_teacher
+
+            if settings.teacher_checkpoint is None or settings.spec is None:
+                raise TeacherError("algorithm.teacher.checkpoint: missing (distill needs a teacher)")
+            teacher = load_teacher(settings.spec, settings.teacher_checkpoint, dtype, model.config.vocab_size)
         optimizer = train.make_optimizer(settings.learning_rate, settings.max_grad_norm, settings.optimizer)
         schedule = learning_rate_schedule(settings.learning_rate, settings.optimizer)
-        self.trainer = train.Trainer(model, options, optimizer, self.mesh, value_model=value_model, schedule=schedule)
+        self.trainer = train.Trainer(
+            model, options, optimizer, self.mesh, value_model=value_model, schedule=schedule, teacher_model=teacher
+        )
         self.rows = packing.rows_for_buckets(
             settings.buckets, settings.microbatch_tokens, sharding.data_parallel_size(self.mesh)
         )
@@ -227,6 +261,12 @@ class Learner:
             Checkpointer(settings.checkpoint_dir, keep=settings.checkpoint_keep) if settings.checkpoint_dir else None
         )
         self._saved_step = -1
+        self.sft_data = None
+        if settings.algorithm == "sft":
+            from stoker.learner.sft import settings_sft_data
+
+            self.sft_data = settings_sft_data(settings, model.config.vocab_size)
+            log.info("SFT: %d conversations to train on, %d held out", len(self.sft_data.train), len(self.sft_data.eval))
         self.resumed = bool(resume and self.restore())
 
     # ----------------------------------------------------------------------------- training
@@ -257,6 +297,24 @@ class Learner:
         """One DPO update from chosen/rejected pairs (``load_dpo_pairs``)."""
         prepared = Prepared(list(pairs), [], 2 * len(pairs), 0, num_pairs=len(pairs))
         return self._train_items(prepared)
+
+    def train_on_sequences(self, sequences: Sequence[TrainSequence]) -> dict[str, float]:
+        """One update from whole sequences trained where their loss mask says (SFT)."""
+        prepared = Prepared([[seq] for seq in sequences], [], len(sequences), 0)
+        return self._train_items(prepared)
+
+    def evaluate_sequences(self, sequences: Sequence[TrainSequence]) -> dict[str, float]:
+        """The mean loss per trained token over ``sequences``, without an update (a held-out split):
+        ``eval_loss`` (the NLL per token) and ``eval_tokens``."""
+        from stoker.learner.train import assign_weights
+
+        longest = max(self.settings.buckets)
+        items = [[packing.truncate(seq, longest)] for seq in sequences]
+        micros = packing.pack(items, self.settings.buckets, self.rows)
+        assign_weights(micros, [m.arrays["mask"] for m in micros], "token-mean")
+        sums = self.trainer.evaluate(micros, self.version)
+        tokens = sums.get("nll_tokens", 0.0)
+        return {"eval_loss": sums.get("nll_sum", 0.0) / max(tokens, 1.0), "eval_tokens": tokens}
 
     def _train_items(self, prepared: Prepared, sampled_at: int | None = None, max_staleness: int | None = None) -> dict[str, float]:
         started = time.perf_counter()
@@ -369,8 +427,29 @@ class Learner:
         self.checkpointer.save(
             self.steps, self.trainer.params, self.trainer.opt_state, version=self.version, rng=self.rng
         )
+        if self.settings.lora is not None and self.settings.run_dir:
+            self._write_adapter()
         if wait:
             self.checkpointer.wait()
+
+    def _write_adapter(self) -> None:
+        """The LoRA adapters as a PEFT directory, ``RUN_DIR/adapter`` (``stoker.learner.peft``),
+        beside each checkpoint: ``stoker export`` copies it. Every process gathers; the primary writes."""
+        import jax
+
+        from stoker.learner import multihost
+        from stoker.learner.peft import ADAPTER_DIR, write_adapter
+
+        assert self.settings.lora is not None and self.settings.run_dir is not None
+        processes = multihost.Processes.current()
+        adapters = self.trainer.params["lora"]
+        if processes.multi:
+            adapters = multihost.replicate(processes, adapters, self.mesh)
+        if processes.primary:
+            write_adapter(
+                Path(self.settings.run_dir) / ADAPTER_DIR, jax.device_get(adapters), self.settings.lora,
+                base_model=self.settings.model_checkpoint, version=self.version,
+            )
 
     def restore(self) -> bool:
         """Load the latest checkpoint if there is one; True when something was restored."""

@@ -26,7 +26,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from stoker.learner import algorithms, sharding
+from stoker.learner import algorithms, lora, sharding
 from stoker.learner.algorithms import LossConfig
 from stoker.model.attention_kernels import Implementation, rows_split_over
 from stoker.model.logprobs import TokenStats, token_stats
@@ -36,7 +36,7 @@ from stoker.learner.optimizer import updates_applied
 from stoker.learner.packing import FIELDS, MicroBatch
 from stoker.spec import TransformerConfig
 
-ALGORITHMS = ("grpo", "ppo", "gspo", "dpo")
+ALGORITHMS = ("grpo", "ppo", "gspo", "dpo", "sft", "distill")
 # Batch arrays the device needs (sequence_index stays on the host).
 DEVICE_FIELDS = (
     "tokens", "targets", "positions", "segment_ids", "weights", "behaviour_logprobs", "behaviour_known",
@@ -58,6 +58,8 @@ class StepOptions:
     remat: RematPolicy = "full"
     # The attention kernel (spec.model.attention after attention_kernels.select_attention).
     attention: Implementation = "blockwise"
+    # spec.model.lora: train low-rank adapters on a frozen base (stoker.learner.lora).
+    lora: lora.LoraConfig | None = None
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -66,6 +68,10 @@ class StepOptions:
     @property
     def needs_reference(self) -> bool:
         return self.algorithm == "dpo" or self.loss.kl_coef > 0
+
+    @property
+    def needs_teacher(self) -> bool:
+        return self.algorithm == "distill"
 
     @property
     def needs_value(self) -> bool:
@@ -128,6 +134,13 @@ def _per_shard_loss(
             logp, old, batch["behaviour_logprobs"], batch["advantages"], weights, sequence_ids, cfg,
             ref_logprobs=ref, entropy=entropy, stuck=batch["stuck"], log_not_taken=extras["log_not_taken"],
         )
+    elif options.algorithm == "sft":
+        loss, stats = algorithms.sft_loss(logp, weights)
+    elif options.algorithm == "distill":
+        loss, stats = algorithms.distill_loss(
+            logp, extras["teacher_logprobs"], batch["behaviour_logprobs"], batch["behaviour_known"], weights,
+            cfg.importance_cap,
+        )
     elif options.algorithm == "ppo":
         values = extras["values"]
         advantages, returns = algorithms.gae(
@@ -163,8 +176,11 @@ def _per_shard_loss(
 class Trainer:
     """Parameters, optimizer state and the compiled step functions on one mesh.
 
-    ``params`` is a dict ``{"policy": nnx.State, "value": nnx.State}`` (value only for PPO);
-    ``reference`` the frozen initial policy when the objective needs one (KL, DPO).
+    ``params`` (what the optimizer trains) is a dict ``{"policy": nnx.State, "value": nnx.State}``
+    (value only for PPO); with LoRA ``{"lora": adapters, ...}`` instead of the policy, whose frozen
+    base is ``base`` (in the compute dtype). ``reference`` is the frozen initial policy when the
+    objective needs one (KL, DPO); with LoRA the base is the reference. ``frozen`` holds what the
+    step reads and never trains: ``{"reference": ...}`` or ``{"base": ...}``.
     """
 
     def __init__(
@@ -176,6 +192,7 @@ class Trainer:
         *,
         value_model: nnx.Module | None = None,
         schedule: optax.Schedule | None = None,
+        teacher_model: Transformer | None = None,
     ):
         self.options = options
         self.schedule = schedule  # the optimizer's learning rate per update, for the metrics
@@ -187,7 +204,13 @@ class Trainer:
         # keeps float32 master weights; an Adam step of lr ~1e-6 is below bfloat16's resolution
         # (8 mantissa bits) and would otherwise round away.
         self.compute_dtype = _float_dtype(policy_state)
-        params: dict[str, Any] = {"policy": _cast(policy_state, jnp.float32)}
+        params: dict[str, Any] = {}
+        base = None
+        if options.lora is not None:
+            base = _cast(policy_state, self.compute_dtype)
+            params["lora"] = lora.init_adapters(policy_state, model.config.num_layers, options.lora)
+        else:
+            params["policy"] = _cast(policy_state, jnp.float32)
         self.value_def = None
         if options.needs_value:
             if value_model is None:
@@ -198,9 +221,14 @@ class Trainer:
         # An abstract model (nnx.eval_shape) gives a trainer that only compiles: see memory_analysis.
         self.abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
         self.params = _abstract(params, self.param_shardings) if self.abstract else jax.device_put(params, self.param_shardings)
+        self.base = None
+        self.base_shardings = None
+        if base is not None:
+            self.base_shardings = sharding.tree_shardings(base, mesh)
+            self.base = _abstract(base, self.base_shardings) if self.abstract else jax.device_put(base, self.base_shardings)
         # A copy in the compute dtype, not an alias: the live parameters are donated to updates.
         self.reference = None
-        if options.needs_reference:
+        if options.needs_reference and options.lora is None:
             reference = _cast(self.params["policy"], self.compute_dtype)
             self.reference = reference if self.abstract else jax.tree.map(jnp.copy, reference)
         opt_state = jax.eval_shape(optimizer.init, self.params)
@@ -211,7 +239,24 @@ class Trainer:
         )
         rep = sharding.replicated(mesh)
         batch_spec = sharding.batch_sharding(mesh)
-        ref_shardings = self.param_shardings["policy"] if options.needs_reference else None
+        self.frozen: dict[str, Any] = {}
+        frozen_shardings: dict[str, Any] = {}
+        if self.base is not None:
+            self.frozen["base"], frozen_shardings["base"] = self.base, self.base_shardings
+        elif self.reference is not None:
+            self.frozen["reference"], frozen_shardings["reference"] = self.reference, self.param_shardings["policy"]
+        self.teacher_def = None
+        if options.needs_teacher:  # frozen, in the compute dtype, laid out by the same rule as the reference
+            if teacher_model is None:
+                raise ValueError("distillation needs a teacher_model")
+            self.teacher_def, teacher_state = nnx.split(teacher_model)
+            teacher_state = _cast(teacher_state, self.compute_dtype)
+            frozen_shardings["teacher"] = sharding.tree_shardings(teacher_state, mesh)
+            self.frozen["teacher"] = (
+                _abstract(teacher_state, frozen_shardings["teacher"]) if self.abstract
+                else jax.device_put(teacher_state, frozen_shardings["teacher"])
+            )
+        ref_shardings = frozen_shardings
         self._grad = jax.jit(
             self._grad_impl,
             in_shardings=(self.param_shardings, ref_shardings, batch_spec, rep),
@@ -223,6 +268,20 @@ class Trainer:
             out_shardings=(self.param_shardings, self.opt_shardings, rep, rep),
             donate_argnums=(0, 1),
         )
+        self._evaluate = jax.jit(
+            lambda params, frozen, batch, scalars: self._loss(params, frozen, batch, scalars, train=False)[1],
+            in_shardings=(self.param_shardings, ref_shardings, batch_spec, rep),
+            out_shardings=rep,
+        )
+        self._merge = None
+        if self.base is not None:
+            assert options.lora is not None
+            config = options.lora
+            self._merge = jax.jit(
+                lambda base, adapters: lora.merged_state(base, adapters, config),
+                in_shardings=(self.base_shardings, self.param_shardings["lora"]),
+                out_shardings=self.base_shardings,
+            )
         self._accumulate = jax.jit(
             lambda a, b: jax.tree.map(jnp.add, a, b),
             in_shardings=(self.param_shardings, self.param_shardings),
@@ -232,10 +291,17 @@ class Trainer:
 
     # -------------------------------------------------------------------------------- device
 
-    def _forward_logprobs(self, policy: Any, batch: dict[str, jax.Array], *, full: bool = True) -> TokenStats:
+    def _forward_logprobs(
+        self, policy: Any, batch: dict[str, jax.Array], *, full: bool = True, adapters: Any = None,
+        dropout_key: jax.Array | None = None, graphdef: Any = None,
+    ) -> TokenStats:
         """The policy's per-token stats at the targets, the logits a chunk at a time
-        (``logprobs.token_stats``); ``full=False``: log-probs only (the reference policy)."""
-        model = nnx.merge(self.policy_def, _cast(policy, self.compute_dtype))
+        (``logprobs.token_stats``); ``full=False``: log-probs only (the reference policy).
+        ``adapters``: LoRA's, on the frozen ``policy`` (``stoker.learner.lora``)."""
+        model = nnx.merge(self.policy_def if graphdef is None else graphdef, _cast(policy, self.compute_dtype))
+        if adapters is not None:
+            assert self.options.lora is not None
+            lora.attach(model, adapters, self.options.lora, dropout_key)
         with rows_split_over(self.mesh, sharding.FSDP):  # each device attends over its own rows
             hidden = model.hidden_states(
                 batch["tokens"], batch["positions"], batch["segment_ids"], remat=self.options.remat if full else "none",
@@ -253,15 +319,30 @@ class Trainer:
         )
 
     def _loss(
-        self, params: dict[str, Any], reference: Any, batch: dict[str, jax.Array], scalars: dict[str, jax.Array]
+        self, params: dict[str, Any], frozen: dict[str, Any], batch: dict[str, jax.Array], scalars: dict[str, jax.Array],
+        *, train: bool = True,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        policy = self._forward_logprobs(params["policy"], batch)
+        adapters = params.get("lora")
+        reference = frozen.get("reference")
+        if adapters is None:
+            policy = self._forward_logprobs(params["policy"], batch)
+        else:
+            config = self.options.lora
+            assert config is not None
+            key = None
+            if train and config.dropout > 0:  # a fresh mask per update and micro-batch
+                key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.seed), scalars["version"]), scalars["micro"])
+            policy = self._forward_logprobs(frozen["base"], batch, adapters=adapters, dropout_key=key)
+            reference = frozen["base"] if self.options.needs_reference else None
         logp = policy.logprobs
         extras: dict[str, jax.Array] = {}
         if policy.entropy is not None:
             extras["entropy"] = policy.entropy
         if policy.log_not_taken is not None:
             extras["log_not_taken"] = policy.log_not_taken
+        if "teacher" in frozen:
+            teacher = self._forward_logprobs(frozen["teacher"], batch, full=False, graphdef=self.teacher_def)
+            extras["teacher_logprobs"] = jax.lax.stop_gradient(teacher.logprobs)
         if reference is not None:
             extras["ref_logprobs"] = jax.lax.stop_gradient(self._forward_logprobs(reference, batch, full=False).logprobs)
         if self.value_def is not None:
@@ -278,9 +359,9 @@ class Trainer:
         return loss, stats
 
     def _grad_impl(
-        self, params: dict[str, Any], reference: Any, batch: dict[str, jax.Array], scalars: dict[str, jax.Array]
+        self, params: dict[str, Any], frozen: dict[str, Any], batch: dict[str, jax.Array], scalars: dict[str, jax.Array]
     ) -> tuple[Any, dict[str, jax.Array]]:
-        (_, stats), grads = jax.value_and_grad(self._loss, has_aux=True)(params, reference, batch, scalars)
+        (_, stats), grads = jax.value_and_grad(self._loss, has_aux=True)(params, frozen, batch, scalars)
         return grads, stats
 
     def _apply_impl(self, params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any, jax.Array, jax.Array]:
@@ -310,8 +391,9 @@ class Trainer:
         }
         grads = None
         device_stats = []
-        for micro in micros:
-            g, stats = self._grad(self.params, self.reference, batch_to_device(micro, self.mesh), scalars)
+        for index, micro in enumerate(micros):
+            scalars["micro"] = jnp.asarray(index, jnp.int32)
+            g, stats = self._grad(self.params, self.frozen, batch_to_device(micro, self.mesh), scalars)
             grads = g if grads is None else self._accumulate(grads, g)
             device_stats.append(stats)
         self.params, self.opt_state, grad_norm, finite = self._apply(self.params, self.opt_state, grads)
@@ -327,6 +409,21 @@ class Trainer:
             total["learning_rate"] = float(self.schedule(updates_applied(self.opt_state) - 1))
         return total
 
+    def evaluate(self, micros: list[MicroBatch], version: int) -> dict[str, float]:
+        """The loss's summed stats over micro-batches (weights already set), without an update:
+        a held-out split's loss."""
+        scalars = {
+            "version": jnp.asarray(version, jnp.int32), "num_pairs": jnp.asarray(1.0, jnp.float32),
+            "micro": jnp.asarray(0, jnp.int32),
+        }
+        device_stats = [
+            self._evaluate(self.params, self.frozen, batch_to_device(micro, self.mesh), scalars) for micro in micros
+        ]
+        total: dict[str, float] = {}
+        for stats in jax.device_get(device_stats):
+            total = algorithms.combine_stats(total, {k: float(v) for k, v in stats.items()})
+        return total
+
     def memory_analysis(self, rows: int, length: int) -> Any:
         """XLA's compiled memory analysis of ``grad`` on one [rows, length] micro-batch (its
         ``temp_size_in_bytes`` is the activations and workspace of a step). Compiles, runs nothing:
@@ -335,10 +432,13 @@ class Trainer:
             name: jax.ShapeDtypeStruct((rows, length), FIELDS.get(name, np.dtype(np.float32)))
             for name in DEVICE_FIELDS
         }
-        scalars = {"version": jax.ShapeDtypeStruct((), jnp.int32), "num_pairs": jax.ShapeDtypeStruct((), jnp.float32)}
+        scalars = {
+            "version": jax.ShapeDtypeStruct((), jnp.int32), "num_pairs": jax.ShapeDtypeStruct((), jnp.float32),
+            "micro": jax.ShapeDtypeStruct((), jnp.int32),
+        }
         params = jax.eval_shape(lambda: self.params)
-        reference = None if self.reference is None else jax.eval_shape(lambda: self.reference)
-        return self._grad.lower(params, reference, batch, scalars).compile().memory_analysis()
+        frozen = jax.eval_shape(lambda: self.frozen)
+        return self._grad.lower(params, frozen, batch, scalars).compile().memory_analysis()
 
     def compiled_programs(self) -> dict[str, int]:
         """How many programs each step function holds (one per distinct input shape)."""
@@ -350,13 +450,21 @@ class Trainer:
     def policy_model(self, params: Any = None) -> Transformer:
         """The policy as an nnx module over ``params`` (a ``policy_copy``), or over the current
         device arrays: those are valid only until the next ``step``, which donates them."""
-        state = _cast(self.params["policy"], self.compute_dtype) if params is None else params
+        if params is not None:
+            state = params
+        elif self._merge is not None:
+            state = self._merge(self.base, self.params["lora"])
+        else:
+            state = _cast(self.params["policy"], self.compute_dtype)
         model: Transformer = nnx.merge(self.policy_def, state)
         return model
 
     def policy_copy(self) -> Any:
         """The policy's parameters in the compute dtype, in buffers the next ``step`` leaves alone
-        (for another thread to read while training goes on). Dispatched, not waited for."""
+        (for another thread to read while training goes on). Dispatched, not waited for. With LoRA,
+        the merged ``W + scale * A B`` (in the base's sharding)."""
+        if self._merge is not None:
+            return self._merge(self.base, self.params["lora"])
 
         def copy(x: jax.Array) -> jax.Array:
             if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != self.compute_dtype:

@@ -23,7 +23,8 @@ def desired_children(ctx: JobContext) -> list[Manifest]:
     creation order.
 
     ``disaggregated``: learner, actors, buffer, the rollout tier (with ``spec.rollout``) and the
-    sandbox plumbing. ``colocated``: the learner
+    sandbox plumbing; for a job that trains on a dataset file (SFT, DPO on pairs) the learner
+    only. ``colocated``: the learner
     samples and steps environments itself, so only the learner and its sandbox plumbing.
     A suspended job has no learner and zero actors; the buffer (and its data) and the learner's
     run volume stay.
@@ -35,7 +36,7 @@ def desired_children(ctx: JobContext) -> list[Manifest]:
     # to refuse (JobSet's webhook, quota, Kueue), and actors with no learner would only burn CPU.
     if not ctx.spec.suspend:
         children += build_learner(ctx)
-    if ctx.disaggregated:
+    if ctx.streams:  # not for a job that trains on a dataset file: the learner alone
         children += [
             build_buffer_control_configmap(ctx),
             build_buffer_pvc(ctx),

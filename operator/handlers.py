@@ -264,7 +264,7 @@ def reconcile(
     patch.status["actors"] = {"desired": target, "ready": (status.get("actors") or {}).get("ready", 0),
                               "summary": f"{(status.get('actors') or {}).get('ready', 0)}/{target}"}
     patch.status["admissionScale"] = scale
-    if parsed.rollout is not None and ctx.disaggregated:  # the timer scales from this target
+    if parsed.rollout is not None and ctx.streams:  # the timer scales from this target
         patch.status["rollout"] = seeded_status(parsed.rollout, status, servers)
     patch.status["observedGeneration"] = generation
     if not status.get("phase") or status.get("phase") == "Failed":

@@ -102,6 +102,8 @@ def _learner_condition(o: Observed) -> Cond:
 
 
 def _actors_condition(o: Observed) -> Cond:
+    if o.actors is None and o.spec.algorithm.trains_on_dataset:
+        return Cond("ActorsAvailable", "True", "Dataset", "the learner trains on a dataset file: no actors")
     if o.actors is None:
         return Cond("ActorsAvailable", "True", "Colocated", "colocated mode: the learner runs episodes")
     if o.spec.suspend:
@@ -118,6 +120,8 @@ def _actors_condition(o: Observed) -> Cond:
 def _rollout_condition(o: Observed) -> Cond:
     if o.spec.rollout is None:
         return Cond("RolloutReady", "True", "InProcess", "no rollout tier: actors sample in-process")
+    if o.actors is None and o.spec.algorithm.trains_on_dataset:
+        return Cond("RolloutReady", "True", "Dataset", "the learner trains on a dataset file: nothing samples")
     if o.actors is None:
         return Cond("RolloutReady", "True", "Colocated", "colocated mode: the learner generates")
     if o.spec.suspend:
@@ -168,6 +172,8 @@ def disk_full_condition(stats: StatsSnapshot) -> Cond | None:
 
 
 def _buffer_condition(o: Observed) -> Cond:
+    if o.buffer is None and o.spec.algorithm.trains_on_dataset:
+        return Cond("BufferReady", "True", "Dataset", "the learner trains on a dataset file: no buffer")
     if o.buffer is None:
         return Cond("BufferReady", "True", "Colocated", "colocated mode: no buffer")
     if not o.buffer.exists:

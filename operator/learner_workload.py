@@ -70,7 +70,7 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
 
 def _pod_spec(ctx: JobContext, shape: SliceShape, env: list[dict[str, Any]], *, subdomain: str | None) -> dict[str, Any]:
     learner = ctx.spec.learner
-    volumes, mounts = common_volumes(ctx, token=ctx.disaggregated)
+    volumes, mounts = common_volumes(ctx, token=ctx.streams)
     container: dict[str, Any] = {
         "name": "learner",
         "image": learner.image or ctx.settings.learner_image,
@@ -79,7 +79,7 @@ def _pod_spec(ctx: JobContext, shape: SliceShape, env: list[dict[str, Any]], *, 
         "args": [
             *("learner", "--manifest", JOB_FILE, "--run-dir", RUN_DIR),
             *("--metrics-port", str(METRICS_PORT), "--weights-port", str(WEIGHTS_PORT)),
-            *(buffer_client_args(ctx) if ctx.disaggregated else ()),
+            *(buffer_client_args(ctx) if ctx.streams else ()),
         ],
         "env": container_env(ctx, ROLE_LEARNER) + env,
         "volumeMounts": [*mounts, {"name": "run", "mountPath": RUN_DIR}],

@@ -68,6 +68,12 @@ class JobContext:
         return self.spec.mode == "disaggregated"
 
     @property
+    def streams(self) -> bool:
+        """Whether the job has a buffer and actors: disaggregated, and not training on a dataset
+        file (SFT, DPO on pairs: the learner alone reads it)."""
+        return self.disaggregated and not self.spec.algorithm.trains_on_dataset
+
+    @property
     def buffer_port(self) -> int:
         return self.spec.buffer.port
 

@@ -169,7 +169,7 @@ def _subset(manifest: Manifest, fields: tuple[str, ...]) -> Manifest:
 
 def ensure_token_secret(kube: Kube, ctx: JobContext) -> bool:
     """Create the generated buffer token once; True if this call created it."""
-    if ctx.spec.buffer.auth_secret_ref is not None or not ctx.disaggregated:
+    if ctx.spec.buffer.auth_secret_ref is not None or not ctx.streams:
         return False
     try:
         kube.create(build_buffer_token_secret(ctx, secrets.token_urlsafe(32)))
@@ -248,7 +248,7 @@ def observe_children(kube: Kube, ctx: JobContext, *, jobset_api: bool) -> Childr
     else:
         jobs = [_get(kube, JOB, ctx.namespace, names.learner_slice_job(s)) for s in range(slices)]
         learner = observe_indexed_jobs(jobs, learner_shape(ctx.spec.learner).hosts)
-    if not ctx.disaggregated:
+    if not ctx.streams:
         return Children(learner=learner, actors=None, buffer=None)
     return Children(
         learner=learner,
@@ -282,7 +282,7 @@ class BufferReading:
 
 def read_buffer(runtime: Runtime, ctx: JobContext, previous: StatsSnapshot | None) -> BufferReading:
     """Stats over gRPC with the job's token; the staleness window is relative to ``previous``."""
-    if not ctx.disaggregated:
+    if not ctx.streams:
         return BufferReading()
     secret, key = ctx.token_secret
     address = runtime.settings.buffer_address(ctx.name, ctx.namespace, ctx.buffer_port)

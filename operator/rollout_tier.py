@@ -109,7 +109,7 @@ def seeded_status(rollout: RolloutSpec, status: Mapping[str, Any], target: int) 
 def rollout_blocked(ctx: JobContext) -> str | None:
     """Why no rollout server can run on this cluster (None when they can)."""
     rollout = ctx.spec.rollout
-    if rollout is None or ctx.jobset_api or not ctx.disaggregated or not multi_host(rollout):
+    if rollout is None or ctx.jobset_api or not ctx.streams or not multi_host(rollout):
         return None
     return ("a multi-host TPU rollout tier runs one JobSet per server and the cluster does not serve "
             "jobset.x-k8s.io/v1alpha2: install JobSet, or use a single-host topology")
@@ -236,7 +236,7 @@ def look_after_rollout(
     the servers go to 0 and the target is kept for later) and sync. None when the job has no
     rollout tier (its children, if any were left, are deleted)."""
     rollout = ctx.spec.rollout
-    if rollout is None or not ctx.disaggregated:
+    if rollout is None or not ctx.streams:
         done = sync_rollout(kube, replace(ctx, rollout_replicas=0), observe_rollout(kube, ctx))
         if done:
             logger.info("rollout tier removed: %s", ", ".join(done))

@@ -226,7 +226,7 @@ def build_rollout(ctx: JobContext) -> list[Manifest]:
     A multi-host tier on a cluster without the JobSet API gets its Service only; the status says
     why no server runs (``RolloutReady=False``, ``JobSetMissing``)."""
     rollout = ctx.spec.rollout
-    if rollout is None or not ctx.disaggregated:
+    if rollout is None or not ctx.streams:
         return []
     children = [build_rollout_service(ctx)]
     if not multi_host(rollout):

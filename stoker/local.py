@@ -122,6 +122,8 @@ def resolve_options(args: argparse.Namespace) -> RunOptions:
     job = load_job(args.file)
     if rollout_processes > 1 and (job.spec.rollout is None or args.mode == "sync"):
         raise UsageError("--rollout-processes needs spec.rollout and --mode async (a rollout server to split)")
+    if job.spec.algorithm.trains_on_dataset and args.mode == "sync":
+        raise UsageError("--mode sync plays episodes; a job that trains on a dataset file (sft, dpo on dpoDataset) has none")
     problems = environment_problems(job, str(args.file))
     if problems:
         raise ManifestError(problems)  # before any process starts: a bad plugin is a start-up error
@@ -333,14 +335,17 @@ class AsyncRun:
             c for c in (*self.learners, *self.actors, self.rollout, *self.rollout_followers, self.buffer) if c is not None
         ]
 
-    def start(self, env: dict[str, str]) -> str:
+    def start(self, env: dict[str, str]) -> str | None:
+        """Start the children; the buffer's address, or None for a job that trains on a dataset
+        file (SFT, DPO on pairs): then the learner runs alone, with no buffer or actors."""
         o = self.options
         manifest = str(o.manifest)
-        address = self._serve("buffer", env, "--data-dir", str(o.run_dir / "buffer"))
+        dataset_only = o.job.spec.algorithm.trains_on_dataset
+        address = None if dataset_only else self._serve("buffer", env, "--data-dir", str(o.run_dir / "buffer"))
         learner_argv = _stoker(
             "learner",
             "--manifest", manifest,
-            "--buffer", address,
+            *(("--buffer", address) if address is not None else ()),
             "--run-dir", str(o.run_dir),
             "--weights-dir", str(o.weights_dir),
         )
@@ -351,6 +356,8 @@ class AsyncRun:
             learner = Child(name, learner_argv, o.logs_dir / log_name)
             learner.start(learner_env)
             self.learners.append(learner)
+        if address is None:
+            return None
         sampling = ["--weights", str(o.weights_dir)]
         if o.job.spec.rollout is not None:
             sampling = ["--rollout", self._start_rollout(env)]
@@ -463,7 +470,8 @@ def run_async(options: RunOptions) -> Outcome:
     with _terminate_on_signals(), Progress(options) as progress:
         try:
             address = run.start(child_env(options))
-            progress.attach_buffer(address)
+            if address is not None:
+                progress.attach_buffer(address)
             while True:
                 progress.refresh()
                 if run.learners and all(learner.returncode == 0 for learner in run.learners):

@@ -113,6 +113,8 @@ def environment_problems(job: RLJob, source: str) -> list[Problem]:
     Kept out of ``validate_document`` because it imports user code: ``stoker validate`` and
     ``stoker run`` call it, the buffer and the learner (which never run environments) do not.
     """
+    if job.spec.algorithm.trains_on_dataset:
+        return []  # no episodes are played: the environment only names the built-in tokenizer
     from stoker.actor.plugins import environment_problems as found
     from stoker.actor.rewards import reward_problems
     from stoker.actor.datasets import eval_problems

@@ -71,9 +71,12 @@ class RunState:
     buffer: dict[str, Any] = field(default_factory=dict)
     first_step: int | None = None
     first_step_time: float | None = None
+    eval_loss: float | None = None  # SFT's newest held-out loss
 
     def fold(self, record: dict[str, Any]) -> None:
         self.last = record
+        if record.get("eval_loss") is not None:
+            self.eval_loss = float(record["eval_loss"])
         if record.get("success_rate") is not None:  # null: no finite value this step
             self.recent_success.append(float(record["success_rate"]))
         step = record.get("step")
@@ -214,6 +217,12 @@ class Progress:
 
     def summary(self) -> str:
         last, buf = self.state.last, self.state.buffer
+        if self._buffer_client is None:  # a dataset job (SFT, DPO on pairs): the learner alone
+            return (
+                f"step {_fmt(last.get('step'))}/{self.max_steps}  version {_fmt(last.get('policy_version'))}  "
+                f"loss {_fmt(last.get('loss'))}  held-out loss {_fmt(self.state.eval_loss)}  "
+                f"elapsed {_duration(time.monotonic() - self.state.started)}"
+            )
         return (
             f"step {_fmt(last.get('step'))}/{self.max_steps}  version {_fmt(last.get('policy_version'))}  "
             f"success {self.success_rate():.2f}  reward {_fmt(last.get('reward_mean'))}  "
@@ -235,6 +244,7 @@ class Progress:
             ("success rate", f"{self.success_rate():.3f} (last {SUCCESS_WINDOW_STEPS} steps)"),
             ("reward", _fmt(last.get("reward_mean"))),
             ("held-out success (greedy)", _eval_text(buf)),
+            ("loss (held-out)", f"{_fmt(last.get('loss'))} ({_fmt(self.state.eval_loss)})"),
             ("learner duty cycle", _fmt(last.get("duty_cycle"), 3)),
             ("buffer fill", _fmt(buf.get("fill"), 3)),
             ("staleness (mean / max)", f"{_fmt(last.get('staleness_mean'), 2)} / {_fmt(last.get('staleness_max'))}"),

@@ -52,8 +52,10 @@ from stoker.spec_learner import (
     LearningRateScheduleSpec,
     MeshSpec,
     SecretRef,
+    SftSpec,
+    TeacherSpec,
 )
-from stoker.spec_model import ModelSpec, RopeScaling, TransformerConfig
+from stoker.spec_model import LoraSpec, ModelSpec, RopeScaling, TransformerConfig
 from stoker.spec_rollout import RolloutSpec, rollout_chips, rollout_hosts, rollout_problems
 from stoker.spec_rules import CEL_RULES, ROOT_CEL_RULES, cross_field_problems, name_problems
 
@@ -61,9 +63,9 @@ __all__ = [
     "API_VERSION", "CEL_RULES", "DNS_LABEL_PATTERN", "DNS_SUBDOMAIN_PATTERN", "GROUP", "KIND", "MAX_EVAL_TASK_CHARACTERS",
     "MAX_EVAL_TASK_ENTRIES", "MAX_SEQUENCE_BUCKETS", "PLURAL", "QUANTITY_PATTERN", "ROOT_CEL_RULES", "SHORT_NAMES",
     "SINGULAR", "TPU_ACCELERATORS", "VERSION", "ActorsSpec", "AlgorithmName", "AlgorithmSpec", "BufferSpec",
-    "CheckpointSpec", "EnvironmentSpec", "FrozenLakeOptions", "LearnerSpec", "LearningRateScheduleSpec", "MeshSpec",
+    "CheckpointSpec", "EnvironmentSpec", "FrozenLakeOptions", "LearnerSpec", "LearningRateScheduleSpec", "LoraSpec", "MeshSpec",
     "ModelSpec", "ObjectMeta", "RLJob", "RLJobSpec", "ResourceList", "Resources", "RewardSpec", "RewardTermSpec",
-    "RolloutSpec", "RopeScaling", "SamplingSpec", "SandboxSpec", "SecretRef", "SpecModel", "StepLatency", "SweOptions",
+    "RolloutSpec", "RopeScaling", "SamplingSpec", "SandboxSpec", "SecretRef", "SftSpec", "SpecModel", "TeacherSpec", "StepLatency", "SweOptions",
     "TpuAccelerator", "TpuTopology", "TransformerConfig", "cel", "cross_field_problems", "name_problems",
     "rollout_chips", "rollout_hosts", "rollout_problems",
 ]

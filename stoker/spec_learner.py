@@ -29,6 +29,8 @@ class AlgorithmName(StrEnum):
     PPO = "ppo"
     DPO = "dpo"
     GSPO = "gspo"
+    SFT = "sft"
+    DISTILL = "distill"
 
 
 class LearningRateScheduleSpec(SpecModel):
@@ -44,10 +46,43 @@ class LearningRateScheduleSpec(SpecModel):
     min_learning_rate: float = Field(0.0, ge=0, description="Where the cosine or linear decay ends.")
 
 
-class AlgorithmSpec(SpecModel):
-    """The RL objective and its hyperparameters."""
+class SftSpec(SpecModel):
+    """Supervised fine-tuning on chat conversations (``algorithm.name: sft``)."""
 
-    name: AlgorithmName = Field(AlgorithmName.GRPO, description="grpo | ppo | dpo | gspo.")
+    dataset: str = Field(
+        description=(
+            'JSONL, one conversation a line: {"messages": [{"role": "user", "content": ...}, '
+            '{"role": "assistant", "content": ...}, ...]}, rendered with the job\'s chat template.'
+        )
+    )
+    eval_dataset: str | None = Field(
+        None, description="JSONL of held-out conversations; evalFraction of dataset is held out when unset."
+    )
+    eval_fraction: float = Field(
+        0.05, ge=0, lt=1, description="Share of dataset held out for eval when evalDataset is unset (0: no eval)."
+    )
+    eval_interval_steps: int = Field(10, ge=1, description="Held-out loss every k updates (and after the last).")
+    loss_on: Literal["assistant", "all"] = Field(
+        "assistant",
+        description="assistant: loss on the assistant turns' tokens only; all: on every token after the first.",
+    )
+
+
+class TeacherSpec(SpecModel):
+    """The teacher of on-policy distillation (``algorithm.name: distill``)."""
+
+    checkpoint: str = Field(
+        description="Hugging Face-format directory of the teacher; its tokenizer must be the student's."
+    )
+
+
+class AlgorithmSpec(SpecModel):
+    """The training objective and its hyperparameters."""
+
+    name: AlgorithmName = Field(
+        AlgorithmName.GRPO, description="grpo | ppo | dpo | gspo (RL on the buffer's episodes) | sft (on algorithm.sft.dataset) | "
+        "distill (on-policy distillation from algorithm.teacher)."
+    )
     learning_rate: float = Field(3e-3, gt=0, description="Adam learning rate (the peak, under a schedule).")
     clip_epsilon: float = Field(0.2, gt=0, description="PPO-style ratio clip (low side).")
     clip_epsilon_high: float | None = Field(None, gt=0, description="Upper ratio clip; clipEpsilon when unset.")
@@ -79,6 +114,10 @@ class AlgorithmSpec(SpecModel):
     weight_decay: float = Field(
         0.0, ge=0, description="AdamW decoupled weight decay on weight matrices (not norms or biases); 0 is Adam."
     )
+    sft: SftSpec | None = Field(None, description="The SFT dataset (algorithm.name: sft).")
+    teacher: TeacherSpec | None = Field(
+        None, description="The teacher whose per-token log-probs the student is distilled toward (algorithm.name: distill)."
+    )
     advantage_normalization: Literal["population-std", "sample-std", "none"] = Field(
         "population-std",
         description=(
@@ -87,6 +126,12 @@ class AlgorithmSpec(SpecModel):
             "none: r - mean (Dr. GRPO)."
         ),
     )
+
+
+    @property
+    def trains_on_dataset(self) -> bool:
+        """Whether the learner reads a dataset file and needs no actors or buffer (SFT, DPO on pairs)."""
+        return self.name == AlgorithmName.SFT or (self.name == AlgorithmName.DPO and self.dpo_dataset is not None)
 
 
 # -------------------------------------------------------------------------------------- buffer

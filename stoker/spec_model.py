@@ -80,6 +80,27 @@ class TransformerConfig(SpecModel):
         return self.global_layer_every is not None and (index + 1) % self.global_layer_every != 0
 
 
+LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _all_projections() -> list[LoraTarget]:
+    return ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraSpec(SpecModel):
+    """Low-rank adapters (LoRA) on the named projections; the base weights stay frozen."""
+
+    rank: int = Field(8, ge=1, le=1024, description="r: the adapters' inner dimension.")
+    alpha: float = Field(16.0, gt=0, description="The update is scaled by alpha / rank.")
+    targets: list[LoraTarget] = Field(
+        default_factory=_all_projections,
+        min_length=1,
+        max_length=7,
+        description="Projections that get an adapter, in every layer (Hugging Face's module names).",
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input in training.")
+
+
 class ModelSpec(SpecModel):
     """The policy: an architecture to initialise, or a Hugging Face-format checkpoint."""
 
@@ -107,6 +128,13 @@ class ModelSpec(SpecModel):
         description="Read from the checkpoint's config.json when checkpoint is set; fields given here must agree with it.",
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter and compute dtype.")
+    lora: LoraSpec | None = Field(
+        None,
+        description=(
+            "Train low-rank adapters instead of every weight: the optimizer holds state for the adapters only; "
+            "samplers and exports get the merged weights (stoker export also writes a PEFT adapter directory)."
+        ),
+    )
     remat: Literal["none", "full", "save-matmuls"] = Field(
         "full",
         description=(

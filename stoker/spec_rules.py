@@ -45,6 +45,12 @@ def cross_field_problems(spec: RLJobSpec) -> list[tuple[str, str]]:
             ("buffer.capacity", f"got {spec.buffer.capacity}; expected >= buffer.groupSize ({spec.buffer.group_size}): "
                                 "a full buffer must hold a complete group")
         )
+    if spec.algorithm.name == AlgorithmName.SFT and spec.algorithm.sft is None:
+        problems.append(("algorithm.sft", "missing; algorithm.name sft trains on algorithm.sft.dataset"))
+    if spec.algorithm.name == AlgorithmName.SFT and spec.mode == "colocated":
+        problems.append(("mode", "colocated with algorithm.name sft; expected disaggregated (SFT plays no episodes)"))
+    if spec.algorithm.name == AlgorithmName.DISTILL and spec.algorithm.teacher is None:
+        problems.append(("algorithm.teacher", "missing; algorithm.name distill needs algorithm.teacher.checkpoint"))
     longest_bucket = spec.learner.sequence_buckets[-1]
     if longest_bucket > spec.model.architecture.max_seq_len:
         problems.append(
@@ -151,6 +157,18 @@ CEL_RULES: dict[tuple[str, ...], list[dict[str, Any]]] = {
             "buffer.groupSize must be >= 2 for grpo and gspo (group-relative advantages)",
         ),
         cel(f"{_CAPACITY} >= {_GROUP_SIZE}", "buffer.capacity must be >= buffer.groupSize (a full buffer must hold a complete group)"),
+        cel(
+            f"{_ALGORITHM} != 'sft' || (has(self.algorithm) && has(self.algorithm.sft))",
+            "algorithm.sft (its dataset) is required for algorithm.name sft",
+        ),
+        cel(
+            f"{_ALGORITHM} != 'distill' || (has(self.algorithm) && has(self.algorithm.teacher))",
+            "algorithm.teacher (its checkpoint) is required for algorithm.name distill",
+        ),
+        cel(
+            f"!({_ALGORITHM} == 'sft' && {spec_cel.opt('self', ('mode',), repr('disaggregated'))} == 'colocated')",
+            "algorithm.name sft plays no episodes: it needs mode disaggregated",
+        ),
         cel(
             f"{_BUCKETS}[{_BUCKETS}.size() - 1] <= {_MAX_SEQ_LEN}",
             "learner.sequenceBuckets must not exceed model.architecture.maxSeqLen",

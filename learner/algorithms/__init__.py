@@ -1,4 +1,4 @@
-"""RL objectives as pure functions of per-token arrays (GRPO, PPO, GSPO, DPO).
+"""Training objectives as pure functions of per-token arrays (GRPO, PPO, GSPO, DPO, SFT, on-policy distillation).
 
 Each function is pure, shape-checked on entry and works with or without ``jax.jit``, on arrays
 laid out as ``stoker.learner.packing`` lays out a micro-batch; each loss returns ``(loss, stats)``
@@ -8,7 +8,7 @@ docs/architecture.md, "Loss conventions".
 
 The modules: ``config`` (``LossConfig`` and the types), ``advantages`` (GRPO's group advantage,
 GAE), ``token_weights`` (aggregation and importance weights, stale tokens, the TiTO check),
-``policy_gradient`` (GRPO, GSPO, PPO), ``dpo``, ``stats``; import from here.
+``policy_gradient`` (GRPO, GSPO, PPO), ``dpo``, ``sft``, ``distill``, ``stats``; import from here.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ from stoker.learner.algorithms.config import (
     LossConfig,
     OffPolicy,
 )
+from stoker.learner.algorithms.distill import distill_loss
 from stoker.learner.algorithms.dpo import dpo_loss
 from stoker.learner.algorithms.ops import exp_log_ratio
 from stoker.learner.algorithms.policy_gradient import grpo_loss, gspo_loss, kl_k3, ppo_loss, stuck_unlikelihood
+from stoker.learner.algorithms.sft import sft_loss
 from stoker.learner.algorithms.stats import MAX_STATS, combine_stats, finalize_stats
 from stoker.learner.algorithms.token_weights import (
     aggregation_weights,
@@ -43,6 +45,7 @@ __all__ = [
     "OffPolicy",
     "aggregation_weights",
     "combine_stats",
+    "distill_loss",
     "dpo_loss",
     "exp_log_ratio",
     "finalize_stats",
@@ -53,6 +56,7 @@ __all__ = [
     "kl_k3",
     "ppo_loss",
     "sampler_trainer_logprob_stats",
+    "sft_loss",
     "stale_tokens",
     "stuck_unlikelihood",
     "truncated_importance_weights",

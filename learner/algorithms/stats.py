@@ -22,7 +22,7 @@ def combine_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 def finalize_stats(sums: dict[str, float]) -> dict[str, float]:
     """Turn summed stats into the reported metrics (means, fractions, std)."""
     out: dict[str, float] = {}
-    for key in ("pg_loss", "value_loss", "kl", "entropy", "loss"):
+    for key in ("pg_loss", "value_loss", "kl", "entropy", "loss", "reverse_kl"):
         if key in sums:
             out[key] = float(sums[key])
     tokens = sums.get("is_tokens", 0.0)
@@ -38,6 +38,8 @@ def finalize_stats(sums: dict[str, float]) -> dict[str, float]:
         out["tito_logprob_diff_mean"] = mean
         out["tito_logprob_diff_std"] = float(np.sqrt(max(sums["tito_sumsq"] / n - mean**2, 0.0)))
         out["tito_tokens"] = n
+    if sums.get("nll_tokens"):
+        out["nll"] = sums["nll_sum"] / sums["nll_tokens"]
     if sums.get("dpo_pairs"):
         out["dpo_accuracy"] = sums["dpo_accuracy_sum"] / sums["dpo_pairs"]
         out["dpo_margin_mean"] = sums["dpo_margin_sum"] / sums["dpo_pairs"]

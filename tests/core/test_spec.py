@@ -54,7 +54,7 @@ def test_multi_document_files_validate_each_document() -> None:
         ("spec: {actors: {minReplicas: 5, maxReplicas: 2}}", "spec.actors.minReplicas: got 5; expected <= maxReplicas (2)"),
         ("spec: {actors: {replicas: -1}}", "spec.actors.replicas: got -1; expected greater than or equal to 0"),
         ("spec: {actors: {replicas: many}}", "spec.actors.replicas: got 'many'; expected a valid integer"),
-        ("spec: {algorithm: {name: a3c}}", "spec.algorithm.name: got 'a3c'; expected one of 'grpo', 'ppo', 'dpo' or 'gspo'"),
+        ("spec: {algorithm: {name: a3c}}", "spec.algorithm.name: got 'a3c'; expected one of 'grpo', 'ppo', 'dpo', 'gspo', 'sft' or 'distill'"),
         ("spec: {bogus: 1}", "spec.bogus: unknown field"),
         ("spec: {learner: {accelerator: tpu-v5p-slice}}", "spec.learner.topology: missing; required for accelerator"),
         ("spec: {learner: {topology: 2by4}}", "spec.learner.topology: got '2by4'; expected match pattern"),

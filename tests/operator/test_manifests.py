@@ -196,6 +196,26 @@ def test_modes_and_suspension() -> None:
     assert "PersistentVolumeClaim/lake-learner-run" in kinds(suspended)  # checkpoints survive the suspension
 
 
+@pytest.mark.parametrize("algorithm", [{"name": "sft", "sft": {"dataset": "/data/chats.jsonl"}},
+                                       {"name": "dpo", "dpoDataset": "/data/pairs.jsonl"}])
+def test_a_dataset_job_is_the_learner_alone(algorithm: dict[str, Any]) -> None:
+    """SFT (and DPO on pairs) read a file: no buffer, actors or rollout tier, and a learner that
+    is not pointed at a buffer; its command line parses with the real CLI."""
+    from stoker.cli import build_parser
+
+    children = desired_children(make_ctx(algorithm=algorithm, rollout={}))
+    check_all(children)
+    kinds = sorted(f"{c['kind']}/{c['metadata']['name']}" for c in children)
+    assert kinds == ["ConfigMap/lake-spec", "JobSet/lake-learner", "NetworkPolicy/lake-sandboxes",
+                     "PersistentVolumeClaim/lake-learner-run", "Role/lake-sandbox-manager",
+                     "RoleBinding/lake-sandbox-manager", "ServiceAccount/lake-sandbox-manager"]
+    jobset = next(c for c in children if c["kind"] == "JobSet")
+    container = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["containers"][0]
+    args = build_parser(container["args"]).parse_args(container["args"])
+    assert args.command == "learner" and args.buffer is None and args.token_file is None
+    assert not [m for m in container["volumeMounts"] if "token" in m["name"]]
+
+
 def test_learner_run_volume() -> None:
     from stoker.operator.learner_workload import ephemeral_checkpoints
 

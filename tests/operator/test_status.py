@@ -255,3 +255,15 @@ def test_rollout_tier_status_and_readiness() -> None:
     # No tier: nothing under status.rollout, and readiness does not wait for one.
     plain = build_status(observed(), {}, T0)
     assert "rollout" not in plain and conditions(plain)["RolloutReady"]["reason"] == "InProcess"
+
+
+def test_a_dataset_job_is_ready_with_the_learner_alone() -> None:
+    """SFT has no buffer or actors: their conditions say so, and the job runs on its learner."""
+    spec = RLJobSpec.model_validate({"algorithm": {"name": "sft", "sft": {"dataset": "/data/chats.jsonl"}}})
+    status = build_status(observed(spec=spec, actors=None, buffer=None, stats=None, window=None, exceeded=None,
+                                   starved=None), {}, T0)
+    conds = conditions(status)
+    assert conds["BufferReady"]["status"] == "True" and conds["BufferReady"]["reason"] == "Dataset"
+    assert conds["ActorsAvailable"]["status"] == "True" and conds["ActorsAvailable"]["reason"] == "Dataset"
+    assert conds["RolloutReady"]["status"] == "True"
+    assert status["phase"] == "Running" and conds["Ready"]["status"] == "True"

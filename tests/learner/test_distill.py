@@ -1,0 +1,145 @@
+"""On-policy distillation: the per-token reverse KL and its gradient against the equation, the
+teacher scoring the student's tokens inside the train step, and a teacher of another tokenizer
+refused in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from stoker.learner import sharding, train
+from stoker.learner.algorithms import distill_loss
+from stoker.learner.packing import TrainSequence, pack, rows_for_buckets
+from stoker.learner.teacher import TeacherError, load_teacher
+from stoker.model.hf import save_checkpoint
+from stoker.model.model import init_model, token_logprobs
+from stoker.spec import RLJobSpec, TransformerConfig
+
+pytestmark = pytest.mark.usefixtures("xla_cache")
+
+V = 6
+
+
+def per_token_loss(z: jax.Array, y: jax.Array, teacher: jax.Array, mu: jax.Array, known: jax.Array, w: jax.Array,
+                   cap: float = 2.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+    logp = jnp.take_along_axis(jax.nn.log_softmax(z), y[..., None], -1)[..., 0]
+    t = jnp.take_along_axis(teacher, y[..., None], -1)[..., 0]
+    return distill_loss(logp, t, mu, known, w, cap)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_reverse_kl_and_its_gradient_per_token(jit: bool) -> None:
+    rng = np.random.default_rng(0)
+    z = jnp.asarray(rng.normal(size=(1, 4, V)), jnp.float32)  # the student's logits at 4 positions
+    teacher = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(1, 4, V)), jnp.float32))
+    y = jnp.asarray([[0, 3, 5, 2]], jnp.int32)
+    w = jnp.asarray([[0.25, 0.25, 0.0, 0.5]], jnp.float32)
+    zeros = jnp.zeros((1, 4), jnp.float32)
+    grad_fn = jax.grad(lambda z: per_token_loss(z, y, teacher, zeros, zeros, w)[0])
+    grad_fn = jax.jit(grad_fn) if jit else grad_fn
+    grad = np.asarray(grad_fn(z))
+    p = np.asarray(jax.nn.softmax(z))
+    log_s = np.log(p)
+    onehot = np.eye(V)[np.asarray(y)]
+    t_y = np.take_along_axis(np.asarray(teacher), np.asarray(y)[..., None], -1)[..., 0]
+    s_y = np.take_along_axis(log_s, np.asarray(y)[..., None], -1)[..., 0]
+    # d l_t / d z_t = -w_t (log pi_T(y_t) - log pi_S(y_t)) (onehot(y_t) - softmax(z_t))
+    expected = -(np.asarray(w) * (t_y - s_y))[..., None] * (onehot - p)
+    np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-6)
+    _, stats = per_token_loss(z, y, teacher, zeros, zeros, w)
+    assert float(stats["reverse_kl"]) == pytest.approx(float((np.asarray(w) * (s_y - t_y)).sum()), rel=1e-5)
+
+    # Over the student's own samples the per-token gradient is the reverse KL's exact gradient:
+    # sum_y pi_S(y) grad l(y) = grad_z sum_y pi_S(y) (log pi_S(y) - log pi_T(y)) at every position.
+    def exact_kl(z: jax.Array) -> jax.Array:
+        log_pi = jax.nn.log_softmax(z)
+        return jnp.sum(jnp.exp(log_pi) * (log_pi - teacher))
+
+    exact = np.asarray(jax.grad(exact_kl)(z))
+    expectation = np.zeros_like(exact)
+    ones = jnp.ones((1, 4), jnp.float32)
+    for token in range(V):
+        every = jnp.full((1, 4), token, jnp.int32)
+        g = np.asarray(jax.grad(lambda z: per_token_loss(z, every, teacher, zeros, zeros, ones)[0])(z))
+        expectation += p[..., token : token + 1] * g
+    np.testing.assert_allclose(expectation, exact, rtol=1e-4, atol=1e-6)
+
+
+def test_stale_tokens_are_importance_weighted() -> None:
+    rng = np.random.default_rng(1)
+    z = jnp.asarray(rng.normal(size=(1, 3, V)), jnp.float32)
+    teacher = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(1, 3, V)), jnp.float32))
+    y = jnp.asarray([[1, 2, 4]], jnp.int32)
+    w = jnp.full((1, 3), 1 / 3, jnp.float32)
+    logp = np.take_along_axis(np.asarray(jax.nn.log_softmax(z)), np.asarray(y)[..., None], -1)[..., 0]
+    mu = jnp.asarray(logp + np.asarray([[0.0, -0.5, 3.0]]), jnp.float32)  # pi/mu = 1, e^0.5, e^-3
+    known = jnp.ones((1, 3), jnp.float32)
+    zeros = jnp.zeros((1, 3), jnp.float32)
+    weighted = np.asarray(jax.grad(lambda z: per_token_loss(z, y, teacher, mu, known, w, cap=1.5)[0])(z))
+    plain = np.asarray(jax.grad(lambda z: per_token_loss(z, y, teacher, zeros, zeros, w)[0])(z))
+    ratios = np.minimum(np.exp(np.asarray([0.0, 0.5, -3.0])), 1.5)
+    np.testing.assert_allclose(weighted, plain * ratios[None, :, None], rtol=1e-5, atol=1e-7)
+
+
+STUDENT = TransformerConfig(vocab_size=8, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                            intermediate_size=32, max_seq_len=32)
+TEACHER = STUDENT.model_copy(update={"hidden_size": 32, "num_layers": 2})
+
+
+@pytest.mark.slow
+def test_the_step_scores_the_students_tokens_under_the_teacher_and_moves_toward_it() -> None:
+    teacher = init_model(TEACHER, 7)
+    trainer = train.Trainer(init_model(STUDENT, 0), train.StepOptions("distill"), optax.adam(0.05),
+                            sharding.make_mesh(), teacher_model=teacher)
+    ids = np.asarray([1, 2, 3, 4, 5, 6, 7, 3], np.int32)
+    mask = np.asarray([0, 0, 1, 1, 1, 1, 1, 1], np.uint8)
+    seq = TrainSequence(ids, mask, np.zeros(8, np.float32), np.full(8, -1, np.int32), behaviour_known=False)
+    micros = pack([[seq]], (8, 16), rows_for_buckets((8, 16), 64))
+    train.assign_weights(micros, [m.arrays["mask"] for m in micros], "token-mean")
+
+    def logprobs(model: object) -> np.ndarray:
+        logits = model(jnp.asarray(ids[None]), jnp.arange(8)[None], jnp.ones((1, 8), jnp.int32))  # type: ignore[operator]
+        return np.asarray(token_logprobs(logits[:, :-1], jnp.asarray(ids[None, 1:])))[0]
+
+    teacher_lp = logprobs(teacher)
+    trained = mask[1:] > 0
+    before = float(np.mean((logprobs(trainer.policy_model()) - teacher_lp)[trained]))
+    first = trainer.step(micros, 0)
+    assert first["reverse_kl"] == pytest.approx(before, rel=1e-4, abs=1e-5)  # the teacher scored these tokens
+    for version in range(1, 15):
+        last = trainer.step(micros, version)
+    assert abs(last["reverse_kl"]) < 0.5 * abs(first["reverse_kl"])
+
+
+def write_checkpoint(path: Path, config: TransformerConfig, vocab: list[str] | None) -> Path:
+    save_checkpoint(init_model(config, 3), path)
+    if vocab is not None:
+        tokenizer = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token=vocab[0]))
+        tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tokenizer.save(str(path / "tokenizer.json"))
+        (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": vocab[1]}))
+    return path
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(tmp_path: Path) -> None:
+    words = ["<unk>", "<eot>", "a", "b", "c", "d", "e", "f"]
+    student = write_checkpoint(tmp_path / "student", STUDENT, words)
+    spec = RLJobSpec.model_validate({"model": {"checkpoint": str(student)}, "algorithm": {"name": "distill",
+                                     "teacher": {"checkpoint": str(student)}}})
+    same = write_checkpoint(tmp_path / "same", TEACHER, words)
+    assert load_teacher(spec, str(same), jnp.float32, 8).config.hidden_size == 32
+    other = write_checkpoint(tmp_path / "other", TEACHER, [*words[:6], "g", "h"])
+    with pytest.raises(TeacherError) as refused:
+        load_teacher(spec, str(other), jnp.float32, 8)
+    message = str(refused.value)
+    assert "\n" not in message and "tokenizer differs from the student's" in message and str(other) in message
+    wider = write_checkpoint(tmp_path / "wider", TEACHER.model_copy(update={"vocab_size": 16}), None)
+    with pytest.raises(TeacherError, match="vocab_size 16, the student's 8"):
+        load_teacher(spec, str(wider), jnp.float32, 8)
