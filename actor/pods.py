@@ -23,6 +23,8 @@ from stoker.actor.labels import (
     SANDBOX_POD_PORT,
     rfc3339,
 )
+from stoker.actor.isolation import ENV as ISOLATION_ENV
+from stoker.actor.isolation import FALLBACK as ISOLATION_FALLBACK
 from stoker.actor.sandbox import SandboxConfig, SandboxFailed, SandboxTimeout
 from stoker.actor.settings import PodSandboxSettings
 
@@ -106,6 +108,10 @@ def sandbox_pod_manifest(
                         {"name": "MALLOC_ARENA_MAX", "value": "2"},
                         {"name": "OPENBLAS_NUM_THREADS", "value": "1"},
                         {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+                        # The pod is the boundary (non-root, RuntimeDefault seccomp, no Secrets, its
+                        # own network namespace and filesystem); that seccomp profile forbids the
+                        # user namespaces bwrap needs, so the judge asks for the rlimits layer.
+                        {"name": ISOLATION_ENV, "value": ISOLATION_FALLBACK},
                     ],
                     "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"}],
                     "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 1, "failureThreshold": 60},

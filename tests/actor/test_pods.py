@@ -67,3 +67,20 @@ def test_rfc3339_round_trip() -> None:
     now = datetime.now(timezone.utc)
     text = labels.rfc3339(now)
     assert text.endswith("Z") and abs(labels.parse_rfc3339(text) - now) < timedelta(microseconds=1)
+
+
+def test_the_pod_is_the_boundary_so_its_judge_runs_without_bwrap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RuntimeDefault seccomp forbids bwrap's user namespaces in a pod: without the manifest's
+    request for the rlimits layer every test run in a sandbox pod would refuse to start."""
+    from stoker.actor import isolation
+
+    [container] = manifest()["spec"]["containers"]
+    monkeypatch.delenv(isolation.ENV, raising=False)
+    for item in container["env"]:
+        monkeypatch.setenv(item["name"], item["value"])
+    monkeypatch.setenv("PATH", "/nonexistent")  # no bwrap, as in the actor image
+    isolation.isolation.cache_clear()  # type: ignore[attr-defined]
+    try:
+        assert isolation.isolation() == isolation.FALLBACK
+    finally:
+        isolation.isolation.cache_clear()  # type: ignore[attr-defined]
