@@ -17,10 +17,12 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from stoker.actor.diagnostics import SNAPSHOT_SECONDS, ActorDiagnostics, write_snapshot
 from stoker.actor.episode import EpisodeSlots, run_group, summarize
 from stoker.actor.evaluation import EvalOutcome, play_round, round_due
 from stoker.actor.policy import Policy
@@ -86,11 +88,14 @@ class ActorStats:
     eval_rounds: list[EvalOutcome] = field(default_factory=list)  # played and reported, oldest first
     recent: list[Episode] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+    diagnostics: ActorDiagnostics = field(default_factory=ActorDiagnostics)
 
-    def record(self, episodes: list[Episode]) -> None:
+    def record(self, episodes: list[Episode]) -> list[str]:
+        """Count a submitted group; returns the failure reasons its episodes showed first."""
         self.groups_submitted += 1
         self.episodes += len(episodes)
         self.recent = (self.recent + episodes)[-256:]
+        return self.diagnostics.add(episodes)
 
 
 def task_cycle(tasks: Sequence[str], rng: random.Random) -> Callable[[], str]:
@@ -124,15 +129,18 @@ class Actor:
         weights: WeightSource | None = None,
         loader: LoadsWeights | None = None,
         task_picker: Callable[[], str] | None = None,
+        stats_path: Path | None = None,
     ):
         self.settings = settings
+        self.stats_path = stats_path  # the diagnostics snapshot (stoker.actor.diagnostics), when set
+        self._snapshot_at = 0.0
         self.policy = policy
         self.interface = interface
         self.env_factory = env_factory
         self.buffer = buffer
         self.weights = weights
         self.loader = loader
-        self.stats = ActorStats()
+        self.stats = ActorStats(diagnostics=ActorDiagnostics(settings.actor_id))
         self._stopping = asyncio.Event()
         self._training_over = asyncio.Event()  # no more groups start: no more evaluation rounds either
         self._last_eval_round = -1
@@ -188,6 +196,7 @@ class Actor:
                 sync.cancel()
                 await asyncio.gather(sync, return_exceptions=True)
         self._log_progress()
+        self._write_stats(force=True)
         if self._fatal is not None:
             raise self._fatal
         return self.stats
@@ -283,9 +292,25 @@ class Actor:
         )
         if not await self._submit(episodes):
             return
-        self.stats.record(episodes)
+        for reason in self.stats.record(episodes):
+            log.warning(
+                "actor %s: an episode failed for a new reason (%s); the first such message:\n%s",
+                s.actor_id, reason, self.stats.diagnostics.examples.get(reason, ""),
+            )
+        self._write_stats()
         if self.stats.groups_submitted % 10 == 0:
             self._log_progress()
+
+    def _write_stats(self, force: bool = False) -> None:
+        if self.stats_path is None:
+            return
+        now = time.monotonic()
+        if force or now - self._snapshot_at >= SNAPSHOT_SECONDS:
+            self._snapshot_at = now
+            try:
+                write_snapshot(self.stats_path, self.stats.diagnostics.snapshot())
+            except OSError as exc:  # diagnostics never stop the actor
+                log.warning("could not write %s: %s", self.stats_path, exc)
 
     async def _submit(self, episodes: list[Episode]) -> bool:
         """Put a whole group; False if it could not be. Transient failures are retried (Put is
@@ -358,8 +383,10 @@ class Actor:
             # An episode's sampling CPU hangs on these two: rows per sampler call, and how much of
             # each prompt comes from the conversation cache instead of being prefilled again.
             sampling = f"; sampler: {batching.mean_batch:.1f} rows per call, {100 * cache.reuse:.0f}% of prompt tokens cached"
+        diagnostics = self.stats.diagnostics
+        failures = "".join(f"; {count} x {reason}" for reason, count in diagnostics.top_failures())
         log.info(
-            "actor %s: %d groups, %d episodes (%.1f/s), policy v%s, success %.2f, reward %.3f, statuses %s%s",
+            "actor %s: %d groups, %d episodes (%.1f/s), policy v%s, success %.2f, reward %.3f, statuses %s; %s%s%s",
             self.settings.actor_id,
             self.stats.groups_submitted,
             self.stats.episodes,
@@ -368,5 +395,7 @@ class Actor:
             summary["success_rate"],
             summary["mean_reward"],
             summary["statuses"],
+            diagnostics.summary_line(),
             sampling,
+            failures,
         )

@@ -95,6 +95,13 @@ def environment_tokenizer(spec: RLJobSpec) -> Tokenizer:
         except TokenizerError as exc:
             raise TokenizerProblem(f"spec.model.tokenizer: {exc}") from None
     if spec.model.checkpoint and spec.model.tokenizer != BUILTIN:
+        from pathlib import Path
+
+        if not Path(spec.model.checkpoint).expanduser().is_dir():  # a wrong path, not a tokenizer to pick
+            raise TokenizerProblem(
+                f"spec.model.checkpoint: {spec.model.checkpoint!r} is not a directory; expected a Hugging Face "
+                "checkpoint directory (config.json, *.safetensors, tokenizer.json)"
+            )
         try:
             return load_tokenizer(spec.model.checkpoint)
         except TokenizerError as exc:

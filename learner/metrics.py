@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import threading
 import time
 from collections import Counter
@@ -158,6 +159,15 @@ PROMETHEUS_GAUGES: dict[str, str] = {
 TENSORBOARD_DIR = "tensorboard"  # beside the JSONL file: <dir>/tensorboard/<jsonl stem>/events.out.tfevents.*
 
 
+_ILLEGAL_TAG = re.compile(r"[^-/\w.]")
+
+
+def tensorboard_tag(key: str) -> str:
+    """``key`` with the characters TensorBoard refuses replaced (tensorboardX would warn about
+    each one at every step)."""
+    return _ILLEGAL_TAG.sub("_", key)
+
+
 def scalars(metrics: dict[str, Any]) -> dict[str, float]:
     """The plottable entries of a metrics record: real numbers (bools and strings left out)."""
     return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
@@ -212,6 +222,7 @@ class MetricsSink:
         self._file: IO[str] | None = None
         self._tensorboard: Any = None
         self._wandb: WandbLogger | None = None
+        self._samples: Any = None  # a stoker.learner.samples.SampleLog, once attached
         self._records = 0
         if jsonl_path is not None:
             path = Path(jsonl_path)
@@ -238,12 +249,30 @@ class MetricsSink:
         if self._tensorboard is not None:
             for key, value in values.items():
                 if math.isfinite(value):
-                    self._tensorboard.add_scalar(key, value, global_step=step)
+                    self._tensorboard.add_scalar(tensorboard_tag(key), value, global_step=step)
             self._tensorboard.flush()
         if self._wandb is not None:
             self._wandb.log(values, step)
 
+    def attach_samples(self, samples: Any) -> None:
+        """Decoded sample episodes (``SampleLog``) go beside the metrics, their text to TensorBoard."""
+        samples.text = self.add_text
+        self._samples = samples
+
+    def record_episodes(self, step: int, episodes: Any) -> None:
+        """A trained batch's episodes, for the sample log (nothing without one)."""
+        if self._samples is not None:
+            self._samples.observe(step, episodes)
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.add_text(tensorboard_tag(tag), text, global_step=step)
+            self._tensorboard.flush()
+
     def close(self) -> None:
+        if self._samples is not None:
+            self._samples.close()
+            self._samples = None
         if self._file is not None:
             self._file.close()
             self._file = None

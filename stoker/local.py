@@ -105,6 +105,11 @@ class RunOptions:
     def logs_dir(self) -> Path:
         return self.run_dir / "logs"
 
+    @property
+    def actor_stats_dir(self) -> Path:
+        """Each actor's generation and failure snapshot (``stoker.actor.diagnostics``)."""
+        return self.run_dir / "actors"
+
 
 class UsageError(ValueError):
     """A command-line option that cannot work; the message says why."""
@@ -122,7 +127,7 @@ def resolve_options(args: argparse.Namespace) -> RunOptions:
     job = load_job(args.file)
     if rollout_processes > 1 and (job.spec.rollout is None or args.mode == "sync"):
         raise UsageError("--rollout-processes needs spec.rollout and --mode async (a rollout server to split)")
-    problems = environment_problems(job, str(args.file))
+    problems = environment_problems(job, str(args.file), local=True)
     if problems:
         raise ManifestError(problems)  # before any process starts: a bad plugin is a start-up error
     run_dir = args.run_dir or Path("runs") / job.metadata.name
@@ -158,8 +163,10 @@ def main(args: argparse.Namespace) -> int:
         outcome = run_async(options)
     from stoker.report import write_report
 
-    report = write_report(options.run_dir)
-    print(f"{outcome.message}\nreport: {report}", file=sys.stderr)
+    failed = outcome.exit_code not in (0, 130)  # 130: interrupted, its report is what it did so far
+    report = write_report(options.run_dir, failure=outcome.message if failed else None)
+    where = f"report: {report}" if report is not None else f"no report: nothing was trained; logs in {options.logs_dir}"
+    print(f"{outcome.message}\n{where}", file=sys.stderr)
     return outcome.exit_code
 
 
@@ -363,6 +370,7 @@ class AsyncRun:
                     "--buffer", address,
                     *sampling,
                     "--actor-id", f"actor-{index}",
+                    "--stats-file", str(o.actor_stats_dir / f"actor-{index}.json"),
                 ),
                 o.logs_dir / f"actor-{index}.log",
             )

@@ -1,0 +1,160 @@
+"""What an actor's episodes say about the run: generation throughput and why episodes failed.
+
+``ActorDiagnostics`` folds every finished episode: tokens the policy sampled, trajectories, model
+turns, truncations, and failed or timed-out episodes counted by reason (``failure_key``) with the
+first full message of each reason kept as its example. The actor logs the top reasons and, when
+given a path (``stoker actor --stats-file``), rewrites a small JSON snapshot there that
+``stoker run``'s progress and report read (``read_snapshots``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stoker.trajectory import Episode
+from stoker.v1 import trajectory_pb2
+
+STATUS_NAMES = {
+    trajectory_pb2.EPISODE_STATUS_OK: "ok",
+    trajectory_pb2.EPISODE_STATUS_TRUNCATED: "truncated",
+    trajectory_pb2.EPISODE_STATUS_FAILED: "failed",
+    trajectory_pb2.EPISODE_STATUS_TIMEOUT: "timeout",
+}
+FAILED_STATUSES = (trajectory_pb2.EPISODE_STATUS_FAILED, trajectory_pb2.EPISODE_STATUS_TIMEOUT)
+MAX_REASON_CHARS = 120
+MAX_EXAMPLE_CHARS = 4000
+MAX_REASONS = 50  # distinct reasons kept; the rest count under "other"
+SNAPSHOT_SECONDS = 2.0  # the stats file is rewritten at most this often (and at the end)
+
+
+def failure_key(episode: Episode) -> str:
+    """A failure's reason as a countable key: its status and the first line of its message, with
+    numbers (turns, seconds, ids) replaced by N so one bug is one reason."""
+    lines = (episode.status_reason or "").strip().splitlines()
+    first = lines[0] if lines else "no reason given"
+    first = re.sub(r"\d+(\.\d+)?", "N", first)
+    if len(first) > MAX_REASON_CHARS:
+        first = first[: MAX_REASON_CHARS - 3] + "..."
+    return f"{STATUS_NAMES.get(int(episode.status), str(episode.status))}: {first}"
+
+
+def sampled_tokens(episode: Episode) -> int:
+    return int(np.asarray(episode.loss_mask).sum())
+
+
+@dataclass
+class ActorDiagnostics:
+    """Running totals over every episode an actor finished (training episodes, not evaluation)."""
+
+    actor_id: str = ""
+    started: float = field(default_factory=time.monotonic)
+    episodes: int = 0
+    sampled_tokens: int = 0
+    model_turns: int = 0
+    truncated: int = 0
+    sample_seconds: float = 0.0
+    failures: Counter[str] = field(default_factory=Counter)
+    examples: dict[str, str] = field(default_factory=dict)
+
+    def add(self, episodes: Iterable[Episode]) -> list[str]:
+        """Fold finished episodes; returns the failure reasons seen for the first time."""
+        new: list[str] = []
+        for episode in episodes:
+            self.episodes += 1
+            self.sampled_tokens += sampled_tokens(episode)
+            self.model_turns += int(episode.num_turns)
+            self.sample_seconds += float(episode.sample_seconds)
+            self.truncated += int(episode.status == trajectory_pb2.EPISODE_STATUS_TRUNCATED)
+            if episode.status in FAILED_STATUSES:
+                key = failure_key(episode)
+                if key not in self.examples and len(self.examples) >= MAX_REASONS:
+                    key = "other reasons"
+                if key not in self.examples:
+                    self.examples[key] = (episode.status_reason or "")[:MAX_EXAMPLE_CHARS]
+                    new.append(key)
+                self.failures[key] += 1
+        return new
+
+    def snapshot(self) -> dict[str, Any]:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        n = max(self.episodes, 1)
+        return {
+            "actor_id": self.actor_id,
+            "time": time.time(),
+            "elapsed_seconds": elapsed,
+            "episodes": self.episodes,
+            "sampled_tokens": self.sampled_tokens,
+            # Throughput of the whole actor (all its concurrent episodes) over its wall time.
+            "sampled_tokens_per_second": self.sampled_tokens / elapsed,
+            "trajectories_per_second": self.episodes / elapsed,
+            "completion_tokens_mean": self.sampled_tokens / n,
+            "turn_tokens_mean": self.sampled_tokens / max(self.model_turns, 1),
+            "truncation_rate": self.truncated / n,
+            "failed_episodes": sum(self.failures.values()),
+            "failures": [
+                {"reason": key, "count": count, "example": self.examples.get(key, "")}
+                for key, count in self.failures.most_common()
+            ],
+        }
+
+    def summary_line(self) -> str:
+        s = self.snapshot()
+        return (
+            f"generated {s['sampled_tokens_per_second']:.1f} tok/s, {s['trajectories_per_second']:.2f} traj/s, "
+            f"{s['completion_tokens_mean']:.1f} tokens per episode, truncated {100 * s['truncation_rate']:.0f}%"
+        )
+
+    def top_failures(self, n: int = 3) -> list[tuple[str, int]]:
+        return self.failures.most_common(n)
+
+
+def write_snapshot(path: Path, snapshot: dict[str, Any]) -> None:
+    """Atomically replace ``path`` (readers never see a half-written file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(snapshot))
+    os.replace(partial, path)
+
+
+def read_snapshots(paths: Sequence[Path]) -> list[dict[str, Any]]:
+    out = []
+    for path in paths:
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return out
+
+
+def combine(snapshots: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """All actors' snapshots as one: rates add up, means are weighted by episodes, failures merge."""
+    episodes = sum(int(s.get("episodes", 0)) for s in snapshots)
+    tokens = sum(int(s.get("sampled_tokens", 0)) for s in snapshots)
+    truncated = sum(float(s.get("truncation_rate", 0.0)) * int(s.get("episodes", 0)) for s in snapshots)
+    counts: Counter[str] = Counter()
+    examples: dict[str, str] = {}
+    for s in snapshots:
+        for entry in s.get("failures", []):
+            counts[entry["reason"]] += int(entry["count"])
+            examples.setdefault(entry["reason"], entry.get("example", ""))
+    return {
+        "actors": len(snapshots),
+        "episodes": episodes,
+        "sampled_tokens": tokens,
+        "sampled_tokens_per_second": sum(float(s.get("sampled_tokens_per_second", 0.0)) for s in snapshots),
+        "trajectories_per_second": sum(float(s.get("trajectories_per_second", 0.0)) for s in snapshots),
+        "completion_tokens_mean": tokens / episodes if episodes else 0.0,
+        "truncation_rate": truncated / episodes if episodes else 0.0,
+        "failed_episodes": sum(counts.values()),
+        "failures": [{"reason": k, "count": c, "example": examples[k]} for k, c in counts.most_common()],
+    }
