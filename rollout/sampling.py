@@ -15,7 +15,8 @@ Conversations (``sessions``) and shared openings: a session keeps its keys/value
 so a turn prefills only its new tokens; why it stays exact is in docs/architecture.md, "Sampler
 conversations and shared openings".
 
-Log-probs are the softmax at the sampling temperature before top-p (greedy: at tau = 1), so the
+Log-probs are the softmax at the sampling temperature before top-p, renormalised over what top-k
+and min-p keep (greedy: at tau = 1), so the
 trainer's ``token_logprobs`` reproduces them exactly: docs/architecture.md, "Sampler log-probs".
 """
 

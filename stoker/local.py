@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from stoker.manifest import ManifestError, environment_problems, load_job
+from stoker.manifest import ManifestError, add_manifest_directory, environment_problems, load_job
 from stoker.parent import PARENT_ENV
 from stoker.spec import RLJob
 
@@ -127,6 +127,7 @@ def resolve_options(args: argparse.Namespace) -> RunOptions:
     job = load_job(args.file)
     if rollout_processes > 1 and (job.spec.rollout is None or args.mode == "sync"):
         raise UsageError("--rollout-processes needs spec.rollout and --mode async (a rollout server to split)")
+    add_manifest_directory(args.file)  # plugins beside the manifest import here and in the children
     problems = environment_problems(job, str(args.file), local=True)
     if problems:
         raise ManifestError(problems)  # before any process starts: a bad plugin is a start-up error
@@ -456,6 +457,8 @@ def child_env(options: RunOptions) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env[PARENT_ENV] = str(os.getpid())  # children stop if this process is killed (stoker.parent)
+    # Plugins beside the manifest (module:function) import in the actors as they did in validation.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(options.manifest.parent), env.get("PYTHONPATH")) if p)
     # JAX reads these itself, so the learner, the actors and their samplers all share the cache.
     env.setdefault("JAX_COMPILATION_CACHE_DIR", compilation_cache_dir(options))
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

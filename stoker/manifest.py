@@ -155,6 +155,17 @@ def model_path_problems(spec: Any, *, local: bool) -> list[tuple[str, str]]:
     return out
 
 
+def add_manifest_directory(path: str | Path) -> str:
+    """Make modules beside the manifest importable (environment and reward plugins named
+    ``module:function``), in this process; returns the directory for the children's PYTHONPATH."""
+    import sys
+
+    directory = str(Path(path).resolve().parent)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    return directory
+
+
 def load_text(text: str, source: str) -> tuple[list[RLJob], list[Problem]]:
     """Every RLJob in a (multi-document) YAML text, and every problem found."""
     try:
