@@ -24,7 +24,7 @@ import numpy as np
 from stoker.trajectory import Episode
 from stoker.v1 import trajectory_pb2
 
-STATUS_NAMES = {
+STATUS_NAMES: dict[int, str] = {
     trajectory_pb2.EPISODE_STATUS_OK: "ok",
     trajectory_pb2.EPISODE_STATUS_TRUNCATED: "truncated",
     trajectory_pb2.EPISODE_STATUS_FAILED: "failed",

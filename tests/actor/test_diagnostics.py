@@ -129,3 +129,29 @@ async def test_an_actor_logs_and_writes_why_its_episodes_fail(
     assert len(warnings) == 1 and "Traceback: plugin.py line 7" in warnings[0]  # once, with its example
     assert any("6 x failed: environment raised RuntimeError" in r.getMessage() for r in caplog.records)
     assert json.loads(stats_file.read_text()) == snapshot  # whole JSON, written atomically
+
+
+@pytest.mark.asyncio
+async def test_an_inline_environments_crash_keeps_its_traceback_under_one_reason(lake: TextInterface) -> None:
+    from stoker.actor.episode import run_episode, EpisodeLimits
+    from stoker.actor.sandbox import InlineEnvironment
+
+    class Buggy:
+        def reset(self, task_id: str, seed: int) -> Observation:
+            return Observation("P F G .")
+
+        def step(self, action: str) -> StepResult:
+            return {}["calc"]  # type: ignore[return-value]  # a plugin's bug
+
+        def close(self) -> None:
+            return None
+
+    vocab = lake.tokenizer.get_vocab()
+    episode = await run_episode(
+        ScriptedPolicy(lambda _: [vocab["right"]]), InlineEnvironment(Buggy(), blocking=False), lake, "t",  # type: ignore[arg-type]
+        seed=0, limits=EpisodeLimits(max_turns=2, max_new_tokens=1, max_tokens=256),
+    )
+    assert episode.status == FAILED
+    assert failure_key(episode) == "failed: environment raised KeyError: 'calc'"
+    assert "Traceback (most recent call last)" in episode.status_reason and "in step" in episode.status_reason
+    assert len(episode.status_reason) < 4096  # what the buffer accepts

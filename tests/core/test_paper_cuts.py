@@ -63,3 +63,12 @@ def test_the_rollout_log_announces_weight_versions_at_most_once_a_minute(
         "rollout engine now samples new turns with policy version 1",
         "rollout engine now samples new turns with policy version 61 (60 versions since the last such line)",
     ]
+
+
+def test_stoker_runs_processes_find_modules_beside_the_manifest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stoker.local import RunOptions, child_env
+    from stoker.spec import RLJob
+
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    options = RunOptions(manifest=tmp_path / "job.yaml", job=RLJob(), mode="async", run_dir=tmp_path / "run")
+    assert child_env(options)["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), "/elsewhere"]
