@@ -13,7 +13,7 @@ import json
 import os
 import re
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +34,8 @@ FAILED_STATUSES = (trajectory_pb2.EPISODE_STATUS_FAILED, trajectory_pb2.EPISODE_
 MAX_REASON_CHARS = 120
 MAX_EXAMPLE_CHARS = 4000
 MAX_REASONS = 50  # distinct reasons kept; the rest count under "other"
-SNAPSHOT_SECONDS = 2.0  # the stats file is rewritten at most this often (and at the end)
+SNAPSHOT_SECONDS = 2.0  # the stats file is rewritten this often while the actor runs (and at the end)
+RECENT_SECONDS = 30.0  # the window of the "recent" rates the progress display shows
 
 
 def failure_key(episode: Episode) -> str:
@@ -65,6 +66,8 @@ class ActorDiagnostics:
     sample_seconds: float = 0.0
     failures: Counter[str] = field(default_factory=Counter)
     examples: dict[str, str] = field(default_factory=dict)
+    # (monotonic time, sampled tokens, episodes) at each snapshot: the recent rates' window.
+    _history: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=256))
 
     def add(self, episodes: Iterable[Episode]) -> list[str]:
         """Fold finished episodes; returns the failure reasons seen for the first time."""
@@ -85,8 +88,20 @@ class ActorDiagnostics:
                 self.failures[key] += 1
         return new
 
+    def recent_rates(self, now: float) -> tuple[float, float]:
+        """(sampled tokens/s, episodes/s) since the newest snapshot at least ``RECENT_SECONDS`` old
+        (since the start when there is none): what the actor generates now, 0 while it is held back."""
+        self._history.append((now, self.sampled_tokens, self.episodes))
+        while len(self._history) > 1 and self._history[1][0] <= now - RECENT_SECONDS:
+            self._history.popleft()
+        then, tokens, episodes = self._history[0] if self._history[0][0] <= now - RECENT_SECONDS else (self.started, 0, 0)
+        span = max(now - then, 1e-9)
+        return (self.sampled_tokens - tokens) / span, (self.episodes - episodes) / span
+
     def snapshot(self) -> dict[str, Any]:
-        elapsed = max(time.monotonic() - self.started, 1e-9)
+        now = time.monotonic()
+        elapsed = max(now - self.started, 1e-9)
+        recent_tokens, recent_episodes = self.recent_rates(now)
         n = max(self.episodes, 1)
         return {
             "actor_id": self.actor_id,
@@ -97,6 +112,8 @@ class ActorDiagnostics:
             # Throughput of the whole actor (all its concurrent episodes) over its wall time.
             "sampled_tokens_per_second": self.sampled_tokens / elapsed,
             "trajectories_per_second": self.episodes / elapsed,
+            "recent_sampled_tokens_per_second": recent_tokens,  # over the last RECENT_SECONDS
+            "recent_trajectories_per_second": recent_episodes,
             "completion_tokens_mean": self.sampled_tokens / n,
             "turn_tokens_mean": self.sampled_tokens / max(self.model_turns, 1),
             "truncation_rate": self.truncated / n,
@@ -110,7 +127,8 @@ class ActorDiagnostics:
     def summary_line(self) -> str:
         s = self.snapshot()
         return (
-            f"generated {s['sampled_tokens_per_second']:.1f} tok/s, {s['trajectories_per_second']:.2f} traj/s, "
+            f"generated {s['recent_sampled_tokens_per_second']:.1f} tok/s, {s['recent_trajectories_per_second']:.2f} traj/s "
+            f"(last {RECENT_SECONDS:.0f} s; {s['sampled_tokens_per_second']:.1f} tok/s since the start), "
             f"{s['completion_tokens_mean']:.1f} tokens per episode, truncated {100 * s['truncation_rate']:.0f}%"
         )
 
@@ -153,6 +171,8 @@ def combine(snapshots: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "sampled_tokens": tokens,
         "sampled_tokens_per_second": sum(float(s.get("sampled_tokens_per_second", 0.0)) for s in snapshots),
         "trajectories_per_second": sum(float(s.get("trajectories_per_second", 0.0)) for s in snapshots),
+        "recent_sampled_tokens_per_second": sum(float(s.get("recent_sampled_tokens_per_second", 0.0)) for s in snapshots),
+        "recent_trajectories_per_second": sum(float(s.get("recent_trajectories_per_second", 0.0)) for s in snapshots),
         "completion_tokens_mean": tokens / episodes if episodes else 0.0,
         "truncation_rate": truncated / episodes if episodes else 0.0,
         "failed_episodes": sum(counts.values()),

@@ -161,6 +161,9 @@ class Actor:
         if sync is not None:
             sync.add_done_callback(self._sync_ended)
         evaluation = asyncio.create_task(self._evaluate(slots), name="evaluation") if s.evaluation is not None else None
+        # The stats file stays current while the actor waits (for admission, a slow group): its
+        # recent rates then fall instead of repeating the last group's.
+        snapshots = asyncio.create_task(self._keep_stats(), name="stats") if self.stats_path is not None else None
         if evaluation is not None:
             evaluation.add_done_callback(self._sync_ended)
         try:
@@ -195,6 +198,9 @@ class Actor:
             if sync is not None:
                 sync.cancel()
                 await asyncio.gather(sync, return_exceptions=True)
+            if snapshots is not None:
+                snapshots.cancel()
+                await asyncio.gather(snapshots, return_exceptions=True)
         self._log_progress()
         self._write_stats(force=True)
         if self._fatal is not None:
@@ -300,6 +306,11 @@ class Actor:
         self._write_stats()
         if self.stats.groups_submitted % 10 == 0:
             self._log_progress()
+
+    async def _keep_stats(self) -> None:
+        while True:
+            await asyncio.sleep(SNAPSHOT_SECONDS)  # the snapshot's period
+            self._write_stats(force=True)
 
     def _write_stats(self, force: bool = False) -> None:
         if self.stats_path is None:

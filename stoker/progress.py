@@ -230,7 +230,7 @@ class Progress:
             f"success {self.success_rate():.2f}  reward {_fmt(last.get('reward_mean'))}  "
             f"duty {_fmt(last.get('duty_cycle'), 2)}  fill {_fmt(buf.get('fill'), 2)}  "
             f"staleness {_fmt(last.get('staleness_mean'), 2)}  traj/s {_fmt(buf.get('put_rate'), 1)}  "
-            f"sampled tok/s {_fmt(gen.get('sampled_tokens_per_second'), 1)}  "
+            f"sampled tok/s {_fmt(gen.get('recent_sampled_tokens_per_second'), 1)}  "
             f"trained tok/s {_fmt(last.get('tokens_per_second'), 0)}  "
             f"len {_fmt(gen.get('completion_tokens_mean'), 1)}  truncated {_fmt(gen.get('truncation_rate'), 2)}  "
             f"failed {_fmt(gen.get('failed_episodes'))}  "
@@ -254,7 +254,8 @@ class Progress:
             ("staleness (mean / max)", f"{_fmt(last.get('staleness_mean'), 2)} / {_fmt(last.get('staleness_max'))}"),
             ("dropped", ", ".join(f"{k} {v}" for k, v in dropped.items()) or "0"),
             ("trajectories/s (buffer puts)", _fmt(buf.get("put_rate"), 1)),
-            ("generated tokens/s (actors)", _fmt(gen.get("sampled_tokens_per_second"), 1)),
+            ("generated tokens/s (actors, last 30 s)", _fmt(gen.get("recent_sampled_tokens_per_second"), 1)),
+            ("generated trajectories/s (last 30 s)", _fmt(gen.get("recent_trajectories_per_second"), 2)),
             ("trained tokens/s (step time)", _fmt(last.get("tokens_per_second"), 0)),
             ("completion length (tokens)", _fmt(gen.get("completion_tokens_mean"), 1)),
             ("truncated episodes", _fmt(gen.get("truncation_rate"), 3)),

@@ -155,3 +155,34 @@ async def test_an_inline_environments_crash_keeps_its_traceback_under_one_reason
     assert failure_key(episode) == "failed: environment raised KeyError: 'calc'"
     assert "Traceback (most recent call last)" in episode.status_reason and "in step" in episode.status_reason
     assert len(episode.status_reason) < 4096  # what the buffer accepts
+
+
+def test_recent_rates_fall_to_zero_while_an_actor_is_held_back() -> None:
+    diagnostics = ActorDiagnostics("a", started=0.0)
+    diagnostics.add([episode(OK, sampled=10)] * 3)
+    assert diagnostics.recent_rates(10.0) == (3.0, 0.3)  # younger than the window: since the start
+    assert diagnostics.recent_rates(40.0) == (0.0, 0.0)  # nothing new in the last 30 s
+    diagnostics.add([episode(OK, sampled=10)] * 6)
+    tokens, episodes = diagnostics.recent_rates(55.0)
+    # Since the newest snapshot at least 30 s old (t=10): 60 tokens and 6 episodes in 45 s.
+    assert (tokens, episodes) == pytest.approx((60 / 45, 6 / 45))
+
+
+@pytest.mark.asyncio
+async def test_the_stats_file_stays_current_while_admission_is_refused(lake: TextInterface, tmp_path: Path) -> None:
+    class Refusing(MemoryBuffer):
+        async def acquire(self, groups: int) -> Grant:
+            return Grant(0, 0.05)
+
+    spec = RLJobSpec(buffer=BufferSpec(group_size=2))
+    settings = ActorSettings.from_spec(spec, actor_id="actor-0", job="t")
+    stats_file = tmp_path / "actor-0.json"
+    actor = Actor(settings, ScriptedPolicy(lambda _: [0]), lake, None, Refusing(), stats_path=stats_file)  # type: ignore[arg-type]
+    running = asyncio.create_task(actor.run())
+    async with asyncio.timeout(20):
+        while not stats_file.exists():
+            await asyncio.sleep(0.05)  # polling for the file the actor writes on its own
+    [snapshot] = read_snapshots([stats_file])
+    assert snapshot["episodes"] == 0 and snapshot["recent_sampled_tokens_per_second"] == 0.0
+    actor.stop()
+    await asyncio.wait_for(running, 10)
