@@ -97,3 +97,20 @@ def test_progress_shows_what_the_actors_generate(tmp_path: Path) -> None:
     assert "len 5.0" in line and "truncated 0.25" in line and "failed 3" in line
     table = "\n".join(str(row) for row in progress.render().columns[1]._cells)
     assert "3 (top: 3 x failed: environment raised RuntimeError" in table
+
+
+def test_stoker_run_that_fails_before_training_says_so_and_writes_no_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    from stoker import local
+
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text("apiVersion: stoker.dev/v1alpha1\nkind: RLJob\nmetadata: {name: t}\n")
+    monkeypatch.setattr(local, "run_async", lambda options: local.Outcome(1, "learner exited with code 1; stopping the run."))
+    args = argparse.Namespace(file=str(manifest), mode="async", run_dir=tmp_path / "run", max_minutes=None,
+                              target_success=None, max_steps=None, no_progress=True)
+    assert local.main(args) == 1
+    assert not (tmp_path / "run" / "report.md").exists()
+    assert "no report: nothing was trained; logs in" in capsys.readouterr().err
