@@ -9,7 +9,9 @@ given a path (``stoker actor --stats-file``), rewrites a small JSON snapshot the
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import re
 import time
@@ -23,6 +25,8 @@ import numpy as np
 
 from stoker.trajectory import Episode
 from stoker.v1 import trajectory_pb2
+
+log = logging.getLogger("stoker.actor")
 
 STATUS_NAMES: dict[int, str] = {
     trajectory_pb2.EPISODE_STATUS_OK: "ok",
@@ -142,6 +146,30 @@ def write_snapshot(path: Path, snapshot: dict[str, Any]) -> None:
     partial = path.with_name(path.name + ".partial")
     partial.write_text(json.dumps(snapshot))
     os.replace(partial, path)
+
+
+class StatsFile:
+    """An actor's snapshot file: rewritten at most every ``SNAPSHOT_SECONDS`` as groups finish,
+    and every ``SNAPSHOT_SECONDS`` regardless (``keep``), so it stays current while the actor waits."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._written_at = 0.0
+
+    def write(self, diagnostics: ActorDiagnostics, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._written_at < SNAPSHOT_SECONDS:
+            return
+        self._written_at = now
+        try:
+            write_snapshot(self.path, diagnostics.snapshot())
+        except OSError as exc:  # diagnostics never stop the actor
+            log.warning("could not write %s: %s", self.path, exc)
+
+    async def keep(self, diagnostics: ActorDiagnostics) -> None:
+        while True:
+            await asyncio.sleep(SNAPSHOT_SECONDS)  # the snapshot's period
+            self.write(diagnostics, force=True)
 
 
 def read_snapshots(paths: Sequence[Path]) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from stoker.actor.diagnostics import SNAPSHOT_SECONDS, ActorDiagnostics, write_snapshot
+from stoker.actor.diagnostics import ActorDiagnostics, StatsFile
 from stoker.actor.episode import EpisodeSlots, run_group, summarize
 from stoker.actor.evaluation import EvalOutcome, play_round, round_due
 from stoker.actor.policy import Policy
@@ -132,8 +132,7 @@ class Actor:
         stats_path: Path | None = None,
     ):
         self.settings = settings
-        self.stats_path = stats_path  # the diagnostics snapshot (stoker.actor.diagnostics), when set
-        self._snapshot_at = 0.0
+        self.stats_file = StatsFile(stats_path) if stats_path is not None else None  # stoker.actor.diagnostics
         self.policy = policy
         self.interface = interface
         self.env_factory = env_factory
@@ -163,7 +162,9 @@ class Actor:
         evaluation = asyncio.create_task(self._evaluate(slots), name="evaluation") if s.evaluation is not None else None
         # The stats file stays current while the actor waits (for admission, a slow group): its
         # recent rates then fall instead of repeating the last group's.
-        snapshots = asyncio.create_task(self._keep_stats(), name="stats") if self.stats_path is not None else None
+        snapshots = None
+        if self.stats_file is not None:
+            snapshots = asyncio.create_task(self.stats_file.keep(self.stats.diagnostics), name="stats")
         if evaluation is not None:
             evaluation.add_done_callback(self._sync_ended)
         try:
@@ -202,7 +203,8 @@ class Actor:
                 snapshots.cancel()
                 await asyncio.gather(snapshots, return_exceptions=True)
         self._log_progress()
-        self._write_stats(force=True)
+        if self.stats_file is not None:
+            self.stats_file.write(self.stats.diagnostics, force=True)
         if self._fatal is not None:
             raise self._fatal
         return self.stats
@@ -303,25 +305,10 @@ class Actor:
                 "actor %s: an episode failed for a new reason (%s); the first such message:\n%s",
                 s.actor_id, reason, self.stats.diagnostics.examples.get(reason, ""),
             )
-        self._write_stats()
+        if self.stats_file is not None:
+            self.stats_file.write(self.stats.diagnostics)
         if self.stats.groups_submitted % 10 == 0:
             self._log_progress()
-
-    async def _keep_stats(self) -> None:
-        while True:
-            await asyncio.sleep(SNAPSHOT_SECONDS)  # the snapshot's period
-            self._write_stats(force=True)
-
-    def _write_stats(self, force: bool = False) -> None:
-        if self.stats_path is None:
-            return
-        now = time.monotonic()
-        if force or now - self._snapshot_at >= SNAPSHOT_SECONDS:
-            self._snapshot_at = now
-            try:
-                write_snapshot(self.stats_path, self.stats.diagnostics.snapshot())
-            except OSError as exc:  # diagnostics never stop the actor
-                log.warning("could not write %s: %s", self.stats_path, exc)
 
     async def _submit(self, episodes: list[Episode]) -> bool:
         """Put a whole group; False if it could not be. Transient failures are retried (Put is
