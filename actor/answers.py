@@ -13,8 +13,12 @@ Verifiers: ``exact`` (the stripped answer equals ``answer``; ``caseSensitive`` i
 stripped answer) and ``python`` (the answer, its code fences removed, is ``solution.py``; ``tests``
 is a unittest module importing from it, or a list of assert statements; they run in the confined
 judge of ``stoker.actor.judge``, so the answer cannot fake its verdict). The default verifier is
-``environment.options.verifier`` (``exact`` unless set). Reward 1 for a correct answer, else 0;
-the episode ends after the first answer.
+``environment.options.verifier`` (``exact`` unless set). Reward 1 for a correct answer, else 0.
+
+The episode ends after the first answer unless ``attempts`` (in the record or
+``environment.options``, default 1) allows more: a wrong answer's verdict is then the next
+observation ("incorrect: ...; try again (2 attempts left)") and the model answers again, up to
+``attempts`` turns (within ``environment.maxTurns``); the episode ends at the first correct one.
 """
 
 from __future__ import annotations
@@ -123,13 +127,15 @@ def verify(
 
 
 class AnswersEnvironment:
-    """One question per episode, judged by its record's verifier."""
+    """One question per episode, judged by its record's verifier (one or more attempts)."""
 
     def __init__(self, options: dict[str, Any], workdir: str):
         self.options = options
         self.workdir = Path(workdir or ".")
         self.tasks = records_by_id(list(options.get("taskFiles") or []))
         self.record: dict[str, Any] | None = None
+        self.attempts_left = 1
+        self.tampering: dict[str, int] = {}  # refused attempts by kind, over the whole episode
 
     @classmethod
     def from_options(cls, options: dict[str, Any], workdir: str) -> AnswersEnvironment:
@@ -144,16 +150,22 @@ class AnswersEnvironment:
             raise EnvironmentProblem(f"unknown task {task_id!r}; not in {', '.join(self.options['taskFiles'])}")
         if "prompt" not in record:
             raise EnvironmentProblem(f"task {task_id!r} has no prompt")
-        self.record = record
+        attempts = record.get("attempts", self.options.get("attempts", 1))
+        if not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 1:
+            raise EnvironmentProblem(f"task {task_id!r}: attempts {attempts!r}; expected an integer >= 1")
+        self.record, self.attempts_left, self.tampering = record, attempts, {}
         return Observation(str(record["prompt"]), _info(False))
 
     def step(self, action: str) -> StepResult:
         if self.record is None:
             raise EnvironmentProblem("step before reset")
-        tampering: dict[str, int] = {}
-        correct, note = verify(self.record, action, self.options, self.workdir, tampering)
+        correct, note = verify(self.record, action, self.options, self.workdir, self.tampering)
+        self.attempts_left -= 1
         text = ("correct" if correct else "incorrect") + (f": {note}" if note else "")
-        return StepResult(Observation(text, _info(correct, tampering)), 1.0 if correct else 0.0, True)
+        done = correct or self.attempts_left <= 0
+        if not done:
+            text += f"; try again ({self.attempts_left} attempt{'s' if self.attempts_left != 1 else ''} left)"
+        return StepResult(Observation(text, _info(correct, self.tampering)), 1.0 if correct else 0.0, done)
 
     def close(self) -> None:
         pass

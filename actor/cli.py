@@ -36,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="rollout server host:port to sample from (default: $STOKER_ROLLOUT_ADDRESS; unset: sample in-process)",
     )
     parser.add_argument("--max-groups", type=int, metavar="N", help="stop after starting N groups")
+    parser.add_argument(
+        "--stats-file", type=Path, metavar="FILE",
+        help="keep a JSON snapshot of generation throughput and failure reasons here (stoker run reads it)",
+    )
     parser.add_argument("--job", help="job name for sandbox pod labels (default: the manifest's metadata.name)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
@@ -71,6 +75,7 @@ def main(args: argparse.Namespace) -> int:
                 max_groups=args.max_groups,
                 job_name=args.job or job.metadata.name,
                 install_signals=_install_signals,
+                stats_path=args.stats_file,
             )
         )
     except (TokenizerProblem, ActorSetupError) as exc:

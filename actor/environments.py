@@ -32,6 +32,20 @@ class EnvironmentProblem(Exception):
     """A user-visible environment problem (bad options, unknown task)."""
 
 
+MAX_TRACEBACK_CHARS = 2000  # the reason travels in the trajectory (the buffer takes 4096 characters)
+
+
+def crash_reason(exc: BaseException) -> str:
+    """An environment's crash as an episode's status reason: ``environment raised Type: message``
+    on the first line (the reason it is counted under), then the end of its traceback."""
+    import traceback
+
+    trace = "".join(traceback.format_exception(exc)).rstrip()
+    if len(trace) > MAX_TRACEBACK_CHARS:
+        trace = "..." + trace[-MAX_TRACEBACK_CHARS:]
+    return f"environment raised {type(exc).__name__}: {exc}\n{trace}"
+
+
 class Environment(Protocol):
     """One episode's environment; text in, text out."""
 

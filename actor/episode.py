@@ -16,6 +16,7 @@ observation (after the episode ends) is not appended: no model token follows it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -49,6 +50,8 @@ class EpisodeLimits:
     max_new_tokens: int = 4
     max_tokens: int = 512  # the whole conversation must fit the model's context and the learner's rows
     episode_seconds: float = 300.0
+    max_sampled_tokens: int | None = None  # over all turns (sampling.maxTokensPerEpisode)
+    stop_strings: tuple[str, ...] = ()  # a turn also ends at these (sampling.stopStrings)
 
 
 @dataclass
@@ -95,6 +98,28 @@ def _metrics(observation: Observation) -> dict[str, float]:
     return {str(k): float(v) for k, v in raw.items() if isinstance(v, int | float) and math.isfinite(v)}
 
 
+def cut_at_stop_string(sampled: Sampled, interface: TextInterface, stops: Sequence[str]) -> Sampled:
+    """``sampled`` up to and including the token that completes the first stop string in its text
+    (unchanged when none occurs). The kept ids and log-probs are a prefix of what was sampled, so
+    the trajectory stays token-exact; the turn counts as ended by the model."""
+    ids = sampled.token_ids
+
+    def stops_within(n: int) -> bool:
+        text = interface.decode(ids[:n])
+        return any(stop in text for stop in stops)
+
+    if not stops_within(len(ids)):
+        return sampled
+    low, high = 1, len(ids)  # the shortest prefix whose text holds a stop string
+    while low < high:
+        middle = (low + high) // 2
+        if stops_within(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return dataclasses.replace(sampled, token_ids=ids[:low], logprobs=sampled.logprobs[:low], finished=True)
+
+
 async def run_episode(
     policy: Policy,
     env: EpisodeEnvironment,
@@ -134,15 +159,23 @@ async def run_episode(
                 if len(builder) + len(context) + limits.max_new_tokens > limits.max_tokens:
                     status, reason = TRUNCATED, f"context limit ({limits.max_tokens} tokens)"
                     break
+                budget = limits.max_new_tokens
+                if limits.max_sampled_tokens is not None:
+                    budget = min(budget, limits.max_sampled_tokens - sum(builder.loss_mask))
+                    if budget < 1:
+                        status, reason = TRUNCATED, f"token budget ({limits.max_sampled_tokens} sampled tokens per episode)"
+                        break
                 builder.add_context(context)
                 t0 = time.perf_counter()
                 sampled = await policy.generate(
                     list(builder.token_ids),
-                    max_new_tokens=limits.max_new_tokens,
+                    max_new_tokens=budget,
                     stop_token_ids=interface.stop_token_ids,
                     session=episode_id,
                 )
                 sample_s += time.perf_counter() - t0
+                if limits.stop_strings:
+                    sampled = cut_at_stop_string(sampled, interface, limits.stop_strings)
                 builder.add_sampled(sampled)
                 t0 = time.perf_counter()
                 result = await env.step(interface.decode(sampled.token_ids))

@@ -139,19 +139,31 @@ def resolve(name: str) -> Plugin:
     )
 
 
-def import_reference(reference: str) -> Any:
+def import_reference(reference: str, kind: str = "environment") -> Any:
+    """``package.module:attribute`` imported; ``kind`` names what it is in the errors (an
+    environment factory, a reward function)."""
     module_name, _, attribute = reference.partition(":")
     if not module_name or not attribute:
-        raise EnvironmentProblem(f"environment {reference!r}: expected an import reference package.module:factory")
+        raise EnvironmentProblem(f"{kind} {reference!r}: expected an import reference package.module:attribute")
     try:
         target: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        hint = ""
+        if exc.name and module_name.startswith(exc.name):
+            hint = (
+                "; stoker run and stoker validate find modules beside the manifest, anything else must be "
+                "installed or on PYTHONPATH (in the actor image for a cluster)"
+            )
+        raise EnvironmentProblem(
+            f"{kind} {reference!r}: cannot import {module_name}: ModuleNotFoundError: {exc}{hint}"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - any import failure of user code is the user's to see
         raise EnvironmentProblem(
-            f"environment {reference!r}: cannot import {module_name}: {type(exc).__name__}: {exc}"
+            f"{kind} {reference!r}: cannot import {module_name}: {type(exc).__name__}: {exc}"
         ) from None
     for part in attribute.split("."):
         if not hasattr(target, part):
-            raise EnvironmentProblem(f"environment {reference!r}: module {module_name} has no attribute {attribute!r}")
+            raise EnvironmentProblem(f"{kind} {reference!r}: module {module_name} has no attribute {attribute!r}")
         target = getattr(target, part)
     return target
 

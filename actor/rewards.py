@@ -42,7 +42,7 @@ class RewardTerm:
 
 
 def resolve_term(term: RewardTerm) -> Callable[[StepContext], float]:
-    target = import_reference(term.function)
+    target = import_reference(term.function, "reward")
     if not callable(target):
         raise EnvironmentProblem(f"reward {term.function!r} is a {type(target).__name__}; expected a function")
     return target

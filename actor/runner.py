@@ -17,10 +17,12 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from stoker.actor.diagnostics import ActorDiagnostics, StatsFile
 from stoker.actor.episode import EpisodeSlots, run_group, summarize
 from stoker.actor.evaluation import EvalOutcome, play_round, round_due
 from stoker.actor.policy import Policy
@@ -86,11 +88,14 @@ class ActorStats:
     eval_rounds: list[EvalOutcome] = field(default_factory=list)  # played and reported, oldest first
     recent: list[Episode] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+    diagnostics: ActorDiagnostics = field(default_factory=ActorDiagnostics)
 
-    def record(self, episodes: list[Episode]) -> None:
+    def record(self, episodes: list[Episode]) -> list[str]:
+        """Count a submitted group; returns the failure reasons its episodes showed first."""
         self.groups_submitted += 1
         self.episodes += len(episodes)
         self.recent = (self.recent + episodes)[-256:]
+        return self.diagnostics.add(episodes)
 
 
 def task_cycle(tasks: Sequence[str], rng: random.Random) -> Callable[[], str]:
@@ -124,15 +129,17 @@ class Actor:
         weights: WeightSource | None = None,
         loader: LoadsWeights | None = None,
         task_picker: Callable[[], str] | None = None,
+        stats_path: Path | None = None,
     ):
         self.settings = settings
+        self.stats_file = StatsFile(stats_path) if stats_path is not None else None  # stoker.actor.diagnostics
         self.policy = policy
         self.interface = interface
         self.env_factory = env_factory
         self.buffer = buffer
         self.weights = weights
         self.loader = loader
-        self.stats = ActorStats()
+        self.stats = ActorStats(diagnostics=ActorDiagnostics(settings.actor_id))
         self._stopping = asyncio.Event()
         self._training_over = asyncio.Event()  # no more groups start: no more evaluation rounds either
         self._last_eval_round = -1
@@ -153,6 +160,11 @@ class Actor:
         if sync is not None:
             sync.add_done_callback(self._sync_ended)
         evaluation = asyncio.create_task(self._evaluate(slots), name="evaluation") if s.evaluation is not None else None
+        # The stats file stays current while the actor waits (for admission, a slow group): its
+        # recent rates then fall instead of repeating the last group's.
+        snapshots = None
+        if self.stats_file is not None:
+            snapshots = asyncio.create_task(self.stats_file.keep(self.stats.diagnostics), name="stats")
         if evaluation is not None:
             evaluation.add_done_callback(self._sync_ended)
         try:
@@ -187,7 +199,12 @@ class Actor:
             if sync is not None:
                 sync.cancel()
                 await asyncio.gather(sync, return_exceptions=True)
+            if snapshots is not None:
+                snapshots.cancel()
+                await asyncio.gather(snapshots, return_exceptions=True)
         self._log_progress()
+        if self.stats_file is not None:
+            self.stats_file.write(self.stats.diagnostics, force=True)
         if self._fatal is not None:
             raise self._fatal
         return self.stats
@@ -283,7 +300,13 @@ class Actor:
         )
         if not await self._submit(episodes):
             return
-        self.stats.record(episodes)
+        for reason in self.stats.record(episodes):
+            log.warning(
+                "actor %s: an episode failed for a new reason (%s); the first such message:\n%s",
+                s.actor_id, reason, self.stats.diagnostics.examples.get(reason, ""),
+            )
+        if self.stats_file is not None:
+            self.stats_file.write(self.stats.diagnostics)
         if self.stats.groups_submitted % 10 == 0:
             self._log_progress()
 
@@ -358,8 +381,10 @@ class Actor:
             # An episode's sampling CPU hangs on these two: rows per sampler call, and how much of
             # each prompt comes from the conversation cache instead of being prefilled again.
             sampling = f"; sampler: {batching.mean_batch:.1f} rows per call, {100 * cache.reuse:.0f}% of prompt tokens cached"
+        diagnostics = self.stats.diagnostics
+        failures = "".join(f"; {count} x {reason}" for reason, count in diagnostics.top_failures())
         log.info(
-            "actor %s: %d groups, %d episodes (%.1f/s), policy v%s, success %.2f, reward %.3f, statuses %s%s",
+            "actor %s: %d groups, %d episodes (%.1f/s), policy v%s, success %.2f, reward %.3f, statuses %s; %s%s%s",
             self.settings.actor_id,
             self.stats.groups_submitted,
             self.stats.episodes,
@@ -368,5 +393,7 @@ class Actor:
             summary["success_rate"],
             summary["mean_reward"],
             summary["statuses"],
+            diagnostics.summary_line(),
             sampling,
+            failures,
         )

@@ -32,7 +32,9 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
-from stoker.actor.environments import Environment, EnvironmentProblem, Observation, StepLatency, StepResult
+from stoker.actor.environments import (
+    Environment, EnvironmentProblem, Observation, StepLatency, StepResult, crash_reason,
+)
 from stoker.channels import channel_options
 from stoker.v1 import sandbox_pb2, sandbox_pb2_grpc
 
@@ -108,7 +110,7 @@ class InlineEnvironment:
         except EnvironmentProblem as exc:
             raise SandboxFailed(str(exc)) from exc
         except Exception as exc:  # noqa: BLE001 - the sandbox boundary: an environment crash fails the episode
-            raise SandboxFailed(f"environment raised {type(exc).__name__}: {exc}") from exc
+            raise SandboxFailed(crash_reason(exc)) from exc
 
     async def step(self, action: str) -> StepResult:
         delay = self.step_latency.sample(self._rng)
@@ -119,7 +121,7 @@ class InlineEnvironment:
         except EnvironmentProblem as exc:
             raise SandboxFailed(str(exc)) from exc
         except Exception as exc:  # noqa: BLE001 - as in a process sandboxed environment, a crash fails the episode
-            raise SandboxFailed(f"environment raised {type(exc).__name__}: {exc}") from exc
+            raise SandboxFailed(crash_reason(exc)) from exc
 
     async def close(self) -> None:
         await self._call(self.env.close)

@@ -222,7 +222,7 @@ class SandboxServicer:
     def Reset(self, request: Any, context: Any) -> Any:
         import grpc
 
-        from stoker.actor.environments import EnvironmentProblem, StepLatency, make_environment
+        from stoker.actor.environments import EnvironmentProblem, StepLatency, crash_reason, make_environment
 
         self._touch()
         with self._lock:
@@ -234,7 +234,7 @@ class SandboxServicer:
             except (EnvironmentProblem, ValueError) as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except Exception as exc:  # noqa: BLE001 - a plugin's crash fails this episode, not the sandbox server
-                context.abort(grpc.StatusCode.INTERNAL, f"environment raised {type(exc).__name__}: {exc}")
+                context.abort(grpc.StatusCode.INTERNAL, crash_reason(exc))
             self._latency = StepLatency(request.step_latency.distribution or "none", request.step_latency.seconds)
             self._rng = random.Random(int(request.seed))
             return _observation(observation)
@@ -242,7 +242,7 @@ class SandboxServicer:
     def Step(self, request: Any, context: Any) -> Any:
         import grpc
 
-        from stoker.actor.environments import EnvironmentProblem
+        from stoker.actor.environments import EnvironmentProblem, crash_reason
         from stoker.v1 import sandbox_pb2
 
         self._touch()
@@ -257,7 +257,7 @@ class SandboxServicer:
             except EnvironmentProblem as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             except Exception as exc:  # noqa: BLE001 - as in Reset: the episode fails with a readable reason
-                context.abort(grpc.StatusCode.INTERNAL, f"environment raised {type(exc).__name__}: {exc}")
+                context.abort(grpc.StatusCode.INTERNAL, crash_reason(exc))
             self._touch()
             return sandbox_pb2.StepResult(
                 observation=_observation(result.observation),

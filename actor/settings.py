@@ -112,6 +112,8 @@ class ActorSettings:
                 max_new_tokens=spec.actors.sampling.max_new_tokens,
                 max_tokens=max_tokens,
                 episode_seconds=env.max_episode_seconds,
+                max_sampled_tokens=spec.actors.sampling.max_tokens_per_episode,
+                stop_strings=tuple(spec.actors.sampling.stop_strings or ()),
             ),
             sandbox_kind=env.sandbox.kind,
             sandbox=sandbox,

@@ -98,6 +98,13 @@ def environment_tokenizer(spec: RLJobSpec) -> Tokenizer:
         except TokenizerError as exc:
             raise TokenizerProblem(f"spec.model.tokenizer: {exc}") from None
     if spec.model.checkpoint and spec.model.tokenizer != BUILTIN:
+        from pathlib import Path
+
+        if not Path(spec.model.checkpoint).expanduser().is_dir():  # a wrong path, not a tokenizer to pick
+            raise TokenizerProblem(
+                f"spec.model.checkpoint: {spec.model.checkpoint!r} is not a directory; expected a Hugging Face "
+                "checkpoint directory (config.json, *.safetensors, tokenizer.json)"
+            )
         try:
             return load_tokenizer(spec.model.checkpoint)
         except TokenizerError as exc:
@@ -254,10 +261,23 @@ def allowed_token_ids(spec: RLJobSpec) -> tuple[int, ...] | None:
     words = spec.actors.sampling.allowed_tokens
     if words is None:
         return None
-    vocab = environment_tokenizer(spec).get_vocab(with_added_tokens=True)
-    unknown = [w for w in words if w not in vocab]
+    tokenizer = environment_tokenizer(spec)
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    ids: set[int] = set()
+    unknown: list[str] = []
+    for word in words:
+        if word in vocab:  # a raw vocabulary spelling ("Ġ8")
+            ids.add(vocab[word])
+            continue
+        encoded = tokenizer.encode(word, add_special_tokens=False).ids  # text (" 8")
+        if len(encoded) == 1:
+            ids.add(int(encoded[0]))
+        else:
+            unknown.append(f"{word!r} ({len(encoded)} tokens)")
     if unknown:
         raise TokenizerProblem(
-            f"spec.actors.sampling.allowedTokens: {unknown} are not tokens of the job's tokenizer"
+            f"spec.actors.sampling.allowedTokens: {', '.join(unknown)} are not single tokens of the job's tokenizer; "
+            "expected a vocabulary entry or text that encodes to one token (with a BPE tokenizer the token after a "
+            "space is ' 8', spelled 'Ġ8' in its vocabulary)"
         )
-    return tuple(sorted({vocab[w] for w in words}))
+    return tuple(sorted(ids))

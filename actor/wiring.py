@@ -200,6 +200,7 @@ async def build_and_run(
     job_name: str,
     install_signals: Callable[[Callable[[], None]], None] | None = None,
     rollout_address: str | None = None,
+    stats_path: Path | None = None,
 ) -> ActorStats:
     from stoker.buffer.client import BufferClient
 
@@ -228,7 +229,7 @@ async def build_and_run(
         except TypeError as exc:  # e.g. a generation server without greedy decoding
             raise ActorSetupError(f"spec.environment.evalTasks: {exc}") from None
     factory = environment_factory(settings)
-    actor = Actor(settings, policy, interface, factory, buffer, weights=source, loader=loader)
+    actor = Actor(settings, policy, interface, factory, buffer, weights=source, loader=loader, stats_path=stats_path)
     if install_signals is not None:
         install_signals(actor.stop)
     log.info(

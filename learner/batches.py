@@ -23,6 +23,10 @@ import numpy as np
 from stoker.learner import algorithms
 from stoker.learner.packing import TrainSequence
 from stoker.trajectory import Episode
+from stoker.v1 import trajectory_pb2
+
+TRUNCATED = trajectory_pb2.EPISODE_STATUS_TRUNCATED
+FAILED = (trajectory_pb2.EPISODE_STATUS_FAILED, trajectory_pb2.EPISODE_STATUS_TIMEOUT)
 
 
 
@@ -102,6 +106,25 @@ def episode_metric_means(episodes: Sequence[Episode]) -> dict[str, float]:
     return out
 
 
+def generation_figures(episodes: Sequence[Episode]) -> dict[str, float]:
+    """What the batch's episodes generated, whether or not they train: ``sampled_tokens`` (model
+    tokens of every episode; ``trained_tokens`` leaves out the groups without signal), the mean
+    completion length per episode and per model turn, and the share of truncated episodes."""
+    if not episodes:
+        return {}
+    sampled = [int(np.asarray(e.loss_mask).sum()) for e in episodes]
+    turns = sum(int(e.num_turns) for e in episodes)
+    truncated = sum(int(e.status) == TRUNCATED for e in episodes)
+    return {
+        "sampled_tokens": float(sum(sampled)),
+        "completion_tokens_mean": sum(sampled) / len(episodes),
+        "turn_tokens_mean": sum(sampled) / turns if turns else 0.0,
+        "turns_mean": turns / len(episodes),
+        "truncation_rate": truncated / len(episodes),
+        "failed_episodes": float(sum(int(e.status) in FAILED for e in episodes)),
+    }
+
+
 REWARD_TOLERANCE = 1e-6  # relative: group rewards closer than this count as equal
 
 
@@ -131,12 +154,13 @@ def prepare_groups(
     ``best_rewards`` (task id -> best group reward so far) tells solved flat groups from stuck ones
     (module docstring) and is updated in place."""
     trainable = [[e for e in g.episodes if _trainable(e)] for g in groups]
+    everything = [e for g in groups for e in g.episodes]
     total = sum(len(g.episodes) for g in groups)
     kept = sum(len(t) for t in trainable)
     rewards = [float(e.reward) for t in trainable for e in t]
     prepared = Prepared(
         [], rewards, total, total - kept, masked_groups=sum(bool(g.masked) for g in groups),
-        episode_metrics=episode_metric_means([e for g in groups for e in g.episodes]),
+        episode_metrics={**episode_metric_means(everything), **generation_figures(everything)},
     )
     if algorithm in ("grpo", "gspo"):
         width = max((len(t) for t in trainable), default=0)

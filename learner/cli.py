@@ -103,6 +103,7 @@ def main(args: argparse.Namespace) -> int:
 
     from stoker.learner.loop import DatasetError, Learner, LearnerSettings
     from stoker.learner.metrics import MetricsSink
+    from stoker.learner.samples import attach_samples
     from stoker.model.weights import WeightPublisher
 
     overrides = {"max_steps": args.max_steps} if args.max_steps is not None else {}
@@ -142,6 +143,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         if primary:
             with MetricsSink(run_dir / "learner_metrics.jsonl", port=args.metrics_port) as sink:
+                attach_samples(sink, spec, run_dir)
                 made = learner.run(source, publisher, sink=sink, stop=stop)
         else:
             made = learner.run(None, None, stop=stop)

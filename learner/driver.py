@@ -175,6 +175,9 @@ class RunLoop:
                 metrics = learner.train_on(batch.groups, sampled_at=batch.policy_version, max_staleness=batch.max_staleness)
             if batch_id is not None and source is not None:
                 outbox.send(functools.partial(self._commit, source, batch_id))
+            if batch is not None and self.sink is not None and hasattr(self.sink, "record_episodes"):
+                # Trained or not: a batch without signal (every episode alike) is the one to read.
+                self.sink.record_episodes(learner.steps, [e for g in batch.groups for e in g.episodes])
             if not metrics.get("trained"):
                 if self.sink is not None:
                     self.sink.record(metrics)  # its episodes still count toward the success rate
@@ -198,9 +201,10 @@ class RunLoop:
                 self.sink.record(metrics)
             if self.processes.primary:
                 log.info(
-                    "step %d v%d loss %.4f reward %.3f %.0f tok/s duty %.2f",
+                    "step %d v%d loss %.4f reward %.3f %.0f trained tok/s (%d of %d sampled tokens) duty %.2f",
                     learner.steps, learner.version, metrics.get("loss", 0.0), metrics.get("reward_mean", 0.0),
-                    metrics["tokens_per_second"], metrics["duty_cycle"],
+                    metrics["tokens_per_second"], metrics.get("trained_tokens", 0.0), metrics.get("sampled_tokens", 0.0),
+                    metrics["duty_cycle"],
                 )
         else:  # reached the limit; a stop asked meanwhile only shortens the waits below
             self.stopped = self.stop.is_set() and not self.processes.multi

@@ -79,6 +79,8 @@ class LearnerSettings:
     optimizer: OptimizerConfig = OptimizerConfig()  # schedule and weight decay
     advantage_normalization: algorithms.AdvantageNormalization = "population-std"  # group_advantages
     temperature: float = 1.0
+    top_k: int = 0  # spec.actors.sampling.topK: trained under the distribution the actors sample
+    min_p: float = 0.0
     dpo_dataset: str | None = None
     buckets: tuple[int, ...] = (128, 256, 512, 1024)
     microbatch_tokens: int = 4096
@@ -145,6 +147,8 @@ class LearnerSettings:
             optimizer=OptimizerConfig.from_spec(algorithm, learner.max_steps),
             advantage_normalization=algorithm.advantage_normalization,
             temperature=spec.actors.sampling.temperature,
+            top_k=spec.actors.sampling.top_k,
+            min_p=spec.actors.sampling.min_p,
             dpo_dataset=resolve(algorithm.dpo_dataset),
             buckets=tuple(learner.sequence_buckets),
             microbatch_tokens=learner.microbatch_tokens or 4 * max(learner.sequence_buckets),
@@ -231,6 +235,7 @@ class Learner:
         log.info("attention: %s (%s)", kernel.implementation, kernel.reason)
         options = train.StepOptions(
             settings.algorithm, settings.loss, settings.temperature, allowed_token_ids=settings.allowed_token_ids,
+            top_k=settings.top_k, min_p=settings.min_p,
             remat=settings.remat,  # type: ignore[arg-type]  # a RematPolicy, checked by the spec
             attention=kernel.implementation, lora=settings.lora,
         )

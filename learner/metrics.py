@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import threading
 import time
 from collections import Counter
@@ -149,6 +150,11 @@ PROMETHEUS_GAUGES: dict[str, str] = {
     "grad_norm": "Global gradient norm before clipping",
     "nonfinite_updates": "Updates skipped for a non-finite gradient, this process",
     "learning_rate": "Learning rate of the last update",
+    "sampled_tokens": "Model tokens the actors sampled in the last batch, trained or not",
+    "trained_tokens": "Model tokens of the last batch that entered the loss",
+    "completion_tokens_mean": "Mean sampled tokens per episode of the last batch",
+    "truncation_rate": "Fraction of the last batch's episodes that were truncated",
+    "failed_episodes": "Failed or timed-out episodes in the last batch",
     "eval_success_rate": "Held-out success (greedy) of the newest evaluation round",
     "eval_reward_mean": "Mean reward of the newest evaluation round",
     "eval_policy_version": "Policy version of the newest evaluation round",
@@ -156,6 +162,15 @@ PROMETHEUS_GAUGES: dict[str, str] = {
 
 
 TENSORBOARD_DIR = "tensorboard"  # beside the JSONL file: <dir>/tensorboard/<jsonl stem>/events.out.tfevents.*
+
+
+_ILLEGAL_TAG = re.compile(r"[^-/\w.]")
+
+
+def tensorboard_tag(key: str) -> str:
+    """``key`` with the characters TensorBoard refuses replaced (tensorboardX would warn about
+    each one at every step)."""
+    return _ILLEGAL_TAG.sub("_", key)
 
 
 def scalars(metrics: dict[str, Any]) -> dict[str, float]:
@@ -212,6 +227,7 @@ class MetricsSink:
         self._file: IO[str] | None = None
         self._tensorboard: Any = None
         self._wandb: WandbLogger | None = None
+        self._samples: Any = None  # a stoker.learner.samples.SampleLog, once attached
         self._records = 0
         if jsonl_path is not None:
             path = Path(jsonl_path)
@@ -238,12 +254,30 @@ class MetricsSink:
         if self._tensorboard is not None:
             for key, value in values.items():
                 if math.isfinite(value):
-                    self._tensorboard.add_scalar(key, value, global_step=step)
+                    self._tensorboard.add_scalar(tensorboard_tag(key), value, global_step=step)
             self._tensorboard.flush()
         if self._wandb is not None:
             self._wandb.log(values, step)
 
+    def attach_samples(self, samples: Any) -> None:
+        """Decoded sample episodes (``SampleLog``) go beside the metrics, their text to TensorBoard."""
+        samples.text = self.add_text
+        self._samples = samples
+
+    def record_episodes(self, step: int, episodes: Any) -> None:
+        """A trained batch's episodes, for the sample log (nothing without one)."""
+        if self._samples is not None:
+            self._samples.observe(step, episodes)
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.add_text(tensorboard_tag(tag), text, global_step=step)
+            self._tensorboard.flush()
+
     def close(self) -> None:
+        if self._samples is not None:
+            self._samples.close()
+            self._samples = None
         if self._file is not None:
             self._file.close()
             self._file = None

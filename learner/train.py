@@ -54,6 +54,9 @@ class StepOptions:
     # Constrained decoding (spec.actors.sampling.allowedTokens): the policy is the model restricted
     # to these tokens, exactly as the sampler restricts it.
     allowed_token_ids: tuple[int, ...] | None = None
+    # Top-k and min-p truncation (spec.actors.sampling.topK/minP): mu is the truncated, renormalised policy.
+    top_k: int = 0
+    min_p: float = 0.0
     # Per-layer rematerialisation (spec.model.remat): what the backward recomputes instead of storing.
     remat: RematPolicy = "full"
     # The attention kernel (spec.model.attention after attention_kernels.select_attention).
@@ -313,6 +316,8 @@ class Trainer:
             batch["targets"],
             temperature=self.options.temperature,
             allowed_token_ids=self.options.allowed_token_ids,
+            top_k=self.options.top_k,
+            min_p=self.options.min_p,
             entropy=full and self.options.loss.entropy_coef > 0,
             # For stuck groups' tokens (algorithms.stuck_unlikelihood).
             log_not_taken=full and self.options.algorithm in ("grpo", "gspo"),

@@ -37,6 +37,35 @@ def restrict_logits(logits: jax.Array, allowed_token_ids: tuple[int, ...] | None
     return jnp.where(allowed, logits, jnp.asarray(_IMPOSSIBLE, logits.dtype))
 
 
+def truncation_mask(z: jax.Array, top_k: jax.Array | int, min_p: jax.Array | float) -> jax.Array:
+    """The tokens top-k and min-p keep, from tempered logits ``z`` [..., V] (bool [..., V]): the
+    ``top_k`` most likely (ties with the k-th kept; 0 keeps all) whose probability is at least
+    ``min_p`` times the most likely token's (0 keeps all). Both may be runtime values.
+
+    The sampler draws from softmax(z) renormalised over these tokens and records that log-prob;
+    the trainer applies the same mask (docs/architecture.md, "Sampler log-probs")."""
+    vocab = z.shape[-1]
+    k = jnp.clip(jnp.asarray(top_k, jnp.int32), 0, vocab)
+    index = jnp.full((*z.shape[:-1], 1), vocab - jnp.maximum(k, 1), jnp.int32)
+    kth = jnp.take_along_axis(jnp.sort(z, axis=-1), index, axis=-1)
+    keep = jnp.where(k > 0, z >= kth, True)
+    p = jnp.asarray(min_p, jnp.float32)
+    # p_v >= min_p * p_max  <=>  z_v - z_max >= log(min_p)
+    floor = jnp.max(z, axis=-1, keepdims=True) + jnp.log(jnp.maximum(p, 1e-30))
+    return keep & jnp.where(p > 0, z >= floor, True)
+
+
+def truncate_logits(logits: jax.Array, temperature: float, top_k: int, min_p: float, keep: jax.Array | None = None) -> jax.Array:
+    """``logits`` with the tokens top-k and min-p drop (judged at ``temperature``) made impossible;
+    ``keep`` (bool [..., V]) are kept whatever they say. Unchanged when both are off."""
+    if top_k <= 0 and min_p <= 0:
+        return logits
+    mask = truncation_mask(logits.astype(jnp.float32) / temperature, top_k, min_p)
+    if keep is not None:
+        mask = mask | keep
+    return jnp.where(mask, logits, jnp.asarray(_IMPOSSIBLE, logits.dtype))
+
+
 def token_logprobs(logits: jax.Array, targets: jax.Array, *, temperature: float = 1.0) -> jax.Array:
     """log softmax(logits / temperature) gathered at ``targets``: [B, T, V], [B, T] -> [B, T] float32.
 
@@ -121,19 +150,25 @@ def token_stats(
     *,
     temperature: float = 1.0,
     allowed_token_ids: tuple[int, ...] | None = None,
+    top_k: int = 0,
+    min_p: float = 0.0,
     entropy: bool = False,
     log_not_taken: bool = False,
     chunk: int | None = None,
 ) -> TokenStats:
     """Log-probs of ``targets`` [B, T] (and optionally entropy and log(1 - p)) from the normed
     final hidden states [B, T, D], ``chunk`` tokens of every row at a time (default
-    ``chunk_tokens``). Equal to the same functions on the full logits."""
+    ``chunk_tokens``), under the sampling distribution: restricted to ``allowed_token_ids`` and
+    truncated by ``top_k``/``min_p`` as the sampler does. Equal to the same functions on the full logits."""
     b, t, _ = hidden.shape
     vocab = head.weight.shape[0] if head.tied else head.weight.shape[1]
     chunk = chunk or chunk_tokens(b, t, vocab)
 
     def stats(h: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         z = restrict_logits(head.logits(h), allowed_token_ids)
+        # The distribution the sampler drew from (top-k, min-p); the token it drew always stays
+        # possible, should the trainer's logits put it a rounding error past the cut.
+        z = truncate_logits(z, temperature, top_k, min_p, keep=jax.nn.one_hot(y, z.shape[-1], dtype=jnp.bool_))
         lp = token_logprobs(z, y, temperature=temperature)
         ent = token_entropy(z, temperature=temperature) if entropy else jnp.zeros_like(lp)
         lnt = token_log_not_taken(z, y, temperature=temperature) if log_not_taken else jnp.zeros_like(lp)

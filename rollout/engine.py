@@ -48,6 +48,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("stoker.rollout")
+ANNOUNCE_SECONDS = 60.0  # weight version changes are logged at most this often
 
 # Decode steps per segment: see docs/architecture.md ("The rollout tier") for the measurement.
 SEGMENT_TOKENS = 16
@@ -111,6 +112,7 @@ class Engine:
         self.rejected_total = 0
         self.segments_total = 0
         self._version = sampler.version
+        self._announced: tuple[float, int] | None = None  # when the last version change was logged, and which
         self.failure: PeerFailure | None = None  # why the engine ended on its own
         self.finished = threading.Event()  # the engine thread has ended
 
@@ -301,7 +303,7 @@ class Engine:
                 continue
             self._version = version
             loaded.set()
-            log.info("rollout engine now samples new turns with policy version %d", version)
+            self._announce(version)
         if weights:
             # Sessions between turns that do not pin their weights move to the new ones at their
             # next turn anyway; dropping their old keys/values now releases the old version.
@@ -311,6 +313,16 @@ class Engine:
                 if self.sampler.session_version(session) not in (None, self._version):
                     self.sampler.end_session(session)
 
+    def _announce(self, version: int) -> None:
+        """One log line per version change at most every ``ANNOUNCE_SECONDS`` (a learner publishing
+        every step would otherwise fill the log with them), with how many versions it spans."""
+        now = time.monotonic()
+        if self._announced is None or now - self._announced[0] >= ANNOUNCE_SECONDS:
+            since = "" if self._announced is None else f" ({version - self._announced[1]} versions since the last such line)"
+            log.info("rollout engine now samples new turns with policy version %d%s", version, since)
+            self._announced = (now, version)
+        else:
+            log.debug("rollout engine now samples new turns with policy version %d", version)
     def _take_segment(self) -> list[Turn]:
         """Running turns plus queued ones in free slots; those sharing the oldest's stop tokens
         and greediness (the sampler takes one set and one temperature per call)."""

@@ -11,20 +11,33 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from stoker.model.logprobs import truncation_mask
 from stoker.model.model import KVCache, LayerCache, Transformer
 
 
 def sample_token(
-    key: jax.Array, logits: jax.Array, temperature: jax.Array, top_p: jax.Array | None
+    key: jax.Array,
+    logits: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array | None,
+    top_k: jax.Array | None = None,
+    min_p: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Draw one token per row from softmax(logits / temperature), restricted to the top-p nucleus.
 
     The nucleus is the smallest set of most likely tokens whose probability mass reaches top_p
     (always at least the most likely token). Returns (tokens [B], log pi(token) [B]) with the
     log-prob under the untruncated tempered softmax. ``temperature <= 0`` is greedy: the argmax
-    of the logits, its log-prob taken at temperature 1."""
+    of the logits, its log-prob taken at temperature 1.
+
+    ``top_k``/``min_p`` (None: off) truncate first (``logprobs.truncation_mask``), and the
+    distribution is renormalised over what they keep: the recorded log-prob is the one of the
+    distribution the token is drawn from (before top-p), which the trainer reproduces."""
     greedy = temperature <= 0
     logp = jax.nn.log_softmax(logits.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature), axis=-1)
+    if top_k is not None or min_p is not None:
+        keep = truncation_mask(logp, 0 if top_k is None else top_k, 0.0 if min_p is None else min_p)
+        logp = jax.nn.log_softmax(jnp.where(keep, logp, -1e9), axis=-1)
     allowed = logp
     if top_p is not None:
         sorted_logp = jnp.sort(logp, axis=-1)[:, ::-1]
@@ -57,6 +70,8 @@ class Limits(NamedTuple):
     allowed: jax.Array  # [V] bool: constrained decoding (all true when unconstrained)
     temperature: jax.Array
     top_p: jax.Array
+    top_k: jax.Array  # 0: off
+    min_p: jax.Array  # 0: off
 
 
 def sample_loop(
@@ -70,6 +85,7 @@ def sample_loop(
     *,
     width: int,
     use_top_p: bool,
+    truncate: bool = False,
 ) -> tuple[KVCache, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Draw up to ``limits.max_new_tokens`` (<= ``width``) tokens per row, one cached decode step
     each; returns (cache, tokens [B, width], logprobs [B, width], generated [B], finished [B])."""
@@ -82,7 +98,10 @@ def sample_loop(
     def body(s: _Loop) -> _Loop:
         key, draw = jax.random.split(s.key)
         masked = jnp.where(limits.allowed, s.logits, jnp.asarray(-1e9, s.logits.dtype))  # as restrict_logits
-        token, logprob = sample_token(draw, masked, limits.temperature, limits.top_p if use_top_p else None)
+        token, logprob = sample_token(
+            draw, masked, limits.temperature, limits.top_p if use_top_p else None,
+            *((limits.top_k, limits.min_p) if truncate else (None, None)),
+        )
         live = ~s.done
         tokens = s.tokens.at[rows, s.step].set(jnp.where(live, token, 0))
         logprobs = s.logprobs.at[rows, s.step].set(jnp.where(live, logprob, 0.0))
@@ -127,6 +146,7 @@ def generate_fresh(
     *,
     cache_len: int,
     use_top_p: bool,
+    truncate: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Stateless: prefill whole prompts into a fresh cache, then sample."""
     model = nnx.merge(graphdef, state)
@@ -136,7 +156,7 @@ def generate_fresh(
     last, cache = model.prefill(prompt_ids, positions, segments, cache_len=cache_len, logits_at=prompt_lens - 1)
     assert cache is not None
     _, tokens, logprobs, generated, finished = sample_loop(
-        model, last, cache, prompt_lens, active, limits, key, width=cache_len, use_top_p=use_top_p
+        model, last, cache, prompt_lens, active, limits, key, width=cache_len, use_top_p=use_top_p, truncate=truncate
     )
     return tokens, logprobs, generated, finished
 
@@ -155,6 +175,7 @@ def continue_cached(
     key: jax.Array,
     *,
     use_top_p: bool,
+    truncate: bool = False,
 ) -> tuple[tuple[LayerCache, ...], jax.Array, jax.Array, jax.Array, jax.Array]:
     """With sessions: extend cached rows by their chunks, sample, write the rows back. A row read
     from a donor keeps the donor's slots before ``starts`` (the same tokens under the same weights)
@@ -169,7 +190,8 @@ def continue_cached(
         chunk_ids, starts[:, None] + idx, idx < chunk_lens[:, None], cache, logits_at=chunk_lens - 1
     )
     cache, tokens, logprobs, generated, finished = sample_loop(
-        model, last, cache, starts + chunk_lens, active, limits, key, width=store[0].keys.shape[1], use_top_p=use_top_p
+        model, last, cache, starts + chunk_lens, active, limits, key, width=store[0].keys.shape[1], use_top_p=use_top_p,
+        truncate=truncate,
     )
     store = tuple(
         LayerCache(old.keys.at[rows].set(new.keys), old.values.at[rows].set(new.values))

@@ -15,7 +15,8 @@ Conversations (``sessions``) and shared openings: a session keeps its keys/value
 so a turn prefills only its new tokens; why it stays exact is in docs/architecture.md, "Sampler
 conversations and shared openings".
 
-Log-probs are the softmax at the sampling temperature before top-p (greedy: at tau = 1), so the
+Log-probs are the softmax at the sampling temperature before top-p, renormalised over what top-k
+and min-p keep (greedy: at tau = 1), so the
 trainer's ``token_logprobs`` reproduces them exactly: docs/architecture.md, "Sampler log-probs".
 """
 
@@ -156,7 +157,7 @@ class Sampler(SessionRows):
             self._traces += 1
             return _generate(self._graphdef, *args, **kwargs)
 
-        self._jit = jax.jit(traced, static_argnames=("cache_len", "use_top_p"))
+        self._jit = jax.jit(traced, static_argnames=("cache_len", "use_top_p", "truncate"))
 
         # The conversation cache: one row per session plus a scratch row for batch padding, each
         # as long as the largest bucket the model can hold.
@@ -191,7 +192,12 @@ class Sampler(SessionRows):
                 return _continue(self._graphdef, *args, **kwargs)
 
             # The cache is donated: XLA updates the rows in place instead of copying the store.
-            self._jit_continue = jax.jit(traced_continue, static_argnames=("use_top_p",), donate_argnums=(1,))
+            self._jit_continue = jax.jit(traced_continue, static_argnames=("use_top_p", "truncate"), donate_argnums=(1,))
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k or min-p is on (programs without them skip the sort)."""
+        return self.sampling.top_k > 0 or self.sampling.min_p > 0
 
     @property
     def temperature(self) -> float:
@@ -289,7 +295,7 @@ class Sampler(SessionRows):
         self._key, key = jax.random.split(self._key)
         out = self._jit(
             self._state, ids, prompt_lens, active, limits, key,
-            cache_len=cache_len, use_top_p=self.sampling.top_p < 1.0,
+            cache_len=cache_len, use_top_p=self.sampling.top_p < 1.0, truncate=self.truncates,
         )
         return self._generations(out, len(prompts), [self.version] * len(prompts))
 
@@ -312,6 +318,8 @@ class Sampler(SessionRows):
                 jnp.asarray(self.allowed),
                 jnp.asarray(temperature, jnp.float32),
                 jnp.asarray(self.sampling.top_p, jnp.float32),
+                jnp.asarray(self.sampling.top_k, jnp.int32),
+                jnp.asarray(self.sampling.min_p, jnp.float32),
             )
         return limits
 
@@ -373,7 +381,7 @@ class Sampler(SessionRows):
         self._key, key = jax.random.split(self._key)
         self._store, *out = self._jit_continue(
             state, self._store, rows, source_arr, ids, start_arr, chunk_lens, active, limits, key,
-            use_top_p=self.sampling.top_p < 1.0,
+            use_top_p=self.sampling.top_p < 1.0, truncate=self.truncates,
         )
         gens = self._generations(out, len(prompts), [version] * len(prompts))
         for record, prompt, gen in zip(records, prompts, gens, strict=True):

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from stoker.manifest import ManifestError, environment_problems, load_job
+from stoker.manifest import ManifestError, add_manifest_directory, environment_problems, load_job
 from stoker.parent import PARENT_ENV
 from stoker.spec import RLJob
 
@@ -105,6 +105,11 @@ class RunOptions:
     def logs_dir(self) -> Path:
         return self.run_dir / "logs"
 
+    @property
+    def actor_stats_dir(self) -> Path:
+        """Each actor's generation and failure snapshot (``stoker.actor.diagnostics``)."""
+        return self.run_dir / "actors"
+
 
 class UsageError(ValueError):
     """A command-line option that cannot work; the message says why."""
@@ -124,7 +129,8 @@ def resolve_options(args: argparse.Namespace) -> RunOptions:
         raise UsageError("--rollout-processes needs spec.rollout and --mode async (a rollout server to split)")
     if job.spec.algorithm.trains_on_dataset and args.mode == "sync":
         raise UsageError("--mode sync plays episodes; a job that trains on a dataset file (sft, dpo on dpoDataset) has none")
-    problems = environment_problems(job, str(args.file))
+    add_manifest_directory(args.file)  # plugins beside the manifest import here and in the children
+    problems = environment_problems(job, str(args.file), local=True)
     if problems:
         raise ManifestError(problems)  # before any process starts: a bad plugin is a start-up error
     run_dir = args.run_dir or Path("runs") / job.metadata.name
@@ -160,8 +166,10 @@ def main(args: argparse.Namespace) -> int:
         outcome = run_async(options)
     from stoker.report import write_report
 
-    report = write_report(options.run_dir)
-    print(f"{outcome.message}\nreport: {report}", file=sys.stderr)
+    failed = outcome.exit_code not in (0, 130)  # 130: interrupted, its report is what it did so far
+    report = write_report(options.run_dir, failure=outcome.message if failed else None)
+    where = f"report: {report}" if report is not None else f"no report: nothing was trained; logs in {options.logs_dir}"
+    print(f"{outcome.message}\n{where}", file=sys.stderr)
     return outcome.exit_code
 
 
@@ -370,6 +378,7 @@ class AsyncRun:
                     "--buffer", address,
                     *sampling,
                     "--actor-id", f"actor-{index}",
+                    "--stats-file", str(o.actor_stats_dir / f"actor-{index}.json"),
                 ),
                 o.logs_dir / f"actor-{index}.log",
             )
@@ -455,6 +464,8 @@ def child_env(options: RunOptions) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     env[PARENT_ENV] = str(os.getpid())  # children stop if this process is killed (stoker.parent)
+    # Plugins beside the manifest (module:function) import in the actors as they did in validation.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(options.manifest.parent), env.get("PYTHONPATH")) if p)
     # JAX reads these itself, so the learner, the actors and their samplers all share the cache.
     env.setdefault("JAX_COMPILATION_CACHE_DIR", compilation_cache_dir(options))
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

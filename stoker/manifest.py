@@ -107,8 +107,9 @@ def validate_document(doc: Any, source: str) -> tuple[RLJob | None, list[Problem
     return (None if problems else job), problems
 
 
-def environment_problems(job: RLJob, source: str) -> list[Problem]:
-    """The environment's own checks: task files load, plugins (environment, rewards) import.
+def environment_problems(job: RLJob, source: str, *, local: bool | None = None) -> list[Problem]:
+    """The environment's own checks: task files load, plugins (environment, rewards) import, and
+    the model files exist (``model_path_problems``; ``local`` None: a cpu learner runs here).
 
     Kept out of ``validate_document`` because it imports user code: ``stoker validate`` and
     ``stoker run`` call it, the buffer and the learner (which never run environments) do not.
@@ -121,7 +122,53 @@ def environment_problems(job: RLJob, source: str) -> list[Problem]:
 
     env = job.spec.environment
     problems = [*found(env.name, env.options, env.tasks), *eval_problems(env), *reward_problems(env.reward.terms)]
+    problems += model_path_problems(job.spec, local=local if local is not None else job.spec.learner.accelerator == "cpu")
     return [Problem(source, f"spec.{path}", message) for path, message in problems]
+
+
+def _is_uri(path: str) -> bool:
+    return "://" in path
+
+
+def model_path_problems(spec: Any, *, local: bool) -> list[tuple[str, str]]:
+    """Model files named in the spec that are not on this machine (``local``: the job runs here --
+    every ``stoker run``, and a manifest whose learner is ``accelerator: cpu``). A URI such as
+    ``gs://...`` is left to whatever fetches it; so are the paths of a TPU job, which name its
+    pods' filesystem."""
+    if not local:
+        return []
+    model = spec.model
+    out: list[tuple[str, str]] = []
+    checkpoint = model.checkpoint
+    if checkpoint and not _is_uri(checkpoint) and not Path(checkpoint).expanduser().is_dir():
+        what = "is a file" if Path(checkpoint).expanduser().exists() else "does not exist"
+        out.append((
+            "model.checkpoint",
+            f"{checkpoint!r} {what}; expected a Hugging Face checkpoint directory on this machine (config.json, "
+            "*.safetensors, tokenizer.json), or a URI such as gs://bucket/model",
+        ))
+    tokenizer = model.tokenizer
+    if tokenizer and tokenizer != "builtin" and not _is_uri(tokenizer) and not Path(tokenizer).expanduser().exists():
+        out.append((
+            "model.tokenizer",
+            f"{tokenizer!r} does not exist; expected a tokenizer.json (or a directory holding one) on this machine, "
+            "or 'builtin'",
+        ))
+    template = model.chat_template
+    if template and template != "none" and not _is_uri(template) and not Path(template).expanduser().is_file():
+        out.append(("model.chatTemplate", f"{template!r} is not a file on this machine; expected a Jinja template file, or 'none'"))
+    return out
+
+
+def add_manifest_directory(path: str | Path) -> str:
+    """Make modules beside the manifest importable (environment and reward plugins named
+    ``module:function``), in this process; returns the directory for the children's PYTHONPATH."""
+    import sys
+
+    directory = str(Path(path).resolve().parent)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    return directory
 
 
 def load_text(text: str, source: str) -> tuple[list[RLJob], list[Problem]]:

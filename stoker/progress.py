@@ -69,6 +69,7 @@ class RunState:
     last: dict[str, Any] = field(default_factory=dict)
     recent_success: deque[float] = field(default_factory=lambda: deque(maxlen=SUCCESS_WINDOW_STEPS))
     buffer: dict[str, Any] = field(default_factory=dict)
+    generation: dict[str, Any] = field(default_factory=dict)  # the actors' snapshots combined
     first_step: int | None = None
     first_step_time: float | None = None
     eval_loss: float | None = None  # SFT's newest held-out loss
@@ -124,6 +125,15 @@ def _tampering_text(last: dict[str, Any]) -> str:
     return f"  tampering {rate:.2f}" + (f" ({', '.join(kinds)})" if kinds else "")
 
 
+def _failures_text(generation: dict[str, Any]) -> str:
+    """``N`` failed episodes and the most common reason."""
+    failed = generation.get("failed_episodes")
+    if not failed:
+        return "0" if generation else "-"
+    top = (generation.get("failures") or [{}])[0]
+    return f"{failed} (top: {top.get('count')} x {top.get('reason')})"
+
+
 def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -177,14 +187,23 @@ class Progress:
         for record in self.tail.read_new():
             self.state.fold(record)
         now = time.monotonic()
-        if self._buffer_client is not None and now - self._last_poll >= BUFFER_POLL_SECONDS:
+        if now - self._last_poll >= BUFFER_POLL_SECONDS:
             self._last_poll = now
-            self._poll_buffer()
+            self._poll_actors()
+            if self._buffer_client is not None:
+                self._poll_buffer()
         if self._live is not None:
             self._live.update(self.render())
         elif now - self._last_line >= PLAIN_LINE_SECONDS:
             self._last_line = now
             print(self.summary(), file=sys.stderr, flush=True)
+
+    def _poll_actors(self) -> None:
+        from stoker.actor.diagnostics import combine, read_snapshots
+
+        snapshots = read_snapshots(sorted(self.options.actor_stats_dir.glob("*.json")))
+        if snapshots:
+            self.state.generation = combine(snapshots)
 
     def _poll_buffer(self) -> None:
         import grpc
@@ -205,6 +224,8 @@ class Progress:
             "policy_version": stats.policy_version,
             "dropped": dict(stats.dropped),
             "staleness_histogram": {str(k): v for k, v in stats.staleness_histogram.items()},
+            # What the actors generated (sampled tokens, not the learner's trained ones).
+            "generation": {k: v for k, v in self.state.generation.items() if k != "failures"},
             "eval_rounds": [
                 {"policy_version": r.policy_version, "episodes": r.episodes, "success_rate": r.success_rate,
                  "mean_reward": r.mean_reward}
@@ -216,7 +237,7 @@ class Progress:
         self._buffer_log.flush()
 
     def summary(self) -> str:
-        last, buf = self.state.last, self.state.buffer
+        last, buf, gen = self.state.last, self.state.buffer, self.state.generation
         if self._buffer_client is None:  # a dataset job (SFT, DPO on pairs): the learner alone
             return (
                 f"step {_fmt(last.get('step'))}/{self.max_steps}  version {_fmt(last.get('policy_version'))}  "
@@ -228,12 +249,16 @@ class Progress:
             f"success {self.success_rate():.2f}  reward {_fmt(last.get('reward_mean'))}  "
             f"duty {_fmt(last.get('duty_cycle'), 2)}  fill {_fmt(buf.get('fill'), 2)}  "
             f"staleness {_fmt(last.get('staleness_mean'), 2)}  traj/s {_fmt(buf.get('put_rate'), 1)}  "
+            f"sampled tok/s {_fmt(gen.get('recent_sampled_tokens_per_second'), 1)}  "
+            f"trained tok/s {_fmt(last.get('tokens_per_second'), 0)}  "
+            f"len {_fmt(gen.get('completion_tokens_mean'), 1)}  truncated {_fmt(gen.get('truncation_rate'), 2)}  "
+            f"failed {_fmt(gen.get('failed_episodes'))}  "
             f"elapsed {_duration(time.monotonic() - self.state.started)}"
             + _tampering_text(last)
         )
 
     def render(self) -> Table:
-        last, buf = self.state.last, self.state.buffer
+        last, buf, gen = self.state.last, self.state.buffer, self.state.generation
         table = Table(title=f"stoker run {self.options.job.metadata.name} ({self.options.mode})", show_header=False)
         table.add_column("metric", style="bold")
         table.add_column("value")
@@ -250,7 +275,13 @@ class Progress:
             ("staleness (mean / max)", f"{_fmt(last.get('staleness_mean'), 2)} / {_fmt(last.get('staleness_max'))}"),
             ("dropped", ", ".join(f"{k} {v}" for k, v in dropped.items()) or "0"),
             ("judge tampering (per episode)", _fmt(last.get("episode_tampering_attempts"), 3)),
-            ("trajectories/s", _fmt(buf.get("put_rate"), 1)),
+            ("trajectories/s (buffer puts)", _fmt(buf.get("put_rate"), 1)),
+            ("generated tokens/s (actors, last 30 s)", _fmt(gen.get("recent_sampled_tokens_per_second"), 1)),
+            ("generated trajectories/s (last 30 s)", _fmt(gen.get("recent_trajectories_per_second"), 2)),
+            ("trained tokens/s (step time)", _fmt(last.get("tokens_per_second"), 0)),
+            ("completion length (tokens)", _fmt(gen.get("completion_tokens_mean"), 1)),
+            ("truncated episodes", _fmt(gen.get("truncation_rate"), 3)),
+            ("failed episodes", _failures_text(gen)),
             ("elapsed", _duration(time.monotonic() - self.state.started)),
             ("ETA", _duration(self.state.eta_seconds(self.max_steps))),
         ]

@@ -126,12 +126,100 @@ def _evaluation(metrics: list[dict[str, Any]], plots: Path) -> list[str]:
     ]
 
 
-def write_report(run_dir: Path) -> Path:
+DUTY_WINDOW_SECONDS = 60.0
+REPORT_SAMPLES = 4  # the newest sample episodes shown (samples.jsonl holds them all)
+REPORT_FAILURE_REASONS = 5
+
+
+def windowed_duty(records: list[dict[str, Any]], window: float = DUTY_WINDOW_SECONDS) -> tuple[list[float], list[float]]:
+    """(time, duty cycle over the ``window`` seconds before it) per step record: train-step
+    seconds inside the window / the window's length (shorter at the start). The cumulative figure
+    the learner reports flattens out late in a run; this one shows when the learner was busy."""
+    points = [(float(r["time"]), float(r.get("step_seconds") or 0.0)) for r in records if "time" in r]
+    if not points:
+        return [], []
+    start = points[0][0] - points[0][1]
+    times, duty = [], []
+    begin, busy = 0, 0.0
+    for moment, seconds in points:
+        busy += seconds
+        while points[begin][0] <= moment - window:
+            busy -= points[begin][1]
+            begin += 1
+        span = min(window, moment - start)
+        times.append(moment)
+        duty.append(min(busy / span, 1.0) if span > 0 else 0.0)
+    return times, duty
+
+
+def _run_started(run_dir: Path) -> float | None:
+    """When the newest ``stoker run`` in this directory started (runs.jsonl), for the wall time."""
+    runs = read_jsonl(run_dir / "runs.jsonl")
+    return float(runs[-1]["started_unix"]) if runs and "started_unix" in runs[-1] else None
+
+
+def _generation(run_dir: Path, metrics: list[dict[str, Any]]) -> list[str]:
+    from stoker.actor.diagnostics import combine, read_snapshots
+
+    snapshots = read_snapshots(sorted((run_dir / "actors").glob("*.json")))
+    sampled = sum(float(r.get("sampled_tokens") or 0.0) for r in metrics)
+    trained = sum(float(r.get("trained_tokens") or 0.0) for r in metrics)
+    if not snapshots and not sampled:
+        return []
+    lines = ["## Generation", ""]
+    if snapshots:
+        g = combine(snapshots)
+        lines += [
+            f"- sampled tokens/s (all actors, over their wall time): {g['sampled_tokens_per_second']:.1f}",
+            f"- trajectories/s: {g['trajectories_per_second']:.2f} ({g['episodes']} episodes by {g['actors']} actors)",
+            f"- mean completion length: {g['completion_tokens_mean']:.1f} sampled tokens per episode",
+            f"- truncated episodes: {100 * g['truncation_rate']:.1f}%",
+            f"- failed or timed-out episodes: {g['failed_episodes']}",
+        ]
+    if sampled:
+        lines.append(
+            f"- tokens the learner received: {sampled:.0f} sampled, {trained:.0f} trained on "
+            "(groups without reward spread and stale tokens do not train)"
+        )
+    lines.append("")
+    if snapshots and g["failures"]:
+        lines += ["## Why episodes failed", "", "| episodes | reason |", "|---|---|"]
+        top = g["failures"][:REPORT_FAILURE_REASONS]
+        lines += [f"| {f['count']} | {f['reason']} |" for f in top]
+        lines.append("")
+        for entry in top:
+            lines += [f"First message of `{entry['reason']}`:", "", "````", entry["example"] or "(none)", "````", ""]
+    return lines
+
+
+def _samples(run_dir: Path) -> list[str]:
+    from stoker.learner.samples import SAMPLES_FILE, as_markdown
+
+    records = read_jsonl(run_dir / SAMPLES_FILE)
+    if not records:
+        return []
+    lines = [f"## Sample episodes (newest {min(REPORT_SAMPLES, len(records))} of {len(records)}, all in {SAMPLES_FILE})", ""]
+    for record in records[-REPORT_SAMPLES:]:
+        try:
+            lines += [as_markdown(record), ""]
+        except (KeyError, TypeError, ValueError):
+            continue  # a record from another version of Stoker
+    return lines
+
+
+def write_report(run_dir: Path, failure: str | None = None) -> Path | None:
+    """Write ``report.md``; None (and no file) for a failed run that recorded nothing to report,
+    whose report would only say that no steps were made. ``failure`` heads the report."""
     metrics = read_jsonl(run_dir / "learner_metrics.jsonl")
     buffer = read_jsonl(run_dir / "buffer_stats.jsonl")
+    if failure is not None and not metrics:
+        return None
     plots = run_dir / "plots"
     plots.mkdir(exist_ok=True)
     lines = [f"# Run report: {run_dir.name}", ""]
+    if failure is not None:
+        lines += ["**The run failed**; what follows is what it recorded before that:", "", "````",
+                  failure.strip()[:4000], "````", ""]
     if not metrics:
         lines += ["No training steps were recorded.", ""]
     else:
@@ -145,12 +233,19 @@ def write_report(run_dir: Path) -> Path:
             [(xs, success, "per step"), (xs, rolling_mean(success, 10), "rolling mean (10 steps)")],
         )
         xs_duty, duty = _series(metrics, "duty_cycle", t0)
-        _plot(plots / "duty_cycle.png", "Learner duty cycle", "wall time (min)", "duty cycle", [(xs_duty, duty, "")])
+        times, window = windowed_duty(metrics)
+        _plot(
+            plots / "duty_cycle.png", "Learner duty cycle", "wall time (min)", "duty cycle",
+            [([(t - t0) / 60.0 for t in times], window, f"last {DUTY_WINDOW_SECONDS:.0f} s"), (xs_duty, duty, "since start")],
+        )
         last = metrics[-1]
         reach = time_to_reach(metrics, "success_rate", 0.9)
+        started = _run_started(run_dir)
+        ends = [last["time"], *([buffer[-1]["time"]] if buffer and "time" in buffer[-1] else [])]
+        wall = (max(ends) - started) if started is not None and started <= t0 else last["time"] - t0
         lines += [
             f"- steps: {last.get('step')}, policy version {last.get('policy_version')}",
-            f"- wall time: {(last['time'] - t0) / 60:.1f} min",
+            f"- wall time: {wall / 60:.1f} min" + (f" (first step {(t0 - started):.0f} s after the start)" if started is not None and started <= t0 else ""),
             f"- final rolling success rate: {rolling_mean(success, 10)[-1]:.3f}" if success else "- success: n/a",
             f"- time to 0.9 success: {reach:.0f} s" if reach is not None else "- time to 0.9 success: not reached",
             f"- mean learner duty cycle: {sum(duty) / len(duty):.3f}" if duty else "- duty cycle: n/a",
@@ -184,6 +279,8 @@ def write_report(run_dir: Path) -> Path:
             "",
         ]
     lines += _evaluation(metrics, plots)
+    lines += _generation(run_dir, metrics)
+    lines += _samples(run_dir)
     report = run_dir / "report.md"
     report.write_text("\n".join(lines))
     return report

@@ -133,14 +133,43 @@ class EnvironmentSpec(SpecModel):
 class SamplingSpec(SpecModel):
     temperature: float = Field(1.0, gt=0, description="Softmax temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(
+        0, ge=0, le=1_000_000,
+        description="Sample among the k most likely tokens only (0: all). Log-probs are recorded, and trained, under the renormalised distribution.",
+    )
+    min_p: float = Field(
+        0.0, ge=0, lt=1,
+        description=(
+            "Drop tokens less likely than minP times the most likely one (0: off), at the sampling temperature; "
+            "log-probs as with topK."
+        ),
+    )
     max_new_tokens: int = Field(4, ge=1, description="Token limit per model turn.")
+    stop_strings: list[Annotated[str, Field(min_length=1, max_length=256)]] | None = Field(
+        None,
+        min_length=1,
+        max_length=16,
+        description=(
+            "A model turn also ends once its text contains one of these (kept, like a stop token); the tokens "
+            "sampled after it are dropped, so the trajectory stays exactly what was sampled up to there."
+        ),
+    )
+    max_tokens_per_episode: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Sampled tokens per episode over all its turns: a turn gets at most what is left (and maxNewTokens), "
+            "and the episode is truncated when nothing is. No limit but maxNewTokens per turn when unset."
+        ),
+    )
     allowed_tokens: list[str] | None = Field(
         None,
         min_length=1,
         description=(
             "Constrained decoding: model turns may only produce these tokens (e.g. an environment's "
-            "action words). The learner applies the same restriction, so trained and sampled "
-            "log-probs agree. All tokens when unset."
+            "action words): each a vocabulary entry, or text that encodes to one token (with BPE "
+            "tokenizers write ' 8' for the token after a space, raw spelling 'Ġ8'). The learner applies "
+            "the same restriction, so trained and sampled log-probs agree. All tokens when unset."
         ),
     )
 

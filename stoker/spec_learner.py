@@ -225,6 +225,15 @@ class LearnerSpec(SpecModel):
         500, ge=1, description="Training stops after this many steps (batches consumed, updates or not)."
     )
     compilation_cache_dir: str | None = Field(None, description="JAX persistent compilation cache.")
+    log_samples_every_steps: int = Field(
+        10,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "Every this many steps the best and the worst episode of the batch are decoded to samples.jsonl "
+            "beside the metrics and to TensorBoard text (prompt, completion, reward terms, turns); 0 never."
+        ),
+    )
     max_restarts: int = Field(3, ge=0, description="JobSet failurePolicy.maxRestarts.")
     queue_name: str | None = Field(None, description="Kueue LocalQueue (label kueue.x-k8s.io/queue-name).")
     image: str | None = Field(None, description="Learner image; the operator's default when unset (immutable).")

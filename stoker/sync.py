@@ -78,7 +78,9 @@ async def _run(options: RunOptions) -> Outcome:
     from stoker.actor.tokenization import text_interface
     from stoker.actor.wiring import environment_factory, make_policy
     from stoker.learner.loop import Group, Learner, LearnerSettings
+    from stoker.actor.diagnostics import ActorDiagnostics, write_snapshot
     from stoker.learner.metrics import DutyCycle, MetricsSink
+    from stoker.learner.samples import attach_samples
     from stoker.local import Outcome, compilation_cache_dir
     from stoker.progress import Progress
 
@@ -104,6 +106,8 @@ async def _run(options: RunOptions) -> Outcome:
     outcome = Outcome(0, "")
     try:
         with Progress(options) as progress, MetricsSink(options.metrics_path) as sink:
+            attach_samples(sink, spec, options.run_dir)
+            generated = ActorDiagnostics("sync")
             await policy.load_weights(learner.device_weights(), learner.version)
             duty = DutyCycle()
             learner.busy_seconds = 0.0
@@ -130,6 +134,12 @@ async def _run(options: RunOptions) -> Outcome:
                 # A group with a failed or timed-out episode is masked, as the buffer would deliver it.
                 batch = [Group(episodes, masked=not all(e.ok for e in episodes)) for episodes in groups]
                 metrics = learner.train_on(batch)
+                episodes = [e for group in groups for e in group]
+                sink.record_episodes(learner.steps, episodes)
+                for reason in generated.add(episodes):
+                    log.warning("an episode failed for a new reason (%s); the first such message:\n%s",
+                                reason, generated.examples[reason])
+                write_snapshot(options.actor_stats_dir / "sync.json", generated.snapshot())
                 duty.busy_seconds = learner.busy_seconds
                 metrics["duty_cycle"] = duty.value
                 if metrics.get("trained"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from stoker.manifest import environment_problems, load_file
+from stoker.manifest import add_manifest_directory, environment_problems, load_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,6 +16,8 @@ def main(args: argparse.Namespace) -> int:
     failed = False
     for path in args.files:
         jobs, problems = load_file(path)
+        if jobs:
+            add_manifest_directory(path)
         for job in jobs:
             problems += environment_problems(job, path)
         for problem in problems:

@@ -146,3 +146,41 @@ def test_sync_mode_caches_a_conversation_for_every_episode_of_its_batch(monkeypa
     assert batch > spec.actors.concurrency
     assert settings.concurrency == batch
     assert conversation_rows(settings, settings.model, "float32") == batch
+
+
+def test_attempts_make_an_answers_episode_multi_turn(task_file: Path, tmp_path: Path) -> None:
+    env = AnswersEnvironment.from_options({"taskFiles": [str(task_file)], "attempts": 3}, str(tmp_path))
+    env.reset("gsm", 0)
+    first = env.step("I don't know")
+    assert not first.terminated and first.reward == 0.0
+    assert first.observation.text == "incorrect: no number in the answer; try again (2 attempts left)"
+    second = env.step("1207")
+    assert second.terminated and second.reward == 1.0 and second.observation.text == "correct"
+    env.reset("capital", 0)  # a fresh episode gets all its attempts back
+    results = [env.step("Lyon") for _ in range(3)]
+    assert [r.terminated for r in results] == [False, False, True] and results[-1].observation.text == "incorrect"
+    with pytest.raises(EnvironmentProblem, match="attempts 0"):
+        AnswersEnvironment.from_options({"taskFiles": [str(task_file)], "attempts": 0}, str(tmp_path)).reset("gsm", 0)
+
+
+@pytest.mark.asyncio
+async def test_a_multi_turn_answers_episode_trains_on_every_attempt(task_file: Path, tmp_path: Path) -> None:
+    from stoker.actor.episode import OK, EpisodeLimits, run_episode
+    from stoker.actor.policy import ScriptedPolicy
+    from stoker.actor.sandbox import InlineEnvironment
+    from stoker.actor.tokenization import EOT, TextInterface, byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    interface = TextInterface(tokenizer, (), (), (tokenizer.token_to_id(EOT),))
+    answers = iter(["no idea", "1207"])
+
+    def respond(prompt: object) -> list[int]:
+        return [*tokenizer.encode(next(answers), add_special_tokens=False).ids, tokenizer.token_to_id(EOT)]
+
+    env = AnswersEnvironment.from_options({"taskFiles": [str(task_file)], "attempts": 3}, str(tmp_path))
+    episode = await run_episode(
+        ScriptedPolicy(respond), InlineEnvironment(env, blocking=False), interface, "gsm",  # type: ignore[arg-type]
+        seed=0, limits=EpisodeLimits(max_turns=3, max_new_tokens=16, max_tokens=512),
+    )
+    assert episode.status == OK and episode.num_turns == 2 and episode.turn_rewards == [0.0, 1.0]
+    assert "try again" in interface.decode(episode.token_ids.tolist())  # the verdict is part of the context

@@ -147,6 +147,8 @@ async def test_a_plugin_raising_mid_episode_fails_that_episode_only(
     limits = EpisodeLimits(max_turns=2, max_new_tokens=8, max_tokens=512)
     [crashed] = await run_group(policy, factory, swe, "b", 1, limits=limits)
     assert crashed.status == FAILED and "RuntimeError: the plugin broke mid-episode" in crashed.status_reason
+    # Its traceback comes along from the sandbox process, for the run's failure report.
+    assert "Traceback (most recent call last)" in crashed.status_reason and ", in step" in crashed.status_reason
     [fine] = await run_group(policy, factory, swe, "a", 1, limits=limits)  # the same zygote goes on
     assert fine.status == OK and fine.reward == 1.0
 

@@ -471,6 +471,25 @@ def test_run_loop_commits_publishes_checkpoints_and_resumes(tmp_path: Path) -> N
     resumed.close()
 
 
+def test_run_loop_logs_sample_episodes_and_what_was_sampled(tmp_path: Path) -> None:
+    from stoker.learner.metrics import MetricsSink
+    from stoker.learner.samples import SampleLog
+
+    buffer = ScriptedBuffer()
+    learner = Learner(settings())
+    buffer.learner_ref.append(learner)
+    with MetricsSink(tmp_path / "m.jsonl") as sink:
+        sink.attach_samples(SampleLog(tmp_path / "samples.jsonl", lambda ids: " ".join(map(str, ids)), every=1))
+        assert learner.run(buffer, max_steps=2, sink=sink) == 2
+    learner.close()
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["rank"]) for r in samples] == [(1, "best"), (1, "worst"), (2, "best"), (2, "worst")]
+    assert all(r["completion"] and r["prompt"] for r in samples) and samples[0]["reward"] > samples[1]["reward"]
+    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert all(line["sampled_tokens"] >= line["trained_tokens"] > 0 for line in lines)
+    assert all(line["completion_tokens_mean"] > 0 and "truncation_rate" in line for line in lines)
+
+
 def test_publishing_that_falls_behind_skips_to_the_newest_weights(tmp_path: Path) -> None:
     """Training goes on while weights are published; a slow publisher gets the newest version next,
     not a backlog, and the buffer still hears of every version, each after weights that new."""
