@@ -238,7 +238,7 @@ class Progress:
 
     def summary(self) -> str:
         last, buf, gen = self.state.last, self.state.buffer, self.state.generation
-        if self._buffer_client is None:  # a dataset job (SFT, DPO on pairs): the learner alone
+        if self.options.job.spec.algorithm.trains_on_dataset:  # SFT, DPO on pairs: the learner alone
             return (
                 f"step {_fmt(last.get('step'))}/{self.max_steps}  version {_fmt(last.get('policy_version'))}  "
                 f"loss {_fmt(last.get('loss'))}  held-out loss {_fmt(self.state.eval_loss)}  "
