@@ -50,7 +50,9 @@ def load_slice(name: str, chips: int, num_slices: int = 1) -> Slice:
         raise CompilerMissing(INSTALL_HINT) from None
     from jax.experimental import topologies
 
-    options = {"num_slices": num_slices} if num_slices > 1 else {}
+    options: dict[str, Any] = {"num_slices": num_slices} if num_slices > 1 else {}
+    if chips == 1:  # libtpu's default host is 2x2 chips; a one-chip slice is a one-chip host
+        options["chips_per_host_bounds"] = (1, 1, 1)
     topology = topologies.get_topology_desc(platform="tpu", topology_name=name, **options)
     return Slice(name, tuple(topology.devices), num_slices, chips)
 

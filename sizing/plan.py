@@ -100,6 +100,9 @@ def advice(program: Program, target: Target, spec: RLJobSpec, per_chip: int) -> 
             return (f"more chips: parameters, optimizer state and gradients shard over all {chips} chips (fsdp x tp); "
                     f"about {need} chips bring them to {(hbm - rest) / GIB:.1f} GiB per chip")
         return "more chips, and fewer temporaries (below): what is not sharded state alone fills the chip"
+    if largest == "temporaries" and program.component == "learner" and not program.name.startswith("grad"):
+        return (f"more chips: the {program.name} program's temporaries are per-parameter, sharded over all {chips} "
+                "chips (fsdp x tp) like the state")
     if largest == "temporaries" and program.component == "learner":
         knobs = [f"fewer rows per micro-batch (learner.microbatchTokens, now {spec.learner.microbatch_tokens or 4 * max(spec.learner.sequence_buckets)} "
                  f"tokens: {program.shape}); the temporaries grow with the rows"]
