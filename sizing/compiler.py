@@ -44,6 +44,9 @@ class Slice:
 def load_slice(name: str, chips: int, num_slices: int = 1) -> Slice:
     """The devices libtpu describes for ``name``; ``CompilerMissing`` without libtpu."""
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # quiets libtpu's start-up complaint
+    # libtpu takes /tmp/libtpu_lockfile when it loads, so a second process (another plan, a test
+    # run beside it) would fail; compiling opens no device, so several may load it at once.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         import libtpu  # noqa: F401
     except ImportError:

@@ -84,12 +84,12 @@ def targets(spec: RLJobSpec, topology: str | None) -> tuple[list[Target], list[s
 
 
 def fits(program: Program, target: Target, per_chip: int) -> bool:
-    return program.compiled.error is None and per_chip <= target.chip.hbm_bytes
+    return program.compiled.error is None and per_chip <= target.chip.usable_hbm_bytes
 
 
 def advice(program: Program, target: Target, spec: RLJobSpec, per_chip: int) -> str:
     """What would make ``program`` fit, for its largest term."""
-    hbm, largest = target.chip.hbm_bytes, program.largest
+    hbm, largest = target.chip.usable_hbm_bytes, program.largest
     chips = target.chips * target.num_slices
     dpc = target.slice_.devices_per_chip if target.slice_ else 1
     state = sum(v for k, v in program.terms.items() if k in STATE_TERMS) * dpc
@@ -149,6 +149,7 @@ def report(spec: RLJobSpec, plan_targets: list[Target], notes: list[str]) -> dic
             programs.append({
                 "component": target.component, "program": program.name, "shape": program.shape,
                 "topology": target.topology, "slices": target.num_slices, "hbm_bytes": target.chip.hbm_bytes,
+                "usable_hbm_bytes": target.chip.usable_hbm_bytes,
                 "terms": {k: v * dpc for k, v in program.terms.items()}, "total_bytes": per_chip, "fits": ok,
                 "largest": program.largest, "advice": None if ok else advice(program, target, spec, per_chip),
                 "compiler_error": program.compiled.error, "compile_seconds": round(program.compiled.seconds, 2),
@@ -187,7 +188,7 @@ def render(result: dict[str, Any], plan_targets: list[Target]) -> str:
             continue
         slices = f" x {target.num_slices} slices" if target.num_slices > 1 else ""
         lines.append(f"{target.component} on TPU {target.topology}{slices}: {target.chips} chips of "
-                     f"{gib(target.chip.hbm_bytes)} GiB HBM ({rows[0]['notes'][0]})")
+                     f"{gib(target.chip.hbm_bytes)} GiB HBM, {gib(target.chip.usable_hbm_bytes)} usable ({rows[0]['notes'][0]})")
         lines += [f"  note: {n}" for n in rows[0]["notes"][1:]]
         terms = list(dict.fromkeys(k for p in rows for k in p["terms"]))
         # GiB, or MiB for a table whose every program is under 1 GiB (a small model).
@@ -214,7 +215,7 @@ def render(result: dict[str, Any], plan_targets: list[Target]) -> str:
     for p in result["programs"]:
         if p["fits"]:
             continue
-        why = p["compiler_error"] or f"{gib(p['total_bytes'])} GiB per chip of {gib(p['hbm_bytes'])}"
+        why = p["compiler_error"] or f"{gib(p['total_bytes'])} GiB per chip of {gib(p['usable_hbm_bytes'])} usable"
         lines.append(f"DOES NOT FIT: {p['component']} {p['program']} on {p['topology']}: {why}; largest term "
                      f"{p['largest']} {gib(p['terms'][p['largest']])} GiB. To fit: {p['advice']}")
     return "\n".join(lines)

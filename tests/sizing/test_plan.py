@@ -88,7 +88,7 @@ def test_a_job_over_the_chips_hbm_does_not_fit_exits_1_and_names_its_largest_ter
 
     from stoker.sizing import chips
 
-    monkeypatch.setitem(chips.CHIPS, "v5e", dataclasses.replace(chips.CHIPS["v5e"], hbm_bytes=3 * 2**20))
+    monkeypatch.setitem(chips.CHIPS, "v5e", dataclasses.replace(chips.CHIPS["v5e"], usable_hbm_bytes=3 * 2**20))
     code, out, _ = plan(capsys, str(job(learner=", microbatchTokens: 1024")), "--topology", "v5e:2x2", "--json")
     assert code == 1
     result = json.loads(out)
@@ -128,3 +128,23 @@ def test_a_topology_libtpu_or_gke_lacks_is_refused_in_one_line(
     code, _, err = plan(capsys, str(job()), "--topology", name)
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and "stoker plan:" in err
+
+
+def test_a_program_the_compiler_refuses_for_hbm_is_reported_with_its_temporaries() -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from stoker.sizing.compiler import compile_program, load_slice
+
+    devices = list(load_slice("v5e:2x2", 4).devices)
+    whole = NamedSharding(Mesh(np.asarray(devices), ("x",)), PartitionSpec())
+
+    def outer_sorted(x: jax.Array) -> jax.Array:  # an 80,000^2 float32 square (23.8 GiB) on every chip
+        return jnp.sort(jnp.outer(x, x), axis=1)[:, :4]
+
+    jitted = jax.jit(outer_sorted, in_shardings=(whole,), out_shardings=whole)
+    compiled = compile_program(jitted, (jax.ShapeDtypeStruct((80000,), jnp.float32),), devices, lambda i: 0)
+    assert compiled.error is not None and "exceeds available HBM (15.75G)" in compiled.error
+    assert compiled.required_temp_bytes is not None and compiled.required_temp_bytes >= 80000**2 * 4
