@@ -126,6 +126,7 @@ _SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|f16|bf16|s32|u32|f32|s64|u64|f64|c64
 _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
              "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _LIST_GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
@@ -135,6 +136,15 @@ def _shapes_bytes(text: str) -> list[int]:
 
 
 def _groups(rest: str, devices: int) -> list[list[int]]:
+    mesh = _MESH_GROUPS.search(rest)
+    if mesh:  # replica_groups=mesh['axis_0'=16,'axis_1'=4] {'axis_0'}: devices varying along the named axes
+        axes = [(name, int(size)) for name, size in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))]
+        chosen = re.findall(r"'([^']+)'", mesh.group(2))
+        names = [name for name, _ in axes]
+        ids = np.arange(math.prod(size for _, size in axes)).reshape([size for _, size in axes])
+        order = [names.index(n) for n in names if n not in chosen] + [names.index(n) for n in chosen]
+        size = math.prod(size for name, size in axes if name in chosen)
+        return [list(map(int, row)) for row in ids.transpose(order).reshape(-1, max(size, 1))]
     iota = _IOTA_GROUPS.search(rest)
     if iota:
         count, size = int(iota.group(1)), int(iota.group(2))

@@ -165,8 +165,12 @@ def _publish(trainer: Any, params: int, opt_state: int, devices: list[Any], slic
         finally:
             trainer.params = saved
 
-    jitted = jax.jit(copy, in_shardings=(trainer.param_shardings,))
-    compiled = compile_program(jitted, (jax.eval_shape(lambda: trainer.params),), devices, slice_of)
+    args = (jax.eval_shape(lambda: trainer.params),)
+    try:  # the copy keeps the parameters' own layout: nothing gathered onto one chip
+        jitted = jax.jit(copy, in_shardings=(trainer.param_shardings,), out_shardings=trainer.param_shardings["policy"])
+        compiled = compile_program(jitted, args, devices, slice_of)
+    except ValueError:  # a policy_copy returning another tree than the policy's: its own layout
+        compiled = compile_program(jax.jit(copy, in_shardings=(trainer.param_shardings,)), args, devices, slice_of)
     terms = {"parameters": params, "optimizer": opt_state, "publish copy": compiled.output_bytes,
              "temporaries": compiled.required_temp_bytes or compiled.temp_bytes}
     return Program("learner", "publish", "policy copy, training layout", terms, compiled, notes=list(notes))
