@@ -33,9 +33,12 @@ class Bound:
         return max(times, key=lambda k: times[k])
 
 
-def program_bound(program: Program, chip: Chip, devices_per_chip: int = 1) -> Bound:
-    """The bound of one run of ``program`` on one device (a chip's share: 1/devices_per_chip)."""
+def program_bound(program: Program, chip: Chip, devices_per_chip: int = 1, devices: int = 1) -> Bound:
+    """The bound of one run of ``program`` on one of its ``devices`` (a chip's share:
+    1/devices_per_chip). libtpu's cost analysis counts a loop body once (blockwise attention's
+    query blocks, the chunked log-probs), so the flops are at least the useful ones' share."""
     c = program.compiled
+    flops = max(c.flops, program.model_flops / devices)
     share = 1.0 / devices_per_chip
     ici = c.collective_bytes.get("ici", 0.0) / (chip.ici_bytes_per_second * share) if chip.ici_bytes_per_second else 0.0
     dcn_bytes = c.collective_bytes.get("dcn", 0.0)
@@ -43,7 +46,7 @@ def program_bound(program: Program, chip: Chip, devices_per_chip: int = 1) -> Bo
     if dcn_bytes:
         dcn = dcn_bytes / (chip.dcn_bytes_per_second * share) if chip.dcn_bytes_per_second else None
     return Bound(
-        compute_seconds=c.flops / (chip.peak_bf16_flops * share),
+        compute_seconds=flops / (chip.peak_bf16_flops * share),
         memory_seconds=c.bytes_accessed / (chip.hbm_bytes_per_second * share),
         ici_seconds=ici,
         dcn_seconds=dcn,
@@ -63,14 +66,15 @@ class StepBound:
 def step_bound(grad: Program, apply: Program, publish: Program, *, episodes: int, rows: int, publish_interval: int,
                chip: Chip, devices: int, devices_per_chip: int = 1) -> StepBound:
     micro = max(1, math.ceil(episodes / rows))
-    seconds = (micro * program_bound(grad, chip, devices_per_chip).seconds + program_bound(apply, chip, devices_per_chip).seconds
-               + program_bound(publish, chip, devices_per_chip).seconds / publish_interval)
+    seconds = (micro * program_bound(grad, chip, devices_per_chip, devices).seconds
+               + program_bound(apply, chip, devices_per_chip, devices).seconds
+               + program_bound(publish, chip, devices_per_chip, devices).seconds / publish_interval)
     peak = chip.peak_bf16_flops * devices / devices_per_chip
     mfu = micro * grad.model_flops / (seconds * peak) if seconds > 0 else 0.0
     return StepBound(micro, seconds, mfu)
 
 
-def decode_tokens_per_second(decode: Program, chip: Chip, devices_per_chip: int = 1) -> float:
+def decode_tokens_per_second(decode: Program, chip: Chip, devices_per_chip: int = 1, devices: int = 1) -> float:
     """Tokens/s one server can at most sample: a decode step gives every row one token."""
-    seconds = program_bound(decode, chip, devices_per_chip).seconds
+    seconds = program_bound(decode, chip, devices_per_chip, devices).seconds
     return decode.tokens / seconds if seconds > 0 else math.inf

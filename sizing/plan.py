@@ -131,8 +131,10 @@ def build(spec: RLJobSpec, plan_targets: list[Target], progress: Any) -> None:
         target.slice_ = load_slice(target.topology, target.chips, target.num_slices)
         progress(f"compiling the {target.component}'s programs for {target.topology}"
                  f"{f' x {target.num_slices} slices' if target.num_slices > 1 else ''} ...")
-        make = learner_programs if target.component == "learner" else rollout_programs
-        target.programs = make(spec, target.slice_)
+        if target.component == "learner":
+            target.programs = learner_programs(spec, target.slice_, progress=progress)
+        else:
+            target.programs = rollout_programs(spec, target.slice_)
 
 
 def report(spec: RLJobSpec, plan_targets: list[Target], notes: list[str]) -> dict[str, Any]:
@@ -145,7 +147,7 @@ def report(spec: RLJobSpec, plan_targets: list[Target], notes: list[str]) -> dic
         for program in target.programs:
             per_chip = program.total * dpc
             ok = fits(program, target, per_chip)
-            bound = program_bound(program, target.chip, dpc)
+            bound = program_bound(program, target.chip, dpc, devices)
             programs.append({
                 "component": target.component, "program": program.name, "shape": program.shape,
                 "topology": target.topology, "slices": target.num_slices, "hbm_bytes": target.chip.hbm_bytes,
@@ -153,7 +155,7 @@ def report(spec: RLJobSpec, plan_targets: list[Target], notes: list[str]) -> dic
                 "terms": {k: v * dpc for k, v in program.terms.items()}, "total_bytes": per_chip, "fits": ok,
                 "largest": program.largest, "advice": None if ok else advice(program, target, spec, per_chip),
                 "compiler_error": program.compiled.error, "compile_seconds": round(program.compiled.seconds, 2),
-                "flops": program.compiled.flops, "bytes_accessed": program.compiled.bytes_accessed,
+                "flops": program.compiled.flops, "model_flops": program.model_flops, "bytes_accessed": program.compiled.bytes_accessed,
                 "collective_bytes": program.compiled.collective_bytes, "notes": program.notes,
                 "bound": {"seconds": bound.seconds, "compute_seconds": bound.compute_seconds,
                           "memory_seconds": bound.memory_seconds, "ici_seconds": bound.ici_seconds,
@@ -170,7 +172,7 @@ def report(spec: RLJobSpec, plan_targets: list[Target], notes: list[str]) -> dic
             summary["learner"] = {"step_seconds_bound": step.seconds, "mfu_bound": step.mfu,
                                   "micro_batches": step.micro_batches, "bucket": longest}
         if target.component == "rollout" and "decode" in by_name:
-            summary["rollout"] = {"decode_tokens_per_second_bound": decode_tokens_per_second(by_name["decode"], target.chip, dpc),
+            summary["rollout"] = {"decode_tokens_per_second_bound": decode_tokens_per_second(by_name["decode"], target.chip, dpc, devices),
                                   "max_batch": spec.rollout.max_batch if spec.rollout else 0}
     return {"programs": programs, **summary, "notes": notes, "bound_note": BOUND_NOTE,
             "fits": all(p["fits"] for p in programs)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from stoker.sizing.compiler import Compiled, Slice, compile_program
@@ -85,7 +86,8 @@ def train_flops(config: TransformerConfig, rows: int, length: int) -> float:
     return float(tokens * (6 * matmul_params(config) + attention))
 
 
-def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | None = None) -> list[Program]:
+def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | None = None,
+                     progress: Callable[[str], None] = lambda line: None) -> list[Program]:
     """The learner's programs on ``slice_``: grad per bucket (at its micro-batch rows), apply, publish."""
     import jax
     from flax import nnx
@@ -130,6 +132,7 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
     out: list[Program] = []
     for length in buckets or list(settings.buckets):
         grad, args = trainer.programs(rows[length], length)["grad"]
+        progress(f"  grad {length} ({rows[length]} x {length} tokens)")
         compiled = compile_program(grad, args, devices, slice_of)
         terms = {"parameters": params, "optimizer": opt_state}
         if reference:
@@ -142,6 +145,7 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
                            tokens=rows[length] * length, model_flops=train_flops(config, rows[length], length),
                            notes=list(notes)))
     apply, args = trainer.programs(rows[settings.buckets[-1]], settings.buckets[-1])["apply"]
+    progress("  apply, publish")
     compiled = compile_program(apply, args, devices, slice_of)
     terms = {"parameters": params, "optimizer": opt_state, "gradients": params,
              "temporaries": compiled.required_temp_bytes or compiled.temp_bytes}

@@ -56,7 +56,8 @@ def test_a_tiny_job_compiles_for_v5e_fits_and_reports_its_terms(job: Callable[..
     assert grad["collective_bytes"]["ici"] > 0 and grad["collective_bytes"]["dcn"] == 0
     bound = grad["bound"]
     assert bound["seconds"] == max(bound["compute_seconds"], bound["memory_seconds"], bound["ici_seconds"])
-    assert math.isclose(bound["compute_seconds"], grad["flops"] / 197e12)
+    # libtpu counts a loop body once, so compute takes at least the useful flops' share per chip.
+    assert math.isclose(bound["compute_seconds"], max(grad["flops"], grad["model_flops"] / 4) / 197e12)
     assert math.isclose(bound["memory_seconds"], grad["bytes_accessed"] / 819e9)
     learner = result["learner"]
     # 2 groups x 4 episodes, 4 rows of 128 per micro-batch (4 x 128 tokens): 2 micro-batches.
