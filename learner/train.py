@@ -433,6 +433,12 @@ class Trainer:
         """XLA's compiled memory analysis of ``grad`` on one [rows, length] micro-batch (its
         ``temp_size_in_bytes`` is the activations and workspace of a step). Compiles, runs nothing:
         with an abstract model, at any size on the CPU."""
+        grad, args = self.programs(rows, length)["grad"]
+        return grad.lower(*args).compile().memory_analysis()
+
+    def programs(self, rows: int, length: int) -> dict[str, tuple[Any, tuple[Any, ...]]]:
+        """``grad`` (one [rows, length] micro-batch), ``apply`` and ``accumulate``, each with abstract
+        arguments to ``lower(*args).compile()`` ahead of time (stoker plan, memory_analysis)."""
         batch = {
             name: jax.ShapeDtypeStruct((rows, length), FIELDS.get(name, np.dtype(np.float32)))
             for name in DEVICE_FIELDS
@@ -443,7 +449,12 @@ class Trainer:
         }
         params = jax.eval_shape(lambda: self.params)
         frozen = jax.eval_shape(lambda: self.frozen)
-        return self._grad.lower(params, frozen, batch, scalars).compile().memory_analysis()
+        opt_state = jax.eval_shape(lambda: self.opt_state)
+        return {
+            "grad": (self._grad, (params, frozen, batch, scalars)),
+            "apply": (self._apply, (params, opt_state, params)),
+            "accumulate": (self._accumulate, (params, params)),
+        }
 
     def compiled_programs(self) -> dict[str, int]:
         """How many programs each step function holds (one per distinct input shape)."""

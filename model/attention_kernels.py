@@ -247,12 +247,15 @@ def splash_attention(
         return jnp.swapaxes(jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))), 1, 2)
 
     qs, ks = (jnp.pad(s, ((0, 0), (0, pad))) for s in (vis.q_segment, vis.k_segment))
+    split = _ROW_AXIS.get()
     if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+        # The devices the program is for: the caller's mesh when it names one (a TPU topology
+        # compiled ahead of time on a CPU host, stoker plan), else jax's default backend.
+        platform = split[0].devices.flat[0].platform if split is not None else jax.default_backend()
+        interpret = platform != "tpu"
     kernel = _splash_kernel(length, heads, window, softcap, interpret)
     # Splash scales nothing itself: the soft-cap applies to the scaled scores, as here.
     run = jax.vmap(lambda q, k, v, qs, ks: kernel(q, k, v, segment_ids=SegmentIds(qs, ks)))
-    split = _ROW_AXIS.get()
     if split is not None and split[0].shape[split[1]] > 1:
         rows = PartitionSpec(split[1])
         run = jax.shard_map(run, mesh=split[0], in_specs=(rows,) * 5, out_specs=rows, check_vma=False)

@@ -31,7 +31,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sandbox": ("stoker.actor.sandbox_check", "check that a sandbox server keeps the stoker.v1.Sandbox contract"),
     "export": ("stoker.learner.export", "write a run's newest policy (or a checkpoint) as a Hugging Face-format directory"),
     "import": ("stoker.learner.import_gguf", "write a GGUF file (llama.cpp, Ollama) as a Hugging Face-format directory"),
-    "audit": ("stoker.audit", "measure latencies and size the actor pool that keeps the learner fed"),
+    "audit": ("stoker.sizing.audit", "measure latencies and size the actor pool that keeps the learner fed"),
+    "plan": ("stoker.sizing.plan", "compile the job's programs for its TPU slices: per-chip memory, fits or not, speed bound"),
 }
 
 

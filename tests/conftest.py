@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,12 @@ from hypothesis import settings
 # timing assertion that fails on a loaded shared machine, so it is off everywhere.
 settings.register_profile("stoker", deadline=None)
 settings.load_profile("stoker")
+
+# The dev extra installs libtpu (tests/sizing compile for TPU topologies ahead of time). Without
+# this, JAX would probe for a TPU in every test process and log libtpu's start-up errors; TPU
+# topologies compile with the CPU as JAX's platform, so nothing here needs the probe.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 
 @pytest.fixture(scope="session")

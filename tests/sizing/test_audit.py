@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from stoker.audit import Audit, admission_warnings, render
+from stoker.sizing.audit import Audit, admission_warnings, render
 from stoker.manifest import load_text
 
 MANIFEST = """\
@@ -143,7 +143,7 @@ def test_rollout_sizing_against_hand_computed_numbers() -> None:
     demand 32 / 0.275 = 116.36 episodes/s x 32 tokens = 3723.6 tokens/s -> ceil(1.25 x 3723.6 / 2400)
     = ceil(1.94) = 2 servers; a turn 4 x 32 / 2400 = 0.0533 s, an episode 8 x 0.5533 = 4.427 s, in
     flight 116.36 x 4.427 = 515.1 episodes -> ceil(1.25 x 515.1 / 192) = ceil(3.35) = 4 actors."""
-    from stoker.audit_rollout import size_rollout
+    from stoker.sizing.audit_rollout import size_rollout
 
     s = size_rollout(tokens_per_turn=4, turns=8, env_step_seconds=0.5, server_tokens_per_second=2400, step_seconds=0.275,
                      episodes_per_step=32, concurrency=192, max_batch=32, headroom=1.25)
@@ -180,7 +180,7 @@ def test_the_server_figure_is_read_from_a_running_servers_stats() -> None:
 
     import grpc
 
-    from stoker.audit import server_tokens_per_second
+    from stoker.sizing.audit import server_tokens_per_second
     from stoker.v1 import rollout_pb2, rollout_pb2_grpc
 
     class Serving(rollout_pb2_grpc.RolloutServicer):

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from stoker.audit_rollout import render_rollout
+from stoker.sizing.audit_rollout import render_rollout
 from stoker.manifest import load_job
 from stoker.spec import RLJobSpec
 

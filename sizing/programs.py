@@ -1,0 +1,180 @@
+"""The job's device programs, built abstractly (``nnx.eval_shape``: no weights allocated) on a
+slice's abstract devices and compiled by libtpu: the learner's grad step per sequence bucket, its
+optimizer apply and weight publish, and each rollout server's prefill and decode step.
+
+Each program's memory on one device is split into terms: what lives beside it (parameters,
+optimizer state, the KV cache) and what it holds itself (gradients, its batch, temporaries).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any
+
+from stoker.sizing.compiler import Compiled, Slice, compile_program
+from stoker.spec import RLJobSpec, TransformerConfig
+
+
+@dataclass
+class Program:
+    """One compiled program and the per-device memory it needs, term by term (bytes)."""
+
+    component: str  # learner | rollout
+    name: str
+    shape: str  # e.g. "4 x 8192 tokens"
+    terms: dict[str, int]
+    compiled: Compiled
+    tokens: int = 0  # tokens one run of the program processes (all devices)
+    model_flops: float = 0.0  # useful flops of one run (all devices), for MFU
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.terms.values())
+
+    @property
+    def largest(self) -> str:
+        return max(self.terms, key=lambda k: self.terms[k])
+
+
+def shard_bytes(tree: Any) -> int:
+    """Bytes one device holds of an abstract tree whose leaves carry their shardings."""
+    import jax
+    import numpy as np
+
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def model_config(spec: RLJobSpec) -> tuple[TransformerConfig, str | None]:
+    """The architecture the programs are built for: the checkpoint's config.json when it is on
+    this machine, else the manifest's (with a note saying so)."""
+    checkpoint = spec.model.checkpoint
+    if checkpoint and (Path(checkpoint) / "config.json").is_file():
+        from stoker.hfconfig import read_config
+
+        return read_config(checkpoint), None
+    if checkpoint:
+        return spec.model.architecture, f"checkpoint {checkpoint} is not on this machine: sized from spec.model.architecture"
+    return spec.model.architecture, None
+
+
+def matmul_params(config: TransformerConfig) -> int:
+    """Parameters that take part in a matmul per token: every layer's projections and the head."""
+    from stoker.model.model import head_dim
+
+    hd = head_dim(config)
+    attention = config.hidden_size * hd * (2 * config.num_heads + 2 * config.num_kv_heads)
+    mlp = 3 * config.hidden_size * config.intermediate_size
+    return config.num_layers * (attention + mlp) + config.vocab_size * config.hidden_size
+
+
+def train_flops(config: TransformerConfig, rows: int, length: int) -> float:
+    """Useful flops of a forward and backward over [rows, length] tokens: 6 per matmul parameter
+    per token, plus causal attention's 6 x layers x query width x length per token (half of the
+    12 a full square of scores costs); remat's recomputation is not useful work."""
+    from stoker.model.model import head_dim
+
+    tokens = rows * length
+    attention = 6 * config.num_layers * config.num_heads * head_dim(config) * length
+    return float(tokens * (6 * matmul_params(config) + attention))
+
+
+def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | None = None,
+                     progress: Callable[[str], None] = lambda line: None) -> list[Program]:
+    """The learner's programs on ``slice_``: grad per bucket (at its micro-batch rows), apply, publish."""
+    import jax
+    from flax import nnx
+
+    from stoker.learner import packing, sharding, train
+    from stoker.learner.loop import LearnerSettings
+    from stoker.learner.optimizer import learning_rate_schedule
+    from stoker.model.attention_kernels import Backend, select_attention
+    from stoker.model.hf import dtype_from_name
+    from stoker.model.model import Transformer, head_dim
+
+    config, note = model_config(spec)
+    settings = LearnerSettings.from_spec(spec)
+    dtype = dtype_from_name(settings.dtype)
+    kernel = select_attention(settings.attention, Backend("tpu", "", None), dtype=dtype, head_dim=head_dim(config),
+                              softcap=config.attn_logit_softcap)
+    options = train.StepOptions(
+        settings.algorithm, settings.loss, settings.temperature, allowed_token_ids=settings.allowed_token_ids,
+        remat=settings.remat,  # type: ignore[arg-type]  # a RematPolicy, checked by the spec
+        attention=kernel.implementation,
+    )
+    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype))
+    value_model = None
+    if options.needs_value:
+        value_model = nnx.eval_shape(lambda: train.ValueNetwork(config, rngs=nnx.Rngs(1), dtype=dtype))
+    mesh = sharding.make_mesh(settings.mesh_fsdp, settings.mesh_tp, slice_.devices)
+    optimizer = train.make_optimizer(settings.learning_rate, settings.max_grad_norm, settings.optimizer)
+    trainer = train.Trainer(model, options, optimizer, mesh, value_model=value_model,
+                            schedule=learning_rate_schedule(settings.learning_rate, settings.optimizer))
+    devices = list(mesh.devices.flat)
+
+    def slice_of(index: int) -> int:  # a collective's device index (mesh order) -> its slice
+        return int(getattr(devices[index], "slice_index", 0) or 0) if index < len(devices) else 0
+
+    params = shard_bytes(trainer.params)
+    opt_state = shard_bytes(trainer.opt_state)
+    reference = shard_bytes(trainer.reference) if trainer.reference is not None else 0
+    fsdp = sharding.data_parallel_size(mesh)
+    rows = packing.rows_for_buckets(settings.buckets, settings.microbatch_tokens, fsdp)
+    layout = f"fsdp {fsdp} x tp {mesh.shape[sharding.TP]}, remat {settings.remat}, attention {kernel.implementation}"
+    notes = [layout] + ([note] if note else [])
+    out: list[Program] = []
+    for length in buckets or list(settings.buckets):
+        grad, args = trainer.programs(rows[length], length)["grad"]
+        progress(f"  grad {length} ({rows[length]} x {length} tokens)")
+        compiled = compile_program(grad, args, devices, slice_of)
+        terms = {"parameters": params, "optimizer": opt_state}
+        if reference:
+            terms["reference"] = reference
+        # The sum of the micro-batches so far beside this one's gradients (train.Trainer.step).
+        terms["gradients"] = 2 * params
+        terms["batch"] = max(0, compiled.argument_bytes - params - reference)
+        terms["temporaries"] = compiled.required_temp_bytes or compiled.temp_bytes
+        out.append(Program("learner", f"grad {length}", f"{rows[length]} x {length} tokens", terms, compiled,
+                           tokens=rows[length] * length, model_flops=train_flops(config, rows[length], length),
+                           notes=list(notes)))
+    apply, args = trainer.programs(rows[settings.buckets[-1]], settings.buckets[-1])["apply"]
+    progress("  apply, publish")
+    compiled = compile_program(apply, args, devices, slice_of)
+    terms = {"parameters": params, "optimizer": opt_state, "gradients": params,
+             "temporaries": compiled.required_temp_bytes or compiled.temp_bytes}
+    if compiled.output_bytes - compiled.alias_bytes > 2**20:  # outputs not written in place of donated inputs
+        terms["not donated"] = compiled.output_bytes - compiled.alias_bytes
+    out.append(Program("learner", "apply", "one Adam update", terms, compiled, notes=list(notes)))
+    out.append(_publish(trainer, params, opt_state, devices, slice_of, notes))
+    return out
+
+
+def _publish(trainer: Any, params: int, opt_state: int, devices: list[Any], slice_of: Any, notes: list[str]) -> Program:
+    """``Trainer.policy_copy`` as one program over the training layout: the device side of the
+    weight publish (the copy in the compute dtype the publisher reads while training goes on)."""
+    import jax
+
+    def copy(live: Any) -> Any:
+        saved = trainer.params
+        trainer.params = live  # policy_copy reads the trainer's parameters: here the traced ones
+        try:
+            return trainer.policy_copy()
+        finally:
+            trainer.params = saved
+
+    args = (jax.eval_shape(lambda: trainer.params),)
+    try:  # the copy keeps the parameters' own layout: nothing gathered onto one chip
+        jitted = jax.jit(copy, in_shardings=(trainer.param_shardings,), out_shardings=trainer.param_shardings["policy"])
+        compiled = compile_program(jitted, args, devices, slice_of)
+    except ValueError:  # a policy_copy returning another tree than the policy's: its own layout
+        compiled = compile_program(jax.jit(copy, in_shardings=(trainer.param_shardings,)), args, devices, slice_of)
+    terms = {"parameters": params, "optimizer": opt_state, "publish copy": compiled.output_bytes,
+             "temporaries": compiled.required_temp_bytes or compiled.temp_bytes}
+    return Program("learner", "publish", "policy copy, training layout", terms, compiled, notes=list(notes))

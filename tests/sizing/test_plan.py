@@ -1,0 +1,151 @@
+"""``stoker plan``: the job's programs compiled by the real TPU compiler (libtpu) for a named slice,
+per-chip memory against HBM, the verdict and its exit status, and the speed bound's arithmetic."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from stoker.cli import main as cli
+
+GIB = 2**30
+
+
+def plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = cli(["plan", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.slow
+def test_a_tiny_job_compiles_for_v5e_fits_and_reports_its_terms(job: Callable[..., Path], capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = plan(capsys, str(job()), "--topology", "v5e:2x2", "--json")
+    assert code == 0
+    result = json.loads(out)
+    programs = {p["program"]: p for p in result["programs"]}
+    assert list(programs) == ["grad 128", "apply", "publish"]
+    assert result["fits"] and all(p["fits"] for p in programs.values())
+    # vocab 256 x hidden 64 tied embedding + one block: float32 master weights, sharded over 4 chips.
+    from stoker.spec import TransformerConfig
+
+    config = TransformerConfig(vocab_size=256, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                               intermediate_size=128, max_seq_len=512)
+    from flax import nnx
+
+    from stoker.model.model import Transformer, count_params
+
+    total = 4 * count_params(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    grad = programs["grad 128"]
+    # Only the embedding (256 x 64 = 2^14 values) is large enough to shard (4 ways over fsdp);
+    # the block's matrices and norms stay replicated (learner/sharding.py, MIN_SHARDED_SIZE).
+    embedding = 4 * 256 * 64
+    assert grad["terms"]["parameters"] == total - embedding + embedding // 4
+    # Adam's two moments, plus its step count(s).
+    assert 0 <= grad["terms"]["optimizer"] - 2 * grad["terms"]["parameters"] <= 64
+    assert grad["terms"]["gradients"] == 2 * grad["terms"]["parameters"]  # the sum so far + this micro-batch's
+    assert grad["total_bytes"] == sum(grad["terms"].values())
+    assert grad["hbm_bytes"] == 16 * GIB and grad["topology"] == "v5e:2x2"
+    assert "attention splash" in grad["notes"][0]  # auto on a TPU
+    assert grad["flops"] > 0 and grad["bytes_accessed"] > 0
+    # fsdp over 4 chips: the step gathers parameters and reduce-scatters gradients over ICI.
+    assert grad["collective_bytes"]["ici"] > 0 and grad["collective_bytes"]["dcn"] == 0
+    bound = grad["bound"]
+    assert bound["seconds"] == max(bound["compute_seconds"], bound["memory_seconds"], bound["ici_seconds"])
+    # libtpu counts a loop body once, so compute takes at least the useful flops' share per chip.
+    assert math.isclose(bound["compute_seconds"], max(grad["flops"], grad["model_flops"] / 4) / 197e12)
+    assert math.isclose(bound["memory_seconds"], grad["bytes_accessed"] / 819e9)
+    learner = result["learner"]
+    # 2 groups x 4 episodes, 4 rows of 128 per micro-batch (4 x 128 tokens): 2 micro-batches.
+    assert learner["micro_batches"] == 2
+    expected = 2 * bound["seconds"] + programs["apply"]["bound"]["seconds"] + programs["publish"]["bound"]["seconds"]
+    assert math.isclose(learner["step_seconds_bound"], expected)
+    assert 0 < learner["mfu_bound"] < 1
+    assert "not measurements" in result["bound_note"]
+
+
+@pytest.mark.slow
+def test_the_text_report_says_ok_and_that_the_figures_are_bounds(job: Callable[..., Path], capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = plan(capsys, str(job()), "--topology", "v5e:2x2")
+    assert code == 0
+    assert "learner on TPU v5e:2x2: 4 chips of 16.00 GiB HBM" in out
+    assert out.count(" OK ") == 3 and "DOES NOT FIT" not in out
+    assert "MFU <=" in out and "not measurements" in out
+    assert "compiling the learner's programs for v5e:2x2" in err  # progress on stderr
+
+
+@pytest.mark.slow
+def test_a_job_over_the_chips_hbm_does_not_fit_exits_1_and_names_its_largest_term(
+    job: Callable[..., Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A real big model on one chip compiles for minutes here (a 1.1B-parameter one took 290 s), so
+    # the chip shrinks instead: the same tiny programs against a v5e with 3 MiB of HBM, where
+    # 8 x 128-token micro-batches' temporaries are the largest term.
+    import dataclasses
+
+    from stoker.sizing import chips
+
+    monkeypatch.setitem(chips.CHIPS, "v5e", dataclasses.replace(chips.CHIPS["v5e"], usable_hbm_bytes=3 * 2**20))
+    code, out, _ = plan(capsys, str(job(learner=", microbatchTokens: 1024")), "--topology", "v5e:2x2", "--json")
+    assert code == 1
+    result = json.loads(out)
+    grad = next(p for p in result["programs"] if p["program"] == "grad 128")
+    assert not result["fits"] and not grad["fits"]
+    assert grad["largest"] == "temporaries" and grad["terms"]["temporaries"] == max(grad["terms"].values())
+    assert grad["total_bytes"] > 3 * 2**20
+    assert "learner.microbatchTokens, now 1024" in grad["advice"] and "8 x 128 tokens" in grad["advice"]
+    # A program under the shrunken HBM still fits: the verdict is per program.
+    publish = next(p for p in result["programs"] if p["program"] == "publish")
+    assert publish["fits"] and publish["total_bytes"] <= 3 * 2**20
+
+
+def test_a_gpu_rollout_tier_is_said_to_be_out_of_reach_and_a_cpu_learner_needs_a_topology(
+    job: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = job(rollout="  rollout: {accelerator: nvidia-gpu, gpus: 1}\n")
+    code, out, _ = plan(capsys, str(path))
+    assert code == 0
+    assert "rollout servers on nvidia-gpu: not compiled" in out and "needs a CUDA device" in out
+    assert "learner: accelerator cpu, nothing to compile" in out and "--topology" in out
+
+
+def test_without_libtpu_it_says_in_one_line_how_to_install_it(
+    job: Callable[..., Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # import libtpu raises ImportError
+    code, out, err = plan(capsys, str(job()), "--topology", "v5e:2x2")
+    assert code == 3
+    assert err.strip().splitlines()[-1] == "stoker plan: the TPU compiler (libtpu) is not installed: pip install 'stoker[tpu]'"
+
+
+@pytest.mark.parametrize("name", ["v5e:3x3", "v9:2x2", "v5e"])
+def test_a_topology_libtpu_or_gke_lacks_is_refused_in_one_line(
+    name: str, job: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = plan(capsys, str(job()), "--topology", name)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and "stoker plan:" in err
+
+
+def test_a_program_the_compiler_refuses_for_hbm_is_reported_with_its_temporaries() -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from stoker.sizing.compiler import compile_program, load_slice
+
+    devices = list(load_slice("v5e:2x2", 4).devices)
+    whole = NamedSharding(Mesh(np.asarray(devices), ("x",)), PartitionSpec())
+
+    def outer_sorted(x: jax.Array) -> jax.Array:  # an 80,000^2 float32 square (23.8 GiB) on every chip
+        return jnp.sort(jnp.outer(x, x), axis=1)[:, :4]
+
+    jitted = jax.jit(outer_sorted, in_shardings=(whole,), out_shardings=whole)
+    compiled = compile_program(jitted, (jax.ShapeDtypeStruct((80000,), jnp.float32),), devices, lambda i: 0)
+    assert compiled.error is not None and "exceeds available HBM (15.75G)" in compiled.error
+    assert compiled.required_temp_bytes is not None and compiled.required_temp_bytes >= 80000**2 * 4
