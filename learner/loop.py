@@ -140,6 +140,8 @@ class LearnerSettings:
                 gamma=algorithm.gamma,
                 gae_lambda=algorithm.gae_lambda,
                 dpo_beta=algorithm.dpo_beta,
+                divergence="reverse_kl" if algorithm.teacher is None else algorithm.teacher.divergence,
+                jsd_beta=0.5 if algorithm.teacher is None else algorithm.teacher.beta,
             ),
             loss_aggregation=algorithm.loss_aggregation,
             learning_rate=algorithm.learning_rate,

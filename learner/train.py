@@ -142,7 +142,7 @@ def _per_shard_loss(
     elif options.algorithm == "distill":
         loss, stats = algorithms.distill_loss(
             logp, extras["teacher_logprobs"], batch["behaviour_logprobs"], batch["behaviour_known"], weights,
-            cfg.importance_cap,
+            cfg.importance_cap, divergence=cfg.divergence, beta=cfg.jsd_beta,
         )
     elif options.algorithm == "ppo":
         values = extras["values"]

@@ -74,6 +74,17 @@ class TeacherSpec(SpecModel):
     checkpoint: str = Field(
         description="Hugging Face-format directory of the teacher; its tokenizer must be the student's."
     )
+    divergence: Literal["reverse_kl", "jsd"] = Field(
+        "reverse_kl",
+        description=(
+            "Per-token divergence the student minimises on its own samples. reverse_kl: KL(student || teacher); "
+            "jsd: generalized Jensen-Shannon beta KL(T||M) + (1-beta) KL(S||M), M = beta T + (1-beta) S."
+        ),
+    )
+    beta: float = Field(
+        0.5, gt=0, lt=1,
+        description="Generalized JSD's teacher weight (divergence: jsd): near 0 it acts like forward KL, near 1 like reverse KL.",
+    )
 
 
 class AlgorithmSpec(SpecModel):

@@ -9,6 +9,7 @@ Array = Any  # a jax.Array or np.ndarray; both are accepted everywhere
 Aggregation = Literal["token-mean", "sequence-mean"]
 OffPolicy = Literal["clip", "decoupled", "none"]
 AdvantageNormalization = Literal["population-std", "sample-std", "none"]
+Divergence = Literal["reverse_kl", "jsd"]  # distillation's per-token divergence to the teacher
 
 # Every log-ratio (pi/mu, pi/pi_old, pi_ref/pi) is clamped to +-LOG_RATIO_LIMIT before exp. exp
 # overflows float32 past 88.7, and then even the branch a min/max/where did not select turns its
@@ -32,6 +33,8 @@ class LossConfig:
     gamma: float = 1.0
     gae_lambda: float = 0.95
     dpo_beta: float = 0.1
+    divergence: Divergence = "reverse_kl"
+    jsd_beta: float = 0.5  # generalized JSD's mixture weight of the teacher (divergence "jsd")
 
     @property
     def importance_correction(self) -> bool:

@@ -22,7 +22,7 @@ def combine_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 def finalize_stats(sums: dict[str, float]) -> dict[str, float]:
     """Turn summed stats into the reported metrics (means, fractions, std)."""
     out: dict[str, float] = {}
-    for key in ("pg_loss", "value_loss", "kl", "entropy", "loss", "reverse_kl"):
+    for key in ("pg_loss", "value_loss", "kl", "entropy", "loss", "reverse_kl", "jsd"):
         if key in sums:
             out[key] = float(sums[key])
     tokens = sums.get("is_tokens", 0.0)
