@@ -36,11 +36,13 @@ import builtins  # noqa: E402
 import importlib  # noqa: E402
 import importlib.util  # noqa: E402
 import os  # noqa: E402
+import re  # noqa: E402
 import resource  # noqa: E402
 import sysconfig  # noqa: E402
 import traceback  # noqa: E402
 import types  # noqa: E402
 import unittest  # noqa: E402
+import unittest._log  # noqa: E402
 import unittest.case  # noqa: E402
 import unittest.loader  # noqa: E402
 import unittest.result  # noqa: E402
@@ -65,6 +67,35 @@ COMPARISONS = {
 WATCHED_MODULES: tuple[types.ModuleType, ...] = (
     unittest, unittest.case, unittest.loader, unittest.result, unittest.suite, unittest.util, builtins, os,
 )
+
+
+GUARDED_CONTEXTS: dict[str, tuple[type, bool]] = {
+    "assertWarns": (unittest.case._AssertWarnsContext, False),
+    "assertWarnsRegex": (unittest.case._AssertWarnsContext, False),
+    "assertLogs": (unittest._log._AssertLogsContext, False),
+    "assertNoLogs": (unittest._log._AssertLogsContext, True),
+}
+# What a guarded context's __enter__/__exit__ run through: checked unchanged by identity and code at each.
+GUARDED_STATE: tuple[Any, ...] = (
+    unittest.case, unittest._log, unittest.case.TestCase, unittest.case._BaseTestCaseContext,
+    unittest.case._AssertRaisesBaseContext, unittest.case._AssertWarnsContext, unittest._log._AssertLogsContext,
+    getattr(unittest._log, "_CapturingHandler"), warnings.catch_warnings, re,
+    sys.modules["re._compiler"], sys.modules["re._parser"], builtins,
+)
+CONSTANTS: dict[str, Any] = {}  # code constants swapped in after compiling: objects no patch can replace
+
+
+def _const(value: Any) -> ast.Constant:
+    sentinel = f"__stoker_constant_{len(CONSTANTS)}_4b1f__"
+    CONSTANTS[sentinel] = value
+    return ast.Constant(sentinel)
+
+
+def _pattern(expr: ast.expr) -> ast.expr:
+    """A literal pattern compiled now, before any of the agent's code can reach ``re``."""
+    if isinstance(expr, ast.Constant) and isinstance(expr.value, (str, bytes)):
+        return _const(re.compile(expr.value))
+    return expr
 
 
 def _audit(*args: ast.expr) -> ast.Call:
@@ -97,29 +128,79 @@ class _MarkReturns(ast.NodeTransformer):
 
 
 class _Rewrite(ast.NodeTransformer):
+    def __init__(self) -> None:
+        self.count = 0
+
     def visit_Call(self, node: ast.Call) -> Any:
         self.generic_visit(node)
         func = node.func
         if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self":
             if func.attr in ASSERTIONS or (func.attr == "assertRaises" and len(node.args) >= 2):
                 return _assertion(func.attr, node.args, node.keywords)
+            if func.attr == "assertRaisesRegex" and len(node.args) >= 3:
+                return _assertion(func.attr, [node.args[0], _pattern(node.args[1]), *node.args[2:]], node.keywords)
         return node
 
     def visit_With(self, node: ast.With) -> Any:
-        """``with self.assertRaises(E): body`` (no ``as``) -> try/except reporting to the hook."""
+        """``with self.assertRaises/Warns/Logs...(...) [as cm]: body``, decided by the hook (see below)."""
         self.generic_visit(node)
-        if len(node.items) != 1 or node.items[0].optional_vars is not None:
+        if len(node.items) != 1:
             return node
-        call = node.items[0].context_expr
-        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "assertRaises"
-                and isinstance(call.func.value, ast.Name) and call.func.value.id == "self" and len(call.args) == 1
-                and not call.keywords):
+        call, bound = node.items[0].context_expr, node.items[0].optional_vars
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)
+                and call.func.value.id == "self" and (bound is None or isinstance(bound, ast.Name))):
             return node
+        name, args = call.func.attr, call.args
+        keywords = [k for k in call.keywords if k.arg != "msg"]
+        if name in ("assertRaises", "assertRaisesRegex") and len(args) == (1 if name == "assertRaises" else 2) and not keywords:
+            return self._raises(node, args[0], _pattern(args[1]) if len(args) == 2 else ast.Constant(None), bound)
+        if name in GUARDED_CONTEXTS and not any(isinstance(a, ast.Starred) for a in args) and all(k.arg for k in keywords):
+            return self._guarded(node, name, args, keywords, bound)
+        return node
+
+    @staticmethod
+    def _raises(node: ast.With, expected: ast.expr, pattern: ast.expr, bound: ast.Name | None) -> ast.Try:
+        """try/except whose handler tells the hook what was raised; ``cm.exception`` from a builtin namespace."""
         raised = ast.Name("stoker_raised_", ast.Load())
-        handler = ast.ExceptHandler(type=ast.Name("BaseException", ast.Load()), name="stoker_raised_",
-                                    body=[ast.Expr(_audit(ast.Constant("stoker.raised"), call.args[0], raised))])
+        body: list[ast.stmt] = [ast.Expr(_audit(ast.Constant("stoker.raised"), expected, raised, pattern))]
+        if bound is not None:
+            namespace = ast.Call(func=_const(types.SimpleNamespace), args=[], keywords=[
+                ast.keyword("exception", raised), ast.keyword("expected", expected)])
+            body.append(ast.Assign(targets=[ast.Name(bound.id, ast.Store())], value=namespace))
+        handler = ast.ExceptHandler(type=ast.Name("BaseException", ast.Load()), name="stoker_raised_", body=body)
         not_raised = _audit(ast.Constant("stoker.assert"), ast.Constant("fail"), ast.Tuple([ast.Constant("no exception raised")], ast.Load()), ast.Dict([], []))
         return ast.Try(body=node.body, handlers=[handler], orelse=[ast.Expr(not_raised)], finalbody=[])
+
+    def _guarded(self, node: ast.With, name: str, args: list[ast.expr], keywords: list[ast.keyword], bound: ast.Name | None) -> list[ast.stmt]:
+        """unittest's own context, made from classes held as constants, with the hook checking before
+        ``__enter__`` and ``__exit__`` that unittest, ``warnings``, ``re`` and the builtins are as loaded."""
+        self.count += 1
+        ctx = f"stoker_ctx_{self.count}_"
+        cls, made = GUARDED_CONTEXTS[name]
+        me = ast.Name("self", ast.Load())
+        if name in ("assertWarns", "assertWarnsRegex"):
+            if not args or len(args) > 2 or keywords:
+                return [node]
+            ctor_args = [args[0], me, *([_pattern(args[1])] if name == "assertWarnsRegex" and len(args) > 1 else [])]
+        else:  # _AssertLogsContext(test_case, logger_name, level, no_logs)
+            named = {k.arg: k.value for k in keywords}
+            if len(args) > 2 or set(named) - {"logger", "level"}:
+                return [node]
+            given = [*args, *([ast.Constant(None)] * (2 - len(args)))]
+            ctor_args = [me, named.get("logger", given[0]), named.get("level", given[1]), ast.Constant(made)]
+        guard = ast.Expr(_audit(ast.Constant("stoker.guard"), ast.Name(ctx, ast.Load())))
+        load = ast.Name(ctx, ast.Load())
+        make = ast.Assign([ast.Name(ctx, ast.Store())], ast.Call(_const(cls), ctor_args, []))
+        enter = ast.Call(ast.Attribute(_const(cls), "__enter__", ast.Load()), [load], [])
+        entered: ast.stmt = ast.Assign([ast.Name(bound.id, ast.Store())], enter) if bound else ast.Expr(enter)
+        exc = ast.Name("stoker_exc_", ast.Load())
+        exit_with = ast.Call(ast.Attribute(_const(cls), "__exit__", ast.Load()),
+                             [load, ast.Call(_const(type), [exc], []), exc, ast.Attribute(exc, "__traceback__", ast.Load())], [])
+        handler = ast.ExceptHandler(type=ast.Name("BaseException", ast.Load()), name="stoker_exc_", body=[
+            guard, ast.If(test=ast.UnaryOp(ast.Not(), exit_with), body=[ast.Raise()], orelse=[])])
+        exit_clean = ast.Expr(ast.Call(ast.Attribute(_const(cls), "__exit__", ast.Load()),
+                                       [load, ast.Constant(None), ast.Constant(None), ast.Constant(None)], []))
+        return [make, guard, entered, ast.Try(body=node.body, handlers=[handler], orelse=[guard, exit_clean], finalbody=[]), guard]
 
     def visit_Assert(self, node: ast.Assert) -> Any:
         self.generic_visit(node)
@@ -137,7 +218,7 @@ class _Rewrite(ast.NodeTransformer):
 
 def _with_audit(code: types.CodeType) -> types.CodeType:
     consts = tuple(
-        sys.audit if type(c) is str and c == AUDIT else _with_audit(c) if isinstance(c, types.CodeType) else c
+        sys.audit if type(c) is str and c == AUDIT else CONSTANTS[c] if type(c) is str and c in CONSTANTS else _with_audit(c) if isinstance(c, types.CodeType) else c
         for c in code.co_consts
     )
     return code.replace(co_consts=consts)
@@ -150,14 +231,19 @@ def _trust(code: types.CodeType, module: str) -> None:
             _trust(const, module)
 
 
-def load_test_module(name: str, path: str) -> None:
-    """Import a pristine test module with its assertions rewritten (its imports run the agent's code)."""
+def compile_test_module(name: str, path: str) -> types.CodeType:
+    """A pristine test module with its assertions rewritten; all are compiled before any agent code runs."""
     source = open(path, encoding="utf-8").read()
     tree = ast.fix_missing_locations(_Rewrite().visit(ast.parse(source, path)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "'str' object is not callable": the constant swapped below
         code = _with_audit(compile(tree, path, "exec"))
     _trust(code, name)
+    return code
+
+
+def load_test_module(name: str, path: str, code: types.CodeType) -> None:
+    """Import a compiled test module (its imports run the agent's code)."""
     parent = name.rpartition(".")[0]
     if parent:
         importlib.import_module(parent)
@@ -303,6 +389,7 @@ def _arm(args: argparse.Namespace, test_files: list[str]) -> None:
         socket_path=args.socket,
         reporter=[sys.executable, "-I", "-S", "-B", os.path.abspath(__file__), "--send"],
         protected_fds=open_fds,
+        guarded=GUARDED_STATE,
     )
     del namespace  # from here on only the hook refers to its globals and state
 
@@ -320,9 +407,15 @@ def run(modules: list[str], test_files: dict[str, str]) -> list[str]:
     result = _Result()
     errors: list[str] = []
     PRISTINE.update(test_files)
+    compiled: dict[str, types.CodeType] = {}
     for name, path in test_files.items():
         try:
-            load_test_module(name, path)
+            compiled[name] = compile_test_module(name, path)
+        except SyntaxError:
+            errors.append(f"{name}: {traceback.format_exc(limit=3)}")
+    for name, code in compiled.items():
+        try:
+            load_test_module(name, test_files[name], code)
         except BaseException:  # noqa: BLE001 - SystemExit at import is the agent's code ending the run
             errors.append(f"{name}: {traceback.format_exc(limit=3)}")
     loader = unittest.loader.TestLoader()

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import gc
 import json
+import builtins as builtins_module
 import math
+import re
 import os
 import signal
 import sys
@@ -62,6 +64,7 @@ def install(
     socket_path: str,
     reporter: list[str],
     protected_fds: frozenset[int],
+    guarded: tuple[Any, ...] = (),
 ) -> None:
     """Add the hook. ``reporter`` is the argv of the fresh interpreter that sends the report."""
     getframe, write, kill, waitpid, execve, getpid = sys._getframe, os.write, os.kill, os.waitpid, os.execve, os.getpid
@@ -76,6 +79,43 @@ def install(
     checks: list[tuple[str, Any, Any, bool]] = []
     final: list[bool] = []
     repo_prefix = repo.rstrip("/") + "/"
+    compile_pattern, pattern_type, modules = re.compile, re.Pattern, sys.modules
+    module_type, function_type = type(sys), type(install)
+
+    def state_of(owner: Any) -> dict[str, Any]:
+        """Each name of a guarded module or class, its object, and a function's code (by identity)."""
+        taken: dict[str, Any] = {}
+        for key, value in dict(vars(owner)).items():
+            if key == "__warningregistry__":
+                continue
+            taken[key] = value
+            if type(value) is function_type:
+                taken[key + ".__code__"] = value.__code__
+                taken[key + ".__defaults__"] = value.__defaults__
+        if type(owner) is not module_type:
+            taken["__bases__"] = owner.__bases__
+        else:
+            taken["sys.modules"] = modules.get(owner.__name__)
+        return taken
+
+    guarded_state = [(owner, state_of(owner)) for owner in guarded]
+    guarded_classes = tuple(owner for owner in guarded if type(owner) is not module_type)
+
+    def guard(ctx: Any) -> None:
+        """Before a guarded context's __enter__ and __exit__: unittest, warnings, re, builtins as loaded."""
+        if type(ctx) not in guarded_classes:
+            refuse("patched test machinery", f"a {type(ctx).__name__} as a guarded context")
+        for owner, before in guarded_state:
+            now = state_of(owner)
+            keys = before if owner is builtins_module else set(before) | set(now)
+            for key in keys:
+                if before.get(key, guard) is not now.get(key, guard):
+                    refuse("patched test machinery", f"{getattr(owner, '__name__', owner)}.{key} changed during a test")
+
+    def matches(pattern: Any, text: Any) -> bool:
+        if type(pattern) is not pattern_type:  # not a literal: compiled now (re's own code is guarded only by guard())
+            pattern = compile_pattern(pattern)
+        return pattern.search(call_agent(str, text)) is not None
 
     def trusted(filename: str) -> bool:
         known = trusted_cache.get(filename)
@@ -205,12 +245,15 @@ def install(
         return result
 
     def raises(expected: Any, func: Any, *args: Any, **kwargs: Any) -> bool:
+        return raises_regex(expected, None, func, *args, **kwargs)
+
+    def raises_regex(expected: Any, pattern: Any, func: Any, *args: Any, **kwargs: Any) -> bool:
         kwargs.pop("msg", None)
         try:
             call_agent(lambda: func(*args, **kwargs))
         except BaseException as exc:  # noqa: BLE001 - the test's own check decides
             if issubclass(type(exc), expected):
-                return True
+                return pattern is None or matches(pattern, exc)
             raise
         return False
 
@@ -232,6 +275,7 @@ def install(
         checkers[alias] = checkers["assertEqual"]
     checkers["assert"] = checkers["assertTrue"]
     checkers["assertRaises"] = raises
+    checkers["assertRaisesRegex"] = raises_regex
     checkers["fail"] = lambda *m: False
 
     def assertion(caller: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -334,6 +378,11 @@ def install(
             assertion(caller, "assert", (True,), {})  # the same checks of where it was raised from
             if not issubclass(type(args[1]), args[0]):
                 raise args[1]
+            if args[2] is not None and not matches(args[2], args[1]):
+                assertion(caller, "fail", (f"{type(args[1]).__name__} does not match the pattern",), {})
+        elif event == "stoker.guard":  # before a rewritten assertWarns/assertLogs context's enter and exit
+            assertion(caller, "assert", (True,), {})
+            guard(args[0])
         elif event == "stoker.done":
             code = caller.f_code
             if code not in trusted_codes or scan(caller)[0] is not None or not current:
