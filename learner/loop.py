@@ -179,7 +179,6 @@ class Learner:
         import functools
 
         import jax
-        from flax import nnx
 
         from stoker.learner import metrics, sharding, train
         from stoker.model import hf
@@ -211,7 +210,7 @@ class Learner:
         )
         value_model = None
         if options.needs_value:
-            value_model = train.ValueNetwork(model.config, rngs=nnx.Rngs(params=settings.seed + 1), dtype=dtype)
+            value_model = train.init_value_network(model.config, settings.seed + 1, dtype, placement=placement)
         optimizer = train.make_optimizer(settings.learning_rate, settings.max_grad_norm, settings.optimizer)
         schedule = learning_rate_schedule(settings.learning_rate, settings.optimizer)
         self.trainer = train.Trainer(model, options, optimizer, self.mesh, value_model=value_model, schedule=schedule)
