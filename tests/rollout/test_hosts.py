@@ -233,3 +233,38 @@ def test_a_corrupt_shard_is_refused_at_prefetch_and_the_model_keeps_its_weights(
     assert shared == [0] and follower.version == 0  # this host withheld its agreement
     for name, array in to_hf(follower._model).items():
         assert array.tobytes() == before[name].tobytes(), name
+
+
+def test_the_server_reads_sharded_weights_before_handing_them_to_the_engines_swap(
+    serve: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stoker.model.model import init_model
+    from stoker.model.weights import WeightSubscriber
+
+    from .conftest import make_engine
+
+    from stoker.distributed import Processes
+    from stoker.learner.publish import ShardedPublisher
+    from stoker.model.hf import to_hf
+
+    with ShardedPublisher(directory=str(tmp_path), processes=Processes(), block_bytes=256) as publisher:
+        publisher.publish(1, init_model(CONFIG, seed=1))
+    handles: list[Any] = []
+    with WeightSubscriber(directory=tmp_path) as subscriber:
+        fetch = subscriber.fetch
+        monkeypatch.setattr(subscriber, "fetch", lambda version: handles.append(fetch(version)) or handles[-1])
+        engine = make_engine()
+        read_at_swap: list[int] = []
+        swap = engine.sampler.load_weights
+
+        def counting_swap(flat: object, version: int) -> None:
+            read_at_swap.append(handles[-1].stats.bytes_read)
+            swap(flat, version)  # type: ignore[arg-type]
+            read_at_swap.append(handles[-1].stats.bytes_read)
+
+        monkeypatch.setattr(engine.sampler, "load_weights", counting_swap)
+        server = serve(engine, weights=subscriber)
+        assert server.engine.version == 1
+    assert len(handles) == 1 and read_at_swap[0] > 0 and read_at_swap[0] == read_at_swap[1]  # all read before the swap
+    for name, array in to_hf(engine.sampler._model).items():
+        assert array.tobytes() == weights(1)[name].tobytes(), name
