@@ -210,7 +210,6 @@ class Learner:
         import functools
 
         import jax
-        from flax import nnx
 
         from stoker.learner import metrics, sharding, train
         from stoker.model import hf
@@ -243,7 +242,7 @@ class Learner:
         )
         value_model = None
         if options.needs_value:
-            value_model = train.ValueNetwork(model.config, rngs=nnx.Rngs(params=settings.seed + 1), dtype=dtype)
+            value_model = train.init_value_network(model.config, settings.seed + 1, dtype, placement=placement)
         teacher = None
         if options.needs_teacher:
             from stoker.learner.teacher import TeacherError, load_teacher

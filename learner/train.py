@@ -103,6 +103,20 @@ class ValueNetwork(nnx.Module):
         return self.head(self.norm(h))[..., 0].astype(jnp.float32)
 
 
+def init_value_network(
+    config: TransformerConfig, seed: int, dtype: Any = jnp.float32, placement: Any = None
+) -> ValueNetwork:
+    """PPO's critic, initialised as ``init_model`` initialises the policy: one compiled program,
+    placed or not (the same values either way); ``placement(shape)`` is each parameter's
+    sharding, so each device computes only its own shard."""
+    make = lambda: ValueNetwork(config, rngs=nnx.Rngs(params=seed), dtype=dtype)  # noqa: E731
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    placed = {} if placement is None else {"out_shardings": jax.tree.map(lambda a: placement(tuple(a.shape)), abstract)}
+    state = jax.jit(lambda: nnx.state(make()), **placed)()
+    network: ValueNetwork = nnx.merge(graphdef, state)
+    return network
+
+
 def batch_to_device(micro: MicroBatch, mesh: Mesh) -> dict[str, jax.Array]:
     """The device arrays of a micro-batch, rows split over fsdp."""
     spec = sharding.batch_sharding(mesh)

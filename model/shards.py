@@ -277,49 +277,115 @@ class ShardedWeights(Mapping[str, np.ndarray]):
         """Overwrite ``model``'s parameters, each in its current sharding, reading only the boxes
         this process's devices hold. Everything is read and verified before any parameter
         changes, so a failed read (a pruned version, a bad block) leaves the model as it was."""
-        import jax
-        import jax.numpy as jnp
+        self.stage(layout_of(model)).load_into(model)
 
-        from stoker.model.hf import CheckpointError, _param_items, hf_name
+    def stage(self, layout: Sequence[ParamSlot]) -> StagedWeights:
+        """Read and verify (into host memory) every box ``layout``'s devices hold; placing them
+        on the devices is ``StagedWeights.load_into``, which reads nothing more."""
+        from stoker.model.hf import CheckpointError
 
-        items = _param_items(model)
-        names = {hf_name(path)[0] for path, _ in items}
-        tied = getattr(model, "lm_head", "absent") is None
+        names = {slot.name for slot in layout}
+        tied = any(slot.tied for slot in layout)
         extra = sorted(set(self.manifest.tensors) - names - ({"lm_head.weight"} if tied else set()))
         missing = sorted(names - set(self.manifest.tensors))
         if missing or extra:
             raise CheckpointError(f"published weights do not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
-        plans: list[tuple[Any, Any, bool, list[Any], list[tuple[str, Box]]]] = []
-        wanted: list[tuple[str, Box]] = []
-        for path, var in items:
-            name, transpose = hf_name(path)
+        for slot in layout:
+            hf_shape = tuple(reversed(slot.shape)) if slot.transpose else slot.shape
+            if hf_shape != self.manifest.tensors[slot.name].shape:
+                raise CheckpointError(f"{slot.name}: published shape {self.manifest.tensors[slot.name].shape} does not fit the model")
+        host = iter(self.read_boxes([read for slot in layout for read in slot.reads]))
+        return StagedWeights(self, tuple(layout), tuple(tuple(next(host) for _ in slot.reads) for slot in layout))
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter of a model lives: its HF name, its shape and sharding, and the HF
+    boxes this process's devices hold (``devices[i]`` holds ``reads[i]``; ``None``: unplaced)."""
+
+    name: str
+    transpose: bool
+    shape: tuple[int, ...]
+    sharding: Any
+    devices: tuple[Any, ...]
+    reads: tuple[tuple[str, Box], ...]
+    tied: bool = False
+
+
+def _where(current: Any) -> Any:
+    import jax
+
+    sharding = getattr(current, "sharding", None)
+    if isinstance(current, jax.Array) and not current.committed:
+        return None
+    return sharding if isinstance(sharding, jax.sharding.Sharding) else None
+
+
+def layout_of(model: Any) -> tuple[ParamSlot, ...]:
+    """Every parameter's ``ParamSlot`` in ``model`` as it is placed now."""
+    from stoker.model.hf import _param_items, hf_name
+
+    tied = getattr(model, "lm_head", "absent") is None
+    slots = []
+    for path, var in _param_items(model):
+        name, transpose = hf_name(path)
+        current = var.get_value()
+        shape, sharding = tuple(current.shape), _where(current)
+        if sharding is not None:
+            placed = sharding.addressable_devices_indices_map(shape)
+            devices = tuple(placed)
+            boxes = [_box(index, shape) for index in placed.values() if index is not None]
+        else:
+            devices, boxes = (None,), [tuple((0, n) for n in shape)]
+        reads = tuple((name, tuple(reversed(b)) if transpose else b) for b in boxes)
+        slots.append(ParamSlot(name, transpose, shape, sharding, devices, reads, tied))
+    return tuple(slots)
+
+
+class StagedWeights(Mapping[str, np.ndarray]):
+    """A version's boxes for one model layout, read and verified, in host memory (a rollout
+    follower's prefetch). ``load_into`` only places them; a model laid out otherwise than
+    ``layout`` is loaded by slice from the source instead."""
+
+    def __init__(self, weights: ShardedWeights, layout: tuple[ParamSlot, ...], pieces: tuple[tuple[np.ndarray, ...], ...]):
+        self.weights, self.layout, self.pieces = weights, layout, pieces
+
+    @property
+    def version(self) -> int:
+        return self.weights.version
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for parts in self.pieces for p in parts)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.weights[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+    def load_into(self, model: Any) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        from stoker.model.hf import _param_items
+
+        now = layout_of(model)
+        if [(s.name, s.shape, s.sharding, s.devices) for s in now] != [(s.name, s.shape, s.sharding, s.devices) for s in self.layout]:
+            log.warning("the model's layout changed since version %d was staged; reading its slices again", self.version)
+            self.weights.load_into(model)
+            return
+        for (_, var), slot, parts in zip(_param_items(model), self.layout, self.pieces, strict=True):
             current = var.get_value()
-            tensor = self.manifest.tensors[name]
-            hf_shape = tuple(reversed(current.shape)) if transpose else tuple(current.shape)
-            if hf_shape != tensor.shape:
-                raise CheckpointError(f"{name}: published shape {tensor.shape} does not fit the model")
-            sharding = getattr(current, "sharding", None)
-            if isinstance(current, jax.Array) and not current.committed:
-                sharding = None
-            if isinstance(sharding, jax.sharding.Sharding):
-                placed = sharding.addressable_devices_indices_map(tuple(current.shape))
-                devices = list(placed)
-                boxes = [_box(index, current.shape) for index in placed.values() if index is not None]
-            else:
-                devices, boxes = [None], [tuple((0, n) for n in current.shape)]
-            reads = [(name, tuple(reversed(b)) if transpose else b) for b in boxes]
-            plans.append((var, sharding, transpose, devices, reads))
-            wanted += reads
-        host = iter(self.read_boxes(wanted))
-        staged = [(var, sharding, transpose, devices, [next(host) for _ in reads]) for var, sharding, transpose, devices, reads in plans]
-        for var, sharding, transpose, devices, pieces in staged:
-            current = var.get_value()
-            arrays = [np.asarray(p.T if transpose else p).astype(current.dtype, copy=False) for p in pieces]
-            if devices == [None]:
+            arrays = [np.asarray(p.T if slot.transpose else p).astype(current.dtype, copy=False) for p in parts]
+            if slot.sharding is None:
                 var.set_value(jnp.asarray(arrays[0], dtype=current.dtype))
             else:
-                shards = [jax.device_put(a, d) for a, d in zip(arrays, devices, strict=True)]
-                var.set_value(jax.make_array_from_single_device_arrays(tuple(current.shape), sharding, shards))
+                shards = [jax.device_put(a, d) for a, d in zip(arrays, slot.devices, strict=True)]
+                var.set_value(jax.make_array_from_single_device_arrays(slot.shape, slot.sharding, shards))
 
 
 def _block_span(shard: ShardRecord, part: Box) -> tuple[int, int]:

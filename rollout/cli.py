@@ -134,7 +134,10 @@ def follow_primary(sampler: Any, processes: Any, settings: Any, args: argparse.N
     from stoker.rollout.hosts import WeightPrefetcher, follow
 
     subscriber = make_weight_source(args.weights, token) if args.weights else None
-    weights = WeightPrefetcher(subscriber, settings.weight_poll_seconds).start() if subscriber is not None else None
+    weights = (
+        WeightPrefetcher(subscriber, settings.weight_poll_seconds, sampler.weight_layout()).start()
+        if subscriber is not None else None
+    )
     checks = health.HealthServicer()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=[("grpc.so_reuseport", 0)])
     health_pb2_grpc.add_HealthServicer_to_server(checks, server)

@@ -149,14 +149,24 @@ def _follow_load(
 class WeightPrefetcher:
     """A follower's copy of the newest published weights, fetched in the background while the
     primary fetches its own, so that when the primary announces the version the swap waits for
-    no download. ``fetch(version)`` answers from it, or fetches a version it does not hold."""
+    no download. Sharded weights are staged: this host's slices (``layout``, the sampler's
+    ``weight_layout()``) read and checksummed into host memory, so the swap only places them on
+    the devices. At most one version is held: the older one is dropped before the next is read.
 
-    def __init__(self, subscriber: Any, poll_seconds: float):
+    ``fetch(version)`` answers from it, or stages a version it does not hold right then; either
+    way every read and check happens before the hosts agree, so a bad shard withholds this
+    host's agreement instead of failing a swap the others make."""
+
+    def __init__(self, subscriber: Any, poll_seconds: float, layout: Any = None):
         self.subscriber = subscriber
         self.poll_seconds = poll_seconds
+        self.layout = layout
         self._newest: tuple[int, Mapping[str, np.ndarray]] | None = None
+        self._refused: tuple[int, Exception] | None = None  # a version whose bytes failed their checks
         self._lock = threading.Lock()
+        self._reading = threading.Lock()  # one version read at a time (background or on demand)
         self._stop = threading.Event()
+        self.staged = threading.Event()  # set whenever a version was staged (or refused): for tests and logs
         self._thread = threading.Thread(target=self._follow, name="rollout-prefetch", daemon=True)
 
     def start(self) -> WeightPrefetcher:
@@ -166,11 +176,40 @@ class WeightPrefetcher:
     def stop(self) -> None:
         self._stop.set()
 
-    def fetch(self, version: int) -> Mapping[str, np.ndarray]:
+    def held(self) -> int | None:
         with self._lock:
-            if self._newest is not None and self._newest[0] == version:
-                return self._newest[1]
-        return self.subscriber.fetch(version)  # sharded weights stay lazy: each host reads its own slices
+            return None if self._newest is None else self._newest[0]
+
+    def fetch(self, version: int) -> Mapping[str, np.ndarray]:
+        with self._reading:
+            with self._lock:
+                if self._newest is not None and self._newest[0] == version:
+                    return self._newest[1]
+                if self._refused is not None and self._refused[0] == version:
+                    raise self._refused[1]
+            return self._stage(version)
+
+    def _stage(self, version: int) -> Mapping[str, np.ndarray]:
+        """Fetch ``version`` and, when sharded, read its slices (call with ``_reading`` held)."""
+        from stoker.hfconfig import CheckpointError
+        from stoker.model.weights import WeightsCorrupt
+
+        with self._lock:
+            self._newest = None  # bound host memory to one version: drop the old before reading
+        try:
+            flat = self.subscriber.fetch(version)
+            stage = getattr(flat, "stage", None)
+            if callable(stage) and self.layout is not None:
+                flat = stage(self.layout)
+        except (WeightsCorrupt, CheckpointError) as exc:  # the same bytes fail again: refuse the version
+            with self._lock:
+                self._refused = (version, exc)
+            self.staged.set()
+            raise
+        with self._lock:
+            self._newest = (version, flat)
+        self.staged.set()
+        return flat
 
     def _follow(self) -> None:
         from stoker.model.weights import WeightsError
@@ -180,9 +219,10 @@ class WeightPrefetcher:
                 latest = self.subscriber.latest_version()
                 with self._lock:
                     held = -1 if self._newest is None else self._newest[0]
-                if latest > held:
-                    flat = self.subscriber.fetch(latest)
-                    with self._lock:
-                        self._newest = (latest, flat)
-            except WeightsError as exc:
+                    refused = -1 if self._refused is None else self._refused[0]
+                if latest > held and latest != refused:
+                    with self._reading:
+                        if self.held() != latest:
+                            self._stage(latest)
+            except (WeightsError, ValueError) as exc:  # ValueError: CheckpointError, weights that do not fit
                 log.warning("weight prefetch: %s; retrying", exc)

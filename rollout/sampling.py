@@ -221,6 +221,13 @@ class Sampler(SessionRows):
         self.version = version
         self._drop_unpinned_states()
 
+    def weight_layout(self) -> Any:
+        """Where each parameter lives on this host's devices (``stoker.model.shards.layout_of``),
+        so a follower can read and verify its slices of a version before the swap."""
+        from stoker.model.shards import layout_of
+
+        return layout_of(self._model)
+
     def _placed(self, state: nnx.State) -> nnx.State:
         """``state`` laid out over the mesh; the model then holds the same arrays, so no whole
         copy stays on one chip and ``load_hf`` keeps new weights in this layout."""

@@ -161,7 +161,11 @@ class RolloutServer:
         try:
             latest = self.weights.latest_version()
             if latest > self.engine.version:
-                self.engine.load_weights(self.weights.fetch(latest), latest)
+                flat = self.weights.fetch(latest)
+                stage = getattr(flat, "stage", None)
+                if callable(stage):  # sharded: read and check this host's slices here, not in the engine's swap
+                    flat = stage(self.engine.sampler.weight_layout())
+                self.engine.load_weights(flat, latest)
         except WeightsError as exc:
             log.warning("weight sync: %s; retrying", exc)
 

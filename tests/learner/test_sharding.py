@@ -84,6 +84,45 @@ def test_sharded_steps_match_single_device() -> None:
         assert results["fsdp4_tp2"]["shards"] == 8
 
 
+VALUE_INIT = textwrap.dedent(
+    """
+    import functools, json, sys
+    import jax, numpy as np
+    from flax import nnx
+    from stoker.learner import sharding, train
+    from stoker.spec import TransformerConfig
+    # big enough (>= MIN_SHARDED_SIZE elements) that the embedding and the MLP are split
+    cfg = TransformerConfig(vocab_size=256, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=256)
+    mesh = sharding.make_mesh(4, 2)
+    placed = train.init_value_network(cfg, 7, placement=functools.partial(sharding.param_sharding, mesh=mesh))
+    unplaced = train.init_value_network(cfg, 7)
+    eager = train.ValueNetwork(cfg, rngs=nnx.Rngs(params=7))
+    out = []
+    for (path, p), (_, u), (_, e) in zip(*(nnx.to_flat_state(nnx.state(m, nnx.Param)) for m in (placed, unplaced, eager)), strict=True):
+        p, u, e = p.get_value(), u.get_value(), e.get_value()
+        out.append({
+            "name": "/".join(map(str, path)), "exact": np.asarray(p).tobytes() == np.asarray(u).tobytes(),
+            "eager_close": bool(np.allclose(np.asarray(p), np.asarray(e), rtol=1e-6, atol=1e-6)),
+            "training_sharding": p.sharding.is_equivalent_to(sharding.param_sharding(p.shape, mesh), p.ndim),
+            "largest_shard": max(s.data.size for s in p.addressable_shards), "size": int(p.size),
+        })
+    json.dump(out, sys.stdout)
+    """
+)
+
+
+def test_the_value_network_is_initialised_in_its_training_sharding_with_the_unplaced_values() -> None:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", VALUE_INIT], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    params = json.loads(proc.stdout)
+    assert len(params) >= 5
+    for param in params:
+        assert param["exact"] and param["training_sharding"] and param["eager_close"], param
+    embedding = next(p for p in params if "embed_tokens" in p["name"])
+    assert embedding["largest_shard"] == embedding["size"] // 8  # split over fsdp x tp: no device holds it whole
+
+
 def test_mesh_shape_resolution() -> None:
     assert sharding.mesh_shape(8, -1, 2) == (4, 2)
     assert sharding.mesh_shape(8, 8, 1) == (8, 1)

@@ -139,3 +139,132 @@ def test_a_follower_prefetches_the_newest_weights_so_a_swap_waits_for_no_downloa
                 prefetcher.fetch(7)  # one it does not hold is fetched, and may not exist
         finally:
             prefetcher.stop()
+
+
+class Recording:
+    """A subscriber that keeps every version handle it returned, to count the bytes read from them."""
+
+    def __init__(self, inner: Any):
+        self.inner, self.handles = inner, []
+
+    def latest_version(self) -> int:
+        return self.inner.latest_version()
+
+    def fetch(self, version: int) -> Any:
+        handle = self.inner.fetch(version)
+        self.handles.append(handle)
+        return handle
+
+    def bytes_read(self) -> int:
+        return sum(handle.stats.bytes_read for handle in self.handles)
+
+
+def _agreeing(processes: Processes, flag: int, payload: bytes = b"", *, doing: str, **_: Any) -> Any:
+    return np.asarray([1, flag]), b""  # the other host has every version
+
+
+@pytest.mark.parametrize("transport", ["directory", "peer"])
+def test_a_follower_reads_its_shards_before_the_swap_and_the_swap_reads_nothing(
+    transport: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, xla_cache: object
+) -> None:
+    from stoker.learner.publish import ShardedPublisher
+    from stoker.model.hf import to_hf
+    from stoker.model.model import init_model
+    from stoker.model.weights import WeightSubscriber
+
+    monkeypatch.setattr(hosts, "share", _agreeing)
+    follower = Sampler(CONFIG, SamplingSpec(), **OPTIONS)
+    with ShardedPublisher(directory=str(tmp_path), address="127.0.0.1:0", processes=Processes(), block_bytes=256) as publisher:
+        where = {"directory": tmp_path} if transport == "directory" else {"address": f"127.0.0.1:{publisher.port}"}
+        with WeightSubscriber(**where) as inner:  # type: ignore[arg-type]
+            subscriber = Recording(inner)
+            prefetcher = hosts.WeightPrefetcher(subscriber, poll_seconds=0.01, layout=follower.weight_layout())
+            for version in (1, 2):  # the second replaces the first: one version held
+                prefetcher.staged.clear()
+                publisher.publish(version, init_model(CONFIG, seed=version))
+                if version == 1:
+                    prefetcher.start()
+                assert prefetcher.staged.wait(60) and prefetcher.held() == version, f"version {version} was never staged"
+            try:
+                read = subscriber.bytes_read()
+                assert read >= sum(a.nbytes for a in weights(2).values())  # this host's slices (here: all) were read
+                hosts._follow_load(follower, Processes(1, 2), prefetcher.fetch, 2)
+                assert subscriber.bytes_read() == read  # the swap read nothing more
+                assert follower.version == 2
+                for name, array in to_hf(follower._model).items():
+                    assert array.tobytes() == weights(2)[name].tobytes(), name
+            finally:
+                prefetcher.stop()
+
+
+def test_a_corrupt_shard_is_refused_at_prefetch_and_the_model_keeps_its_weights(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, xla_cache: object
+) -> None:
+    from stoker.learner.publish import ShardedPublisher
+    from stoker.model.hf import to_hf
+    from stoker.model.model import init_model
+    from stoker.model.weights import WeightsCorrupt, WeightSubscriber
+
+    shared: list[int] = []
+
+    def share(processes: Processes, flag: int, payload: bytes = b"", *, doing: str, **_: Any) -> Any:
+        shared.append(flag)
+        return np.asarray([1, flag]), b""
+
+    monkeypatch.setattr(hosts, "share", share)
+    follower = Sampler(CONFIG, SamplingSpec(), **OPTIONS)
+    before = to_hf(follower._model)
+    with ShardedPublisher(directory=str(tmp_path), processes=Processes(), block_bytes=256) as publisher:
+        publisher.publish(1, init_model(CONFIG, seed=1))
+    shard = next(tmp_path.glob("shards-000000000001-*/p00000/model.layers.0.mlp.down_proj.weight@0"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with WeightSubscriber(directory=tmp_path) as subscriber:
+        prefetcher = hosts.WeightPrefetcher(subscriber, poll_seconds=0.01, layout=follower.weight_layout()).start()
+        try:
+            assert prefetcher.staged.wait(60), "the prefetcher never tried version 1"
+            assert prefetcher.held() is None
+            with pytest.raises(WeightsCorrupt, match="crc32"):
+                prefetcher.fetch(1)  # refused at prefetch: the swap's fetch fails the same way, before any agreement
+            hosts._follow_load(follower, Processes(1, 2), prefetcher.fetch, 1)
+        finally:
+            prefetcher.stop()
+    assert shared == [0] and follower.version == 0  # this host withheld its agreement
+    for name, array in to_hf(follower._model).items():
+        assert array.tobytes() == before[name].tobytes(), name
+
+
+def test_the_server_reads_sharded_weights_before_handing_them_to_the_engines_swap(
+    serve: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stoker.model.model import init_model
+    from stoker.model.weights import WeightSubscriber
+
+    from .conftest import make_engine
+
+    from stoker.distributed import Processes
+    from stoker.learner.publish import ShardedPublisher
+    from stoker.model.hf import to_hf
+
+    with ShardedPublisher(directory=str(tmp_path), processes=Processes(), block_bytes=256) as publisher:
+        publisher.publish(1, init_model(CONFIG, seed=1))
+    handles: list[Any] = []
+    with WeightSubscriber(directory=tmp_path) as subscriber:
+        fetch = subscriber.fetch
+        monkeypatch.setattr(subscriber, "fetch", lambda version: handles.append(fetch(version)) or handles[-1])
+        engine = make_engine()
+        read_at_swap: list[int] = []
+        swap = engine.sampler.load_weights
+
+        def counting_swap(flat: object, version: int) -> None:
+            read_at_swap.append(handles[-1].stats.bytes_read)
+            swap(flat, version)  # type: ignore[arg-type]
+            read_at_swap.append(handles[-1].stats.bytes_read)
+
+        monkeypatch.setattr(engine.sampler, "load_weights", counting_swap)
+        server = serve(engine, weights=subscriber)
+        assert server.engine.version == 1
+    assert len(handles) == 1 and read_at_swap[0] > 0 and read_at_swap[0] == read_at_swap[1]  # all read before the swap
+    for name, array in to_hf(engine.sampler._model).items():
+        assert array.tobytes() == weights(1)[name].tobytes(), name
