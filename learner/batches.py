@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -215,7 +215,23 @@ def prepare_groups(
 
 
 class DatasetError(ValueError):
-    """A DPO dataset file that cannot be read; the message names the line and field."""
+    """A dataset file (DPO pairs, SFT conversations) that cannot be read; the message names the line
+    and field."""
+
+
+def dataset_records(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """``(line number, parsed JSON)`` for every non-blank line of a JSONL dataset file."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{path}:{number}: not JSON: {exc.msg}") from exc
 
 
 def load_dpo_pairs(path: str | Path) -> list[list[TrainSequence]]:
@@ -227,17 +243,7 @@ def load_dpo_pairs(path: str | Path) -> list[list[TrainSequence]]:
     Each pair becomes two sequences (prompt + response) with no sampler log-probs, so its
     importance weight is 1."""
     pairs: list[list[TrainSequence]] = []
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise DatasetError(f"{path}: cannot read: {exc.strerror or exc}") from exc
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{path}:{number}: not JSON: {exc.msg}") from exc
+    for number, record in dataset_records(path):
         if not isinstance(record, dict):
             raise DatasetError(f"{path}:{number}: expected an object with prompt_ids, chosen_ids, rejected_ids")
         fields = {}

@@ -15,7 +15,6 @@ assistant's ids and a stop token.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from stoker.learner.batches import DatasetError
+from stoker.learner.batches import DatasetError, dataset_records
 from stoker.learner.packing import TrainSequence
 
 if TYPE_CHECKING:
@@ -48,18 +47,8 @@ class Conversation:
 
 def read_conversations(path: str | Path) -> list[list[dict[str, str]]]:
     """The ``messages`` of every line of a JSONL file; a bad line is named with its number."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise DatasetError(f"{path}: cannot read: {exc.strerror or exc}") from exc
     conversations = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{path}:{number}: not JSON: {exc.msg}") from exc
+    for number, record in dataset_records(path):
         messages = record.get("messages") if isinstance(record, dict) else None
         if not isinstance(messages, list) or not messages:
             raise DatasetError(f"{path}:{number}: expected an object with a non-empty messages list")
