@@ -220,7 +220,7 @@ def test_tokenizer_errors_are_clear(tmp_path: Path) -> None:
 # ------------------------------------------------------------- config.json is the source of truth
 
 
-def _manifest(checkpoint: Path, architecture: str = "") -> str:
+def _manifest(checkpoint: Path | str, architecture: str = "") -> str:
     return (
         "apiVersion: stoker.dev/v1alpha1\nkind: RLJob\nmetadata: {name: tiny}\n"
         f"spec:\n  model:\n    checkpoint: {checkpoint}\n{architecture}"
@@ -260,6 +260,10 @@ def test_validate_reads_a_local_checkpoint(tmp_path: Path, capsys: pytest.Captur
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(LLAMA_CONFIG))
     assert validate_cmd.main(argparse.Namespace(files=[str(manifest)])) == 2
     assert "expected <= model.architecture.maxSeqLen (128)" in capsys.readouterr().err
-    # A path that is not local (a bucket, a volume only the cluster has) is left to the pods.
-    manifest.write_text(_manifest(Path("/models/not-here")))
+    # A URI (a bucket) is left to the pods; a local path that does not exist is an error for a job
+    # that runs here (this one's learner is the CPU default), not taken for a cluster path.
+    manifest.write_text(_manifest("gs://bucket/model"))
     assert validate_cmd.main(argparse.Namespace(files=[str(manifest)])) == 0
+    manifest.write_text(_manifest(Path("/models/not-here")))
+    assert validate_cmd.main(argparse.Namespace(files=[str(manifest)])) == 2
+    assert "spec.model.checkpoint: '/models/not-here' does not exist" in capsys.readouterr().err
