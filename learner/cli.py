@@ -146,7 +146,7 @@ def main(args: argparse.Namespace) -> int:
                 attach_samples(sink, spec, run_dir)
                 made = learner.run(source, publisher, sink=sink, stop=stop)
         else:
-            made = learner.run(None, None, stop=stop)
+            made = learner.run(None, publisher, stop=stop)  # a sharded publisher publishes from every process
     except PeerFailure as exc:
         _peer_failed(str(exc), learner.steps)
     except DatasetError as exc:
