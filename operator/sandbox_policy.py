@@ -5,11 +5,12 @@ ValidatingAdmissionPolicy (Kubernetes 1.30+) does: a ``<job>-sandbox-manager`` S
 create only pods labelled as that job's sandboxes, in the shape
 ``stoker.actor.pods.sandbox_pod_manifest`` builds (no API token, the namespace's default account,
 no host namespaces, only ``emptyDir`` volumes, no Secret or ConfigMap through env, non-root in
-every container, confined by seccomp, no privilege, escalation or added capabilities); may change
-a pod only if it already was that job's sandbox, and then only its heartbeat annotation; and may
-delete only that job's sandboxes. Static (one per cluster, any number of jobs), so the Helm chart
-ships it (``templates/sandbox-policy.yaml``; tests/ship/test_chart.py checks it renders this) and
-the operator, which holds no cluster-scoped write access, never creates it.
+every container, confined by seccomp, no privilege, escalation or added capabilities, no chosen
+node, critical priority or accelerator toleration); may change a pod only if it already was that
+job's sandbox, and then only its heartbeat annotation; and may delete only that job's sandboxes.
+Static (one per cluster, any number of jobs), so the Helm chart ships it
+(``templates/sandbox-policy.yaml``; tests/ship/test_chart.py checks it renders this) and the
+operator, which holds no cluster-scoped write access, never creates it.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ def _same_except(field: str, key: str) -> str:
 _CONTAINERS = "(object.spec.containers + (has(object.spec.initContainers) ? object.spec.initContainers : []))"
 _POD_SC = "object.spec.securityContext"
 _CONFINED = "['RuntimeDefault', 'Localhost']"
+_RUNTIME_CLASSES = "['gvisor']"
+_CRITICAL_PRIORITIES = "['system-node-critical', 'system-cluster-critical']"
+_ACCELERATOR_TAINTS = "['google.com/tpu', 'nvidia.com/gpu']"  # GKE's taints on TPU and GPU nodes
 
 # (name, CEL that must hold on CREATE, message): the sandbox pod's own lockdown.
 SANDBOX_SHAPE: tuple[tuple[str, str, str], ...] = (
@@ -113,6 +117,21 @@ SANDBOX_SHAPE: tuple[tuple[str, str, str], ...] = (
         " && c.securityContext.capabilities.add.size() > 0)"
         " && (!has(c.ports) || c.ports.all(p, !has(p.hostPort) || p.hostPort == 0)))",
         "sandbox containers may not be privileged, escalate privileges, add capabilities or use host ports",
+    ),
+    (
+        # Placement is privilege too: nodeName skips the scheduler (and with it every taint), an
+        # accelerator toleration lands agent code beside a learner, a critical priority class
+        # preempts one, and a runtime class could pick a less confining runtime. gVisor (GKE
+        # Sandbox) confines more, so it stays allowed; mutating admission adds only keyed
+        # tolerations (not-ready, unreachable) and a cluster's global default priority class.
+        "placed-like-a-sandbox",
+        "!has(object.spec.nodeName)"
+        f" && (!has(object.spec.runtimeClassName) || object.spec.runtimeClassName in {_RUNTIME_CLASSES})"
+        f" && (!has(object.spec.priorityClassName) || !(object.spec.priorityClassName in {_CRITICAL_PRIORITIES}))"
+        " && (!has(object.spec.tolerations) || object.spec.tolerations.all(t, has(t.key)"
+        f" && !({_ACCELERATOR_TAINTS}.exists(a, t.key == a || t.key.startsWith(a + '/')))))",
+        "sandbox pods may not name their node, use a runtime class other than gvisor, a system-critical "
+        "priority class, or tolerate every taint or an accelerator's",
     ),
 )
 

@@ -175,11 +175,31 @@ CONFIGMAP_ENV = {"name": "J", "valueFrom": {"configMapKeyRef": {"name": "other-j
         (("spec", "containers", 0, "ports"), [{"containerPort": 80, "hostPort": 80}], "host ports"),
         (("spec", "initContainers"), [{"name": "i", "image": "x", "securityContext": {"privileged": True}}],
          "may not be privileged"),
+        # Placement: beside a learner, ahead of one, or under another runtime.
+        (("spec", "nodeName"), "gke-tpu-v5p-node-0", "may not name their node"),
+        (("spec", "tolerations"), [{"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}],
+         "an accelerator's"),
+        (("spec", "tolerations"), [{"key": "nvidia.com/gpu", "operator": "Equal", "value": "present"}], "an accelerator's"),
+        (("spec", "tolerations"), [{"operator": "Exists"}], "tolerate every taint"),
+        (("spec", "priorityClassName"), "system-node-critical", "system-critical priority class"),
+        (("spec", "runtimeClassName"), "runc-privileged", "runtime class other than gvisor"),
     ],
 )
 def test_anything_else_is_denied_at_creation(policy: dict[str, Any], path: tuple[str | int, ...], value: Any, why: str) -> None:
     denied = admit(policy, "CREATE", MANAGER, changed(path, value))
     assert denied and any(why in message for message in denied), denied
+
+
+def test_what_mutating_admission_adds_and_gvisor_are_admitted(policy: dict[str, Any]) -> None:
+    """DefaultTolerationSeconds adds keyed NoExecute tolerations, the Priority plugin a cluster's
+    global default class; GKE Sandbox (gVisor) confines more than the default runtime."""
+    pod = changed(("spec", "tolerations"), [
+        {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
+        {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
+        {"key": "sandbox.gke.io/runtime", "operator": "Equal", "value": "gvisor", "effect": "NoSchedule"},
+    ])
+    pod = edit(edit(pod, ("spec", "priorityClassName"), "batch-default"), ("spec", "runtimeClassName"), "gvisor")
+    assert admit(policy, "CREATE", MANAGER, pod) == []
 
 
 def test_a_pod_without_a_seccomp_profile_is_denied(policy: dict[str, Any]) -> None:
