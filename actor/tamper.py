@@ -255,7 +255,8 @@ def install(
             refuse("forged harness event", event)
         elif event == "stoker.trust":
             trusted_codes[args[0]] = args[1]
-        elif event == "stoker.loaded":
+        elif event == "stoker.loaded":  # after its imports ran the agent's code
+            note_state()
             loaded(args[0], args[1])
         elif event == "stoker.begin":
             if args[0] in tests:

@@ -75,9 +75,9 @@ def make_state(guarded: tuple[Any, ...], watched: tuple[Any, ...], plain: Any, r
         values = {k: copy_plain(v) for k, v in ids.items() if type(v) in (list, dict, set) and plain(v)}
         test_globals.append((name, namespace, ids, values))
 
-    def changes() -> list[str]:
-        """What was rebound since the agent's code could first run, each name once: one change is one
-        attempt, however many events see it."""
+    def changes() -> tuple[list[str], list[str]]:
+        """(what was rebound since the agent's code could first run, the names of it not seen before):
+        one change is one attempt, however many events see it."""
         found: list[str] = []
         table = vars(builtins_module)
         for key, value in builtins_before.items():
@@ -95,18 +95,20 @@ def make_state(guarded: tuple[Any, ...], watched: tuple[Any, ...], plain: Any, r
                     found.append(f"{name}.{key}")
         fresh = [key for key in found if key not in reported]
         reported.update(fresh)
-        return fresh
+        return found, fresh
 
     def check_state() -> None:
         """At an event of a test's own code: a change is refused there (the test errors too)."""
-        changed = changes()
-        if changed:
-            refuse("patched test state", f"{', '.join(changed[:5])} changed while the tests ran")
+        changed, fresh = changes()
+        if fresh:
+            refuse("patched test state", f"{', '.join(fresh[:5])} changed while the tests ran")
+        if changed:  # counted already; every later check of a test still fails
+            raise RuntimeError(f"stoker: refused (patched test state): {', '.join(changed[:5])}")
 
     def note_state() -> None:
         """At a test's start and end (the harness's events): recorded, not raised."""
-        changed = changes()
-        if changed:
-            note("patched test state", f"{', '.join(changed[:5])} changed while the tests ran")
+        fresh = changes()[1]
+        if fresh:
+            note("patched test state", f"{', '.join(fresh[:5])} changed while the tests ran")
 
     return guard, loaded, check_state, note_state

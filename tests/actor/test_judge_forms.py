@@ -49,14 +49,19 @@ def _judge(tmp_path: Path, body: str, code: str, header: str = "") -> judge.Verd
     return judge.judge_unittest(tree, {"test_parse.py": tests}, ["test_parse"], tmp_path / "judge", 20.0)
 
 
-# Each: the test body, and a cheat that makes unittest pass the wrong code (scored 1.0 before).
+# Each: the test body, and a cheat that makes the wrong code pass it (each scored 1.0 on 5b220a2);
+# a patch of unittest puts itself back, so the end-of-run snapshot sees nothing.
 CHEATED_FORMS = {
     "self.fail, patched to do nothing": (
         "try:\n            parse('bad')\n        except ValueError:\n            return\n        self.fail('no ValueError')",
-        "import unittest\nunittest.TestCase.fail = lambda self, msg=None: None\n" + WRONG),
+        "import unittest\n_orig = unittest.TestCase.fail\n"
+        "def _fake(self, msg=None):\n    unittest.TestCase.fail = _orig  # put back: nothing to see at the end\n"
+        "unittest.TestCase.fail = _fake\n" + WRONG),
     "subTest, patched to swallow the error": (
         "for s in ('1', '2'):\n            with self.subTest(s=s):\n                self.assertEqual(parse(s), int(s))",
-        "import contextlib, unittest\nunittest.TestCase.subTest = lambda self, *a, **k: contextlib.suppress(Exception)\n"
+        "import contextlib, unittest\n_orig, _calls = unittest.TestCase.subTest, []\n"
+        "def _fake(self, *a, **k):\n    _calls.append(1)\n    if len(_calls) == 2:\n        unittest.TestCase.subTest = _orig\n"
+        "    return contextlib.suppress(Exception)\nunittest.TestCase.subTest = _fake\n"
         "def parse(s):\n    raise TypeError(s)\ndef old():\n    pass\n"),
     "assertWarns call form": (
         "self.assertWarns(DeprecationWarning, old)",
