@@ -31,7 +31,6 @@ if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--send":
     sys.exit(0)
 
 import argparse  # noqa: E402 - the reporter above must start with nothing loaded
-import ast  # noqa: E402
 import builtins  # noqa: E402
 import importlib  # noqa: E402
 import importlib.util  # noqa: E402
@@ -61,8 +60,6 @@ GUARDED_STATE: tuple[Any, ...] = (
     getattr(unittest._log, "_CapturingHandler"), warnings.catch_warnings, re,
     sys.modules["re._compiler"], sys.modules["re._parser"], builtins,
 )
-# Standard-library modules whose names honest code rebinds (sys.stdout, warnings.filters): never watched.
-UNWATCHED = frozenset({"sys", "warnings", "builtins", "__main__", "importlib", "unittest"})
 STARTED = b"stoker-started\n"  # sent to the judge before any of the agent's code is imported
 HERE = os.path.dirname(os.path.abspath(__file__))
 HOOK_FILES = ("tamper_checks.py", "tamper_state.py", "tamper_report.py", "tamper.py")  # one private namespace
@@ -113,39 +110,6 @@ def load_test_module(name: str, path: str, code: types.CodeType) -> None:
         setattr(sys.modules[parent], name.rpartition(".")[2], module)
     LOADED[name] = module
     sys.audit("stoker.loaded", name, module.__dict__)  # its globals, checked from here on
-
-
-def stdlib_imports(test_files: list[str], repo: str) -> tuple[types.ModuleType, ...]:
-    """The standard-library modules the tests import, imported now (before any agent code) to be
-    watched; none when a test uses ``mock``, whose patches of them are the test's own."""
-    names: set[str] = set()
-    for path in test_files:
-        try:
-            with open(path, encoding="utf-8") as handle:
-                tree = ast.parse(handle.read())
-        except (OSError, SyntaxError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                names.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                names.add(node.module)
-    if any(name == "mock" or name.startswith(("unittest.mock", "mock.")) for name in names):
-        return ()
-    stdlib = sysconfig.get_paths()["stdlib"].rstrip("/") + "/"
-    found = []
-    for name in sorted(names):
-        top = name.split(".")[0]
-        if top in UNWATCHED or os.path.exists(os.path.join(repo, top)) or os.path.exists(os.path.join(repo, top + ".py")):
-            continue  # the agent's own module of that name would win on the path
-        try:
-            spec = importlib.util.find_spec(name)
-            origin = (spec.origin or "") if spec is not None else ""
-            if origin.startswith(stdlib) and "-packages/" not in origin:
-                found.append(importlib.import_module(name))
-        except (ImportError, ValueError):
-            continue
-    return tuple(found)
 
 
 LOADED: dict[str, types.ModuleType] = {}
@@ -291,7 +255,7 @@ def _is_open(fd: int) -> bool:
 def _run_cases(cases: list[Any], result: _Result) -> None:
     """Each test between the hook's begin and end, with unittest's class and module fixtures."""
     modules_done: dict[str, str] = {}  # module -> why its setUpModule failed ("" when it ran)
-    classes: list[tuple[type, list[Any]]] = []
+    classes: list[tuple[Any, list[Any]]] = []
     for case in cases:  # consecutive cases of one class share its setUpClass
         if classes and classes[-1][0] is type(case):
             classes[-1][1].append(case)
@@ -394,7 +358,7 @@ def main() -> None:
     _prctl(4, 0)  # PR_SET_DUMPABLE: the agent's processes cannot ptrace or read this one
     if os.getpid() != 1:
         _prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans of the agent's processes stay ours to kill
-    watched = stdlib_imports(list(test_files.values()), repo)
+    watched = REWRITE["stdlib_imports"](list(test_files.values()), repo)
     _arm(args, list(test_files.values()), watched)
     before = snapshot(WATCHED_MODULES)
     os.chdir(repo)

@@ -22,8 +22,12 @@ from __future__ import annotations
 
 import ast
 import builtins
+import importlib
+import importlib.util
+import os
 import re
 import sys
+import sysconfig
 import types
 import unittest
 import unittest._log
@@ -65,6 +69,8 @@ GUARDED_CONTEXTS: dict[str, tuple[type, bool]] = {
     "assertNoLogs": (unittest._log._AssertLogsContext, True),
 }
 RESULT_POP: list[Any] = []  # the hook's ``pop``, set by the harness before compiling
+# Standard-library modules whose names honest code rebinds (sys.stdout, warnings.filters): never watched.
+UNWATCHED = frozenset({"sys", "warnings", "builtins", "__main__", "importlib", "unittest"})
 
 
 def _audit(*args: ast.expr) -> ast.Call:
@@ -189,7 +195,8 @@ class Rewrite(ast.NodeTransformer):
         ops = tuple(OPERATORS[type(op)] for op in node.ops)
         if all(op in ("is", "is not") for op in ops):
             return node
-        event = _audit(ast.Constant("stoker.compare"), ast.Constant(ops), ast.Tuple([node.left, *node.comparators], ast.Load()))
+        operators = ast.Constant(ops)  # type: ignore[arg-type]  # a tuple of str is a valid constant
+        event = _audit(ast.Constant("stoker.compare"), operators, ast.Tuple([node.left, *node.comparators], ast.Load()))
         pick = ast.Call(func=ast.Constant(RESULT), args=[], keywords=[])
         return ast.Subscript(ast.Tuple([event, pick], ast.Load()), ast.Constant(1), ast.Load())
 
@@ -331,3 +338,36 @@ def compile_rewritten(source: str, path: str) -> types.CodeType:
     swapped = _swap(code, rewrite.constants)
     assert isinstance(swapped, types.CodeType)
     return swapped
+
+
+def stdlib_imports(test_files: list[str], repo: str) -> tuple[types.ModuleType, ...]:
+    """The standard-library modules the tests import, imported now (before any agent code) to be
+    watched; none when a test uses ``mock``, whose patches of them are the test's own."""
+    names: set[str] = set()
+    for path in test_files:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                tree = ast.parse(handle.read())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.add(node.module)
+    if any(name == "mock" or name.startswith(("unittest.mock", "mock.")) for name in names):
+        return ()
+    stdlib = sysconfig.get_paths()["stdlib"].rstrip("/") + "/"
+    found = []
+    for name in sorted(names):
+        top = name.split(".")[0]
+        if top in UNWATCHED or os.path.exists(os.path.join(repo, top)) or os.path.exists(os.path.join(repo, top + ".py")):
+            continue  # the agent's own module of that name would win on the path
+        try:
+            spec = importlib.util.find_spec(name)
+            origin = (spec.origin or "") if spec is not None else ""
+            if origin.startswith(stdlib) and "-packages/" not in origin:
+                found.append(importlib.import_module(name))
+        except (ImportError, ValueError):
+            continue
+    return tuple(found)
