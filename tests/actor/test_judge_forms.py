@@ -133,3 +133,10 @@ def test_forms_the_hook_cannot_check_are_refused_before_the_run(tmp_path: Path) 
     assert unchecked_forms("import unittest\nclass P(unittest.TestCase):\n    def test(self):\n        self.assertEqual(1, 1)\n", "t.py") == []
     with pytest.raises(EnvironmentProblem, match=r"cannot check these test forms: test_parse.py: self.assertEqual \(line 5\)"):
         _judge(tmp_path, "check = self.assertEqual\n        check(parse('1'), 1)", CODE)
+
+
+def test_an_error_inside_a_subtest_fails_the_test_though_the_loop_goes_on(tmp_path: Path) -> None:
+    body = ("for s in ('1', 'bad', '3'):\n            with self.subTest(s=s):\n                self.assertEqual(parse(s), int(s))\n"
+            "        self.assertEqual(parse('3'), 3)")
+    verdict = _judge(tmp_path, body, CODE)  # parse('bad') raises ValueError: that subtest errs, the rest run
+    assert verdict.outcomes == {"test_parse.P.test_it": "failed"} and "subTest(s='bad'): ValueError" in verdict.output, verdict.output
