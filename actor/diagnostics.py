@@ -1,8 +1,9 @@
 """What an actor's episodes say about the run: generation throughput and why episodes failed.
 
 ``ActorDiagnostics`` folds every finished episode: tokens the policy sampled, trajectories, model
-turns, truncations, and failed or timed-out episodes counted by reason (``failure_key``) with the
-first full message of each reason kept as its example. The actor logs the top reasons and, when
+turns, truncations, failed or timed-out episodes counted by reason (``failure_key``) with the
+first full message of each reason kept as its example, and the judge's refused attempts by kind
+(``reward_tampering_total``, from the episodes' ``tampering/<kind>`` metrics). The actor logs the top reasons and, when
 given a path (``stoker actor --stats-file``), rewrites a small JSON snapshot there that
 ``stoker run``'s progress and report read (``read_snapshots``).
 """
@@ -70,6 +71,8 @@ class ActorDiagnostics:
     sample_seconds: float = 0.0
     failures: Counter[str] = field(default_factory=Counter)
     examples: dict[str, str] = field(default_factory=dict)
+    # The judge's refused attempts by kind (``reward_tampering_total``), from each episode's metrics.
+    tampering: Counter[str] = field(default_factory=Counter)
     # (monotonic time, sampled tokens, episodes) at each snapshot: the recent rates' window.
     _history: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=256))
 
@@ -82,6 +85,9 @@ class ActorDiagnostics:
             self.model_turns += int(episode.num_turns)
             self.sample_seconds += float(episode.sample_seconds)
             self.truncated += int(episode.status == trajectory_pb2.EPISODE_STATUS_TRUNCATED)
+            for key, value in (episode.metrics or {}).items():  # cumulative over the episode: its last value
+                if key.startswith("tampering/") and value:
+                    self.tampering[key.removeprefix("tampering/")] += int(value)
             if episode.status in FAILED_STATUSES:
                 key = failure_key(episode)
                 if key not in self.examples and len(self.examples) >= MAX_REASONS:
@@ -126,6 +132,7 @@ class ActorDiagnostics:
                 {"reason": key, "count": count, "example": self.examples.get(key, "")}
                 for key, count in self.failures.most_common()
             ],
+            "reward_tampering_total": dict(self.tampering.most_common()),
         }
 
     def summary_line(self) -> str:
@@ -188,8 +195,10 @@ def combine(snapshots: Sequence[dict[str, Any]]) -> dict[str, Any]:
     tokens = sum(int(s.get("sampled_tokens", 0)) for s in snapshots)
     truncated = sum(float(s.get("truncation_rate", 0.0)) * int(s.get("episodes", 0)) for s in snapshots)
     counts: Counter[str] = Counter()
+    tampering: Counter[str] = Counter()
     examples: dict[str, str] = {}
     for s in snapshots:
+        tampering.update({kind: int(n) for kind, n in (s.get("reward_tampering_total") or {}).items()})
         for entry in s.get("failures", []):
             counts[entry["reason"]] += int(entry["count"])
             examples.setdefault(entry["reason"], entry.get("example", ""))
@@ -205,4 +214,5 @@ def combine(snapshots: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "truncation_rate": truncated / episodes if episodes else 0.0,
         "failed_episodes": sum(counts.values()),
         "failures": [{"reason": k, "count": c, "example": examples[k]} for k, c in counts.most_common()],
+        "reward_tampering_total": dict(tampering.most_common()),
     }

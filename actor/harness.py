@@ -31,7 +31,6 @@ if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--send":
     sys.exit(0)
 
 import argparse  # noqa: E402 - the reporter above must start with nothing loaded
-import ast  # noqa: E402
 import builtins  # noqa: E402
 import importlib  # noqa: E402
 import importlib.util  # noqa: E402
@@ -51,30 +50,9 @@ import unittest.util  # noqa: E402
 import warnings  # noqa: E402
 from typing import Any  # noqa: E402
 
-AUDIT = "__stoker_audit_sentinel_4b1f__"  # a code constant swapped for ``sys.audit`` after compiling
-ASSERTIONS = frozenset({
-    "assertEqual", "assertNotEqual", "assertTrue", "assertFalse", "assertIs", "assertIsNot", "assertIsNone",
-    "assertIsNotNone", "assertIn", "assertNotIn", "assertIsInstance", "assertNotIsInstance", "assertAlmostEqual",
-    "assertNotAlmostEqual", "assertGreater", "assertGreaterEqual", "assertLess", "assertLessEqual",
-    "assertListEqual", "assertTupleEqual", "assertDictEqual", "assertSetEqual", "assertSequenceEqual",
-    "assertMultiLineEqual",
-})
-COMPARISONS = {
-    ast.Eq: "assertEqual", ast.NotEq: "assertNotEqual", ast.In: "assertIn", ast.NotIn: "assertNotIn",
-    ast.Is: "assertIs", ast.IsNot: "assertIsNot", ast.Lt: "assertLess", ast.LtE: "assertLessEqual",
-    ast.Gt: "assertGreater", ast.GtE: "assertGreaterEqual",
-}
 WATCHED_MODULES: tuple[types.ModuleType, ...] = (
     unittest, unittest.case, unittest.loader, unittest.result, unittest.suite, unittest.util, builtins, os,
 )
-
-
-GUARDED_CONTEXTS: dict[str, tuple[type, bool]] = {
-    "assertWarns": (unittest.case._AssertWarnsContext, False),
-    "assertWarnsRegex": (unittest.case._AssertWarnsContext, False),
-    "assertLogs": (unittest._log._AssertLogsContext, False),
-    "assertNoLogs": (unittest._log._AssertLogsContext, True),
-}
 # What a guarded context's __enter__/__exit__ run through: checked unchanged by identity and code at each.
 GUARDED_STATE: tuple[Any, ...] = (
     unittest.case, unittest._log, unittest.case.TestCase, unittest.case._BaseTestCaseContext,
@@ -82,146 +60,20 @@ GUARDED_STATE: tuple[Any, ...] = (
     getattr(unittest._log, "_CapturingHandler"), warnings.catch_warnings, re,
     sys.modules["re._compiler"], sys.modules["re._parser"], builtins,
 )
-CONSTANTS: dict[str, Any] = {}  # code constants swapped in after compiling: objects no patch can replace
+STARTED = b"stoker-started\n"  # sent to the judge before any of the agent's code is imported
+HERE = os.path.dirname(os.path.abspath(__file__))
+HOOK_FILES = ("tamper_checks.py", "tamper_state.py", "tamper_report.py", "tamper.py")  # one private namespace
 
 
-def _const(value: Any) -> ast.Constant:
-    sentinel = f"__stoker_constant_{len(CONSTANTS)}_4b1f__"
-    CONSTANTS[sentinel] = value
-    return ast.Constant(sentinel)
+def _private(filename: str, namespace: dict[str, Any]) -> dict[str, Any]:
+    """Execute a file beside this one into ``namespace`` (never in ``sys.modules``)."""
+    path = os.path.join(HERE, filename)
+    with open(path, encoding="utf-8") as handle:
+        exec(compile(handle.read(), path, "exec"), namespace)
+    return namespace
 
 
-def _pattern(expr: ast.expr) -> ast.expr:
-    """A literal pattern compiled now, before any of the agent's code can reach ``re``."""
-    if isinstance(expr, ast.Constant) and isinstance(expr.value, (str, bytes)):
-        return _const(re.compile(expr.value))
-    return expr
-
-
-def _audit(*args: ast.expr) -> ast.Call:
-    return ast.Call(func=ast.Constant(AUDIT), args=list(args), keywords=[])
-
-
-def _assertion(name: str, args: list[ast.expr], keywords: list[ast.keyword]) -> ast.Call:
-    """``sys.audit("stoker.assert", name, args, kwargs)``; ``x == y`` tested as truth is assertEqual."""
-    if name in ("assertTrue", "assertFalse") and len(args) == 1 and isinstance(args[0], ast.Compare):
-        compare = args[0]
-        mapped = COMPARISONS.get(type(compare.ops[0])) if len(compare.ops) == 1 else None
-        if mapped is not None and (name == "assertTrue" or mapped in ("assertEqual", "assertIn", "assertIs")):
-            negated = {"assertEqual": "assertNotEqual", "assertIn": "assertNotIn", "assertIs": "assertIsNot"}
-            name = mapped if name == "assertTrue" else negated[mapped]
-            args = [compare.left, compare.comparators[0]]
-    kwargs = ast.Dict(keys=[ast.Constant(k.arg) if k.arg else None for k in keywords], values=[k.value for k in keywords])
-    return _audit(ast.Constant("stoker.assert"), ast.Constant(name), ast.Tuple(elts=args, ctx=ast.Load()), kwargs)
-
-
-class _MarkReturns(ast.NodeTransformer):
-    """Put the end-of-test marker before each ``return`` of one function (not of nested ones)."""
-
-    def visit_FunctionDef(self, node: Any) -> Any:
-        return node
-
-    visit_AsyncFunctionDef = visit_ClassDef = visit_Lambda = visit_FunctionDef
-
-    def visit_Return(self, node: ast.Return) -> Any:
-        return [ast.Expr(_audit(ast.Constant("stoker.done"))), node]
-
-
-class _Rewrite(ast.NodeTransformer):
-    def __init__(self) -> None:
-        self.count = 0
-
-    def visit_Call(self, node: ast.Call) -> Any:
-        self.generic_visit(node)
-        func = node.func
-        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self":
-            if func.attr in ASSERTIONS or (func.attr == "assertRaises" and len(node.args) >= 2):
-                return _assertion(func.attr, node.args, node.keywords)
-            if func.attr == "assertRaisesRegex" and len(node.args) >= 3:
-                return _assertion(func.attr, [node.args[0], _pattern(node.args[1]), *node.args[2:]], node.keywords)
-        return node
-
-    def visit_With(self, node: ast.With) -> Any:
-        """``with self.assertRaises/Warns/Logs...(...) [as cm]: body``, decided by the hook (see below)."""
-        self.generic_visit(node)
-        if len(node.items) != 1:
-            return node
-        call, bound = node.items[0].context_expr, node.items[0].optional_vars
-        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)
-                and call.func.value.id == "self" and (bound is None or isinstance(bound, ast.Name))):
-            return node
-        name, args = call.func.attr, call.args
-        keywords = [k for k in call.keywords if k.arg != "msg"]
-        if name in ("assertRaises", "assertRaisesRegex") and len(args) == (1 if name == "assertRaises" else 2) and not keywords:
-            return self._raises(node, args[0], _pattern(args[1]) if len(args) == 2 else ast.Constant(None), bound)
-        if name in GUARDED_CONTEXTS and not any(isinstance(a, ast.Starred) for a in args) and all(k.arg for k in keywords):
-            return self._guarded(node, name, args, keywords, bound)
-        return node
-
-    @staticmethod
-    def _raises(node: ast.With, expected: ast.expr, pattern: ast.expr, bound: ast.Name | None) -> ast.Try:
-        """try/except whose handler tells the hook what was raised; ``cm.exception`` from a builtin namespace."""
-        raised = ast.Name("stoker_raised_", ast.Load())
-        body: list[ast.stmt] = [ast.Expr(_audit(ast.Constant("stoker.raised"), expected, raised, pattern))]
-        if bound is not None:
-            namespace = ast.Call(func=_const(types.SimpleNamespace), args=[], keywords=[
-                ast.keyword("exception", raised), ast.keyword("expected", expected)])
-            body.append(ast.Assign(targets=[ast.Name(bound.id, ast.Store())], value=namespace))
-        handler = ast.ExceptHandler(type=ast.Name("BaseException", ast.Load()), name="stoker_raised_", body=body)
-        not_raised = _audit(ast.Constant("stoker.assert"), ast.Constant("fail"), ast.Tuple([ast.Constant("no exception raised")], ast.Load()), ast.Dict([], []))
-        return ast.Try(body=node.body, handlers=[handler], orelse=[ast.Expr(not_raised)], finalbody=[])
-
-    def _guarded(self, node: ast.With, name: str, args: list[ast.expr], keywords: list[ast.keyword], bound: ast.Name | None) -> list[ast.stmt]:
-        """unittest's own context, made from classes held as constants, with the hook checking before
-        ``__enter__`` and ``__exit__`` that unittest, ``warnings``, ``re`` and the builtins are as loaded."""
-        self.count += 1
-        ctx = f"stoker_ctx_{self.count}_"
-        cls, made = GUARDED_CONTEXTS[name]
-        me = ast.Name("self", ast.Load())
-        if name in ("assertWarns", "assertWarnsRegex"):
-            if not args or len(args) > 2 or keywords:
-                return [node]
-            ctor_args = [args[0], me, *([_pattern(args[1])] if name == "assertWarnsRegex" and len(args) > 1 else [])]
-        else:  # _AssertLogsContext(test_case, logger_name, level, no_logs)
-            named = {k.arg: k.value for k in keywords}
-            if len(args) > 2 or set(named) - {"logger", "level"}:
-                return [node]
-            given = [*args, *([ast.Constant(None)] * (2 - len(args)))]
-            ctor_args = [me, named.get("logger", given[0]), named.get("level", given[1]), ast.Constant(made)]
-        guard = ast.Expr(_audit(ast.Constant("stoker.guard"), ast.Name(ctx, ast.Load())))
-        load = ast.Name(ctx, ast.Load())
-        make = ast.Assign([ast.Name(ctx, ast.Store())], ast.Call(_const(cls), ctor_args, []))
-        enter = ast.Call(ast.Attribute(_const(cls), "__enter__", ast.Load()), [load], [])
-        entered: ast.stmt = ast.Assign([ast.Name(bound.id, ast.Store())], enter) if bound else ast.Expr(enter)
-        exc = ast.Name("stoker_exc_", ast.Load())
-        exit_with = ast.Call(ast.Attribute(_const(cls), "__exit__", ast.Load()),
-                             [load, ast.Call(_const(type), [exc], []), exc, ast.Attribute(exc, "__traceback__", ast.Load())], [])
-        handler = ast.ExceptHandler(type=ast.Name("BaseException", ast.Load()), name="stoker_exc_", body=[
-            guard, ast.If(test=ast.UnaryOp(ast.Not(), exit_with), body=[ast.Raise()], orelse=[])])
-        exit_clean = ast.Expr(ast.Call(ast.Attribute(_const(cls), "__exit__", ast.Load()),
-                                       [load, ast.Constant(None), ast.Constant(None), ast.Constant(None)], []))
-        return [make, guard, entered, ast.Try(body=node.body, handlers=[handler], orelse=[guard, exit_clean], finalbody=[]), guard]
-
-    def visit_Assert(self, node: ast.Assert) -> Any:
-        self.generic_visit(node)
-        keywords = [ast.keyword(arg="msg", value=node.msg)] if node.msg is not None else []
-        return ast.Expr(_assertion("assertTrue", [node.test], keywords))
-
-    def visit_FunctionDef(self, node: Any) -> Any:
-        self.generic_visit(node)
-        if node.name.startswith("test"):
-            body = [_MarkReturns().visit(statement) for statement in node.body]
-            flat = [s for item in body for s in (item if isinstance(item, list) else [item])]
-            node.body = [*flat, ast.Expr(_audit(ast.Constant("stoker.done")))]
-        return node
-
-
-def _with_audit(code: types.CodeType) -> types.CodeType:
-    consts = tuple(
-        sys.audit if type(c) is str and c == AUDIT else CONSTANTS[c] if type(c) is str and c in CONSTANTS else _with_audit(c) if isinstance(c, types.CodeType) else c
-        for c in code.co_consts
-    )
-    return code.replace(co_consts=consts)
+REWRITE = _private("harness_rewrite.py", {"__name__": "stoker_rewrite", "__builtins__": builtins})
 
 
 def _trust(code: types.CodeType, module: str) -> None:
@@ -232,12 +84,9 @@ def _trust(code: types.CodeType, module: str) -> None:
 
 
 def compile_test_module(name: str, path: str) -> types.CodeType:
-    """A pristine test module with its assertions rewritten; all are compiled before any agent code runs."""
-    source = open(path, encoding="utf-8").read()
-    tree = ast.fix_missing_locations(_Rewrite().visit(ast.parse(source, path)))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "'str' object is not callable": the constant swapped below
-        code = _with_audit(compile(tree, path, "exec"))
+    """A pristine test module rewritten (see harness_rewrite.py); all are compiled before any agent code runs."""
+    with open(path, encoding="utf-8") as handle:
+        code: types.CodeType = REWRITE["compile_rewritten"](handle.read(), path)
     _trust(code, name)
     return code
 
@@ -260,6 +109,7 @@ def load_test_module(name: str, path: str, code: types.CodeType) -> None:
     if parent:
         setattr(sys.modules[parent], name.rpartition(".")[2], module)
     LOADED[name] = module
+    sys.audit("stoker.loaded", name, module.__dict__)  # its globals, checked from here on
 
 
 LOADED: dict[str, types.ModuleType] = {}
@@ -371,26 +221,26 @@ def _leave_root(uid: int) -> None:
     os.setuid(uid)
 
 
-def _arm(args: argparse.Namespace, test_files: list[str]) -> None:
-    here = os.path.dirname(os.path.abspath(__file__))
-    tamper_file = os.path.join(here, "tamper.py")
+def _arm(args: argparse.Namespace, test_files: list[str], watched: tuple[types.ModuleType, ...]) -> None:
     paths = sysconfig.get_paths()
     prefixes = {os.path.dirname(os.__file__), paths["stdlib"], paths["platstdlib"]}
     prefixes |= {os.path.realpath(p) for p in prefixes}
     open_fds = frozenset(fd for fd in range(3, 256) if _is_open(fd))
     namespace: dict[str, Any] = {"__builtins__": dict(vars(builtins)), "__name__": "stoker_tamper"}
-    with open(tamper_file, encoding="utf-8") as handle:
-        exec(compile(handle.read(), tamper_file, "exec"), namespace)
-    namespace["install"](
+    for name in HOOK_FILES:
+        _private(name, namespace)
+    REWRITE["RESULT_POP"].append(namespace["install"](
         repo=os.path.realpath(args.repo),
         trusted_prefixes=tuple(p.rstrip("/") + "/" for p in prefixes),
-        trusted_files=frozenset([*test_files, os.path.abspath(__file__), tamper_file]),
+        trusted_files=frozenset([*test_files, os.path.abspath(__file__),
+                                 *(os.path.join(HERE, name) for name in (*HOOK_FILES, "harness_rewrite.py"))]),
         harness_file=os.path.abspath(__file__),
         socket_path=args.socket,
         reporter=[sys.executable, "-I", "-S", "-B", os.path.abspath(__file__), "--send"],
         protected_fds=open_fds,
         guarded=GUARDED_STATE,
-    )
+        watched=watched,
+    ))
     del namespace  # from here on only the hook refers to its globals and state
 
 
@@ -402,7 +252,65 @@ def _is_open(fd: int) -> bool:
     return True
 
 
-def run(modules: list[str], test_files: dict[str, str]) -> list[str]:
+def _run_cases(cases: list[Any], result: _Result) -> None:
+    """Each test between the hook's begin and end, with unittest's class and module fixtures."""
+    modules_done: dict[str, str] = {}  # module -> why its setUpModule failed ("" when it ran)
+    classes: list[tuple[Any, list[Any]]] = []
+    for case in cases:  # consecutive cases of one class share its setUpClass
+        if classes and classes[-1][0] is type(case):
+            classes[-1][1].append(case)
+        else:
+            classes.append((type(case), [case]))
+    for cls, group in classes:
+        module = LOADED.get(cls.__module__)
+        if module is not None and cls.__module__ not in modules_done:
+            modules_done[cls.__module__] = _fixture(getattr(module, "setUpModule", None), "setUpModule")
+        problem = modules_done.get(cls.__module__, "")
+        skipped = getattr(cls, "__unittest_skip__", False)
+        if not problem and not skipped:
+            problem = _fixture(cls.setUpClass, "setUpClass")
+        for case in group:
+            test_id = case.id()
+            sys.audit("stoker.begin", test_id)
+            if problem:
+                result.outcomes[test_id] = ("skipped" if problem.startswith("skipped") else "error", problem)
+            else:
+                try:
+                    case.run(result)
+                except BaseException:  # noqa: BLE001 - a test raising SystemExit past unittest
+                    result.outcomes[test_id] = ("error", traceback.format_exc(limit=3))
+            kind, detail = result.outcomes.get(test_id, ("error", "the test reported no outcome"))
+            sys.audit("stoker.end", test_id, kind, detail)
+        if not problem and not skipped:
+            _fixture(cls.tearDownClass, "tearDownClass")
+            _fixture(cls.doClassCleanups, "doClassCleanups")
+    for name in modules_done:
+        _fixture(getattr(LOADED[name], "tearDownModule", None), "tearDownModule")
+
+
+def _fixture(function: Any, name: str) -> str:
+    if function is None:
+        return ""
+    try:
+        function()
+    except unittest.SkipTest as exc:
+        return f"skipped in {name}: {exc}"
+    except BaseException:  # noqa: BLE001 - the fixture's failure is its tests' error
+        return f"{name} failed: {traceback.format_exc(limit=3)}"
+    return ""
+
+
+def _started(path: str) -> None:
+    """Tell the judge this run got as far as the agent's code: from here on a missing report is the
+    agent's doing, before it the sandbox's (retried by the judge)."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as channel:
+        channel.connect(path)
+        channel.sendall(STARTED)
+
+
+def run(modules: list[str], test_files: dict[str, str], socket_path: str) -> list[str]:
     """Load and run the tests, telling the hook where each begins and ends; returns module errors."""
     result = _Result()
     errors: list[str] = []
@@ -413,27 +321,21 @@ def run(modules: list[str], test_files: dict[str, str]) -> list[str]:
             compiled[name] = compile_test_module(name, path)
         except SyntaxError:
             errors.append(f"{name}: {traceback.format_exc(limit=3)}")
+    REWRITE["RESULT_POP"].clear()  # the hook's pop is held by the compiled code only
+    _started(socket_path)
     for name, code in compiled.items():
         try:
             load_test_module(name, test_files[name], code)
         except BaseException:  # noqa: BLE001 - SystemExit at import is the agent's code ending the run
             errors.append(f"{name}: {traceback.format_exc(limit=3)}")
     loader = unittest.loader.TestLoader()
+    cases: list[Any] = []
     for name in modules:
         try:
-            cases = _cases(load_tests(loader, name))
+            cases += _cases(load_tests(loader, name))
         except BaseException:  # noqa: BLE001
             errors.append(f"{name}: {traceback.format_exc(limit=3)}")
-            continue
-        for case in cases:
-            test_id = case.id()
-            sys.audit("stoker.begin", test_id)
-            try:
-                case.run(result)
-            except BaseException:  # noqa: BLE001 - a test raising SystemExit past unittest
-                result.outcomes[test_id] = ("error", traceback.format_exc(limit=3))
-            kind, detail = result.outcomes.get(test_id, ("error", "the test reported no outcome"))
-            sys.audit("stoker.end", test_id, kind, detail)
+    _run_cases(cases, result)
     return errors
 
 
@@ -456,11 +358,12 @@ def main() -> None:
     _prctl(4, 0)  # PR_SET_DUMPABLE: the agent's processes cannot ptrace or read this one
     if os.getpid() != 1:
         _prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans of the agent's processes stay ours to kill
-    _arm(args, list(test_files.values()))
+    watched = REWRITE["stdlib_imports"](list(test_files.values()), repo)
+    _arm(args, list(test_files.values()), watched)
     before = snapshot(WATCHED_MODULES)
     os.chdir(repo)
     sys.path.insert(0, repo)
-    errors = run(args.modules, test_files)
+    errors = run(args.modules, test_files, args.socket)
     for name in changed(before, WATCHED_MODULES):
         sys.audit("stoker.tampered", name)
     for stream in (sys.stdout, sys.stderr):  # the output is the agent's feedback (never the verdict)

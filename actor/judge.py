@@ -35,6 +35,7 @@ from typing import Any
 from xml.sax.saxutils import quoteattr
 
 from stoker.actor.environments import EnvironmentProblem
+from stoker.actor.harness_rewrite import unchecked_forms
 from stoker.actor.isolation import (
     BUBBLEWRAP,
     IsolationUnavailable,
@@ -45,12 +46,23 @@ from stoker.actor.isolation import (
     tmp_limit_bytes,
 )
 
-HARNESS_FILES = ("harness.py", "tamper.py")
+HARNESS_FILES = ("harness.py", "harness_rewrite.py", "tamper.py", "tamper_checks.py", "tamper_state.py", "tamper_report.py")
 log = logging.getLogger("stoker.actor.judge")
 _warned: list[bool] = []
 NOTICE = re.compile(r"^stoker-tampering: ([^:\n]+): ?(.*)$", re.MULTILINE)
 REPORT_LIMIT = 4 << 20
 OUTPUT_LIMIT = 1 << 20
+STARTED = b"stoker-started\n"  # the harness's first message, sent before it imports any agent code
+START_ATTEMPTS = 3  # a run that never started (bwrap failed, the machine too loaded) is retried
+
+
+class JudgeUnavailable(EnvironmentProblem):
+    """No test run could start (the sandbox's fault, not the agent's): the episode fails, with this
+    reason, and is never trained on as a reward."""
+
+
+class _NotStarted(Exception):
+    """This run ended before the harness said it started: no agent code ran."""
 
 
 @dataclass(frozen=True)
@@ -161,14 +173,36 @@ def judge_unittest(
     harness_dir.mkdir()
     for name in HARNESS_FILES:
         shutil.copyfile(Path(__file__).with_name(name), harness_dir / name)
-    make_readable_by_nobody(judge_dir)
-    channel = Path(tempfile.mkdtemp(prefix="stoker-judge-"))  # short: a socket path holds 107 bytes
-    try:
-        verdict = _run(repo.resolve(), harness_dir.resolve(), channel, tests, test_modules, timeout_seconds)
-    finally:
-        shutil.rmtree(channel, ignore_errors=True)
+    verdict = _run_started(judge_dir, tests, test_modules, timeout_seconds)
     (judge_dir / "report.xml").write_text(junit(verdict))
     return verdict
+
+
+def _run_started(judge_dir: Path, tests: dict[str, str], modules: list[str], timeout: float) -> Verdict:
+    """The verdict of the first run that started, out of ``START_ATTEMPTS``; else ``JudgeUnavailable``.
+
+    A run is started once the harness, before importing any of the agent's code, has said so over
+    the report socket (from the test process's pid): after that, no report is the agent's failure.
+    Each try makes the judged copy readable by the test's uid again: anything may have reset an
+    ancestor's mode in between (pytest makes its temporary root 0700 when a session starts)."""
+    unchecked = [f"{name}: {form}" for name, source in tests.items() for form in unchecked_forms(source, name)]
+    if unchecked:  # the task's fault: its tests would decide through code the agent can patch
+        raise EnvironmentProblem(f"the judge cannot check these test forms: {'; '.join(unchecked[:3])} "
+                                 "(rewrite them with the assertions docs/environments.md lists)")
+    reason = ""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        channel = Path(tempfile.mkdtemp(prefix="stoker-judge-"))  # short: a socket path holds 107 bytes
+        try:
+            make_readable_by_nobody(judge_dir)
+            return _run((judge_dir / "repo").resolve(), (judge_dir / "harness").resolve(), channel, tests, modules, timeout)
+        except _NotStarted as exc:
+            reason = str(exc)
+        except OSError as exc:  # the judge's own trouble (no process, no socket)
+            reason = f"the judge could not run the tests: {exc}"
+        finally:
+            shutil.rmtree(channel, ignore_errors=True)
+        log.warning("judged test run did not start (try %d of %d): %s", attempt, START_ATTEMPTS, reason)
+    raise JudgeUnavailable(f"the test run did not start ({START_ATTEMPTS} tries): {reason}")
 
 
 def _run(repo: Path, harness: Path, channel: Path, tests: dict[str, str], modules: list[str], timeout: float) -> Verdict:
@@ -201,13 +235,16 @@ def _run(repo: Path, harness: Path, channel: Path, tests: dict[str, str], module
     deadline = time.monotonic() + timeout
     try:
         tester = _tester_pid(confined.info_fd, process) if isolation() == BUBBLEWRAP else process.pid
-        report, foreign = _receive(server, process, tester, deadline)
+        report, foreign, started = _receive(server, process, tester, deadline)
     finally:
         server.close()
     timed_out = report is None and process.poll() is None
     _kill_run(process, tester)
     reader.join(5.0)
     text = b"".join(output).decode(errors="replace")
+    if not started:
+        ended = f"timed out after {timeout:g} s" if timed_out else f"exit status {process.returncode}"
+        raise _NotStarted(f"{ended}; output: {text.strip()[-500:] or '(none)'}")
     notices = tuple((m.group(1).strip(), m.group(2).strip()) for m in NOTICE.finditer(text))
     foreign_attempts = tuple(("forged report", f"a report sent by pid {pid}, not the test process") for pid in foreign)
     if report is None and not timed_out:
@@ -235,9 +272,11 @@ def _tester_pid(info_fd: int, process: subprocess.Popen[bytes]) -> int:
         return -1  # bwrap failed before starting it: no report will be accepted
 
 
-def _receive(server: socket.socket, process: subprocess.Popen[bytes], tester: int, deadline: float) -> tuple[bytes | None, list[int]]:
-    """The report from a connection whose peer is ``tester``; pids of any other sender."""
+def _receive(server: socket.socket, process: subprocess.Popen[bytes], tester: int, deadline: float) -> tuple[bytes | None, list[int], bool]:
+    """(the report from a connection whose peer is ``tester``, pids of any other sender, whether
+    the harness said it started first)."""
     foreign: list[int] = []
+    started = False
     pidfd = os.pidfd_open(process.pid) if hasattr(os, "pidfd_open") else None
     try:
         while (remaining := deadline - time.monotonic()) > 0:
@@ -251,10 +290,14 @@ def _receive(server: socket.socket, process: subprocess.Popen[bytes], tester: in
                         foreign.append(pid)
                         continue
                     conn.settimeout(max(0.1, deadline - time.monotonic()))
-                    return _read_all(conn), foreign
+                    data = _read_all(conn)
+                    if not started and data == STARTED:
+                        started = True
+                        continue
+                    return data, foreign, started
             elif ready or process.poll() is not None:
-                return None, foreign
-        return None, foreign
+                return None, foreign, started
+        return None, foreign, started
     finally:
         if pidfd is not None:
             os.close(pidfd)

@@ -36,7 +36,13 @@ import os
 import signal
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from unittest.case import SkipTest
+
+if TYPE_CHECKING:  # at run time these come from the files the harness executes into the same namespace
+    from stoker.actor.tamper_checks import SIGNATURES, bind, make_checks
+    from stoker.actor.tamper_report import build_report, kill_others
+    from stoker.actor.tamper_state import make_state
 
 _SAFE_ENTRY_FILES = (
     "logging/__init__.py", "traceback.py", "collections/__init__.py", "typing.py", "enum.py", "dataclasses.py",
@@ -52,7 +58,6 @@ _ALWAYS_REFUSED = {
 }
 _SPAWN = frozenset({"os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "subprocess.Popen", "os.system", "pty.spawn"})
 _PROC_SECRETS = ("mem", "maps", "smaps", "fd", "fdinfo", "environ", "cmdline", "pagemap", "map_files", "task", "auxv")
-ARG_LIMIT = 100_000  # bytes of report carried through execve (one argv string may hold 128 KiB)
 
 
 def install(
@@ -65,8 +70,14 @@ def install(
     reporter: list[str],
     protected_fds: frozenset[int],
     guarded: tuple[Any, ...] = (),
-) -> None:
-    """Add the hook. ``reporter`` is the argv of the fresh interpreter that sends the report."""
+    watched: tuple[Any, ...] = (),
+) -> Any:
+    """Add the hook; returns the ``pop`` the rewritten comparisons take their results from.
+
+    ``reporter`` is the argv of the fresh interpreter that sends the report; ``guarded`` what a
+    guarded context runs through (checked at its enter and exit); ``watched`` the standard-library
+    modules the tests import (checked, with the builtins and the test modules' globals, at each
+    event of a test)."""
     getframe, write, kill, waitpid, execve, getpid = sys._getframe, os.write, os.kill, os.waitpid, os.execve, os.getpid
     realpath, listdir, dumps, isfinite = os.path.realpath, os.listdir, json.dumps, math.isfinite
     gc_isenabled, gc_disable, gc_enable = gc.isenabled, gc.disable, gc.enable
@@ -79,44 +90,8 @@ def install(
     checks: list[tuple[str, Any, Any, bool]] = []
     final: list[bool] = []
     repo_prefix = repo.rstrip("/") + "/"
-    compile_pattern, pattern_type, modules = re.compile, re.Pattern, sys.modules
-    module_type, function_type = type(sys), type(install)
-
-    def state_of(owner: Any) -> dict[str, Any]:
-        """Each name of a guarded module or class, its object, and a function's code (by identity)."""
-        taken: dict[str, Any] = {}
-        for key, value in dict(vars(owner)).items():
-            if key == "__warningregistry__":
-                continue
-            taken[key] = value
-            if type(value) is function_type:
-                taken[key + ".__code__"] = value.__code__
-                taken[key + ".__defaults__"] = value.__defaults__
-        if type(owner) is not module_type:
-            taken["__bases__"] = owner.__bases__
-        else:
-            taken["sys.modules"] = modules.get(owner.__name__)
-        return taken
-
-    guarded_state = [(owner, state_of(owner)) for owner in guarded]
-    guarded_classes = tuple(owner for owner in guarded if type(owner) is not module_type)
-
-    def guard(ctx: Any) -> None:
-        """Before a guarded context's __enter__ and __exit__: unittest, warnings, re, builtins as loaded."""
-        if type(ctx) not in guarded_classes:
-            refuse("patched test machinery", f"a {type(ctx).__name__} as a guarded context")
-        for owner, before in guarded_state:
-            now = state_of(owner)
-            keys = before if owner is builtins_module else set(before) | set(now)
-            for key in keys:
-                if before.get(key, guard) is not now.get(key, guard):
-                    refuse("patched test machinery", f"{getattr(owner, '__name__', owner)}.{key} changed during a test")
-
-    def matches(pattern: Any, text: Any) -> bool:
-        if type(pattern) is not pattern_type:  # not a literal: compiled now (re's own code is guarded only by guard())
-            pattern = compile_pattern(pattern)
-        return pattern.search(call_agent(str, text)) is not None
-
+    modules = sys.modules
+    results: list[Any] = []  # comparison results, for the rewritten expressions' ``pop``
     def trusted(filename: str) -> bool:
         known = trusted_cache.get(filename)
         if known is None:
@@ -145,12 +120,15 @@ def install(
             return True  # a standard-library module the agent imports, running its own body
         return code.co_name not in _LEAKING_NAMES and code.co_filename.endswith(_SAFE_ENTRY_FILES)
 
-    def refuse(kind: str, detail: str) -> None:
+    def note(kind: str, detail: str) -> None:
         attempts.append((kind, detail[:300]))
         try:
             write(2, f"\nstoker-tampering: {kind}: {detail[:300]}\n".encode(errors="replace"))
         except OSError:
             pass  # the agent closed its output; the refusal still stands
+
+    def refuse(kind: str, detail: str) -> None:
+        note(kind, detail)
         raise RuntimeError(f"stoker: refused ({kind}): {detail[:200]}")
 
     def call_agent(fn: Any, *args: Any) -> Any:
@@ -161,21 +139,11 @@ def install(
         finally:
             local.depth = depth
 
-    # ------------------------------------------------------------------ plain-data comparison
+    # ------------------------------------------------------------------ assertions and comparisons
 
-    plain_scalars = (int, float, complex, str, bytes, bool, type(None))
-
-    def plain(value: Any, depth: int = 0) -> bool:
-        kind = type(value)
-        if kind in plain_scalars:
-            return True
-        if depth > 20:
-            return False
-        if kind in (list, tuple, set, frozenset):
-            return all(plain(item, depth + 1) for item in value)
-        if kind is dict:
-            return all(plain(k, depth + 1) and plain(v, depth + 1) for k, v in value.items())
-        return False
+    def record_check(a: Any, b: Any, same: bool) -> None:
+        if len(checks) < 200 and json_exact(a) and json_exact(b):
+            checks.append((current[-1] if current else "", a, b, same))
 
     def json_exact(value: Any, depth: int = 0) -> bool:
         """Whether JSON carries ``value`` unchanged (the judge compares these again, outside)."""
@@ -190,62 +158,9 @@ def install(
             return all(json_exact(item, depth + 1) for item in value)
         return kind is dict and all(type(k) is str and json_exact(v, depth + 1) for k, v in value.items())
 
-    class _Probe:  # equal to nothing but itself
-        __hash__ = object.__hash__
-
-    def perturbed(value: Any) -> Any:
-        kind = type(value)
-        if kind is bool:
-            return not value
-        if kind in (int, float, complex):
-            return value + 1.5 if isfinite(abs(value)) else 0
-        if kind in (str, bytes):
-            return value + ("\x00" if kind is str else b"\x00")
-        if kind in (list, tuple):
-            return kind([*value, _Probe()])
-        if kind is dict:
-            return {**value, _Probe(): 0}
-        return _Probe()
-
-    def equal(a: Any, b: Any) -> bool:
-        if plain(a) and plain(b):
-            same = a == b
-            if len(checks) < 200 and json_exact(a) and json_exact(b):
-                checks.append((current[-1] if current else "", a, b, same))
-            return same
-        result = call_agent(lambda: bool(a == b))
-        if result:
-            for value, other in ((a, b), (b, a)):
-                if not plain(value) and (
-                    call_agent(lambda: bool(value == _Probe())) or call_agent(lambda: bool(value == perturbed(other)))
-                ):
-                    refuse("always-equal value", f"a {type(value).__name__} equal to values it cannot equal")
-        return result
-
-    def contains(container: Any, item: Any) -> bool:
-        if plain(container) and type(container) is not str and type(container) is not bytes:
-            return any(equal(item, element) for element in (container.keys() if type(container) is dict else container))
-        return call_agent(lambda: bool(item in container))
-
-    def close(a: Any, b: Any, places: Any = None, delta: Any = None) -> bool:
-        if equal(a, b):
-            return True
-        diff = call_agent(lambda: (lambda d: d if type(d) in (int, float) else None)(abs(a - b)))
-        if diff is None:
-            return False
-        return diff <= delta if delta is not None else round(diff, 7 if places is None else places) == 0
-
-    def ordered(a: Any, b: Any, op: str) -> bool:
-        forward = {"lt": lambda: a < b, "le": lambda: a <= b, "gt": lambda: a > b, "ge": lambda: a >= b}[op]
-        result = call_agent(lambda: bool(forward()))
-        if result and not (plain(a) and plain(b)) and op in ("lt", "gt"):
-            reverse = {"lt": lambda: a > b, "gt": lambda: a < b}[op]
-            if call_agent(lambda: bool(reverse())):
-                refuse("always-true comparison", f"a {type(a).__name__} both less and greater")
-        return result
-
-    def raises(expected: Any, func: Any, *args: Any, **kwargs: Any) -> bool:
-        return raises_regex(expected, None, func, *args, **kwargs)
+    checkers, compare, matches, plain = make_checks(call_agent, refuse, record_check, re.compile, re.Pattern)
+    guard, loaded, check_state, note_state = make_state(guarded, watched, plain, refuse, note)
+    bind_args = bind
 
     def raises_regex(expected: Any, pattern: Any, func: Any, *args: Any, **kwargs: Any) -> bool:
         kwargs.pop("msg", None)
@@ -257,113 +172,39 @@ def install(
             raise
         return False
 
-    checkers: dict[str, Any] = {
-        "assertEqual": lambda a, b, *m: equal(a, b), "assertNotEqual": lambda a, b, *m: not equal(a, b),
-        "assertTrue": lambda x, *m: bool(call_agent(bool, x)), "assertFalse": lambda x, *m: not call_agent(bool, x),
-        "assertIs": lambda a, b, *m: a is b, "assertIsNot": lambda a, b, *m: a is not b,
-        "assertIsNone": lambda x, *m: x is None, "assertIsNotNone": lambda x, *m: x is not None,
-        "assertIn": lambda a, b, *m: contains(b, a), "assertNotIn": lambda a, b, *m: not contains(b, a),
-        "assertIsInstance": lambda a, c, *m: issubclass(type(a), c),
-        "assertNotIsInstance": lambda a, c, *m: not issubclass(type(a), c),
-        "assertAlmostEqual": lambda a, b, places=None, msg=None, delta=None: close(a, b, places, delta),
-        "assertNotAlmostEqual": lambda a, b, places=None, msg=None, delta=None: not close(a, b, places, delta),
-        "assertGreater": lambda a, b, *m: ordered(a, b, "gt"), "assertGreaterEqual": lambda a, b, *m: ordered(a, b, "ge"),
-        "assertLess": lambda a, b, *m: ordered(a, b, "lt"), "assertLessEqual": lambda a, b, *m: ordered(a, b, "le"),
-    }
-    for alias in ("assertListEqual", "assertTupleEqual", "assertDictEqual", "assertSetEqual",
-                  "assertSequenceEqual", "assertMultiLineEqual"):
-        checkers[alias] = checkers["assertEqual"]
-    checkers["assert"] = checkers["assertTrue"]
-    checkers["assertRaises"] = raises
-    checkers["assertRaisesRegex"] = raises_regex
-    checkers["fail"] = lambda *m: False
+    def from_test(caller: Any, what: str, needs_test: bool = True) -> None:
+        """Events only the pristine tests' own code raises, inside a test the harness runs."""
+        if caller.f_code not in trusted_codes or scan(caller)[0] is not None or (needs_test and not current):
+            refuse("forged assertion", f"{what} raised outside a test the harness runs")
+        check_state()
 
     def assertion(caller: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if caller.f_code not in trusted_codes or scan(caller)[0] is not None or not current:
-            refuse("forged assertion", f"{name} raised outside a test the harness runs")
-        check = checkers.get(name)
-        if check is None:
-            raise AssertionError(f"stoker: unsupported assertion {name}")
-        if not check(*args, **kwargs):
-            shown = ", ".join(_short(a) for a in args[:2])
-            tests[current[-1]]["failures"].append(f"{name}({shown})")
-            raise AssertionError(f"{name}({shown}) failed" + (f": {kwargs['msg']}" if kwargs.get("msg") else ""))
+        from_test(caller, name, needs_test=False)  # setUpClass asserts too: its failure fails the class
+        if name in ("assertRaises", "assertRaisesRegex"):
+            passed, shown_args, message = (raises_regex(args[0], None, *args[1:], **kwargs) if name == "assertRaises"
+                                           else raises_regex(*args, **kwargs)), args[:1], kwargs.get("msg")
+        else:
+            if name not in checkers:
+                raise AssertionError(f"stoker: unsupported assertion {name}")
+            bound = bind_args(name, args, kwargs)
+            passed = checkers[name](*bound)
+            message = bound[SIGNATURES[name].index("msg")] if "msg" in SIGNATURES[name] else None
+            shown_args = tuple(bound[:2]) if name != "fail" else ()
+        if not passed:
+            shown = ", ".join(_short(a) for a in shown_args)
+            if current:
+                tests[current[-1]]["failures"].append(f"{name}({shown})" + (f": {_short(message)}" if message is not None else ""))
+            raise AssertionError(f"{name}({shown}) failed" + (f": {message}" if message is not None and type(message) is str else ""))
 
     def _short(value: Any) -> str:
         return repr(value)[:120] if plain(value) else f"<{type(value).__name__}>"
 
     # ------------------------------------------------------------------ the report
 
-    def kill_others() -> None:
-        """Every other process of the run: the whole pid namespace as its init, else our descendants."""
-        for _ in range(50):
-            if getpid() == 1:
-                try:
-                    kill(-1, signal.SIGKILL)
-                except OSError:
-                    pass
-            else:
-                for pid in descendants():
-                    try:
-                        kill(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
-            try:
-                while waitpid(-1, os.WNOHANG)[0]:
-                    pass
-            except ChildProcessError:
-                if getpid() == 1 or not descendants():
-                    return
-
-    def descendants() -> list[int]:
-        me, parents = getpid(), {}
-        try:
-            for name in listdir("/proc"):
-                if name.isdigit():
-                    try:
-                        with open(f"/proc/{name}/stat", "rb") as handle:
-                            parents[int(name)] = int(handle.read().rsplit(b")", 1)[1].split()[1])
-                    except (OSError, ValueError, IndexError):
-                        continue
-        except OSError:
-            return []
-        found, frontier = [], [me]
-        while frontier:
-            parent = frontier.pop()
-            children = [pid for pid, ppid in parents.items() if ppid == parent]
-            found += children
-            frontier += children
-        return found
-
     def finish(module_errors: list[str]) -> None:
         final.append(True)
-        kill_others()
-        outcomes: dict[str, list[str]] = {}
-        for test_id, record in tests.items():
-            kind, detail = record.get("kind", "error"), record.get("detail", "")
-            if record["failures"]:
-                kind, detail = "failed", "; ".join(record["failures"])[:2000]
-            elif kind == "passed" and not record["done"]:
-                kind, detail = "error", "the test body did not run to its end under the harness"
-            outcomes[test_id] = [kind, str(detail)[-2000:]]
-        report: dict[str, Any] = {"outcomes": outcomes, "module_errors": [e[-2000:] for e in module_errors],
-                  "tampering": attempts[:50], "checks": []}
-        for test_id, a, b, same in checks:
-            try:
-                report["checks"].append([test_id, dumps(a), dumps(b), same])
-            except (TypeError, ValueError):
-                continue
-        data = dumps(report)
-        while len(data.encode()) > ARG_LIMIT and (report["checks"] or report["module_errors"] or outcomes):
-            report["checks"] = report["checks"][: len(report["checks"]) // 2]
-            for entry in outcomes.values():
-                entry[1] = entry[1][:200]
-            report["module_errors"] = [e[:200] for e in report["module_errors"]]
-            data = dumps(report)
-            if not report["checks"] and len(data.encode()) > ARG_LIMIT:
-                report["module_errors"], report["outcomes"] = ["the report is too large"], {}
-                data = dumps(report)
-                break
+        kill_others(getpid, kill, waitpid, listdir)
+        data = build_report(tests, attempts, checks, module_errors, dumps)
         execve(reporter[0], [*reporter, socket_path, data], {})
 
     # ------------------------------------------------------------------ the hook
@@ -383,10 +224,29 @@ def install(
         elif event == "stoker.guard":  # before a rewritten assertWarns/assertLogs context's enter and exit
             assertion(caller, "assert", (True,), {})
             guard(args[0])
+        elif event == "stoker.compare":  # ``(audit("stoker.compare", ops, operands), pop())[1]``
+            if caller.f_code not in trusted_codes:
+                refuse("forged assertion", "a comparison outside the pristine tests")
+            check_state()
+            results.append(compare(*args))
+        elif event == "stoker.skip":
+            from_test(caller, "skipTest", needs_test=False)
+            reason = args[0][0] if args[0] else args[1].get("reason", "")
+            if current:
+                tests[current[-1]]["skipped"] = reason[:300] if type(reason) is str else "skipped"
+            raise SkipTest(reason)
+        elif event == "stoker.subtest":  # the except clause of a rewritten ``with self.subTest(...)``
+            from_test(caller, "subTest")
+            if issubclass(type(args[0]), KeyboardInterrupt):
+                raise args[0]
+            params = ", ".join([*(_short(a) for a in args[1]), *(f"{k}={_short(v)}" for k, v in args[2].items())])
+            if issubclass(type(args[0]), SkipTest):
+                tests[current[-1]]["skipped"] = f"subTest({params}) skipped"
+            else:
+                tests[current[-1]]["failures"].append(f"subTest({params}): {type(args[0]).__name__}")
         elif event == "stoker.done":
             code = caller.f_code
-            if code not in trusted_codes or scan(caller)[0] is not None or not current:
-                refuse("forged assertion", "a test's end reached outside a test the harness runs")
+            from_test(caller, "a test's end")
             test_id = current[-1]
             if test_id.rsplit(".", 1)[-1] != code.co_name or not test_id.startswith(trusted_codes[code] + "."):
                 refuse("forged test id", f"{code.co_qualname} ran as {test_id}")
@@ -395,13 +255,18 @@ def install(
             refuse("forged harness event", event)
         elif event == "stoker.trust":
             trusted_codes[args[0]] = args[1]
+        elif event == "stoker.loaded":  # after its imports ran the agent's code
+            note_state()
+            loaded(args[0], args[1])
         elif event == "stoker.begin":
             if args[0] in tests:
                 refuse("forged test id", f"{args[0]} ran twice")
+            note_state()
             tests[args[0]] = {"failures": [], "done": False}
             current.append(args[0])
         elif event == "stoker.end":
             if current and current[-1] == args[0]:
+                note_state()
                 current.pop()
                 tests[args[0]].update(kind=args[1], detail=args[2])
         elif event == "stoker.tampered":
@@ -490,3 +355,4 @@ def install(
 
     own_file = getframe(0).f_code.co_filename
     sys.addaudithook(hook)
+    return results.pop

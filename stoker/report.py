@@ -189,6 +189,10 @@ def _generation(run_dir: Path, metrics: list[dict[str, Any]]) -> list[str]:
         lines.append("")
         for entry in top:
             lines += [f"First message of `{entry['reason']}`:", "", "````", entry["example"] or "(none)", "````", ""]
+    if snapshots and g["reward_tampering_total"]:  # the judge refused these (reward 0 each time)
+        lines += ["## Judge tampering (reward_tampering_total)", "", "| attempts | kind |", "|---|---|"]
+        lines += [f"| {n} | {kind.replace('_', ' ')} |" for kind, n in g["reward_tampering_total"].items()]
+        lines.append("")
     return lines
 
 

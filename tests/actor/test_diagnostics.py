@@ -186,3 +186,25 @@ async def test_the_stats_file_stays_current_while_admission_is_refused(lake: Tex
     assert snapshot["episodes"] == 0 and snapshot["recent_sampled_tokens_per_second"] == 0.0
     actor.stop()
     await asyncio.wait_for(running, 10)
+
+
+def test_refused_tampering_is_totalled_by_kind_and_shown_in_the_run_report(tmp_path: Path) -> None:
+    from stoker.actor.diagnostics import write_snapshot
+    from stoker.report import _generation
+
+    def tried(**kinds: float) -> Episode:
+        e = episode(OK)
+        e.metrics = {"success": 0.0, "tampering_attempts": sum(kinds.values()), **{f"tampering/{k}": v for k, v in kinds.items()}}
+        return e
+
+    a, b = ActorDiagnostics("a"), ActorDiagnostics("b")
+    a.add([tried(frame_introspection=2.0), tried(), episode(OK)])  # the episode's last (cumulative) counts
+    b.add([tried(frame_introspection=1.0, **{"always-equal_value": 1.0})])
+    assert a.snapshot()["reward_tampering_total"] == {"frame_introspection": 2}
+    both = combine([a.snapshot(), b.snapshot()])
+    assert both["reward_tampering_total"] == {"frame_introspection": 3, "always-equal_value": 1}
+    for diagnostics in (a, b):
+        write_snapshot(tmp_path / "actors" / f"actor-{diagnostics.actor_id}.json", diagnostics.snapshot())
+    report = "\n".join(_generation(tmp_path, []))
+    assert "## Judge tampering (reward_tampering_total)" in report
+    assert "| 3 | frame introspection |" in report and "| 1 | always-equal value |" in report

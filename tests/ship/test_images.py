@@ -33,6 +33,20 @@ PINNED_BASE = re.compile(r"^python:\d+\.\d+\.\d+-slim-(bookworm|trixie)(@sha256:
 BUILD_TOOLS = re.compile(r"\b(apt-get|apt|apk|gcc|g\+\+|clang|make|cmake|build-essential|git|curl|wget|pip3?|uv)\s+(install|add)\b|\bpip3? install\b")
 
 
+# What a final stage may install: runtime packages the product needs (bubblewrap: the judge's sandbox).
+RUNTIME_PACKAGES = {"bubblewrap"}
+
+
+def apt_packages(command: str) -> set[str]:
+    """The packages an ``apt-get install`` in a RUN line names."""
+    found: set[str] = set()
+    for part in command.split("&&"):
+        words = shlex.split(part)
+        if words[:2] == ["apt-get", "install"]:
+            found |= {w for w in words[2:] if not w.startswith("-")}
+    return found
+
+
 @dataclass
 class Stage:
     base: str
@@ -112,6 +126,11 @@ def test_final_stage_holds_no_build_tools(repo: Path, dockerfile: str) -> None:
     assert len(all_stages) >= 2, f"{dockerfile}: build in one stage and copy the result into a clean one"
     final = all_stages[-1]
     for command in final.values("RUN"):
+        runtime = apt_packages(command)
+        assert runtime <= RUNTIME_PACKAGES, f"{dockerfile}: the final stage installs {sorted(runtime - RUNTIME_PACKAGES)}"
+        if runtime:  # a runtime package only: no recommends, no package lists left behind
+            assert "--no-install-recommends" in command and "rm -rf /var/lib/apt/lists/*" in command, command
+            command = re.sub(r"apt-get (update|install)[^&]*", "", command)
         assert not BUILD_TOOLS.search(command), f"{dockerfile}: the final stage installs something: {command}"
     # The base image's pip/setuptools/wheel are removed, so nothing there can install packages.
     assert any("pip uninstall" in c and {"pip", "setuptools", "wheel"} <= set(shlex.split(c)) for c in final.values("RUN"))
@@ -139,6 +158,17 @@ def test_entrypoint_is_a_real_stoker_subcommand(repo: Path, dockerfile: str, sub
     # The venv's bin comes first on PATH: pods run `stoker ...`, and sandbox pods run
     # `python -m stoker.actor.sandbox_server`, which must be the venv's python, not the base image's.
     assert re.search(r"\bPATH=/opt/stoker/bin:\$PATH\b", " ".join(final.values("ENV"))), "PATH must start with /opt/stoker/bin"
+
+
+def test_actor_image_carries_bubblewrap_for_the_judge(repo: Path) -> None:
+    """Without it every judged run in an actor pod (`kind: process`/`inline`) refuses to start;
+    it must be installed before the image drops root."""
+    final = stages(repo / "Dockerfile.actor")[-1]
+    installs = [i for i, (kind, value) in enumerate(final.instructions) if kind == "RUN" and "bubblewrap" in apt_packages(value)]
+    user = [i for i, (kind, _) in enumerate(final.instructions) if kind == "USER"]
+    assert installs and user and installs[0] < user[-1], "Dockerfile.actor: install bubblewrap in the final stage, before USER"
+    assert not any(apt_packages(v) for v in stages(repo / "Dockerfile.learner")[-1].values("RUN")), "the learner judges nothing"
+    assert apt_packages("apt-get update && apt-get install --yes --no-install-recommends bubblewrap") == {"bubblewrap"}
 
 
 def test_actor_image_serves_every_cpu_role(repo: Path) -> None:

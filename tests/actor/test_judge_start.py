@@ -1,0 +1,113 @@
+"""A judged run that never started is the sandbox's failure, retried and then a failed episode;
+once the harness has started importing the agent's code, a missing report is the agent's (0)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stoker.actor import isolation, judge
+from stoker.actor.environments import EnvironmentProblem
+from stoker.actor.swe import SweEnvironment, solution_commands
+
+TESTS = "import unittest\nfrom m import f\nclass T(unittest.TestCase):\n    def test_f(self):\n        self.assertEqual(f(2), 4)\n"
+
+
+@pytest.fixture(params=["bubblewrap", "rlimits"])
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    if request.param == "bubblewrap" and isolation.isolation() != isolation.BUBBLEWRAP:
+        pytest.fail(isolation.problem())  # fail, never skip: CI is meant to isolate
+    if request.param == "rlimits":
+        monkeypatch.setenv(isolation.ENV, isolation.FALLBACK)
+    isolation.isolation.cache_clear()  # type: ignore[attr-defined]
+    yield request.param
+    monkeypatch.delenv(isolation.ENV, raising=False)
+    isolation.isolation.cache_clear()  # type: ignore[attr-defined]
+
+
+def _judge(tmp_path: Path, code: str) -> judge.Verdict:
+    tree = tmp_path / "tree"
+    tree.mkdir(exist_ok=True)
+    (tree / "m.py").write_text(code)
+    return judge.judge_unittest(tree, {"test_m.py": TESTS}, ["test_m"], tmp_path / "judge", 20.0)
+
+
+def _broken_starts(monkeypatch: pytest.MonkeyPatch, failing: int, breaks: Any) -> list[int]:
+    """The first ``failing`` runs start broken by ``breaks(confined)``; returns the run count."""
+    real = judge.confine
+    runs: list[int] = []
+
+    def confine(*args: Any, **kwargs: Any) -> Any:
+        confined = real(*args, **kwargs)
+        runs.append(len(runs))
+        if len(runs) <= failing:
+            breaks(confined)
+        return confined
+
+    monkeypatch.setattr(judge, "confine", confine)
+    return runs
+
+
+def _bad_bwrap_argument(confined: Any) -> None:
+    confined.argv[1:1] = ["--ro-bind", "/nonexistent-stoker-source", "/nonexistent-stoker-target"]
+
+
+def _harness_never_starts(confined: Any) -> None:
+    python = next(i for i, arg in enumerate(confined.argv) if arg == "-I")
+    confined.argv[python:] = ["-c", "import sys; print('interpreter died'); sys.exit(1)"]
+
+
+def test_bwrap_failing_to_start_is_retried_then_the_judges_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    if mode == "rlimits":
+        runs = _broken_starts(monkeypatch, 99, _harness_never_starts)
+        expected = "interpreter died"
+    else:
+        runs = _broken_starts(monkeypatch, 99, _bad_bwrap_argument)
+        expected = "bwrap: Can't find source path /nonexistent-stoker-source"
+    with pytest.raises(judge.JudgeUnavailable) as caught:
+        _judge(tmp_path, "def f(x):\n    return x * 2\n")
+    assert isinstance(caught.value, EnvironmentProblem)  # the episode fails (never a reward of 0)
+    assert len(runs) == judge.START_ATTEMPTS
+    message = str(caught.value)
+    assert "\n" not in message and "did not start (3 tries)" in message and expected in message, message
+
+
+def test_a_run_that_fails_to_start_once_is_retried_and_judged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    runs = _broken_starts(monkeypatch, 1, _bad_bwrap_argument if mode == "bubblewrap" else _harness_never_starts)
+    assert _judge(tmp_path, "def f(x):\n    return x * 2\n").passed()
+    assert len(runs) == 2
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a root actor hands the run to uid 65534")
+def test_an_ancestor_made_private_between_runs_is_readable_again_on_retry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The flake of issue #33: a pytest session starting elsewhere makes /tmp/pytest-of-root 0700
+    # (pytest strips a world-readable temporary root), so bwrap, started as nobody, could not
+    # reach the judged copy ("bwrap: Can't find source path ...: Permission denied").
+    if isolation.isolation() != isolation.BUBBLEWRAP:
+        pytest.fail(isolation.problem())
+    runs = _broken_starts(monkeypatch, 1, lambda confined: os.chmod(tmp_path, 0o700))
+    assert _judge(tmp_path, "def f(x):\n    return x * 2\n").passed()
+    assert len(runs) == 2
+
+
+@pytest.mark.parametrize("ending", ["import os\nos.abort()\n", "import os\nos._exit(0)\n",
+                                    "import os\nos.close(1)\nos.close(2)\nos._exit(3)\n"])
+def test_agent_code_ending_the_run_after_start_is_the_agents_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, ending: str) -> None:
+    runs = _broken_starts(monkeypatch, 0, lambda confined: None)
+    verdict = _judge(tmp_path, ending + "def f(x):\n    return x * 2\n")
+    assert not verdict.passed() and "ended without a report" in verdict.problem
+    assert len(runs) == 1  # not retried: the harness had started
+
+
+def test_a_sandbox_that_cannot_start_fails_the_swe_step_not_the_reward(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    env = SweEnvironment(str(tmp_path / "sandbox"))
+    env.reset("median", seed=0)
+    for command in solution_commands("median")[:-1]:
+        env.step(command)
+    _broken_starts(monkeypatch, 99, _bad_bwrap_argument)
+    with pytest.raises(judge.JudgeUnavailable):
+        env.step("run_tests")
