@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import importlib
 import importlib.util
 import os
@@ -302,13 +303,14 @@ def unchecked(tree: ast.AST) -> list[str]:
                    if isinstance(n, ast.Attribute) and n.attr in MACHINERY and hasattr(n, "lineno")})
 
 
-def unchecked_forms(source: str, filename: str) -> list[str]:
+@functools.lru_cache(maxsize=256)  # the judge asks again at every run of the same tests
+def unchecked_forms(source: str, filename: str) -> tuple[str, ...]:
     """For the judge, before a run: the forms of ``source`` the hook would not decide."""
     try:
         tree = Rewrite().visit(ast.parse(source, filename))
     except SyntaxError:
-        return []  # reported by the run as the module's import error
-    return unchecked(tree)
+        return ()  # reported by the run as the module's import error
+    return tuple(unchecked(tree))
 
 
 def _swap(value: Any, constants: dict[str, Any]) -> Any:

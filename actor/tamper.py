@@ -18,8 +18,11 @@ outcomes, the assertion results and the record of refused attempts live only in 
   rewritten (by the harness) into ``sys.audit("stoker.assert", ...)`` with ``sys.audit`` held as a
   code constant, so this hook evaluates them: builtin values are compared as plain data, and an
   object of any other type that equals a probe it cannot equal (``__eq__`` always true) is
-  tampering. A test passes only if its body ran to its end (a marker the rewrite appends) and no
-  assertion failed, whatever the (patchable) ``unittest`` machinery says.
+  tampering (``tamper_checks.py``). So are ``fail``/``skipTest``/``subTest`` and every comparison in
+  the tests' expressions. A test passes only if its body ran to its end (a marker the rewrite
+  appends), no assertion failed and it was not skipped, whatever the (patchable) ``unittest``
+  machinery says; builtins, imported standard-library modules and the test modules' globals must
+  stay as they were (``tamper_state.py``).
 * **The report.** On ``stoker.final`` the hook kills every other process of the run, then
   ``execve``s a fresh interpreter that sends the outcomes to the judge's socket: no thread or
   code of the agent survives an ``execve``, and the judge accepts the report only from this pid.
@@ -29,11 +32,9 @@ from __future__ import annotations
 
 import gc
 import json
-import builtins as builtins_module
 import math
 import re
 import os
-import signal
 import sys
 import threading
 from typing import TYPE_CHECKING, Any

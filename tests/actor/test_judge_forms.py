@@ -129,8 +129,8 @@ def test_forms_the_hook_cannot_check_are_refused_before_the_run(tmp_path: Path) 
     source = ("import unittest\nclass P(unittest.TestCase):\n    def test_a(self):\n        check = self.assertEqual\n"
               "        check(1, 1)\n    def test_b(self):\n        with self.assertRaises(ValueError, msg='x') as cm, open('f'):\n            pass\n")
     forms = unchecked_forms(source, "test_p.py")
-    assert forms == ["self.assertEqual (line 4)", "self.assertRaises (line 7)"]
-    assert unchecked_forms("import unittest\nclass P(unittest.TestCase):\n    def test(self):\n        self.assertEqual(1, 1)\n", "t.py") == []
+    assert forms == ("self.assertEqual (line 4)", "self.assertRaises (line 7)")
+    assert unchecked_forms("import unittest\nclass P(unittest.TestCase):\n    def test(self):\n        self.assertEqual(1, 1)\n", "t.py") == ()
     with pytest.raises(EnvironmentProblem, match=r"cannot check these test forms: test_parse.py: self.assertEqual \(line 5\)"):
         _judge(tmp_path, "check = self.assertEqual\n        check(parse('1'), 1)", CODE)
 

@@ -79,7 +79,7 @@ def test_bwrap_failing_to_start_is_retried_then_the_judges_failure(tmp_path: Pat
 def test_a_run_that_fails_to_start_once_is_retried_and_judged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     runs = _broken_starts(monkeypatch, 1, _bad_bwrap_argument if mode == "bubblewrap" else _harness_never_starts)
     assert _judge(tmp_path, "def f(x):\n    return x * 2\n").passed()
-    assert len(runs) == 2
+    assert len(runs) >= 2  # (a third if the machine also reset a mode in between)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only a root actor hands the run to uid 65534")
@@ -91,16 +91,27 @@ def test_an_ancestor_made_private_between_runs_is_readable_again_on_retry(tmp_pa
         pytest.fail(isolation.problem())
     runs = _broken_starts(monkeypatch, 1, lambda confined: os.chmod(tmp_path, 0o700))
     assert _judge(tmp_path, "def f(x):\n    return x * 2\n").passed()
-    assert len(runs) == 2
+    assert len(runs) >= 2  # (a third if the machine also reset a mode in between)
 
 
 @pytest.mark.parametrize("ending", ["import os\nos.abort()\n", "import os\nos._exit(0)\n",
                                     "import os\nos.close(1)\nos.close(2)\nos._exit(3)\n"])
 def test_agent_code_ending_the_run_after_start_is_the_agents_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, ending: str) -> None:
-    runs = _broken_starts(monkeypatch, 0, lambda confined: None)
+    real, tries = judge._run, []
+
+    def run(*args: Any) -> judge.Verdict:
+        try:
+            verdict = real(*args)
+        except judge._NotStarted:  # only the machine's doing here (another pytest resetting /tmp's mode)
+            tries.append("not started")
+            raise
+        tries.append("judged")
+        return verdict
+
+    monkeypatch.setattr(judge, "_run", run)
     verdict = _judge(tmp_path, ending + "def f(x):\n    return x * 2\n")
     assert not verdict.passed() and "ended without a report" in verdict.problem
-    assert len(runs) == 1  # not retried: the harness had started
+    assert tries.count("judged") == 1 and tries[-1] == "judged"  # a started run is the agent's: never retried
 
 
 def test_a_sandbox_that_cannot_start_fails_the_swe_step_not_the_reward(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
