@@ -10,8 +10,8 @@
     once it does, else the run ends at its maxSteps (600) or --minutes. The SFT stage's own
     steps are reported beside it.
 (b) RL then distillation: the teacher is seed 0's SFT-then-RL export; the student
-    (examples/answers-distill.yaml, hidden 32 against the teacher's 64, a quarter of its
-    parameters) distills from it for --student-steps (600) by reverse KL, and by generalized JSD
+    (examples/answers-distill.yaml, hidden 32 against the teacher's 64, 27k parameters
+    against 91k) distills from it for --student-steps (600) by reverse KL, and by generalized JSD
     (beta 0.5) unless --no-jsd. Teacher and student are then scored the same way: the exact
     expected reward on the task's 25 prompts under the actors' sampling (temperature 1, answers
     restricted to the ten digits), i.e. the mean probability of the correct digit, plus greedy
