@@ -95,13 +95,13 @@ def _policy(
     dtype = dtype_from_name(spec.model.dtype)
     where = f"{directory} checkpoint {step}"
     if spec.model.lora is None:
-        config, base = architecture, spec.model.checkpoint
-        if config is None and not base:
+        config, base_dir = architecture, spec.model.checkpoint
+        if config is None and not base_dir:
             config = spec.model.architecture
-        elif config is None and base and Path(base).is_dir():
+        elif config is None and base_dir and Path(base_dir).is_dir():
             from stoker.hfconfig import read_config
 
-            config = read_config(base)
+            config = read_config(base_dir)
         if config is None:  # the architecture is the base checkpoint's; it must be readable here
             raise CheckpointExportError(f"{where}: model.checkpoint {spec.model.checkpoint} is not a directory here")
         graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype)))
