@@ -66,10 +66,15 @@ class Checkpointer:
         step = self.manager.latest_step()
         return None if step is None else int(step)
 
-    def save(self, step: int, params: Any, opt_state: Any, *, version: int, rng: np.ndarray) -> None:
+    def save(
+        self, step: int, params: Any, opt_state: Any, *, version: int, rng: np.ndarray, job: dict[str, Any] | None = None
+    ) -> None:
+        """``job``: JSON kept beside (the RLJob spec, the model's architecture) so the checkpoint
+        alone can be exported (``stoker.learner.checkpoint_export``); restoring ignores it."""
         flat_params, _ = flatten(params)
         flat_opt, _ = flatten(opt_state)
-        meta = {"version": int(version), "step": int(step), "rng": [int(x) for x in np.asarray(rng).ravel()]}
+        meta: dict[str, Any] = {"version": int(version), "step": int(step), "rng": [int(x) for x in np.asarray(rng).ravel()]}
+        meta.update(job or {})
         self.manager.save(
             step,
             args=ocp.args.Composite(

@@ -1,8 +1,10 @@
 """``stoker export RUN_DIR|CHECKPOINT --to DIR``: a Hugging Face-format directory of the policy.
 
 From a run directory (``stoker run``'s: ``runs.jsonl`` records the spec, ``weights/`` the published
-versions) it takes the newest published weights; from a checkpoint directory, its weights. Either
-way it writes ``config.json`` (``stoker.hfconfig.config_to_hf``: the keys transformers documents,
+versions) it takes the newest published weights; from a Hugging Face checkpoint directory, its
+weights; from a learner's Orbax checkpoint directory (what a cluster learner leaves on its run
+volume: ``RUN_DIR/checkpoints``, or ``RUN_DIR`` itself), the newest checkpoint's policy
+(``stoker.learner.checkpoint_export``; LoRA: merged, plus the PEFT adapter). Either way it writes ``config.json`` (``stoker.hfconfig.config_to_hf``: the keys transformers documents,
 rope settings in both its formats), ``model.safetensors`` with Hugging Face's tensor names, and
 the tokenizer files of the checkpoint the run started from. ``stoker.model.hf.load_checkpoint``
 (or transformers) reads it back to the same logits.
@@ -40,8 +42,15 @@ class ExportError(Exception):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", metavar="RUN_DIR|CHECKPOINT", help="a stoker run directory or a checkpoint directory")
+    parser.add_argument(
+        "source", metavar="RUN_DIR|CHECKPOINT",
+        help="a stoker run directory, a learner's run or Orbax checkpoint directory, or a Hugging Face checkpoint",
+    )
     parser.add_argument("--to", required=True, metavar="DIR", help="where to write the Hugging Face-format directory")
+    parser.add_argument(
+        "--manifest", metavar="FILE",
+        help="the job's manifest, for learner checkpoints that do not record their spec (or to override it)",
+    )
 
 
 def _from_run(run_dir: Path) -> tuple[Transformer, Path | None, int]:
@@ -64,12 +73,7 @@ def _from_run(run_dir: Path) -> tuple[Transformer, Path | None, int]:
     config = spec.model.architecture
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype))
     load_hf(model, flat)
-    tokenizer_dir = None
-    if spec.model.checkpoint:
-        tokenizer_dir = Path(spec.model.checkpoint)
-    elif spec.model.tokenizer:
-        tokenizer_dir = Path(spec.model.tokenizer).parent if Path(spec.model.tokenizer).is_file() else Path(spec.model.tokenizer)
-    return model, tokenizer_dir, version
+    return model, _tokenizer_dir(spec), version
 
 
 def _checkpoint_dtype(directory: Path) -> jnp.dtype:
@@ -85,28 +89,84 @@ def _checkpoint_dtype(directory: Path) -> jnp.dtype:
         return jnp.dtype(jnp.float32)  # float64 (or an unknown name): the loader's default
 
 
-def export(source: str | Path, target: str | Path) -> tuple[Path, list[str]]:
+def _tokenizer_dir(spec: RLJobSpec) -> Path | None:
+    """Where the job's tokenizer files are: its tokenizer's directory, else its checkpoint's
+    (``model.tokenizer: builtin``: none to copy)."""
+    if spec.model.tokenizer == "builtin":
+        return None
+    if spec.model.checkpoint:
+        return Path(spec.model.checkpoint)
+    if spec.model.tokenizer:
+        return Path(spec.model.tokenizer).parent if Path(spec.model.tokenizer).is_file() else Path(spec.model.tokenizer)
+    return None
+
+
+def _learner_checkpoints(source: Path) -> Path | None:
+    """The Orbax checkpoint directory ``source`` is, or holds under the default ``checkpoints``."""
+    from stoker.learner.checkpoint_export import is_checkpoint_dir
+
+    for candidate in (source, source / "checkpoints"):
+        if is_checkpoint_dir(candidate):
+            return candidate
+    return None
+
+
+def _has_published_weights(run_dir: Path) -> bool:
+    return (run_dir / RUN_WEIGHTS).is_dir() and any((run_dir / RUN_WEIGHTS).iterdir())
+
+
+def export(source: str | Path, target: str | Path, manifest: str | Path | None = None) -> tuple[Path, list[str]]:
     """Write the HF directory; returns it and the tokenizer files copied."""
     source, target = Path(source), Path(target)
     tokenizer_dir: Path | None
     version = None
+    adapters = None
+    checkpoints = None if (source / CONFIG_FILE).exists() else _learner_checkpoints(source)
     if (source / CONFIG_FILE).exists():
         model, tokenizer_dir = load_checkpoint(source, dtype=_checkpoint_dtype(source)), source
-    elif (source / RUN_RECORD).exists():
+    elif (source / RUN_RECORD).exists() and (_has_published_weights(source) or checkpoints is None):
         model, tokenizer_dir, version = _from_run(source)
+    elif checkpoints is not None:  # a cluster learner's: no published weights, its checkpoints
+        from stoker.learner.checkpoint_export import CheckpointExportError, read_checkpoint
+
+        spec = None
+        if manifest is not None:  # a bad one raises ManifestError: the CLI prints its problems
+            from stoker.manifest import load_job
+
+            spec = load_job(manifest).spec
+        try:
+            policy = read_checkpoint(checkpoints, spec)
+        except CheckpointExportError as err:
+            raise ExportError(str(err)) from None
+        model, tokenizer_dir, adapters = policy.model, _tokenizer_dir(policy.spec), policy.adapters
+        lora_spec = policy.spec.model.lora
     else:
-        raise ExportError(f"{source}: neither a checkpoint (no {CONFIG_FILE}) nor a run directory (no {RUN_RECORD})")
+        raise ExportError(
+            f"{source}: neither a checkpoint (no {CONFIG_FILE}), a run directory (no {RUN_RECORD}) "
+            "nor a learner's checkpoint directory"
+        )
     if (target / CONFIG_FILE).exists():
         raise ExportError(f"{target} already holds a {CONFIG_FILE}; export to a new directory")
     if target.resolve() == source.resolve():
         raise ExportError("--to must differ from the source")
     save_checkpoint(model, target)
+    if tokenizer_dir is not None and not tokenizer_dir.is_dir():
+        print(f"stoker export: warning: {tokenizer_dir} (the job's tokenizer) is not here; no tokenizer files copied",
+              file=sys.stderr)
     copied = []
     for name in TOKENIZER_FILES:
         if tokenizer_dir is not None and (tokenizer_dir / name).is_file():
             shutil.copyfile(tokenizer_dir / name, target / name)
             copied.append(name)
-    if version is not None:  # a LoRA run: its PEFT adapter directory too (stoker.learner.peft)
+    if adapters is not None:  # LoRA from checkpoints: the adapters of that very step as a PEFT directory
+        from stoker.learner.lora import LoraConfig
+        from stoker.learner.peft import ADAPTER_DIR, write_adapter
+
+        assert lora_spec is not None
+        config = LoraConfig(lora_spec.rank, lora_spec.alpha, tuple(lora_spec.targets), lora_spec.dropout)
+        write_adapter(target / ADAPTER_DIR, adapters, config, base_model=policy.spec.model.checkpoint, version=policy.version)
+        copied.append(ADAPTER_DIR + "/")
+    elif version is not None:  # a LoRA run: its PEFT adapter directory too (stoker.learner.peft)
         from stoker.learner.peft import copy_run_adapter
 
         adapter = copy_run_adapter(source, target, version)
@@ -117,7 +177,7 @@ def export(source: str | Path, target: str | Path) -> tuple[Path, list[str]]:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        target, copied = export(args.source, args.to)
+        target, copied = export(args.source, args.to, args.manifest)
     except (ExportError, CheckpointError) as err:
         print(f"stoker export: {err}", file=sys.stderr)
         return 2

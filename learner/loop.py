@@ -430,8 +430,11 @@ class Learner:
         if self.checkpointer is None or self._saved_step == self.steps:
             return
         self._saved_step = self.steps
+        job = {"architecture": self.model_config.model_dump(by_alias=True, mode="json")}
+        if self.settings.spec is not None:  # what `stoker export` of the checkpoint directory reads
+            job["spec"] = self.settings.spec.model_dump(by_alias=True, mode="json")
         self.checkpointer.save(
-            self.steps, self.trainer.params, self.trainer.opt_state, version=self.version, rng=self.rng
+            self.steps, self.trainer.params, self.trainer.opt_state, version=self.version, rng=self.rng, job=job
         )
         if self.settings.lora is not None and self.settings.run_dir:
             self._write_adapter()
