@@ -494,7 +494,7 @@ def run_async(options: RunOptions) -> Outcome:
                         f"{failed.name} exited with code {failed.returncode}; stopping the run.\n"
                         f"last lines of {failed.log_path}:\n{failed.tail()}",
                     )
-                if options.target_success is not None and progress.success_rate() >= options.target_success:
+                if options.target_success is not None and progress.reached(options.target_success):
                     return Outcome(0, f"done: success rate reached {options.target_success} ({progress.summary()})")
                 if deadline is not None and time.monotonic() > deadline:
                     return Outcome(0, f"stopped after {options.max_minutes} minutes ({progress.summary()})")

@@ -87,6 +87,11 @@ class RunState:
     def success_rate(self) -> float:
         return sum(self.recent_success) / len(self.recent_success) if self.recent_success else 0.0
 
+    def reached(self, target: float) -> bool:
+        """The rolling success rate is at ``target`` over a full window: one lucky first batch
+        (a window of one step) must not end a ``--target-success`` run."""
+        return len(self.recent_success) == self.recent_success.maxlen and self.success_rate() >= target
+
     def eta_seconds(self, max_steps: int) -> float | None:
         step = self.last.get("step")
         if not isinstance(step, int) or self.first_step is None or self.first_step_time is None:
@@ -182,6 +187,9 @@ class Progress:
 
     def success_rate(self) -> float:
         return self.state.success_rate()
+
+    def reached(self, target: float) -> bool:
+        return self.state.reached(target)
 
     def refresh(self) -> None:
         for record in self.tail.read_new():

@@ -118,7 +118,7 @@ async def _run(options: RunOptions) -> Outcome:
                 if deadline is not None and time.monotonic() > deadline:
                     outcome = Outcome(0, f"stopped after {options.max_minutes} minutes ({progress.summary()})")
                     break
-                if options.target_success is not None and progress.success_rate() >= options.target_success:
+                if options.target_success is not None and progress.reached(options.target_success):
                     outcome = Outcome(0, f"done: success rate reached {options.target_success} ({progress.summary()})")
                     break
                 chosen = [pick_task() for _ in range(settings.batch_groups)]

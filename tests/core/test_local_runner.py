@@ -71,9 +71,14 @@ def test_metrics_tail_reads_only_whole_new_records(tmp_path: Path) -> None:
 
 def test_success_window_and_time_to_target() -> None:
     state = RunState()
-    for value in [0.0] * 5 + [1.0] * 10:
+    state.fold({"success_rate": 1.0})
+    assert state.success_rate() == 1.0 and not state.reached(0.9)  # one lucky batch is not a window
+    for value in [0.0] * 5 + [1.0] * 8:
         state.fold({"success_rate": value})
-    assert state.success_rate() == 1.0
+    assert not state.reached(0.9)
+    for _ in range(2):
+        state.fold({"success_rate": 1.0})
+    assert state.success_rate() == 1.0 and state.reached(0.9)
     assert rolling_mean([0, 1, 1, 1], 2) == [0.0, 0.5, 1.0, 1.0]
     records = [{"time": 100.0 + i, "success_rate": 1.0 if i >= 3 else 0.0} for i in range(10)]
     assert time_to_reach(records, "success_rate", 0.9, window=2) == 4.0
