@@ -212,7 +212,10 @@ def _bpe_model(meta: _Metadata, tokens: list[str]) -> Any:
             f"tokenizer.ggml.pre {pre!r} is not converted (known: {', '.join(sorted(_BPE_SPLITS))}); the weights were "
             "written: set model.tokenizer to the model's tokenizer.json"
         )
-    merges = [tuple(str(m).split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    merges: list[tuple[str, str]] = []
+    for merge in meta.get("tokenizer.ggml.merges", []):
+        left, _, right = str(merge).partition(" ")
+        merges.append((left, right))
     model = models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=pre in _IGNORE_MERGES)
     tokenizer = Tokenizer(model)
     pattern = _BPE_SPLITS[pre]

@@ -90,9 +90,9 @@ def validate_document(doc: Any, source: str, *, fetch: FetchPlan | None = None) 
     fetched first (``stoker.remote_checkpoint``) and the job names the local copies."""
     without_weights = False  # an actor fetched a gs:// checkpoint's config and tokenizer, not its weights
     if fetch is not None:
-        job, problems = validate_document(doc, source)  # nothing is downloaded for a manifest that is wrong anyway
-        if job is None:
-            return None, problems
+        first, first_problems = validate_document(doc, source)  # nothing is downloaded for a manifest that is wrong anyway
+        if first is None:
+            return None, first_problems
         without_weights = not fetch.weights and is_remote(_model_field(doc, "checkpoint"))
         doc, fetch_problems = localize_document(doc, fetch)
         if fetch_problems:

@@ -332,15 +332,19 @@ ROLLOUT = FetchPlan(weights=True, teacher=False)
 ACTOR = FetchPlan(weights=False, teacher=False)
 
 
+def _section(parent: Any, key: str) -> dict[str, Any]:
+    value = parent.get(key) if isinstance(parent, dict) else None
+    return value if isinstance(value, dict) else {}
+
+
 def localize_document(doc: Any, plan: FetchPlan, fetcher: Callable[..., FetchReport] = fetch) -> tuple[Any, list[tuple[str, str]]]:
     """The RLJob document with its gs:// checkpoint fields replaced by local copies, and the
     problems as (field path under spec, one-line message)."""
-    spec = doc.get("spec") if isinstance(doc, dict) else None
-    if not isinstance(spec, dict):
+    if not isinstance(doc, dict) or not isinstance(doc.get("spec"), dict):
         return doc, []
-    model = spec.get("model") if isinstance(spec.get("model"), dict) else {}
-    algorithm = spec.get("algorithm") if isinstance(spec.get("algorithm"), dict) else {}
-    teacher = algorithm.get("teacher") if isinstance(algorithm.get("teacher"), dict) else {}
+    out = json.loads(json.dumps(doc))  # a copy; the caller's document stays as written
+    model = _section(out["spec"], "model")
+    teacher = _section(_section(out["spec"], "algorithm"), "teacher")
     fields: list[tuple[str, dict[str, Any], str, bool]] = [
         ("model.checkpoint", model, "checkpoint", plan.weights),
         ("model.tokenizer", model, "tokenizer", True),
@@ -348,23 +352,14 @@ def localize_document(doc: Any, plan: FetchPlan, fetcher: Callable[..., FetchRep
     if plan.teacher:
         fields.append(("algorithm.teacher.checkpoint", teacher, "checkpoint", True))
     problems: list[tuple[str, str]] = []
-    replaced: dict[tuple[int, str], str] = {}
     for path, section, key, weights in fields:
         value = section.get(key)
         if not isinstance(value, str) or not is_remote(value):
             continue
         try:
-            replaced[(id(section), key)] = str(fetcher(value, weights=weights).path)
+            section[key] = str(fetcher(value, weights=weights).path)
         except RemoteCheckpointError as exc:
             problems.append((path, str(exc)))
-    if not replaced:
-        return doc, problems
-    out = json.loads(json.dumps(doc))  # a copy; the caller's document stays as written
-    for section_path, source in (("model", model), ("teacher", teacher)):
-        target = out["spec"]["model"] if section_path == "model" else out["spec"].get("algorithm", {}).get("teacher", {})
-        for key in ("checkpoint", "tokenizer"):
-            if (id(source), key) in replaced:
-                target[key] = replaced[(id(source), key)]
     return out, problems
 
 
