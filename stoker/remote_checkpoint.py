@@ -34,7 +34,8 @@ CACHE_ENV = "STOKER_CHECKPOINT_CACHE"
 DEFAULT_CACHE = Path("~/.cache/stoker/checkpoints")
 MARKER = ".stoker-fetched.json"
 INDEX_FILE = "model.safetensors.index.json"
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt")
+# Weight formats Stoker never reads (a repository often carries them beside its safetensors).
+UNREAD_SUFFIXES = (".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt", ".onnx")
 CHUNK_BYTES = 64 << 20
 PROGRESS_SECONDS = 10.0
 
@@ -79,7 +80,8 @@ class FetchReport:
 
 def fetch(uri: str, *, root: Path | None = None, weights: bool = True, client: Any = None) -> FetchReport:
     """The local copy of ``uri`` (a checkpoint directory, or one object such as a tokenizer.json);
-    ``weights=False`` leaves the weight files out (the actors read only config and tokenizer)."""
+    ``weights=False`` leaves the safetensors out (the actors read only config and tokenizer).
+    Only the directory's own files come, and never weight formats Stoker does not read (.bin, .pth...)."""
     bucket_name, prefix = split_uri(uri)
     dest = local_path(uri, root)
     client = client or _client()
@@ -92,8 +94,8 @@ def fetch(uri: str, *, root: Path | None = None, weights: bool = True, client: A
             _fetch_object(uri, bucket, blobs[0], dest, _Record(dest.parent / MARKER), dest.name, report)
             return report
         wanted = {b.name[len(prefix) + 1 if prefix else 0:]: b for b in blobs if not b.name.endswith("/")}
-        if not weights:
-            wanted = {name: b for name, b in wanted.items() if not name.endswith(WEIGHT_SUFFIXES)}
+        skipped = UNREAD_SUFFIXES if weights else (*UNREAD_SUFFIXES, ".safetensors")
+        wanted = {name: b for name, b in wanted.items() if not name.endswith(skipped)}
         record = _Record(dest / MARKER)
         if weights and INDEX_FILE in wanted:  # every shard the index names must exist before anything big moves
             _fetch_object(uri, bucket, wanted[INDEX_FILE], dest / INDEX_FILE, record, INDEX_FILE, report)
@@ -149,7 +151,8 @@ def _listing(client: Any, uri: str, bucket: str, prefix: str) -> list[Any]:
     from google.api_core.exceptions import GoogleAPICallError
 
     try:
-        under = list(client.list_blobs(bucket, prefix=f"{prefix}/" if prefix else None))
+        # The directory's own files only: a repository's subfolders (Llama's original/) are not read.
+        under = list(client.list_blobs(bucket, prefix=f"{prefix}/" if prefix else None, delimiter="/"))
         exact = [] if under or not prefix else [b for b in client.list_blobs(bucket, prefix=prefix) if b.name == prefix]
     except GoogleAPICallError as exc:
         raise _explain(uri, bucket, exc) from None
@@ -279,7 +282,7 @@ def _fetch_object(uri: str, bucket: Any, blob: Any, target: Path, record: _Recor
     report.downloaded += 1
     report.bytes += size - first
     if size >= CHUNK_BYTES:
-        _log.info("%s: %s in %.0f s", where, _size(size), time.monotonic() - started)
+        _log.info("%s: complete, %s moved in %.0f s", where, _size(size - first), time.monotonic() - started)
 
 
 def _explain_object(where: str, bucket: str, exc: Exception) -> RemoteCheckpointError:

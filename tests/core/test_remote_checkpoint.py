@@ -82,6 +82,8 @@ def _manifest(tmp_path: Path, checkpoint: str) -> Path:
 def test_a_sharded_gs_checkpoint_is_fetched_once_and_loads_like_a_local_one(gcs: Any, tmp_path: Path) -> None:
     files = _checkpoint(tmp_path / "src")
     _upload(gcs, "qwen/v1", files)
+    # What repositories carry beside the checkpoint and Stoker never reads: not fetched.
+    _upload(gcs, "qwen/v1", {"pytorch_model.bin": b"torch pickle", "original/params.json": b"{}"})
     job = load_job(_manifest(tmp_path, "gs://models/qwen/v1"), fetch=LEARNER)
     local = tmp_path / "cache" / "models" / "qwen" / "v1"
     assert job.spec.model.checkpoint == str(local)
@@ -90,6 +92,7 @@ def test_a_sharded_gs_checkpoint_is_fetched_once_and_loads_like_a_local_one(gcs:
 
     again = fetch("gs://models/qwen/v1")  # a restarted process: everything is complete, nothing moves
     assert (again.downloaded, again.skipped, again.bytes) == (0, len(files), 0)
+    assert not (local / "original").exists()
 
     changed = files[SHARDS[1]][:-8] + b"\x00" * 8  # a new generation of one shard: only it comes again
     gcs.blob(f"qwen/v1/{SHARDS[1]}").upload_from_string(changed)
@@ -177,3 +180,17 @@ def test_denied_access_names_the_role_to_grant(monkeypatch: pytest.MonkeyPatch, 
     message = str(err.value)
     assert "\n" not in message and "spec.model.checkpoint: gs://private/qwen: access denied (403)" in message
     assert "Workload Identity" in message and "roles/storage.objectViewer on gs://private" in message
+
+
+@pytest.mark.parametrize("component", ["learner", "rollout", "actor"])
+def test_each_component_fetches_before_it_starts(
+    gcs: Any, tmp_path: Path, component: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from stoker.cli import main as stoker_main
+
+    manifest = _manifest(tmp_path, "gs://no-such-bucket/qwen")
+    required = {"learner": ["--run-dir", str(tmp_path / "run")], "actor": ["--buffer", "127.0.0.1:1"], "rollout": []}
+    code = stoker_main([component, "--manifest", str(manifest), *required[component]])
+    err = capsys.readouterr().err
+    assert code != 0
+    assert "spec.model.checkpoint: gs://no-such-bucket/qwen: bucket gs://no-such-bucket does not exist" in err
