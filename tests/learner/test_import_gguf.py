@@ -176,7 +176,8 @@ def _byte_alphabet() -> list[str]:
     return [spelled[b] for b in range(256)]
 
 
-BPE_MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d", "1 2", "12 3", "Ċ Ċ", "Ġ Ġ"]
+BPE_MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d", "1 2", "12 3", "Ċ Ċ", "Ġ Ġ", "Ġ t"]
+UNMERGED = "Ġthe"  # in the vocabulary, but no merge makes it (tiktoken-made vocabularies have such tokens)
 BPE_SPECIALS = ["<|begin_of_text|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN_CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -184,7 +185,7 @@ QWEN_CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'
 
 def bpe_vocabulary(pre: str, add_bos: bool) -> Callable[[GGUFWriter, int], None]:
     def write(writer: GGUFWriter, size: int) -> None:
-        tokens = [*_byte_alphabet(), *(m.replace(" ", "") for m in BPE_MERGES), *BPE_SPECIALS, "<think>"]
+        tokens = [*_byte_alphabet(), *(m.replace(" ", "") for m in BPE_MERGES), UNMERGED, *BPE_SPECIALS, "<think>"]
         types = [1] * (len(tokens) - len(BPE_SPECIALS) - 1) + [3] * len(BPE_SPECIALS) + [4]
         while len(tokens) < size:  # padding entries, as Qwen's files carry
             tokens.append(f"[PAD{len(tokens)}]"), types.append(5)
@@ -238,6 +239,12 @@ def test_a_byte_level_bpe_vocabulary_tokenizes_as_transformers_reads_the_gguf(
         "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"
     )
     assert exported("hello world")["input_ids"] == tok.encode("hello world").ids
+    # Llama 3 takes a word that is in its vocabulary whole (its tokenizer.json sets ignore_merges, as
+    # llama.cpp does for llama-bpe); transformers' GGUF conversion does not, so this is not refereed.
+    the = tok.encode(" the", add_special_tokens=False).tokens
+    assert the == ([UNMERGED] if pre == "llama-bpe" else ["Ġt", "he"])
+    if pre != "llama-bpe":
+        assert referee.encode(" the", add_special_tokens=False).tokens == the
     digits = tok.encode("12345", add_special_tokens=False).tokens
     assert digits == (["123", "4", "5"] if pre == "llama-bpe" else ["1", "2", "3", "4", "5"] if pre == "qwen2" else ["123", "4", "5"])
 
