@@ -45,10 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from stoker.remote_checkpoint import ACTOR
     from stoker.manifest import load_job
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    job = load_job(args.manifest)  # ManifestError is reported by the dispatcher
+    job = load_job(args.manifest, fetch=ACTOR)  # ManifestError is reported by the dispatcher
     token = None
     if args.token_file:
         try:

@@ -59,10 +59,11 @@ def _fail(message: str, code: int = 2) -> int:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from stoker.remote_checkpoint import LEARNER
     from stoker.manifest import ManifestError, load_job
 
     try:
-        job = load_job(args.manifest)
+        job = load_job(args.manifest, fetch=LEARNER)
     except ManifestError as exc:
         return _fail(f"invalid manifest:\n{exc}")
     token = None

@@ -169,19 +169,24 @@ def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> lis
     return [(left, right) for *_, left, right in ranked]
 
 
-def _tokenizer(meta: _Metadata) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    """(tokenizers.Tokenizer, tokenizer_config.json, generation_config.json) from the GGUF's vocabulary."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+# Pre-tokenizer splits by tokenizer.ggml.pre, the text patterns the vocabularies' merges were learned
+# on (llama.cpp keys them the same way): Llama 3's (digits in runs of up to 3), Qwen2's (one digit).
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_PATTERN = _LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+_BPE_SPLITS: dict[str, str | None] = {  # None: GPT-2's own split (the byte-level pre-tokenizer's regex)
+    "default": None, "gpt2": None, "llama3": _LLAMA3_PATTERN, "llama-bpe": _LLAMA3_PATTERN,
+    "llama-v3": _LLAMA3_PATTERN, "qwen2": _QWEN2_PATTERN, "deepseek-r1-qwen": _QWEN2_PATTERN,
+}
+_IGNORE_MERGES = {"llama3", "llama-bpe", "llama-v3"}  # a word already in Llama 3's vocabulary is one token
 
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "llama":
-        raise GGUFImportError(
-            f"tokenizer.ggml.model {kind!r} is not converted (SentencePiece, 'llama', is); the weights were "
-            "written: set model.tokenizer to the model's tokenizer.json"
-        )
-    tokens = [str(t) for t in meta.get("tokenizer.ggml.tokens")]
+
+def _spm_model(meta: _Metadata, tokens: list[str], types: list[int]) -> Any:
+    """A SentencePiece (``llama``) vocabulary as a byte-fallback BPE tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
     scores = [float(s) for s in meta.get("tokenizer.ggml.scores", [0.0] * len(tokens))]
-    types = [int(t) for t in meta.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens))]
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     model = models.BPE(
         {t: i for i, t in enumerate(tokens)}, _spm_merges(tokens, scores, types),
@@ -193,6 +198,52 @@ def _tokenizer(meta: _Metadata) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     tokenizer.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
     decode = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     tokenizer.decoder = decoders.Sequence([*decode, decoders.Strip(" ", 1, 0)] if prefix else decode)
+    return tokenizer
+
+
+def _bpe_model(meta: _Metadata, tokens: list[str]) -> Any:
+    """A byte-level BPE (``gpt2``: Llama 3, Qwen2/3) vocabulary: its merges, and the split its
+    ``tokenizer.ggml.pre`` names."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    pre = str(meta.get("tokenizer.ggml.pre", "default"))
+    if pre not in _BPE_SPLITS:
+        raise GGUFImportError(
+            f"tokenizer.ggml.pre {pre!r} is not converted (known: {', '.join(sorted(_BPE_SPLITS))}); the weights were "
+            "written: set model.tokenizer to the model's tokenizer.json"
+        )
+    merges: list[tuple[str, str]] = []
+    for merge in meta.get("tokenizer.ggml.merges", []):
+        left, _, right = str(merge).partition(" ")
+        merges.append((left, right))
+    model = models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=pre in _IGNORE_MERGES)
+    tokenizer = Tokenizer(model)
+    pattern = _BPE_SPLITS[pre]
+    if pattern is None:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _tokenizer(meta: _Metadata) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """(tokenizers.Tokenizer, tokenizer_config.json, generation_config.json) from the GGUF's vocabulary."""
+    from tokenizers import AddedToken, processors
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind not in ("llama", "gpt2"):
+        raise GGUFImportError(
+            f"tokenizer.ggml.model {kind!r} is not converted (SentencePiece 'llama' and byte-level BPE 'gpt2' are); "
+            "the weights were written: set model.tokenizer to the model's tokenizer.json"
+        )
+    tokens = [str(t) for t in meta.get("tokenizer.ggml.tokens")]
+    types = [int(t) for t in meta.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens))]
+    byte_level = kind == "gpt2"
+    tokenizer = _bpe_model(meta, tokens) if byte_level else _spm_model(meta, tokens, types)
     tokenizer.add_tokens([
         AddedToken(tokens[i], special=types[i] == _CONTROL, normalized=False)
         for i in range(len(tokens)) if types[i] in (_CONTROL, _USER_DEFINED, _UNKNOWN)
@@ -203,10 +254,15 @@ def _tokenizer(meta: _Metadata) -> tuple[Any, dict[str, Any], dict[str, Any]]:
         return tokens[int(found)] if found is not None and 0 <= int(found) < len(tokens) else None
 
     bos, eos = token("bos"), token("eos")
-    add_bos, add_eos = bool(meta.get("tokenizer.ggml.add_bos_token", True)), bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    # Without the flag, SentencePiece files get a BOS (llama.cpp's default) and byte-level ones none.
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", not byte_level))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
     single = " ".join([*([bos] if add_bos and bos else []), "$A", *([eos] if add_eos and eos else [])])
     specials = [(t, tokens.index(t)) for t in {bos, eos} if t and t in single.split()]
-    tokenizer.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
+    template = processors.TemplateProcessing(single=single, special_tokens=specials)
+    tokenizer.post_processor = (
+        processors.Sequence([processors.ByteLevel(trim_offsets=False), template]) if byte_level else template
+    )
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos, "unk_token": token("unknown"),
         "pad_token": token("padding"), "add_bos_token": add_bos, "add_eos_token": add_eos,

@@ -21,6 +21,7 @@ from stoker.operator.manifests import (
     JobContext,
     Manifest,
     buffer_client_args,
+    checkpoint_cache,
     common_volumes,
     container_env,
     metadata,
@@ -28,6 +29,7 @@ from stoker.operator.manifests import (
 from stoker.jobname import REPLICATED_JOB
 from stoker.actor.labels import JOB_LABEL, ROLE_LABEL
 from stoker.operator.naming import ROLE_LEARNER, labels, selector
+from stoker.remote_checkpoint import LEARNER
 from stoker.operator.tpu import (
     ACCELERATOR_LABEL,
     NODEPOOL_LABEL,
@@ -71,6 +73,8 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
 def _pod_spec(ctx: JobContext, shape: SliceShape, env: list[dict[str, Any]], *, subdomain: str | None) -> dict[str, Any]:
     learner = ctx.spec.learner
     volumes, mounts = common_volumes(ctx, token=ctx.streams)
+    cache_volumes, cache_mounts, cache_env = checkpoint_cache(ctx, LEARNER)
+    volumes, mounts = volumes + cache_volumes, mounts + cache_mounts
     container: dict[str, Any] = {
         "name": "learner",
         "image": learner.image or ctx.settings.learner_image,
@@ -81,7 +85,7 @@ def _pod_spec(ctx: JobContext, shape: SliceShape, env: list[dict[str, Any]], *, 
             *("--metrics-port", str(METRICS_PORT), "--weights-port", str(WEIGHTS_PORT)),
             *(buffer_client_args(ctx) if ctx.streams else ()),
         ],
-        "env": container_env(ctx, ROLE_LEARNER) + env,
+        "env": container_env(ctx, ROLE_LEARNER) + cache_env + env,
         "volumeMounts": [*mounts, {"name": "run", "mountPath": RUN_DIR}],
         "securityContext": {"allowPrivilegeEscalation": False},
     }

@@ -22,6 +22,7 @@ from stoker.operator.naming import ROLE_ACTOR, ROLE_BUFFER, ROLE_LEARNER, Names,
 from stoker.operator.rbac import SANDBOX_MANAGER_POD_VERBS
 from stoker.operator.rollout import ACTOR_CONFIG_FIELDS, ACTOR_HASH_IGNORES, BUFFER_CONFIG_FIELDS, LIVE_BUFFER_FIELDS, config_hash
 from stoker.operator.settings import OperatorSettings
+from stoker.remote_checkpoint import ACTOR, CACHE_ENV, FetchPlan, remote_uris
 from stoker.spec import API_VERSION, KIND, ObjectMeta, RLJob, RLJobSpec
 
 Manifest = dict[str, Any]
@@ -38,6 +39,7 @@ ADMISSION_FILE = f"{CONTROL_DIR}/admission.json"
 BUFFER_DATA_DIR = "/var/lib/stoker/buffer"
 GENERATED_TOKEN_KEY = "token"
 ROLLOUT_ADDRESS_ENV = "STOKER_ROLLOUT_ADDRESS"
+CHECKPOINT_CACHE_DIR = "/var/cache/stoker/checkpoints"
 
 BUFFER_RESOURCES = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}}
 
@@ -150,6 +152,19 @@ def common_volumes(ctx: JobContext, *, token: bool) -> tuple[list[dict[str, Any]
         )
         mounts.append({"name": "buffer-token", "mountPath": TOKEN_DIR, "readOnly": True})
     return volumes, mounts
+
+
+def checkpoint_cache(ctx: JobContext, plan: FetchPlan) -> tuple[list[Manifest], list[Manifest], list[Manifest]]:
+    """(volumes, volumeMounts, env) for the gs:// checkpoints a pod fetches at start
+    (``stoker.remote_checkpoint``): an emptyDir, which outlives container restarts, so a restarted
+    container finds the files complete and a cut download resumes; nothing without a gs:// URI."""
+    if not remote_uris(ctx.spec, plan):
+        return [], [], []
+    return (
+        [{"name": "checkpoint-cache", "emptyDir": {}}],
+        [{"name": "checkpoint-cache", "mountPath": CHECKPOINT_CACHE_DIR}],
+        [{"name": CACHE_ENV, "value": CHECKPOINT_CACHE_DIR}],
+    )
 
 
 RESTRICTED_CONTAINER = {
@@ -355,7 +370,9 @@ def build_buffer_deployment(ctx: JobContext) -> Manifest:
 def build_actor_deployment(ctx: JobContext) -> Manifest:
     actors = ctx.spec.actors
     volumes, mounts = common_volumes(ctx, token=True)
-    env = container_env(ctx, ROLE_ACTOR)
+    cache_volumes, cache_mounts, cache_env = checkpoint_cache(ctx, ACTOR)  # config and tokenizer files only
+    volumes, mounts = volumes + cache_volumes, mounts + cache_mounts
+    env = container_env(ctx, ROLE_ACTOR) + cache_env
     sandbox_image = ctx.spec.environment.sandbox.image or actors.image or ctx.settings.image
     env.append({"name": "STOKER_IMAGE", "value": sandbox_image})  # sandbox pods run this image
     if ctx.spec.rollout is not None:  # generation is served by the rollout tier's Service

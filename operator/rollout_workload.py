@@ -31,12 +31,14 @@ from stoker.operator.manifests import (
     WEIGHTS_PORT,
     JobContext,
     Manifest,
+    checkpoint_cache,
     common_volumes,
     container_env,
     metadata,
     token_file,
 )
 from stoker.operator.naming import ROLE_ROLLOUT, labels, selector
+from stoker.remote_checkpoint import ROLLOUT
 from stoker.operator.rollout import Paths, config_hash
 from stoker.operator.tpu import ACCELERATOR_LABEL, NODEPOOL_LABEL, TOPOLOGY_LABEL, TPU_RESOURCE, SliceShape, slice_shape
 from stoker.spec import TPU_ACCELERATORS, RolloutSpec
@@ -98,6 +100,8 @@ def _pod_spec(ctx: JobContext, shape: SliceShape, *, restart_policy: str) -> dic
     rollout = _spec(ctx)
     # Servers never talk to the buffer, but its token also guards the learner's weight channel.
     volumes, mounts = common_volumes(ctx, token=True)
+    cache_volumes, cache_mounts, cache_env = checkpoint_cache(ctx, ROLLOUT)
+    volumes, mounts = volumes + cache_volumes, mounts + cache_mounts
     port = rollout.port
     probe = {"grpc": {"port": port}}
     container: dict[str, Any] = {
@@ -114,7 +118,7 @@ def _pod_spec(ctx: JobContext, shape: SliceShape, *, restart_policy: str) -> dic
             {"name": "grpc", "containerPort": port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
         ],
-        "env": container_env(ctx, ROLE_ROLLOUT),
+        "env": container_env(ctx, ROLE_ROLLOUT) + cache_env,
         "volumeMounts": mounts,
         "resources": {
             part: values

@@ -42,10 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from stoker.remote_checkpoint import ROLLOUT
     from stoker.manifest import load_job
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    job = load_job(args.manifest)  # ManifestError is reported by the dispatcher
+    job = load_job(args.manifest, fetch=ROLLOUT)  # ManifestError is reported by the dispatcher
     args.job = args.job or job.metadata.name
     for flag in ("max_batch", "max_queue", "session_rows", "segment_tokens"):
         value = getattr(args, flag)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from stoker.manifest import ManifestError, add_manifest_directory, environment_problems, load_job
+from stoker.remote_checkpoint import LEARNER
 from stoker.parent import PARENT_ENV
 from stoker.spec import RLJob
 
@@ -124,7 +125,7 @@ def resolve_options(args: argparse.Namespace) -> RunOptions:
     rollout_processes = getattr(args, "rollout_processes", 1)
     if rollout_processes < 1:
         raise UsageError(f"--rollout-processes {rollout_processes}; expected >= 1")
-    job = load_job(args.file)
+    job = load_job(args.file, fetch=LEARNER)  # gs:// checkpoints: fetched once here; the children find them cached
     if rollout_processes > 1 and (job.spec.rollout is None or args.mode == "sync"):
         raise UsageError("--rollout-processes needs spec.rollout and --mode async (a rollout server to split)")
     if job.spec.algorithm.trains_on_dataset and args.mode == "sync":

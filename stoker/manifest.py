@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from stoker.checkpoint_files import weight_problems
 from stoker.hfconfig import resolve_architecture
+from stoker.remote_checkpoint import FetchPlan, is_remote, localize_document
 from stoker.spec import API_VERSION, KIND, RLJob, cross_field_problems, name_problems
 
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
@@ -78,8 +79,24 @@ def _explain(error: Any) -> tuple[str, str]:
     return path, f"got {_short(given)}; expected {expected}"
 
 
-def validate_document(doc: Any, source: str) -> tuple[RLJob | None, list[Problem]]:
-    """Validate one parsed YAML document as an RLJob."""
+def _model_field(doc: Any, key: str) -> Any:
+    spec = doc.get("spec") if isinstance(doc, dict) else None
+    model = spec.get("model") if isinstance(spec, dict) else None
+    return model.get(key) if isinstance(model, dict) else None
+
+
+def validate_document(doc: Any, source: str, *, fetch: FetchPlan | None = None) -> tuple[RLJob | None, list[Problem]]:
+    """Validate one parsed YAML document as an RLJob; with ``fetch``, its gs:// checkpoints are
+    fetched first (``stoker.remote_checkpoint``) and the job names the local copies."""
+    without_weights = False  # an actor fetched a gs:// checkpoint's config and tokenizer, not its weights
+    if fetch is not None:
+        first, first_problems = validate_document(doc, source)  # nothing is downloaded for a manifest that is wrong anyway
+        if first is None:
+            return None, first_problems
+        without_weights = not fetch.weights and is_remote(_model_field(doc, "checkpoint"))
+        doc, fetch_problems = localize_document(doc, fetch)
+        if fetch_problems:
+            return None, [Problem(source, f"spec.{path}", message) for path, message in fetch_problems]
     if not isinstance(doc, dict):
         return None, [Problem(source, "", f"expected a mapping (an RLJob manifest), got {type(doc).__name__}")]
     problems: list[Problem] = []
@@ -99,7 +116,7 @@ def validate_document(doc: Any, source: str) -> tuple[RLJob | None, list[Problem
     problems = [Problem(source, "metadata.name", message) for message in name_problems(job.metadata.name, job.spec)]
     # The checkpoint's config.json is the architecture; the cross-field rules then check that one.
     resolved, found = resolve_architecture(job.spec)
-    if not any(path == "model.checkpoint" for path, _ in found):  # config.json read: check the weights
+    if not without_weights and not any(path == "model.checkpoint" for path, _ in found):  # config.json read: check the weights
         found += weight_problems(resolved.model.checkpoint, resolved.model.architecture)
     job = job.model_copy(update={"spec": resolved})
     found += cross_field_problems(job.spec)
@@ -171,7 +188,7 @@ def add_manifest_directory(path: str | Path) -> str:
     return directory
 
 
-def load_text(text: str, source: str) -> tuple[list[RLJob], list[Problem]]:
+def load_text(text: str, source: str, *, fetch: FetchPlan | None = None) -> tuple[list[RLJob], list[Problem]]:
     """Every RLJob in a (multi-document) YAML text, and every problem found."""
     try:
         docs = [d for d in yaml.safe_load_all(text) if d is not None]
@@ -185,14 +202,14 @@ def load_text(text: str, source: str) -> tuple[list[RLJob], list[Problem]]:
     jobs: list[RLJob] = []
     problems: list[Problem] = []
     for index, doc in enumerate(docs):
-        job, found = validate_document(doc, source if len(docs) == 1 else f"{source}[doc {index + 1}]")
+        job, found = validate_document(doc, source if len(docs) == 1 else f"{source}[doc {index + 1}]", fetch=fetch)
         problems.extend(found)
         if job is not None:
             jobs.append(job)
     return jobs, problems
 
 
-def load_file(path: str | Path) -> tuple[list[RLJob], list[Problem]]:
+def load_file(path: str | Path, *, fetch: FetchPlan | None = None) -> tuple[list[RLJob], list[Problem]]:
     source = str(path)
     try:
         raw = Path(path).read_bytes()
@@ -206,12 +223,13 @@ def load_file(path: str | Path) -> tuple[list[RLJob], list[Problem]]:
         return [], [Problem(source, "", "not UTF-8 text; expected a YAML manifest")]
     if "\x00" in text:
         return [], [Problem(source, "", "binary data; expected a YAML manifest")]
-    return load_text(text, source)
+    return load_text(text, source, fetch=fetch)
 
 
-def load_job(path: str | Path) -> RLJob:
-    """Exactly one valid RLJob from a file, or ``ManifestError``."""
-    jobs, problems = load_file(path)
+def load_job(path: str | Path, *, fetch: FetchPlan | None = None) -> RLJob:
+    """Exactly one valid RLJob from a file, or ``ManifestError``; ``fetch``: the gs:// checkpoints
+    this process reads are fetched into the local cache first (the components pass their plan)."""
+    jobs, problems = load_file(path, fetch=fetch)
     if problems:
         raise ManifestError(problems)
     if len(jobs) != 1:

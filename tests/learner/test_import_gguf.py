@@ -5,7 +5,9 @@ vocabulary) becomes a Hugging Face directory Stoker and transformers read."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -64,7 +66,16 @@ def _vocabulary(size: int) -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def write_gguf(path: Path, arch: str, config: TransformerConfig, seed: int = 0) -> dict[str, np.ndarray]:
+def spm_vocabulary(writer: GGUFWriter, size: int) -> None:
+    tokens, scores, types = _vocabulary(size)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens), writer.add_token_scores(scores), writer.add_token_types(types)
+    writer.add_bos_token_id(2), writer.add_eos_token_id(1), writer.add_unk_token_id(3), writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True), writer.add_add_space_prefix(False), writer.add_chat_template(CHAT)
+
+
+def write_gguf(path: Path, arch: str, config: TransformerConfig, seed: int = 0,
+               vocabulary: Callable[[GGUFWriter, int], None] = spm_vocabulary) -> dict[str, np.ndarray]:
     """Random Hugging Face weights, written as llama.cpp's converter would; returns the HF weights."""
     rng = np.random.default_rng(seed)
     hf = {n: rng.normal(scale=0.5, size=s).astype(np.float32) for n, s in expected_tensors(config).items()}
@@ -81,11 +92,7 @@ def write_gguf(path: Path, arch: str, config: TransformerConfig, seed: int = 0) 
         writer.add_key_length(config.head_dim), writer.add_value_length(config.head_dim)
     if config.sliding_window:
         writer.add_sliding_window(config.sliding_window)
-    tokens, scores, types = _vocabulary(config.vocab_size)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens), writer.add_token_scores(scores), writer.add_token_types(types)
-    writer.add_bos_token_id(2), writer.add_eos_token_id(1), writer.add_unk_token_id(3), writer.add_pad_token_id(0)
-    writer.add_add_bos_token(True), writer.add_add_space_prefix(False), writer.add_chat_template(CHAT)
+    vocabulary(writer, config.vocab_size)
     gemma = arch.startswith("gemma")
     for name, value in hf.items():
         stored = value + 1.0 if gemma and name.endswith("norm.weight") else value
@@ -151,3 +158,99 @@ def test_import_refuses_what_it_cannot_convert(tmp_path: Path, capsys: pytest.Ca
     assert stoker_main(["import", str(tmp_path / "bad.gguf"), "--to", str(tmp_path / "out")]) == 2
     assert "not a readable GGUF file" in capsys.readouterr().err
     assert json.dumps({}) == "{}"
+
+
+# ------------------------------------------------------------- byte-level BPE (gpt2) vocabularies
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's printable spelling of the 256 bytes: printable Latin-1 as itself, the rest from U+0100."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    spelled, extra = {}, 0
+    for byte in range(256):
+        if byte in keep:
+            spelled[byte] = chr(byte)
+        else:
+            spelled[byte] = chr(256 + extra)
+            extra += 1
+    return [spelled[b] for b in range(256)]
+
+
+BPE_MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d", "1 2", "12 3", "Ċ Ċ", "Ġ Ġ", "Ġ t"]
+UNMERGED = "Ġthe"  # in the vocabulary, but no merge makes it (tiktoken-made vocabularies have such tokens)
+BPE_SPECIALS = ["<|begin_of_text|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN_CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def bpe_vocabulary(pre: str, add_bos: bool) -> Callable[[GGUFWriter, int], None]:
+    def write(writer: GGUFWriter, size: int) -> None:
+        tokens = [*_byte_alphabet(), *(m.replace(" ", "") for m in BPE_MERGES), UNMERGED, *BPE_SPECIALS, "<think>"]
+        types = [1] * (len(tokens) - len(BPE_SPECIALS) - 1) + [3] * len(BPE_SPECIALS) + [4]
+        while len(tokens) < size:  # padding entries, as Qwen's files carry
+            tokens.append(f"[PAD{len(tokens)}]"), types.append(5)
+        writer.add_tokenizer_model("gpt2"), writer.add_tokenizer_pre(pre)
+        writer.add_token_list(tokens), writer.add_token_types(types), writer.add_token_merges(BPE_MERGES)
+        writer.add_bos_token_id(tokens.index("<|begin_of_text|>")), writer.add_eos_token_id(tokens.index("<|im_end|>"))
+        writer.add_add_bos_token(add_bos), writer.add_chat_template(QWEN_CHAT)
+    return write
+
+
+def _transformers_gguf_tokenizer(path: Path, arch: str) -> Any:
+    """transformers' own GGUF tokenizer conversion (its builders, special tokens and split table),
+    fed the file's tokenizer metadata read with the gguf package: transformers' GGUF reader imports
+    torch, its tokenizer conversion does not."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    reader = gguf.GGUFReader(str(path))
+    found = {key: field.contents() for key, field in reader.fields.items()}
+    tokenizer_dict = {name: found[f"tokenizer.{key}"] for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+                      if f"tokenizer.{key}" in found}
+    backend, _ = convert_gguf_tokenizer(arch, tokenizer_dict)
+    return backend
+
+
+BPE_TEXTS = [
+    "hello world", "hello  world\n\n123 12345", "héllo wörld ☃ 日本", "<|im_start|>user\nhello<|im_end|>\n",
+    "<think>hello</think> world", "it's 2024's  \t world\n", "  leading spaces",
+]
+
+
+@pytest.mark.parametrize(("arch", "pre", "add_bos"), [("qwen2", "qwen2", False), ("llama", "llama-bpe", True), ("qwen3", "default", False)])
+def test_a_byte_level_bpe_vocabulary_tokenizes_as_transformers_reads_the_gguf(
+    tmp_path: Path, arch: str, pre: str, add_bos: bool
+) -> None:
+    config = LLAMA.model_copy(update={"qk_norm": True, "head_dim": 8}) if arch == "qwen3" else LLAMA
+    write_gguf(tmp_path / "m.gguf", arch, config, vocabulary=bpe_vocabulary(pre, add_bos))
+    assert stoker_main(["import", str(tmp_path / "m.gguf"), "--to", str(tmp_path / "hf")]) == 0
+    files = read_tokenizer_files(tmp_path / "hf")
+    tok = files.tokenizer
+    referee = _transformers_gguf_tokenizer(tmp_path / "m.gguf", arch)
+    for text in BPE_TEXTS:
+        assert tok.encode(text, add_special_tokens=False).ids == referee.encode(text, add_special_tokens=False).ids, text
+        assert tok.decode(tok.encode(text, add_special_tokens=False).ids, skip_special_tokens=False) == text, text
+    vocab = tok.get_vocab(with_added_tokens=True)
+    assert tok.encode("hello world", add_special_tokens=False).tokens == ["hello", "Ġworld"]
+    assert (tok.encode("x").ids[0] == vocab["<|begin_of_text|>"]) is add_bos
+    assert files.eos_token == "<|im_end|>" and files.chat_template == QWEN_CHAT
+    conversation = [{"role": "user", "content": "hello world"}]
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert exported.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False) == (
+        "<|im_start|>user\nhello world<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert exported("hello world")["input_ids"] == tok.encode("hello world").ids
+    # Llama 3 takes a word that is in its vocabulary whole (its tokenizer.json sets ignore_merges, as
+    # llama.cpp does for llama-bpe); transformers' GGUF conversion does not, so this is not refereed.
+    the = tok.encode(" the", add_special_tokens=False).tokens
+    assert the == ([UNMERGED] if pre == "llama-bpe" else ["Ġt", "he"])
+    if pre != "llama-bpe":
+        assert referee.encode(" the", add_special_tokens=False).tokens == the
+    digits = tok.encode("12345", add_special_tokens=False).tokens
+    assert digits == (["123", "4", "5"] if pre == "llama-bpe" else ["1", "2", "3", "4", "5"] if pre == "qwen2" else ["123", "4", "5"])
+
+
+def test_an_unknown_bpe_split_writes_the_weights_and_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_gguf(tmp_path / "m.gguf", "qwen2", LLAMA, vocabulary=bpe_vocabulary("made-up", False))
+    assert stoker_main(["import", str(tmp_path / "m.gguf"), "--to", str(tmp_path / "hf")]) == 0
+    assert "tokenizer.ggml.pre 'made-up' is not converted" in capsys.readouterr().err
+    assert (tmp_path / "hf" / "model.safetensors").is_file() and not (tmp_path / "hf" / "tokenizer.json").exists()

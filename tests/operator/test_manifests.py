@@ -549,3 +549,58 @@ def test_rollout_scaling_fields_do_not_restart_servers() -> None:
 
     assert template_hash(replicas=1) == template_hash(replicas=3, minReplicas=0, maxReplicas=6)
     assert template_hash(replicas=1) != template_hash(replicas=1, maxBatch=64)
+
+
+# ------------------------------------------------------------------ gs:// checkpoints: the cache volume
+
+
+def _pod_templates(children: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """role -> the pod specs its workloads run (Deployment, Job, or a JobSet's replicated Jobs)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for child in children:
+        role = child["metadata"]["labels"]["stoker.dev/role"]
+        if child["kind"] in ("Deployment", "Job"):
+            out.setdefault(role, []).append(child["spec"]["template"]["spec"])
+        elif child["kind"] == "JobSet":
+            for replicated in child["spec"]["replicatedJobs"]:
+                out.setdefault(role, []).append(replicated["template"]["spec"]["template"]["spec"])
+    return out
+
+
+def _cache_dir(pod: dict[str, Any]) -> str | None:
+    """Where the pod's container finds its checkpoint cache, checked to be one volume, mounted
+    where the env var points (``stoker.remote_checkpoint.cache_root`` reads it)."""
+    from stoker.remote_checkpoint import CACHE_ENV
+
+    (container,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    volumes = [v for v in pod["volumes"] if v["name"] == "checkpoint-cache"]
+    mounts = [m["mountPath"] for m in container["volumeMounts"] if m["name"] == "checkpoint-cache"]
+    if not volumes and not mounts and CACHE_ENV not in env:
+        return None
+    assert volumes == [{"name": "checkpoint-cache", "emptyDir": {}}] and mounts == [env[CACHE_ENV]]
+    return mounts[0]
+
+
+@pytest.mark.parametrize("jobset_api", [True, False])
+def test_pods_that_fetch_gs_checkpoints_get_a_cache_volume(jobset_api: bool) -> None:
+    learner = {"accelerator": "tpu-v5p-slice", "topology": "2x2x4", "serviceAccountName": "trainer"}
+    remote = make_ctx(jobset_api=jobset_api, model={"checkpoint": "gs://models/qwen"}, learner=learner,
+                      rollout={"accelerator": "cpu"}, rollout_replicas=1)
+    children = desired_children(remote)
+    check_all(children)  # the new volume, mount and env validate against the real schemas
+    pods = _pod_templates(children)
+    assert {role for role, specs in pods.items() if all(_cache_dir(p) for p in specs)} == {"learner", "rollout", "actor"}
+    assert all(_cache_dir(p) is None for p in pods["buffer"])
+
+    local = make_ctx(jobset_api=jobset_api, model={"checkpoint": "/models/qwen"}, learner=learner,
+                     rollout={"accelerator": "cpu"}, rollout_replicas=1)
+    assert all(_cache_dir(p) is None for specs in _pod_templates(desired_children(local)).values() for p in specs)
+
+    # A gs:// teacher only: the learner fetches it; the actors and servers have nothing to fetch.
+    teacher = make_ctx(jobset_api=jobset_api, model={"checkpoint": "/models/student"}, learner=learner,
+                       algorithm={"name": "distill", "teacher": {"checkpoint": "gs://models/teacher"}})
+    children = desired_children(teacher)
+    check_all(children)
+    pods = _pod_templates(children)
+    assert {role for role, specs in pods.items() if any(_cache_dir(p) for p in specs)} == {"learner"}
