@@ -23,8 +23,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from stoker.channels import channel_options
 from stoker.model.shards import ShardManifest, ShardRecord, ShardsMissing, as_bytes
 from stoker.model.weight_errors import WeightsCorrupt, WeightsError, WeightsUnavailable
-from stoker.model.weights import _GRPC_OPTIONS, DEFAULT_CHUNK_BYTES, _BearerAuth
+from stoker.model.weights import _GRPC_OPTIONS, _BearerAuth
 from stoker.v1 import weights_pb2, weights_pb2_grpc
+
+
+# Fewer, larger messages than the blob's 1 MiB: per-message costs dominate Python gRPC.
+SHARD_CHUNK_BYTES = 4 << 20
 
 
 class _ShardServicer(weights_pb2_grpc.WeightsServicer):
@@ -34,6 +38,7 @@ class _ShardServicer(weights_pb2_grpc.WeightsServicer):
         self._lock = threading.Lock()
         self._staged: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
         self._manifests: OrderedDict[int, tuple[ShardManifest, bytes]] = OrderedDict()
+        self.served_bytes = 0  # shard bytes sent to readers (this process's egress)
 
     def stage(self, version: int, key: str, array: np.ndarray) -> None:
         with self._lock:
@@ -87,17 +92,17 @@ class _ShardServicer(weights_pb2_grpc.WeightsServicer):
             context.abort(grpc.StatusCode.OUT_OF_RANGE, f"bytes {request.offset}..{end} of a {len(view)}-byte shard")
             return
         for at in range(request.offset, max(end, request.offset + 1), self.chunk_bytes):
-            yield weights_pb2.WeightsChunk(
-                policy_version=request.policy_version, offset=at - request.offset,
-                data=bytes(view[at : min(at + self.chunk_bytes, end)]),
-            )
+            data = bytes(view[at : min(at + self.chunk_bytes, end)])
+            with self._lock:
+                self.served_bytes += len(data)
+            yield weights_pb2.WeightsChunk(policy_version=request.policy_version, offset=at - request.offset, data=data)
 
 
 class ShardServer:
     """The weights server of one learner process (``address``: ``host:port``, port 0 picks one)."""
 
     def __init__(self, address: str, *, keep: int = 2, auth_token: str | None = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_workers: int = 16):
+                 chunk_bytes: int = SHARD_CHUNK_BYTES, max_workers: int = 16):
         self.servicer = _ShardServicer(keep, chunk_bytes)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="weight-shards"),
@@ -154,19 +159,22 @@ class PeerShards:
         return ShardManifest.from_json(reply.manifest)
 
     def read(self, manifest: ShardManifest, shard: ShardRecord, offset: int, size: int) -> bytes:
+        return b"".join(self.stream(manifest, shard, offset, size))
+
+    def stream(self, manifest: ShardManifest, shard: ShardRecord, offset: int, size: int) -> Iterator[bytes]:
+        """The bytes of ``read``, chunk by chunk as they arrive (a relay passes them on)."""
         if shard.process >= len(manifest.peers):
             raise WeightsCorrupt(f"the manifest names no server for learner process {shard.process}")
-        parts, received = [], 0
+        received = 0
         request = weights_pb2.ReadShardRequest(policy_version=manifest.version, key=shard.key, offset=offset, size=size)
         try:
             for chunk in self._stub(manifest.peers[shard.process]).ReadShard(request, timeout=self.timeout_s, metadata=self.metadata):
                 if chunk.offset != received:
                     raise WeightsCorrupt(f"{shard.key}: chunk at offset {chunk.offset}, expected {received}")
-                parts.append(chunk.data)
                 received += len(chunk.data)
+                yield chunk.data
         except grpc.RpcError as err:
             raise translate(err) from err
-        return b"".join(parts)
 
     def close(self) -> None:
         with self._lock:
