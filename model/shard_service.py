@@ -23,12 +23,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from stoker.channels import channel_options
 from stoker.model.shards import ShardManifest, ShardRecord, ShardsMissing, as_bytes
 from stoker.model.weight_errors import WeightsCorrupt, WeightsError, WeightsUnavailable
-from stoker.model.weights import _GRPC_OPTIONS, _BearerAuth
+from stoker.model.weights import _GRPC_OPTIONS, DEFAULT_CHUNK_BYTES, _BearerAuth
 from stoker.v1 import weights_pb2, weights_pb2_grpc
-
-
-# Fewer, larger messages than the blob's 1 MiB: per-message costs dominate Python gRPC.
-SHARD_CHUNK_BYTES = 4 << 20
 
 
 class _ShardServicer(weights_pb2_grpc.WeightsServicer):
@@ -102,7 +98,7 @@ class ShardServer:
     """The weights server of one learner process (``address``: ``host:port``, port 0 picks one)."""
 
     def __init__(self, address: str, *, keep: int = 2, auth_token: str | None = None,
-                 chunk_bytes: int = SHARD_CHUNK_BYTES, max_workers: int = 16):
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_workers: int = 16):
         self.servicer = _ShardServicer(keep, chunk_bytes)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="weight-shards"),
