@@ -25,7 +25,7 @@ from stoker.learner.publish import ShardedPublisher
 from stoker.model import shard_service
 from stoker.model.hf import to_hf
 from stoker.model.model import init_model
-from stoker.model.shard_relay import WeightRelay
+from stoker.model.shard_relay import WeightRelay, geometry
 from stoker.model.weights import WeightSubscriber
 from stoker.spec import TransformerConfig
 
@@ -164,3 +164,33 @@ def killed_mid_transfer(
     from_relay, from_learner = reader.stats.taken.get(f"relay {relay_address}", 0), reader.stats.taken.get("primary", 0)
     assert from_relay > 0 and from_learner > 0 and from_relay + from_learner == total, reader.stats
     assert reader.stats.fallbacks >= 1
+
+
+def test_a_relay_sending_a_bad_block_is_caught_by_its_crc32_and_the_reader_reads_it_from_the_learner() -> None:
+    with publish() as (publisher, want, total):
+        bad = WeightRelay()
+        bad.serve("127.0.0.1:0")
+        reader = WeightRelay((f"127.0.0.1:{bad.port}",))
+        try:
+            with WeightSubscriber(address=f"127.0.0.1:{publisher.port}") as plain:
+                weights: Any = plain.fetch(1)
+                name = "model.embed_tokens.weight"
+                shard = weights.manifest.tensors[name].shards[0]
+                step = geometry(weights.manifest, shard).block_bytes
+                data = weights.source.read(weights.manifest, shard, 0, geometry(weights.manifest, shard).total_bytes)
+                blocks = [data[at : at + step] for at in range(0, len(data), step)]
+                assert len(blocks) > 2
+                # The relay holds every block of this shard, the second one with a flipped byte.
+                blocks[1] = bytes([blocks[1][0] ^ 1]) + blocks[1][1:]
+                bad.cache.expect(weights.manifest, [(shard.key, b) for b in range(len(blocks))])
+                for b, block in enumerate(blocks):
+                    bad.cache.put(weights.manifest, shard.key, b, block)
+            with WeightSubscriber(address=f"127.0.0.1:{publisher.port}", relay=reader) as subscriber:
+                got = subscriber.fetch(1)[name]
+            assert hashlib.sha256(got.tobytes()).hexdigest() == want[name]
+            # Block 0 came from the relay; the bad block 1 and the rest from the learner.
+            assert reader.stats.fallbacks == 1, reader.stats
+            assert reader.stats.taken == {f"relay 127.0.0.1:{bad.port}": step, "primary": got.nbytes - step}, reader.stats
+        finally:
+            reader.close()
+            bad.close()
