@@ -4,7 +4,7 @@ In ``mode: colocated`` (no ``--buffer``) it runs the synchronous loop instead, p
 episodes on its own chips (``stoker.sync``): the operator's colocated learner pod.
 
     stoker learner --manifest job.yaml --buffer HOST:PORT [--token-file F] --run-dir DIR \\
-                   [--weights-dir DIR | --weights-port P] [--max-steps N] [--metrics-port P]
+                   [--weights-dir DIR] [--weights-port P] [--max-steps N] [--metrics-port P]
 
 Resumes from the latest checkpoint under the spec's ``learner.checkpoint.dir`` (relative to
 ``--run-dir``). SIGTERM/SIGINT stop it after the current step with a final checkpoint. Metrics go to
@@ -39,9 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--buffer", metavar="ADDR", help="buffer gRPC address HOST:PORT (not needed for SFT or DPO on a dataset)")
     parser.add_argument("--token-file", metavar="F", help="file holding the buffer's bearer token (also guards the weights)")
     parser.add_argument("--run-dir", required=True, metavar="DIR", help="checkpoints, metrics and caches go here")
-    weights = parser.add_mutually_exclusive_group()
-    weights.add_argument("--weights-dir", metavar="DIR", help="publish weights into this shared directory")
-    weights.add_argument("--weights-port", type=int, metavar="P", help="serve weights over gRPC on this port")
+    # Both at once: readers may take either (the operator's pods serve, and write a weights volume).
+    parser.add_argument("--weights-dir", metavar="DIR", help="publish weights into this shared directory")
+    parser.add_argument("--weights-port", type=int, metavar="P", help="serve weights over gRPC on this port")
     parser.add_argument(
         "--weights-format", choices=["auto", "blob", "shards"], default="auto",
         help="shards: every process publishes only its own shards (stoker.learner.publish); blob: the primary "

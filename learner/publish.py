@@ -21,7 +21,9 @@ import secrets
 import socket
 import threading
 import time
+from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,11 +31,13 @@ import numpy as np
 from stoker.distributed import Processes
 from stoker.model.shards import (
     BLOCK_BYTES, Box, ShardDirectory, ShardManifest, ShardRecord, TensorRecord, block_rows, checksums, folder_name,
+    fsync_file,
 )
 
 log = logging.getLogger(__name__)
 
 KV_PREFIX = "stoker/weights"
+WRITERS = 4  # shards staged at once per process (the host's staging bound is this many shards)
 COMMIT_TIMEOUT_SECONDS = 600.0  # how long the primary waits for every process's part of a version
 LATEST_FILE = "LATEST.json"  # the single-blob channel's pointer name: subscribers look here for either
 
@@ -55,7 +59,7 @@ class PublishStats:
     version: int = -1
     shards: int = 0
     bytes_written: int = 0  # bytes of shards this process staged (to the directory and/or its server)
-    peak_staging_bytes: int = 0  # the largest single shard held on the host at once while staging
+    peak_staging_bytes: int = 0  # the most bytes of shards held on the host at once while staging (<= writers shards)
     seconds: float = 0.0
 
 
@@ -86,6 +90,12 @@ def plan(model: Any) -> tuple[list[PlannedShard], dict[str, tuple[tuple[int, ...
     return shards, tensors
 
 
+def _device_transpose(data: Any) -> Any:
+    import jax.numpy as jnp
+
+    return jnp.transpose(data)
+
+
 def advertised(address: str, port: int) -> str:
     """The address other pods reach this process's server at: the bound host, or the pod's IP
     (``POD_IP``, from the downward API; else the host name's address) for a wildcard bind."""
@@ -112,6 +122,7 @@ class ShardedPublisher:
         processes: Processes | None = None,
         commit_timeout_s: float = COMMIT_TIMEOUT_SECONDS,
         block_bytes: int = BLOCK_BYTES,
+        writers: int = WRITERS,
     ):
         if directory is None and address is None:
             raise ValueError("ShardedPublisher needs a directory, an address, or both")
@@ -119,6 +130,7 @@ class ShardedPublisher:
         self.keep = keep
         self.commit_timeout_s = commit_timeout_s
         self.block_bytes = block_bytes
+        self.writers = max(1, writers)
         self.directory = ShardDirectory(directory, keep) if directory is not None else None
         if self.directory is not None:
             self.directory.directory.mkdir(parents=True, exist_ok=True)
@@ -164,25 +176,8 @@ class ShardedPublisher:
             me = self.processes.index
             folder = folder_name(version, self.run)
             stats = PublishStats(version)
-            part: dict[str, tuple[int, tuple[int, ...]]] = {}
-            local: dict[int, dict[Any, Any]] = {}
-            for shard in shards:
-                if shard.device.process_index != me:
-                    continue
-                by_device = local.setdefault(id(shard.array), {s.device: s for s in shard.array.addressable_shards})
-                host = np.asarray(by_device[shard.device].data)
-                if shard.transpose:
-                    host = np.ascontiguousarray(host.T)
-                rows = block_rows(host.shape, host.dtype.itemsize, self.block_bytes)
-                part[shard.key] = (rows, checksums(host, rows))
-                if self.directory is not None:
-                    self.directory.write_shard(folder, me, shard.key, host)
-                if self.server is not None:
-                    self.server.servicer.stage(version, shard.key, host)
-                stats.shards += 1
-                stats.bytes_written += int(host.nbytes)
-                stats.peak_staging_bytes = max(stats.peak_staging_bytes, int(host.nbytes))
-                del host
+            mine = [shard for shard in shards if shard.device.process_index == me]
+            part = self._stage(version, folder, mine, stats)
             parts = self._exchange(version, part)
             manifest = None
             if parts is not None:
@@ -196,6 +191,54 @@ class ShardedPublisher:
             self.stats = stats
             self._latest = version
             return manifest
+
+    def _stage(self, version: int, folder: str, mine: list[PlannedShard], stats: PublishStats) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """Stage ``mine`` over ``writers`` threads, at most ``writers`` shards on the host at once
+        (device-to-host copy, crc32 and the file write all let go of the GIL); the directory's
+        files are written unsynced and fsynced together at the end, so write-back overlaps."""
+        part: dict[str, tuple[int, tuple[int, ...]]] = {}
+        written: list[Path] = []
+        me, lock, held = self.processes.index, threading.Lock(), [0]
+        local: dict[int, dict[Any, Any]] = {}
+        for shard in mine:  # on this thread: jax.Array's shard lookup is not worth racing over
+            local.setdefault(id(shard.array), {s.device: s.data for s in shard.array.addressable_shards})
+
+        def stage_one(shard: PlannedShard) -> None:
+            data = local[id(shard.array)][shard.device]
+            # The layout change runs on the shard's own device (a program of one shard's size),
+            # so the host only copies contiguous bytes.
+            host = np.asarray(_device_transpose(data) if shard.transpose else data)
+            with lock:
+                held[0] += int(host.nbytes)
+                stats.peak_staging_bytes = max(stats.peak_staging_bytes, held[0])
+            try:
+                rows = block_rows(host.shape, host.dtype.itemsize, self.block_bytes)
+                crc = checksums(host, rows)
+                path = None
+                if self.directory is not None:
+                    path = self.directory.write_shard(folder, me, shard.key, host, sync=False)
+                if self.server is not None:
+                    self.server.servicer.stage(version, shard.key, host)
+            finally:
+                with lock:
+                    held[0] -= int(host.nbytes)
+            with lock:
+                part[shard.key] = (rows, crc)
+                if path is not None:
+                    written.append(path)
+                stats.shards += 1
+                stats.bytes_written += int(host.nbytes)
+
+        with futures.ThreadPoolExecutor(max_workers=self.writers, thread_name_prefix="weights-stage") as pool:
+            pending: list[futures.Future[None]] = []
+            for shard in mine:
+                if len(pending) >= self.writers:  # bound what is staged on the host at once
+                    pending.pop(0).result()
+                pending.append(pool.submit(stage_one, shard))
+            for future in pending:
+                future.result()
+            list(pool.map(fsync_file, written))
+        return part
 
     def _exchange(self, version: int, part: dict[str, tuple[int, tuple[int, ...]]]) -> list[dict[str, Any]] | None:
         """Post this process's part; the primary gets every process's (the barrier), others None."""

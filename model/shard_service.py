@@ -34,6 +34,7 @@ class _ShardServicer(weights_pb2_grpc.WeightsServicer):
         self._lock = threading.Lock()
         self._staged: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
         self._manifests: OrderedDict[int, tuple[ShardManifest, bytes]] = OrderedDict()
+        self.served_bytes = 0  # shard bytes sent to readers (this process's egress)
 
     def stage(self, version: int, key: str, array: np.ndarray) -> None:
         with self._lock:
@@ -87,10 +88,10 @@ class _ShardServicer(weights_pb2_grpc.WeightsServicer):
             context.abort(grpc.StatusCode.OUT_OF_RANGE, f"bytes {request.offset}..{end} of a {len(view)}-byte shard")
             return
         for at in range(request.offset, max(end, request.offset + 1), self.chunk_bytes):
-            yield weights_pb2.WeightsChunk(
-                policy_version=request.policy_version, offset=at - request.offset,
-                data=bytes(view[at : min(at + self.chunk_bytes, end)]),
-            )
+            data = bytes(view[at : min(at + self.chunk_bytes, end)])
+            with self._lock:
+                self.served_bytes += len(data)
+            yield weights_pb2.WeightsChunk(policy_version=request.policy_version, offset=at - request.offset, data=data)
 
 
 class ShardServer:
@@ -154,19 +155,22 @@ class PeerShards:
         return ShardManifest.from_json(reply.manifest)
 
     def read(self, manifest: ShardManifest, shard: ShardRecord, offset: int, size: int) -> bytes:
+        return b"".join(self.stream(manifest, shard, offset, size))
+
+    def stream(self, manifest: ShardManifest, shard: ShardRecord, offset: int, size: int) -> Iterator[bytes]:
+        """The bytes of ``read``, chunk by chunk as they arrive (a relay passes them on)."""
         if shard.process >= len(manifest.peers):
             raise WeightsCorrupt(f"the manifest names no server for learner process {shard.process}")
-        parts, received = [], 0
+        received = 0
         request = weights_pb2.ReadShardRequest(policy_version=manifest.version, key=shard.key, offset=offset, size=size)
         try:
             for chunk in self._stub(manifest.peers[shard.process]).ReadShard(request, timeout=self.timeout_s, metadata=self.metadata):
                 if chunk.offset != received:
                     raise WeightsCorrupt(f"{shard.key}: chunk at offset {chunk.offset}, expected {received}")
-                parts.append(chunk.data)
                 received += len(chunk.data)
+                yield chunk.data
         except grpc.RpcError as err:
             raise translate(err) from err
-        return b"".join(parts)
 
     def close(self) -> None:
         with self._lock:

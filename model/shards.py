@@ -42,6 +42,7 @@ FORMAT = "stoker-shards/1"
 # over-read at either end of a slice.
 BLOCK_BYTES = 4 << 20
 READ_THREADS = 8
+RUN_BYTES = 16 << 20  # the most one read (one gRPC stream) asks for: larger shards go as parallel reads
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension
 
@@ -218,7 +219,13 @@ class ShardedWeights(Mapping[str, np.ndarray]):
                 if part is not None:
                     first, last = _block_span(shard, part)
                     needs.setdefault((name, shard.key), set()).update(range(first, last + 1))
-        runs = [(name, key, a, b) for (name, key), blocks in needs.items() for a, b in _runs(sorted(blocks))]
+        expect = getattr(self.source, "expect", None)
+        if expect is not None:  # a relaying source: servers below it may wait for these blocks
+            expect(self.manifest, [(key, b) for (_, key), blocks in needs.items() for b in blocks])
+        runs = [
+            (name, key, a, b) for (name, key), blocks in needs.items()
+            for a, b in _runs(sorted(blocks), self._run_blocks(name, key))
+        ]
         with futures.ThreadPoolExecutor(max_workers=max(1, self.threads), thread_name_prefix="shard-read") as pool:
             read = list(pool.map(lambda run: self._read_blocks(*run), runs))
         blocks: dict[tuple[str, int], np.ndarray] = {}
@@ -226,6 +233,12 @@ class ShardedWeights(Mapping[str, np.ndarray]):
             for n, block in enumerate(rows):
                 blocks[(key, first + n)] = block
         return [self._assemble(self.manifest.tensors[name], box, blocks) for name, box in wanted]
+
+    def _run_blocks(self, name: str, key: str) -> int:
+        """Blocks per read: a large shard is read as several streams in parallel."""
+        tensor, shard = self.manifest.tensors[name], self._shard(name, key)
+        row = (math.prod(shard.shape[1:]) if len(shard.shape) > 1 else 1) * np.dtype(dtype_of(tensor.dtype)).itemsize
+        return max(1, RUN_BYTES // max(1, shard.block_rows * row))
 
     def _shard(self, name: str, key: str) -> ShardRecord:
         return next(s for s in self.manifest.tensors[name].shards if s.key == key)
@@ -396,11 +409,11 @@ def _block_span(shard: ShardRecord, part: Box) -> tuple[int, int]:
     return lo // shard.block_rows, (hi - 1) // shard.block_rows
 
 
-def _runs(blocks: list[int]) -> Iterator[tuple[int, int]]:
-    """Maximal runs of consecutive block numbers, as (first, last)."""
+def _runs(blocks: list[int], longest: int) -> Iterator[tuple[int, int]]:
+    """Runs of consecutive block numbers of at most ``longest`` blocks, as (first, last)."""
     start = prev = blocks[0]
     for b in blocks[1:]:
-        if b != prev + 1:
+        if b != prev + 1 or b - start >= longest:
             yield start, prev
             start = b
         prev = b
@@ -424,14 +437,24 @@ def folder_name(version: int, run: str) -> str:
     return f"{MANIFEST_PREFIX}{version:012d}-{run}"
 
 
-def _write(path: Path, data: bytes | memoryview, *, atomic: bool) -> None:
+def _write(path: Path, data: bytes | memoryview, *, atomic: bool, sync: bool = True) -> None:
     target = path.with_name(f".{path.name}.tmp") if atomic else path
     with open(target, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
     if atomic:
         os.replace(target, path)
+
+
+def fsync_file(path: Path) -> None:
+    """Flush a file written with ``sync=False`` to stable storage (before its version commits)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class ShardDirectory:
@@ -444,12 +467,14 @@ class ShardDirectory:
         self.directory = Path(directory)
         self.keep = keep
 
-    def write_shard(self, folder: str, process: int, key: str, array: np.ndarray) -> int:
+    def write_shard(self, folder: str, process: int, key: str, array: np.ndarray, *, sync: bool = True) -> Path:
+        """Write one shard's file; ``sync=False`` leaves the fsync to the caller (``fsync_file``),
+        which must happen before the version commits."""
         where = self.directory / folder / f"p{process:05d}"
         where.mkdir(parents=True, exist_ok=True)
         # Not atomic: nothing under an uncommitted folder is read, and a committed one is complete.
-        _write(where / key, as_bytes(array), atomic=False)
-        return int(array.nbytes)
+        _write(where / key, as_bytes(array), atomic=False, sync=sync)
+        return where / key
 
     def commit(self, manifest: ShardManifest, latest_file: str) -> None:
         data = manifest.to_json()

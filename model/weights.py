@@ -326,9 +326,13 @@ class WeightSubscriber:
         directory: str | Path | None = None,
         auth_token: str | None = None,
         timeout_s: float = 120.0,
+        relay: Any = None,
     ):
         if (address is None) == (directory is None):
             raise ValueError("WeightSubscriber needs exactly one of address and directory")
+        # A ``stoker.model.shard_relay.WeightRelay``: sharded reads go through it (other rollout
+        # servers first, what is read is served on).
+        self.relay = relay
         self.timeout_s = timeout_s
         self._directory = Path(directory) if directory is not None else None
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
@@ -375,7 +379,10 @@ class WeightSubscriber:
         assert self._address is not None
         if self._peers is None:
             self._peers = PeerShards(self._metadata, self.timeout_s)
-        return ShardedWeights(self._peers.manifest(self._address, version), self._peers)
+        return ShardedWeights(self._peers.manifest(self._address, version), self._relayed(self._peers))
+
+    def _relayed(self, source: Any) -> Any:
+        return source if self.relay is None else self.relay.source(source)
 
     def fetch_latest(self) -> tuple[int, Mapping[str, np.ndarray]] | None:
         """(version, arrays) of the newest version, or None before the first publish. Retries
@@ -397,7 +404,7 @@ class WeightSubscriber:
             shards = ShardDirectory(self._directory)
             manifest = shards.manifest(version)
             if manifest is not None:
-                return ShardedWeights(manifest, shards)
+                return ShardedWeights(manifest, self._relayed(shards))
             raise WeightsNotFound(f"policy version {version} is not in {self._directory}")
         try:
             data = (self._directory / _weights_name(version)).read_bytes()

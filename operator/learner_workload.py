@@ -39,6 +39,7 @@ from stoker.operator.tpu import (
     slice_shape,
 )
 from stoker.ports import JAX_COORDINATOR_PORT, MEGASCALE_COORDINATOR_PORT
+from stoker.operator.weights_volume import add_weights_volume, learner_args, weights_volume_annotations
 from stoker.spec import LearnerSpec
 
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
@@ -84,6 +85,7 @@ def _pod_spec(ctx: JobContext, shape: SliceShape, env: list[dict[str, Any]], *, 
             *("learner", "--manifest", JOB_FILE, "--run-dir", RUN_DIR),
             *("--metrics-port", str(METRICS_PORT), "--weights-port", str(WEIGHTS_PORT)),
             *(buffer_client_args(ctx) if ctx.streams else ()),
+            *learner_args(learner.weights_volume),
         ],
         "env": container_env(ctx, ROLE_LEARNER) + cache_env + env,
         "volumeMounts": [*mounts, {"name": "run", "mountPath": RUN_DIR}],
@@ -105,6 +107,7 @@ def _pod_spec(ctx: JobContext, shape: SliceShape, env: list[dict[str, Any]], *, 
         pod["serviceAccountName"] = ctx.names.sandbox_manager  # it manages its own sandboxes
     if subdomain is not None:
         pod["subdomain"] = subdomain
+    add_weights_volume(learner.weights_volume, pod, container, read_only=False)
     container["ports"] = [
         {"name": "weights", "containerPort": WEIGHTS_PORT, "protocol": "TCP"},
         {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
@@ -188,6 +191,13 @@ def _workload_labels(ctx: JobContext) -> dict[str, str]:
     return out
 
 
+def _template_metadata(ctx: JobContext) -> dict[str, Any]:
+    meta: dict[str, Any] = {"labels": labels(ctx.name, ROLE_LEARNER, ctx.settings.extra_labels)}
+    if (annotations := weights_volume_annotations(ctx.spec.learner.weights_volume)):
+        meta["annotations"] = annotations
+    return meta
+
+
 def _job_template_spec(ctx: JobContext, shape: SliceShape, pod_spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "parallelism": shape.hosts,
@@ -195,10 +205,7 @@ def _job_template_spec(ctx: JobContext, shape: SliceShape, pod_spec: dict[str, A
         "completionMode": "Indexed",
         # One lost host fails the slice; restarts are the JobSet's (or the operator's) business.
         "backoffLimit": 0,
-        "template": {
-            "metadata": {"labels": labels(ctx.name, ROLE_LEARNER, ctx.settings.extra_labels)},
-            "spec": pod_spec,
-        },
+        "template": {"metadata": _template_metadata(ctx), "spec": pod_spec},
     }
 
 

@@ -40,6 +40,7 @@ from stoker.operator.manifests import (
 from stoker.operator.naming import ROLE_ROLLOUT, labels, selector
 from stoker.remote_checkpoint import ROLLOUT
 from stoker.operator.rollout import Paths, config_hash
+from stoker.operator.weights_volume import WEIGHTS_MOUNT, add_weights_volume, weights_volume_annotations
 from stoker.operator.tpu import ACCELERATOR_LABEL, NODEPOOL_LABEL, TOPOLOGY_LABEL, TPU_RESOURCE, SliceShape, slice_shape
 from stoker.spec import TPU_ACCELERATORS, RolloutSpec
 
@@ -53,7 +54,9 @@ SERVER_MAX_RESTARTS = 1000
 STARTUP_SECONDS = 900
 
 # The spec fields a rollout server reads when it starts; scaling fields never restart it.
-ROLLOUT_CONFIG_FIELDS: Paths = (("model",), ("rollout",), ("actors", "sampling"), ("learner", "compilationCacheDir"), ("seed",))
+ROLLOUT_CONFIG_FIELDS: Paths = (
+    ("model",), ("rollout",), ("actors", "sampling"), ("learner", "compilationCacheDir"), ("learner", "weightsVolume"), ("seed",)
+)
 ROLLOUT_HASH_IGNORES: Paths = (("rollout", "replicas"), ("rollout", "minReplicas"), ("rollout", "maxReplicas"))
 
 SINGLE_HOST = SliceShape(chips=0, hosts=1, chips_per_host=0)
@@ -111,7 +114,7 @@ def _pod_spec(ctx: JobContext, shape: SliceShape, *, restart_policy: str) -> dic
         "command": ["stoker"],
         "args": [
             *("rollout", "--manifest", JOB_FILE, "--job", ctx.name, "--port", str(port)),
-            *("--weights", f"{ctx.names.weights}:{WEIGHTS_PORT}", "--token-file", token_file(ctx)),
+            *("--weights", _weights_source(ctx), "--token-file", token_file(ctx)),
             *("--metrics-port", str(METRICS_PORT)),
         ],
         "ports": [
@@ -140,11 +143,23 @@ def _pod_spec(ctx: JobContext, shape: SliceShape, *, restart_policy: str) -> dic
     if ctx.spec.learner.service_account_name:  # it reads the checkpoint the learner starts from
         pod["serviceAccountName"] = ctx.spec.learner.service_account_name
     _accelerator(rollout, shape, container, pod)
+    add_weights_volume(ctx.spec.learner.weights_volume, pod, container, read_only=True)
     return pod
+
+
+def _weights_source(ctx: JobContext) -> str:
+    """The learner's shared weights volume when it has one, else its weights Service."""
+    if ctx.spec.learner.weights_volume is not None:
+        return WEIGHTS_MOUNT
+    return f"{ctx.names.weights}:{WEIGHTS_PORT}"
 
 
 def _template_labels(ctx: JobContext, extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**labels(ctx.name, ROLE_ROLLOUT, ctx.settings.extra_labels), **(extra or {})}
+
+
+def _volume_annotations(ctx: JobContext) -> dict[str, str]:
+    return weights_volume_annotations(ctx.spec.learner.weights_volume)
 
 
 def build_rollout_deployment(ctx: JobContext) -> Manifest:
@@ -162,7 +177,7 @@ def build_rollout_deployment(ctx: JobContext) -> Manifest:
             "template": {
                 "metadata": {
                     "labels": _template_labels(ctx),
-                    "annotations": {CONFIG_HASH_ANNOTATION: rollout_config_hash(ctx)},
+                    "annotations": {CONFIG_HASH_ANNOTATION: rollout_config_hash(ctx), **_volume_annotations(ctx)},
                 },
                 "spec": _pod_spec(ctx, shape, restart_policy="Always"),
             },
@@ -195,7 +210,10 @@ def build_rollout_jobset(ctx: JobContext, index: int) -> Manifest:
                             "completionMode": "Indexed",
                             "backoffLimit": 0,  # one lost host fails the slice; JobSet restarts it
                             "template": {
-                                "metadata": {"labels": _template_labels(ctx, {SERVER_LABEL: str(index)})},
+                                "metadata": {
+                                    "labels": _template_labels(ctx, {SERVER_LABEL: str(index)}),
+                                    **({"annotations": a} if (a := _volume_annotations(ctx)) else {}),
+                                },
                                 "spec": _pod_spec(ctx, shape, restart_policy="Never"),
                             },
                         }

@@ -1,6 +1,7 @@
 """``stoker rollout``: serve generation to the actors over gRPC (``stoker.v1.Rollout``).
 
     stoker rollout --manifest job.yaml [--weights HOST:PORT|DIR] [--port N] [--max-batch N]
+                   [--weights-relay-port P] [--weights-relay-from ADDR ...]
                    [--max-queue N] [--mesh tp=N] [--metrics-port N] [--ready-file F]
 
 On a multi-host slice every host runs this same command (``stoker.distributed`` reads the
@@ -26,6 +27,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--job", help="the RLJob's name, for logs (default: the manifest's metadata.name)")
     parser.add_argument("--weights", metavar="ADDR_OR_DIR", help="learner weight channel: gRPC host:port or a directory")
     parser.add_argument("--token-file", metavar="F", help="file holding the weight channel's bearer token")
+    parser.add_argument(
+        "--weights-relay-port", type=int, metavar="P",
+        help="serve the sharded weight blocks this server reads to other rollout servers on this port",
+    )
+    parser.add_argument(
+        "--weights-relay-from", metavar="ADDR", action="append", default=[],
+        help="read sharded weights from this rollout server's relay first (repeatable; the learner's "
+        "servers or the directory for what it cannot give)",
+    )
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: all)")
     parser.add_argument("--port", type=int, help="gRPC port (default: spec.rollout.port; 0 picks a free one)")
     parser.add_argument("--max-batch", type=int, help="turns decoded together (default: spec.rollout.maxBatch)")
@@ -85,13 +95,12 @@ def main(args: argparse.Namespace) -> int:
 
 
 def serve(engine: Any, settings: Any, args: argparse.Namespace, token: str | None) -> int:
-    from stoker.actor.wiring import make_weight_source
     from stoker.buffer.server import write_ready_file
     from stoker.distributed import PeerFailure
     from stoker.rollout.hosts import LeaderSampler
     from stoker.rollout.server import RolloutServer
 
-    weights = make_weight_source(args.weights, token) if args.weights else None
+    weights = weight_source(args, token)
     try:
         server = RolloutServer(
             engine, host=args.host, port=settings.port, weights=weights,
@@ -130,11 +139,10 @@ def follow_primary(sampler: Any, processes: Any, settings: Any, args: argparse.N
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    from stoker.actor.wiring import make_weight_source
     from stoker.distributed import PeerFailure
     from stoker.rollout.hosts import WeightPrefetcher, follow
 
-    subscriber = make_weight_source(args.weights, token) if args.weights else None
+    subscriber = weight_source(args, token)
     weights = (
         WeightPrefetcher(subscriber, settings.weight_poll_seconds, sampler.weight_layout()).start()
         if subscriber is not None else None
@@ -157,6 +165,23 @@ def follow_primary(sampler: Any, processes: Any, settings: Any, args: argparse.N
         if weights is not None:
             weights.stop()
     return 0
+
+
+def weight_source(args: argparse.Namespace, token: str | None) -> Any:
+    """The weight channel's subscriber, relaying sharded weights when asked to."""
+    from stoker.actor.wiring import make_weight_source
+
+    if not args.weights:
+        return None
+    subscriber = make_weight_source(args.weights, token)
+    if args.weights_relay_port is not None or args.weights_relay_from:
+        from stoker.model.shard_relay import WeightRelay
+
+        relay = WeightRelay(tuple(args.weights_relay_from), auth_token=token)
+        if args.weights_relay_port is not None:
+            relay.serve(f"{args.host}:{args.weights_relay_port}")
+        subscriber.relay = relay
+    return subscriber
 
 
 def _peer_failed(message: str) -> NoReturn:

@@ -54,6 +54,7 @@ from stoker.spec_learner import (
     SecretRef,
     SftSpec,
     TeacherSpec,
+    WeightsVolumeSpec,
 )
 from stoker.spec_model import LoraSpec, ModelSpec, RopeScaling, TransformerConfig
 from stoker.spec_rollout import RolloutSpec, rollout_chips, rollout_hosts, rollout_problems
@@ -66,7 +67,7 @@ __all__ = [
     "CheckpointSpec", "EnvironmentSpec", "FrozenLakeOptions", "LearnerSpec", "LearningRateScheduleSpec", "LoraSpec", "MeshSpec",
     "ModelSpec", "ObjectMeta", "RLJob", "RLJobSpec", "ResourceList", "Resources", "RewardSpec", "RewardTermSpec",
     "RolloutSpec", "RopeScaling", "SamplingSpec", "SandboxSpec", "SecretRef", "SftSpec", "SpecModel", "TeacherSpec", "StepLatency", "SweOptions",
-    "TpuAccelerator", "TpuTopology", "TransformerConfig", "cel", "cross_field_problems", "name_problems",
+    "TpuAccelerator", "TpuTopology", "TransformerConfig", "WeightsVolumeSpec", "cel", "cross_field_problems", "name_problems",
     "rollout_chips", "rollout_hosts", "rollout_problems",
 ]
 

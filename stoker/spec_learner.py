@@ -209,6 +209,27 @@ class CheckpointSpec(SpecModel):
     keep: int = Field(3, ge=1, description="Checkpoints retained.")
 
 
+# A GCS bucket name (dots allowed: domain-named buckets); Cloud Storage's own rules, simplified.
+GCS_BUCKET_PATTERN = r"^[a-z0-9][-_.a-z0-9]*[a-z0-9]$"
+
+
+class WeightsVolumeSpec(SpecModel):
+    """A shared volume for sharded weights: the learner pods mount it read-write and publish
+    every version into it (each host its own shards), the rollout servers mount it read-only and
+    read by slice from it (docs/gke.md, "Weights at scale"). Exactly one of the two."""
+
+    gcs_bucket: Annotated[str, Field(pattern=GCS_BUCKET_PATTERN, min_length=3, max_length=222)] | None = Field(
+        None,
+        description=(
+            "GCS bucket mounted through GKE's Cloud Storage FUSE CSI driver (the pods' ServiceAccount "
+            "needs roles/storage.objectUser on it)."
+        ),
+    )
+    persistent_volume_claim: Annotated[str, Field(pattern=DNS_SUBDOMAIN_PATTERN, max_length=253)] | None = Field(
+        None, description="A ReadWriteMany PersistentVolumeClaim in the job's namespace (e.g. Filestore)."
+    )
+
+
 class LearnerSpec(SpecModel):
     accelerator: Literal["cpu", TpuAccelerator] = Field(
         "cpu", description="GKE TPU accelerator label, or cpu for a local run (immutable)."
@@ -232,6 +253,13 @@ class LearnerSpec(SpecModel):
     )
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     publish_interval_steps: int = Field(1, ge=1, description="Publish weights to actors every k steps.")
+    weights_volume: WeightsVolumeSpec | None = Field(
+        None,
+        description=(
+            "Publish sharded weights into this shared volume, which the rollout servers read from; "
+            "unset: the rollout servers fetch from the learner pods' own servers (peer serving)."
+        ),
+    )
     max_steps: int = Field(
         500, ge=1, description="Training stops after this many steps (batches consumed, updates or not)."
     )

@@ -78,6 +78,11 @@ def cross_field_problems(spec: RLJobSpec) -> list[tuple[str, str]]:
             ("mode", f"colocated with a learner of {hosts} hosts; expected one host (the colocated learner plays its "
                      "episodes in one process) or mode: disaggregated")
         )
+    volume = spec.learner.weights_volume
+    if volume is not None and (volume.gcs_bucket is None) == (volume.persistent_volume_claim is None):
+        problems.append(
+            ("learner.weightsVolume", "expected exactly one of gcsBucket and persistentVolumeClaim")
+        )
     if spec.rollout is not None:
         problems += rollout_problems(spec)
     return problems
@@ -190,6 +195,9 @@ CEL_RULES: dict[tuple[str, ...], list[dict[str, Any]]] = {
             "mode: colocated runs the learner on one host (it plays its episodes in one process); a learner of "
             "several hosts or slices needs mode: disaggregated",
         ),
+    ],
+    ("learner", "weightsVolume"): [
+        cel("has(self.gcsBucket) != has(self.persistentVolumeClaim)", "expected exactly one of gcsBucket and persistentVolumeClaim")
     ],
     ("rollout",): ROLLOUT_CEL_RULES,
     ("actors",): [cel("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas")],

@@ -144,3 +144,43 @@ def test_colocated_weights_move_device_to_device_into_the_samplers_model() -> No
     for name, array in to_hf(target).items():
         assert array.dtype == want[name].dtype and array.tobytes() == want[name].tobytes(), name
     assert weights["model.layers.0.mlp.down_proj.weight"].tobytes() == to_hf(source)["model.layers.0.mlp.down_proj.weight"].tobytes()
+
+
+@pytest.mark.slow
+def test_a_publish_slower_than_many_steps_never_holds_up_training(tmp_path: Path, xla_cache: Path) -> None:
+    """The learner keeps stepping while a sharded publish runs (on the outbox's thread); the
+    versions trained meanwhile are skipped, not queued, and the last one is published."""
+    import time
+
+    from stoker.learner.loop import Learner
+
+    from .test_learner import ScriptedBuffer, settings
+
+    learner = Learner(settings(tmp_path, publish_interval=1))
+    buffer = ScriptedBuffer()
+    buffer.learner_ref.append(learner)
+    during: dict[str, int] = {}
+
+    class Slow(ShardedPublisher):
+        published: list[int] = []
+
+        def publish(self, version: int, model: object) -> object:
+            if not self.published:  # the first (version 0) lasts until the learner is 4 steps further
+                deadline = time.monotonic() + 60
+                while learner.version < version + 4 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                during["steps"] = learner.version - version
+            self.published.append(version)
+            return super().publish(version, model)
+
+    with Slow(directory=str(tmp_path / "weights"), processes=Processes()) as publisher:
+        assert learner.run(buffer, publisher, max_steps=7) == 7
+    learner.close()
+    # Trained on while version 0 was publishing (a publish blocking the step would freeze
+    # learner.version until the deadline: 0 steps).
+    assert during["steps"] >= 4, during
+    # The versions trained during it were skipped, not published late; the last was published.
+    assert Slow.published[0] == 0 and Slow.published[-1] == 7, Slow.published
+    assert not set(range(1, 4)) & set(Slow.published), Slow.published
+    with WeightSubscriber(directory=tmp_path / "weights") as sub:
+        assert sub.latest_version() == 7

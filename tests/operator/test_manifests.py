@@ -551,20 +551,83 @@ def test_rollout_scaling_fields_do_not_restart_servers() -> None:
     assert template_hash(replicas=1) != template_hash(replicas=1, maxBatch=64)
 
 
+def _pods(children: list[dict[str, Any]], role: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(pod template metadata, pod spec) of every ``role`` workload among ``children``."""
+    out = []
+    for child in children:
+        if child["metadata"]["labels"]["stoker.dev/role"] != role:
+            continue
+        if child["kind"] == "Deployment":
+            out.append((child["spec"]["template"]["metadata"], child["spec"]["template"]["spec"]))
+        elif child["kind"] in ("JobSet", "Job"):
+            jobs = [r["template"]["spec"] for r in child["spec"]["replicatedJobs"]] if child["kind"] == "JobSet" else [child["spec"]]
+            out += [(job["template"]["metadata"], job["template"]["spec"]) for job in jobs]
+    return out
+
+
+GPU_SERVER = {"accelerator": "nvidia-gpu"}
+TPU_SERVER = {"accelerator": "tpu-v6e-slice", "topology": "4x4"}  # multi-host: a JobSet per server
+
+
+@pytest.mark.parametrize(
+    ("jobset_api", "volume", "source", "server"),
+    [
+        (True, {"gcsBucket": "lake-weights"}, "csi", TPU_SERVER),
+        (True, {"persistentVolumeClaim": "lake-weights"}, "persistentVolumeClaim", GPU_SERVER),
+        (False, {"gcsBucket": "lake-weights"}, "csi", GPU_SERVER),
+    ],
+)
+def test_a_weights_volume_is_mounted_rw_in_the_learner_and_ro_in_the_rollout_servers(
+    jobset_api: bool, volume: dict[str, str], source: str, server: dict[str, Any]
+) -> None:
+    """spec.learner.weightsVolume: the learner publishes sharded weights into it (still serving
+    them too) and every rollout server reads from it, each command line one its CLI accepts;
+    everything validates against the Kubernetes and JobSet schemas."""
+    from stoker.cli import build_parser
+    from stoker.operator.weights_volume import GCSFUSE_ANNOTATION, WEIGHTS_MOUNT
+
+    ctx = make_ctx(
+        jobset_api=jobset_api, rollout={"replicas": 2, **server}, rollout_replicas=2,
+        learner={"accelerator": "tpu-v5p-slice", "topology": "2x2x2", "weightsVolume": volume},
+    )
+    children = desired_children(ctx)
+    check_all(children)
+    learners, servers = _pods(children, "learner"), _pods(children, "rollout")
+    assert len(learners) == 1 and len(servers) == (2 if server is TPU_SERVER else 1)
+    for (meta, pod), read_only in [*((p, False) for p in learners), *((p, True) for p in servers)]:
+        (weights,) = [v for v in pod["volumes"] if v["name"] == "weights"]
+        container = pod["containers"][0]
+        assert {"name": "weights", "mountPath": WEIGHTS_MOUNT, "readOnly": read_only} in container["volumeMounts"]
+        if source == "csi":
+            assert weights["csi"]["driver"] == "gcsfuse.csi.storage.gke.io" and weights["csi"]["readOnly"] is read_only
+            assert weights["csi"]["volumeAttributes"]["bucketName"] == "lake-weights"
+            assert meta["annotations"][GCSFUSE_ANNOTATION] == "true"  # GKE adds the FUSE sidecar
+        else:
+            assert weights["persistentVolumeClaim"] == {"claimName": "lake-weights", "readOnly": read_only}
+            assert GCSFUSE_ANNOTATION not in meta.get("annotations", {})
+        args = build_parser(container["args"]).parse_args(container["args"])
+        if read_only:
+            assert args.command == "rollout" and args.weights == WEIGHTS_MOUNT
+        else:
+            assert args.command == "learner" and args.weights_dir == WEIGHTS_MOUNT and args.weights_format == "shards"
+            assert args.weights_port == 50052  # the peer transport stays: actors fetch from it
+
+
+def test_without_a_weights_volume_nothing_is_mounted_and_servers_fetch_from_the_learner() -> None:
+    ctx = make_ctx(rollout={"replicas": 1, "accelerator": "nvidia-gpu"}, rollout_replicas=1)
+    for _, pod in _pods(desired_children(ctx), "learner") + _pods(desired_children(ctx), "rollout"):
+        assert "weights" not in {v["name"] for v in pod["volumes"]}
+        assert "--weights-dir" not in pod["containers"][0]["args"]
+
+
 # ------------------------------------------------------------------ gs:// checkpoints: the cache volume
 
 
 def _pod_templates(children: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """role -> the pod specs its workloads run (Deployment, Job, or a JobSet's replicated Jobs)."""
-    out: dict[str, list[dict[str, Any]]] = {}
-    for child in children:
-        role = child["metadata"]["labels"]["stoker.dev/role"]
-        if child["kind"] in ("Deployment", "Job"):
-            out.setdefault(role, []).append(child["spec"]["template"]["spec"])
-        elif child["kind"] == "JobSet":
-            for replicated in child["spec"]["replicatedJobs"]:
-                out.setdefault(role, []).append(replicated["template"]["spec"]["template"]["spec"])
-    return out
+    roles = {child["metadata"]["labels"]["stoker.dev/role"] for child in children}
+    specs = {role: [spec for _, spec in _pods(children, role)] for role in roles}
+    return {role: found for role, found in specs.items() if found}
 
 
 def _cache_dir(pod: dict[str, Any]) -> str | None:

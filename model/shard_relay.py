@@ -1,0 +1,313 @@
+"""Relayed sharded weights: a rollout server that reads a version passes the blocks it holds on
+to other rollout servers, so the learner sends each version out about once however many servers
+read it (a chain or tree of relays). Each relay is a pipeline stage: a block is served on as soon
+as it has arrived and matched its crc32, while the rest of the version is still coming.
+
+``WeightRelay`` (one per rollout server): ``serve(address)`` runs ``ReadShard`` over the blocks
+this server has read, waiting (up to ``wait_s``) for blocks it is still reading; ``source(primary)``
+is the ``ShardSource`` its own reads go through: the relays it reads from (``upstream``) first,
+then ``primary`` (the learner's servers or the shared directory) for whatever they cannot give: a
+block that relay is not reading (another layout), or a relay that dies, stalls or sends a bad
+block mid-transfer. The reader keeps the verified blocks it has and asks the next source for the
+rest. Every block is checked against the manifest's crc32 before it is used or passed on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+
+from stoker.model.shards import ShardManifest, ShardRecord, ShardSource, ShardsCorrupt, dtype_of
+from stoker.model.weight_errors import WeightsError
+from stoker.v1 import weights_pb2, weights_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+WAIT_SECONDS = 60.0  # how long a relay holds a request for a block it is still reading
+
+
+@dataclass(frozen=True)
+class BlockGeometry:
+    block_bytes: int  # bytes per checksum block (the last one may be shorter)
+    total_bytes: int  # the shard's bytes
+
+    def span(self, block: int) -> tuple[int, int]:
+        start = block * self.block_bytes
+        return start, min(start + self.block_bytes, self.total_bytes)
+
+
+def geometry(manifest: ShardManifest, shard: ShardRecord) -> BlockGeometry:
+    tensor = next(t for t in manifest.tensors.values() if any(s.key == shard.key for s in t.shards))
+    itemsize = np.dtype(dtype_of(tensor.dtype)).itemsize
+    shape = shard.shape
+    row = (math.prod(shape[1:]) if len(shape) > 1 else 1) * itemsize
+    total = math.prod(shape) * itemsize
+    return BlockGeometry(max(shard.block_rows * row, 1) if shape else total, total)
+
+
+@dataclass
+class _Held:
+    manifest: ShardManifest
+    shards: dict[str, ShardRecord]
+    blocks: dict[tuple[str, int], bytes] = field(default_factory=dict)
+    planned: set[tuple[str, int]] = field(default_factory=set)
+
+
+class RelayCache:
+    """The verified blocks of the newest ``keep`` versions this server read or is reading."""
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self._cond = threading.Condition()
+        self._versions: OrderedDict[int, _Held] = OrderedDict()
+
+    def _held(self, manifest: ShardManifest) -> _Held:
+        held = self._versions.get(manifest.version)
+        if held is None:
+            shards = {s.key: s for t in manifest.tensors.values() for s in t.shards}
+            held = self._versions[manifest.version] = _Held(manifest, shards)
+            while len(self._versions) > self.keep:
+                self._versions.popitem(last=False)
+        return held
+
+    def expect(self, manifest: ShardManifest, blocks: Iterable[tuple[str, int]]) -> None:
+        """This server is about to read ``blocks`` of ``manifest``: requests for them wait."""
+        with self._cond:
+            self._held(manifest).planned.update(blocks)
+            self._cond.notify_all()
+
+    def put(self, manifest: ShardManifest, key: str, block: int, data: bytes) -> None:
+        with self._cond:
+            self._held(manifest).blocks[(key, block)] = data
+            self._cond.notify_all()
+
+    def give_up(self, version: int, key: str, blocks: Iterable[int]) -> None:
+        """Blocks this server failed to read: requests for them stop waiting (and fall back)."""
+        with self._cond:
+            held = self._versions.get(version)
+            if held is not None:
+                held.planned.difference_update((key, b) for b in blocks if (key, b) not in held.blocks)
+            self._cond.notify_all()
+
+    def shard(self, version: int, key: str, deadline: float) -> tuple[ShardManifest, ShardRecord] | None:
+        """The manifest and record of ``key``, waiting until ``deadline`` for the version to start."""
+        with self._cond:
+            while True:
+                held = self._versions.get(version)
+                if held is not None:
+                    record = held.shards.get(key)
+                    return None if record is None else (held.manifest, record)
+                if not self._cond.wait(max(0.0, deadline - time.monotonic())) and time.monotonic() >= deadline:
+                    return None
+
+    def block(self, version: int, key: str, block: int, deadline: float) -> bytes | None:
+        """Block ``block`` of ``key`` once this server has it; None if it is not reading it,
+        gave up on it, dropped the version, or ``deadline`` passed."""
+        with self._cond:
+            while True:
+                held = self._versions.get(version)
+                if held is None:
+                    return None
+                data = held.blocks.get((key, block))
+                if data is not None:
+                    return data
+                if (key, block) not in held.planned:
+                    return None
+                if not self._cond.wait(max(0.0, deadline - time.monotonic())) and time.monotonic() >= deadline:
+                    return None
+
+    def held_bytes(self) -> int:
+        with self._cond:
+            return sum(len(d) for held in self._versions.values() for d in held.blocks.values())
+
+
+class _RelayServicer(weights_pb2_grpc.WeightsServicer):
+    def __init__(self, cache: RelayCache, wait_s: float, served: dict[str, int], lock: threading.Lock):
+        self.cache, self.wait_s, self.served, self.lock = cache, wait_s, served, lock
+
+    def ReadShard(self, request: weights_pb2.ReadShardRequest, context: grpc.ServicerContext) -> Iterator[weights_pb2.WeightsChunk]:
+        deadline = time.monotonic() + self.wait_s
+        found = self.cache.shard(request.policy_version, request.key, deadline)
+        if found is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"this relay is not reading {request.key} of version {request.policy_version}")
+            return
+        shape = geometry(*found)
+        end = request.offset + request.size
+        if end > shape.total_bytes:
+            context.abort(grpc.StatusCode.OUT_OF_RANGE, f"bytes {request.offset}..{end} of a {shape.total_bytes}-byte shard")
+            return
+        for block in range(request.offset // shape.block_bytes, max(end - 1, request.offset) // shape.block_bytes + 1):
+            data = self.cache.block(request.policy_version, request.key, block, time.monotonic() + self.wait_s)
+            if data is None:
+                context.abort(grpc.StatusCode.NOT_FOUND, f"this relay does not hold block {block} of {request.key}")
+                return
+            start, _ = shape.span(block)
+            lo, hi = max(request.offset, start) - start, min(end, start + len(data)) - start
+            with self.lock:
+                self.served["bytes"] += hi - lo
+            yield weights_pb2.WeightsChunk(
+                policy_version=request.policy_version, offset=start + lo - request.offset,
+                data=data if (lo, hi) == (0, len(data)) else data[lo:hi],
+            )
+
+
+@dataclass
+class RelayStats:
+    """Bytes this server's reads took from each source ("relay <address>" or "primary"), how many
+    times a source failed mid-read, and the bytes it served to other servers."""
+
+    taken: dict[str, int] = field(default_factory=dict)
+    fallbacks: int = 0
+    served: dict[str, int] = field(default_factory=lambda: {"bytes": 0})
+
+
+class WeightRelay:
+    """One rollout server's relay: what it reads is served on; it reads from ``upstream`` first."""
+
+    def __init__(self, upstream: tuple[str, ...] = (), *, keep: int = 2, auth_token: str | None = None,
+                 wait_s: float = WAIT_SECONDS, timeout_s: float = 120.0):
+        self.upstream = upstream
+        self.cache = RelayCache(keep)
+        self.wait_s = wait_s
+        self.timeout_s = timeout_s
+        self.metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self.auth_token = auth_token
+        self.stats = RelayStats()
+        self._lock = threading.Lock()
+        self._channels: dict[str, tuple[grpc.Channel, Any]] = {}
+        self._server: Any = None
+        self.port: int | None = None
+
+    def serve(self, address: str, max_workers: int = 32) -> int:
+        """Serve ``ReadShard`` from this server's blocks at ``address`` (port 0 picks one)."""
+        from stoker.model.weights import _GRPC_OPTIONS, _BearerAuth
+
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="weight-relay"),
+            interceptors=[_BearerAuth(self.auth_token)] if self.auth_token else [], options=_GRPC_OPTIONS,
+        )
+        weights_pb2_grpc.add_WeightsServicer_to_server(
+            _RelayServicer(self.cache, self.wait_s, self.stats.served, self._lock), self._server
+        )
+        self.port = int(self._server.add_insecure_port(address))
+        if self.port == 0:
+            raise OSError(f"cannot bind the weight relay to {address}")
+        self._server.start()
+        return self.port
+
+    def source(self, primary: ShardSource) -> RelayedSource:
+        return RelayedSource(self, primary)
+
+    def _stub(self, address: str) -> Any:
+        from stoker.channels import channel_options
+        from stoker.model.weights import _GRPC_OPTIONS
+
+        with self._lock:
+            if address not in self._channels:
+                channel = grpc.insecure_channel(address, options=channel_options(_GRPC_OPTIONS))
+                self._channels[address] = (channel, weights_pb2_grpc.WeightsStub(channel))
+            return self._channels[address][1]
+
+    def stream(self, address: str, manifest: ShardManifest, shard: ShardRecord, offset: int, size: int) -> Iterator[bytes]:
+        request = weights_pb2.ReadShardRequest(policy_version=manifest.version, key=shard.key, offset=offset, size=size)
+        received = 0
+        for chunk in self._stub(address).ReadShard(request, timeout=self.timeout_s, metadata=self.metadata):
+            if chunk.offset != received:
+                raise ShardsCorrupt(f"{shard.key}: chunk at offset {chunk.offset}, expected {received}")
+            received += len(chunk.data)
+            yield chunk.data
+
+    def fell_back(self) -> None:
+        with self._lock:
+            self.stats.fallbacks += 1
+
+    def take(self, source: str, n: int) -> None:
+        with self._lock:
+            self.stats.taken[source] = self.stats.taken.get(source, 0) + n
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop(0.5).wait()
+            self._server = None
+        with self._lock:
+            for channel, _ in self._channels.values():
+                channel.close()
+            self._channels.clear()
+
+
+class RelayedSource:
+    """``ShardSource`` of a relaying server: upstream relays, then the primary source; every
+    verified block goes into the relay's cache for the servers below it."""
+
+    def __init__(self, relay: WeightRelay, primary: ShardSource):
+        self.relay, self.primary = relay, primary
+
+    def expect(self, manifest: ShardManifest, blocks: Iterable[tuple[str, int]]) -> None:
+        self.relay.cache.expect(manifest, blocks)
+
+    def _streams(self, manifest: ShardManifest, shard: ShardRecord) -> Iterator[tuple[str, Any]]:
+        for address in self.relay.upstream:
+            yield f"relay {address}", lambda o, n, a=address: self.relay.stream(a, manifest, shard, o, n)
+        stream = getattr(self.primary, "stream", None)
+        if stream is not None:
+            yield "primary", lambda o, n: stream(manifest, shard, o, n)
+        else:
+            yield "primary", lambda o, n: iter([self.primary.read(manifest, shard, o, n)])
+
+    def read(self, manifest: ShardManifest, shard: ShardRecord, offset: int, size: int) -> bytes:
+        shape = geometry(manifest, shard)
+        if offset % shape.block_bytes:
+            raise ValueError(f"{shard.key}: relayed reads start at a block boundary (offset {offset})")
+        first = offset // shape.block_bytes
+        out: list[bytes] = []
+        good, block = 0, first
+        failure: Exception | None = None
+        for name, open_stream in self._streams(manifest, shard):
+            if good == size:
+                break
+            pending = bytearray()
+            try:
+                for piece in open_stream(offset + good, size - good):
+                    pending += piece
+                    while good < size:
+                        start, stop = shape.span(block)
+                        length = min(stop, offset + size) - start
+                        if len(pending) < length:
+                            break
+                        data = bytes(pending[:length])
+                        del pending[:length]
+                        if block >= len(shard.checksums) or zlib.crc32(data) != shard.checksums[block]:
+                            raise ShardsCorrupt(f"{shard.key}: block {block} from {name} does not match its crc32")
+                        self.relay.cache.put(manifest, shard.key, block, data)
+                        self.relay.take(name, length)
+                        out.append(data)
+                        good += length
+                        block += 1
+                if good < size:
+                    raise ShardsCorrupt(f"{shard.key}: {name} ended after {good} of {size} bytes")
+            except (grpc.RpcError, WeightsError, OSError) as err:
+                failure = err
+                if name != "primary":
+                    self.relay.fell_back()
+                    log.info("weights relay: %s failed on %s at block %d (%s); reading on from the next source",
+                             name, shard.key, block, getattr(err, "details", lambda: err)())
+        if good < size:
+            last = (offset + size - 1) // shape.block_bytes
+            self.relay.cache.give_up(manifest.version, shard.key, range(block, last + 1))
+            if isinstance(failure, WeightsError):
+                raise failure
+            from stoker.model.shard_service import translate
+
+            raise translate(failure) if isinstance(failure, grpc.RpcError) else ShardsCorrupt(str(failure))
+        return b"".join(out)

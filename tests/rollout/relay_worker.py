@@ -1,0 +1,61 @@
+"""One rollout server's weight relay for ``test_weight_relay.py``.
+
+    python relay_worker.py OUT NAME LEARNER_ADDR VERSION [--relay-from ADDR ...]
+
+Serves a ``WeightRelay`` on a free port (written to ``OUT/NAME.port``), waits for ``OUT/go``,
+reads every tensor of ``VERSION`` whole (as a one-host server with every chip does) through the
+relay (its upstream relays first, the learner's servers for the rest), writes ``OUT/NAME.json``
+(each tensor's bytes as hex sha256, the bytes taken per source, the fallbacks), and serves on
+until ``OUT/done`` appears.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("name")
+    parser.add_argument("learner")
+    parser.add_argument("version", type=int)
+    parser.add_argument("--relay-from", action="append", default=[])
+    args = parser.parse_args()
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
+    from stoker.model.shard_relay import WeightRelay
+    from stoker.model.weights import WeightSubscriber
+
+    out = Path(args.out)
+    relay = WeightRelay(tuple(args.relay_from), wait_s=60.0)
+    port = relay.serve("127.0.0.1:0")
+    (out / f"{args.name}.port.tmp").write_text(str(port))
+    (out / f"{args.name}.port.tmp").rename(out / f"{args.name}.port")
+    deadline = time.monotonic() + 120
+    while not (out / "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)  # the test starts every relay's read together (a pipelined chain)
+    with WeightSubscriber(address=args.learner, relay=relay) as subscriber:
+        weights = subscriber.fetch(args.version)
+        names = list(weights.manifest.tensors)  # type: ignore[attr-defined]
+        parts = weights.read_boxes([(n, tuple((0, d) for d in weights.manifest.tensors[n].shape)) for n in names])  # type: ignore[attr-defined]
+    result = {
+        "sha256": {n: hashlib.sha256(p.tobytes()).hexdigest() for n, p in zip(names, parts, strict=True)},
+        "taken": relay.stats.taken, "fallbacks": relay.stats.fallbacks,
+    }
+    (out / f"{args.name}.json.tmp").write_text(json.dumps(result))
+    (out / f"{args.name}.json.tmp").rename(out / f"{args.name}.json")
+    deadline = time.monotonic() + 120
+    while not (out / "done").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # serve the relays below until the test is done
+    relay.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

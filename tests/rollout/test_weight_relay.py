@@ -1,0 +1,196 @@
+"""Rollout servers relaying sharded weights to each other (stoker.model.shard_relay), as real
+processes over loopback: a pipelined chain takes one copy of a version out of the learner, every
+server bit-exact; a relay killed mid-transfer makes its reader take the rest from the learner."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import pytest
+
+from stoker.distributed import Processes
+from stoker.learner.publish import ShardedPublisher
+from stoker.model import shard_service
+from stoker.model.hf import to_hf
+from stoker.model.model import init_model
+from stoker.model.shard_relay import WeightRelay, geometry
+from stoker.model.weights import WeightSubscriber
+from stoker.spec import TransformerConfig
+
+CONFIG = TransformerConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+TOTAL = sum(a.nbytes for a in to_hf(init_model(CONFIG, 7, jnp.bfloat16)).values())
+WORKER = Path(__file__).with_name("relay_worker.py")
+
+
+def wait_for(path: Path, proc: subprocess.Popen[str], seconds: float = 120.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"{proc.args} exited {proc.returncode}: {proc.communicate()[0][-3000:]}")
+        assert time.monotonic() < deadline, f"no {path.name} after {seconds} s"
+        time.sleep(0.02)
+
+
+def start(out: Path, name: str, learner: str, version: int, *upstream: str) -> tuple[subprocess.Popen[str], str]:
+    flags = [a for u in upstream for a in ("--relay-from", u)]
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), str(out), name, learner, str(version), *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    wait_for(out / f"{name}.port", proc)
+    return proc, f"127.0.0.1:{(out / f'{name}.port').read_text()}"
+
+
+@contextlib.contextmanager
+def publish() -> Iterator[tuple[ShardedPublisher, dict[str, str], int]]:
+    """One learner process's server holding version 1 (many 256-byte checksum blocks)."""
+    model = init_model(CONFIG, 7, jnp.bfloat16)
+    want = {name: hashlib.sha256(a.tobytes()).hexdigest() for name, a in to_hf(model).items()}
+    with ShardedPublisher(address="127.0.0.1:0", processes=Processes(), block_bytes=256) as publisher:
+        manifest = publisher.publish(1, model)
+        assert manifest is not None
+        yield publisher, want, manifest.nbytes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_chain_of_relaying_servers_takes_one_copy_from_the_learner_and_each_is_bit_exact(tmp_path: Path) -> None:
+    with publish() as published:
+        chain(tmp_path, *published)
+
+
+def chain(tmp_path: Path, publisher: ShardedPublisher, want: dict[str, str], total: int) -> None:
+    learner = f"127.0.0.1:{publisher.port}"
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        first, address = start(tmp_path, "r0", learner, 1)
+        procs.append(first)
+        for i in (1, 2):  # r0 <- learner, r1 <- r0, r2 <- r1, all reading at once
+            proc, address = start(tmp_path, f"r{i}", learner, 1, address)
+            procs.append(proc)
+        (tmp_path / "go").touch()
+        for i, proc in enumerate(procs):
+            wait_for(tmp_path / f"r{i}.json", proc)
+        results = [json.loads((tmp_path / f"r{i}.json").read_text()) for i in range(3)]
+    finally:
+        (tmp_path / "done").touch()
+        logs = [proc.communicate(timeout=60)[0] for proc in procs]
+    for result, log in zip(results, logs, strict=True):
+        assert result["fallbacks"] == 0, log[-3000:]
+    for result in results:
+        assert result["sha256"] == want
+        assert result["fallbacks"] == 0
+    # The learner sent the version out once; every server below the first took all of it from a relay.
+    assert publisher.server.servicer.served_bytes == total
+    assert results[0]["taken"] == {"primary": total}
+    assert [list(r["taken"].items()) for r in results[1:]] == [[(f"relay {a}", total)] for a in (
+        f"127.0.0.1:{(tmp_path / 'r0.port').read_text()}", f"127.0.0.1:{(tmp_path / 'r1.port').read_text()}"
+    )]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_relay_killed_mid_transfer_leaves_its_reader_to_finish_from_the_learner_bit_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The learner stops sending after half the version until the relay is dead: the relay holds
+    # half, its reader has some of that half, and the rest must come from the learner.
+    gate, halfway = threading.Event(), threading.Event()
+    real = shard_service._ShardServicer.ReadShard
+
+    def gated(self: Any, request: Any, context: Any) -> Iterator[Any]:
+        for chunk in real(self, request, context):
+            if self.served_bytes >= TOTAL // 2 and not gate.is_set():
+                halfway.set()
+                assert gate.wait(120), "the test never opened the gate"
+            yield chunk
+
+    monkeypatch.setattr(shard_service._ShardServicer, "ReadShard", gated)  # before the server binds it
+    with publish() as (publisher, want, total):
+        killed_mid_transfer(tmp_path, publisher, want, total, gate, halfway)
+
+
+def killed_mid_transfer(
+    tmp_path: Path, publisher: ShardedPublisher, want: dict[str, str], total: int, gate: threading.Event, halfway: threading.Event
+) -> None:
+    learner = f"127.0.0.1:{publisher.port}"
+    relay_proc, relay_address = start(tmp_path, "r0", learner, 1)
+    reader = WeightRelay((relay_address,), wait_s=60.0)
+    result: dict[str, Any] = {}
+
+    def read() -> None:
+        try:
+            with WeightSubscriber(address=learner, relay=reader) as subscriber:
+                weights: Any = subscriber.fetch(1)
+                names = list(weights.manifest.tensors)
+                parts = weights.read_boxes([(n, tuple((0, d) for d in weights.manifest.tensors[n].shape)) for n in names])
+                result["sha256"] = {n: hashlib.sha256(p.tobytes()).hexdigest() for n, p in zip(names, parts, strict=True)}
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            result["error"] = repr(exc)
+
+    thread = threading.Thread(target=read)
+    try:
+        (tmp_path / "go").touch()
+        thread.start()
+        assert halfway.wait(120), "the relay never read half the version"
+        deadline = time.monotonic() + 120
+        while reader.stats.taken.get(f"relay {relay_address}", 0) == 0:
+            assert time.monotonic() < deadline and thread.is_alive(), (result, reader.stats)
+            time.sleep(0.01)  # until the reader has part of the version from the relay
+        relay_proc.send_signal(signal.SIGKILL)
+        relay_proc.wait(timeout=30)
+        gate.set()
+        thread.join(timeout=120)
+    finally:
+        gate.set()
+        (tmp_path / "done").touch()
+        if relay_proc.poll() is None:
+            relay_proc.kill()
+        reader.close()
+    assert not thread.is_alive() and "error" not in result, result
+    assert result["sha256"] == want
+    from_relay, from_learner = reader.stats.taken.get(f"relay {relay_address}", 0), reader.stats.taken.get("primary", 0)
+    assert from_relay > 0 and from_learner > 0 and from_relay + from_learner == total, reader.stats
+    assert reader.stats.fallbacks >= 1
+
+
+def test_a_relay_sending_a_bad_block_is_caught_by_its_crc32_and_the_reader_reads_it_from_the_learner() -> None:
+    with publish() as (publisher, want, total):
+        bad = WeightRelay()
+        bad.serve("127.0.0.1:0")
+        reader = WeightRelay((f"127.0.0.1:{bad.port}",))
+        try:
+            with WeightSubscriber(address=f"127.0.0.1:{publisher.port}") as plain:
+                weights: Any = plain.fetch(1)
+                name = "model.embed_tokens.weight"
+                shard = weights.manifest.tensors[name].shards[0]
+                step = geometry(weights.manifest, shard).block_bytes
+                data = weights.source.read(weights.manifest, shard, 0, geometry(weights.manifest, shard).total_bytes)
+                blocks = [data[at : at + step] for at in range(0, len(data), step)]
+                assert len(blocks) > 2
+                # The relay holds every block of this shard, the second one with a flipped byte.
+                blocks[1] = bytes([blocks[1][0] ^ 1]) + blocks[1][1:]
+                bad.cache.expect(weights.manifest, [(shard.key, b) for b in range(len(blocks))])
+                for b, block in enumerate(blocks):
+                    bad.cache.put(weights.manifest, shard.key, b, block)
+            with WeightSubscriber(address=f"127.0.0.1:{publisher.port}", relay=reader) as subscriber:
+                got = subscriber.fetch(1)[name]
+            assert hashlib.sha256(got.tobytes()).hexdigest() == want[name]
+            # Block 0 came from the relay; the bad block 1 and the rest from the learner.
+            assert reader.stats.fallbacks == 1, reader.stats
+            assert reader.stats.taken == {f"relay 127.0.0.1:{bad.port}": step, "primary": got.nbytes - step}, reader.stats
+        finally:
+            reader.close()
+            bad.close()
