@@ -98,6 +98,8 @@ def test_a_job_over_the_chips_hbm_does_not_fit_exits_1_and_names_its_largest_ter
     assert grad["largest"] == "temporaries" and grad["terms"]["temporaries"] == max(grad["terms"].values())
     assert grad["total_bytes"] > 3 * 2**20
     assert "learner.microbatchTokens, now 1024" in grad["advice"] and "8 x 128 tokens" in grad["advice"]
+    # float32 compute is named first; sequence sharding is not, with tp = 1 (nothing to split over).
+    assert grad["advice"].startswith("model.dtype: bfloat16") and "sequenceSharding" not in grad["advice"]
     # A program under the shrunken HBM still fits: the verdict is per program.
     publish = next(p for p in result["programs"] if p["program"] == "publish")
     assert publish["fits"] and publish["total_bytes"] <= 3 * 2**20
