@@ -48,6 +48,8 @@ def test_a_tiny_job_compiles_for_v5e_fits_and_reports_its_terms(job: Callable[..
     # Adam's two moments, plus its step count(s).
     assert 0 <= grad["terms"]["optimizer"] - 2 * grad["terms"]["parameters"] <= 64
     assert grad["terms"]["gradients"] == 2 * grad["terms"]["parameters"]  # the sum so far + this micro-batch's
+    # The last publish's copy (float32 compute here: the parameters' size) lives beside the step.
+    assert grad["terms"]["publish copy"] == grad["terms"]["parameters"]
     assert grad["total_bytes"] == sum(grad["terms"].values())
     assert grad["hbm_bytes"] == 16 * GIB and grad["topology"] == "v5e:2x2"
     assert "attention splash" in grad["notes"][0]  # auto on a TPU
