@@ -1,7 +1,7 @@
 """`stoker plan` at real scale: Llama-3-70B, Llama-3-8B and Qwen2.5-7B GRPO learners at 8,192 tokens,
 compiled by libtpu for the slices they would train on, on this CPU machine (no TPU).
 
-    .venv/bin/python benchmarks/plan_real_scale.py [--only NAME ...] [--json OUT]
+    .venv/bin/python benchmarks/plan_real_scale.py [--only NAME ...] [--dtype bfloat16] [--sequence-sharding] [--json OUT]
 
 Each case is a manifest run through `stoker plan`'s own code (every program: grad at the 8,192-token
 bucket, one row per fsdp shard; apply; publish). Prints one markdown row per case: GiB per chip by
@@ -41,33 +41,35 @@ apiVersion: stoker.dev/v1alpha1
 kind: RLJob
 metadata: {{name: plan}}
 spec:
-  model: {{architecture: {arch}, remat: full, attention: {attention}}}
+  model: {{architecture: {arch}, dtype: {dtype}, remat: full, attention: {attention}}}
   environment: {{name: frozenlake, maxTurns: 3}}
   buffer: {{groupSize: 8}}
   learner:
     accelerator: {accelerator}
     topology: "{topology}"
-    mesh: {{fsdp: {fsdp}, tp: {tp}}}
+    mesh: {{fsdp: {fsdp}, tp: {tp}, sequenceSharding: {sequence_sharding}}}
     batchGroups: 4
     sequenceBuckets: [8192]
     microbatchTokens: {tokens}
 """
 
 
-def run(name: str, directory: Path) -> dict:
+def run(name: str, directory: Path, dtype: str = "float32", sequence_sharding: bool = False) -> dict:
     from stoker.manifest import load_job
     from stoker.sizing.plan import build, report, targets
 
     arch, accelerator, topology, fsdp, tp, attention = CASES[name]
     path = directory / f"{name}.yaml"
     path.write_text(MANIFEST.format(arch=arch, accelerator=accelerator, topology=topology, fsdp=fsdp, tp=tp,
-                                    attention=attention, tokens=8192 * fsdp))
+                                    attention=attention, tokens=8192 * fsdp, dtype=dtype,
+                                    sequence_sharding=str(sequence_sharding).lower()))
     spec = load_job(str(path)).spec
     plan_targets, notes = targets(spec, None)
     started = time.perf_counter()
     build(spec, plan_targets, lambda line: print(f"[{name}] {line}", file=sys.stderr, flush=True))
     result = report(spec, plan_targets, notes)
     result["case"], result["seconds"] = name, time.perf_counter() - started
+    result["knobs"] = f"{dtype}{', sequence sharding' if sequence_sharding else ''}"
     return result
 
 
@@ -79,8 +81,8 @@ def row(result: dict) -> str:
     learner = result.get("learner", {})
     verdict = "fits" if all(p["fits"] for p in result["programs"]) else "DOES NOT FIT"
     refused = " (compiler refused: " + grad["compiler_error"] + ")" if grad["compiler_error"] else ""
-    return (f"| {result['case']} | {grad['topology']} | {cell('parameters')} | {cell('optimizer')} | {cell('gradients')} | "
-            f"{cell('temporaries')} | {grad['total_bytes'] / gib:.2f} / {grad['hbm_bytes'] / gib:.0f} | {verdict}{refused} | "
+    return (f"| {result['case']} | {result['knobs']} | {cell('parameters')} | {cell('optimizer')} | {cell('gradients')} | "
+            f"{cell('publish copy')} | {cell('temporaries')} | {grad['total_bytes'] / gib:.2f} / {grad['hbm_bytes'] / gib:.0f} | {verdict}{refused} | "
             f"{learner.get('step_seconds_bound', 0):.2f} | {learner.get('mfu_bound', 0):.0%} | "
             f"{grad['compile_seconds']:.0f} | {result['seconds']:.0f} |")
 
@@ -88,15 +90,17 @@ def row(result: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", choices=sorted(CASES), help="cases to run (default: all)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="model.dtype (compute)")
+    parser.add_argument("--sequence-sharding", action="store_true", help="learner.mesh.sequenceSharding: true")
     parser.add_argument("--json", metavar="OUT", help="also write every result as JSON here")
     args = parser.parse_args()
-    print("| case | slice | params | optimizer | gradients | temporaries | grad total / HBM GiB | verdict "
+    print("| case | knobs | params | optimizer | gradients | publish copy | temporaries | grad total / HBM GiB | verdict "
           "| step >= s | MFU <= | grad compile s | all programs s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     results = []
     with tempfile.TemporaryDirectory() as directory:
         for name in args.only or list(CASES):
-            result = run(name, Path(directory))
+            result = run(name, Path(directory), args.dtype, args.sequence_sharding)
             results.append(result)
             print(row(result), flush=True)
     if args.json:

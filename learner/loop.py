@@ -86,6 +86,7 @@ class LearnerSettings:
     microbatch_tokens: int = 4096
     mesh_fsdp: int = -1
     mesh_tp: int = 1
+    sequence_sharding: bool = False  # spec.learner.mesh.sequenceSharding
     batch_groups: int = 4
     group_size: int = 8
     max_staleness: int = 4
@@ -156,6 +157,7 @@ class LearnerSettings:
             microbatch_tokens=learner.microbatch_tokens or 4 * max(learner.sequence_buckets),
             mesh_fsdp=learner.mesh.fsdp,
             mesh_tp=learner.mesh.tp,
+            sequence_sharding=learner.mesh.sequence_sharding,
             batch_groups=learner.batch_groups,
             group_size=spec.buffer.group_size,
             max_staleness=spec.buffer.max_staleness,
@@ -238,7 +240,7 @@ class Learner:
             settings.algorithm, settings.loss, settings.temperature, allowed_token_ids=settings.allowed_token_ids,
             top_k=settings.top_k, min_p=settings.min_p,
             remat=settings.remat,  # type: ignore[arg-type]  # a RematPolicy, checked by the spec
-            attention=kernel.implementation, lora=settings.lora,
+            attention=kernel.implementation, lora=settings.lora, sequence_sharding=settings.sequence_sharding,
         )
         value_model = None
         if options.needs_value:

@@ -74,6 +74,18 @@ def tree_shardings(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda x: NamedSharding(mesh, param_spec(np.shape(x), mesh)), tree)
 
 
+def stacked_sharding(shape: Sequence[int], mesh: Mesh) -> NamedSharding:
+    """A [layers, ...] stack of per-layer parameters: each layer laid out as ``param_spec`` lays it
+    out alone, the layer axis unsplit (the layer loop reads one layer at a time)."""
+    return NamedSharding(mesh, PartitionSpec(None, *param_spec(shape[1:], mesh)))
+
+
+def residual_sharding(mesh: Mesh) -> NamedSharding:
+    """The residual stream [rows, T, hidden] between layers with sequence sharding: rows over
+    fsdp, tokens over tp (each layer's saved input is 1/tp per device)."""
+    return NamedSharding(mesh, PartitionSpec(FSDP, TP, None))
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """[rows, T] batch arrays: rows split over fsdp, replicated over tp."""
     return NamedSharding(mesh, PartitionSpec(FSDP, None))

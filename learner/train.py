@@ -30,7 +30,9 @@ from stoker.learner import algorithms, lora, sharding
 from stoker.learner.algorithms import LossConfig
 from stoker.model.attention_kernels import Implementation, rows_split_over
 from stoker.model.logprobs import TokenStats, token_stats
-from stoker.model.model import Block, RematPolicy, RMSNorm, Transformer, packed_visibility
+from stoker.model.model import (
+    Block, RematPolicy, RMSNorm, TrainingLayout, Transformer, packed_visibility, training_layout,
+)
 from stoker.learner.optimizer import make_optimizer as make_optimizer  # re-exported: train.make_optimizer
 from stoker.learner.optimizer import updates_applied
 from stoker.learner.packing import FIELDS, MicroBatch
@@ -63,6 +65,8 @@ class StepOptions:
     attention: Implementation = "blockwise"
     # spec.model.lora: train low-rank adapters on a frozen base (stoker.learner.lora).
     lora: lora.LoraConfig | None = None
+    # spec.learner.mesh.sequenceSharding: the residual stream's tokens split over tp between layers.
+    sequence_sharding: bool = False
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -319,7 +323,13 @@ class Trainer:
         if adapters is not None:
             assert self.options.lora is not None
             lora.attach(model, adapters, self.options.lora, dropout_key)
-        with rows_split_over(self.mesh, sharding.FSDP):  # each device attends over its own rows
+        mesh = self.mesh
+        layout = TrainingLayout(
+            lambda shape: sharding.stacked_sharding(shape, mesh),
+            sharding.residual_sharding(mesh) if self.options.sequence_sharding else None,
+        )
+        # Each device attends over its own rows; the layer loop keeps the training layout.
+        with rows_split_over(self.mesh, sharding.FSDP), training_layout(layout):
             hidden = model.hidden_states(
                 batch["tokens"], batch["positions"], batch["segment_ids"], remat=self.options.remat if full else "none",
                 kernel=self.options.attention,

@@ -104,7 +104,13 @@ def advice(program: Program, target: Target, spec: RLJobSpec, per_chip: int) -> 
         return (f"more chips: the {program.name} program's temporaries are per-parameter, sharded over all {chips} "
                 "chips (fsdp x tp) like the state")
     if largest == "temporaries" and program.component == "learner":
-        knobs = [f"fewer rows per micro-batch (learner.microbatchTokens, now {spec.learner.microbatch_tokens or 4 * max(spec.learner.sequence_buckets)} "
+        knobs: list[str] = []
+        if spec.model.dtype == "float32":
+            knobs.append("model.dtype: bfloat16 (activations in bfloat16; the optimizer keeps float32 master weights)")
+        mesh = spec.learner.mesh
+        if mesh.tp > 1 and not mesh.sequence_sharding:
+            knobs.append(f"learner.mesh.sequenceSharding: true (each layer's saved input split over the tp={mesh.tp} chips)")
+        knobs += [f"fewer rows per micro-batch (learner.microbatchTokens, now {spec.learner.microbatch_tokens or 4 * max(spec.learner.sequence_buckets)} "
                  f"tokens: {program.shape}); the temporaries grow with the rows"]
         if spec.model.remat != "full":
             knobs.append(f"model.remat: full (now {spec.model.remat})")

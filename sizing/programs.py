@@ -107,7 +107,7 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
     options = train.StepOptions(
         settings.algorithm, settings.loss, settings.temperature, allowed_token_ids=settings.allowed_token_ids,
         remat=settings.remat,  # type: ignore[arg-type]  # a RematPolicy, checked by the spec
-        attention=kernel.implementation,
+        attention=kernel.implementation, sequence_sharding=settings.sequence_sharding,
     )
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype))
     value_model = None
@@ -125,9 +125,12 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
     params = shard_bytes(trainer.params)
     opt_state = shard_bytes(trainer.opt_state)
     reference = shard_bytes(trainer.reference) if trainer.reference is not None else 0
+    # The last publish's copy in the compute dtype, which the publisher reads while training goes on.
+    published = shard_bytes(train._cast(trainer.params["policy"], trainer.compute_dtype)) if "policy" in trainer.params else 0
     fsdp = sharding.data_parallel_size(mesh)
     rows = packing.rows_for_buckets(settings.buckets, settings.microbatch_tokens, fsdp)
-    layout = f"fsdp {fsdp} x tp {mesh.shape[sharding.TP]}, remat {settings.remat}, attention {kernel.implementation}"
+    layout = (f"fsdp {fsdp} x tp {mesh.shape[sharding.TP]}, {settings.dtype}, remat {settings.remat}, "
+              f"attention {kernel.implementation}{', sequence sharding' if settings.sequence_sharding else ''}")
     notes = [layout] + ([note] if note else [])
     out: list[Program] = []
     for length in buckets or list(settings.buckets):
@@ -139,6 +142,8 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
             terms["reference"] = reference
         # The sum of the micro-batches so far beside this one's gradients (train.Trainer.step).
         terms["gradients"] = 2 * params
+        if published:
+            terms["publish copy"] = published
         terms["batch"] = max(0, compiled.argument_bytes - params - reference)
         terms["temporaries"] = compiled.required_temp_bytes or compiled.temp_bytes
         out.append(Program("learner", f"grad {length}", f"{rows[length]} x {length} tokens", terms, compiled,

@@ -201,6 +201,14 @@ class MeshSpec(SpecModel):
 
     fsdp: int = Field(-1, description="Parameter/optimizer sharding axis.")
     tp: int = Field(1, ge=1, description="Tensor-parallel axis.")
+    sequence_sharding: bool = Field(
+        False,
+        description=(
+            "Split the residual stream's tokens over tp between layers (sequence parallelism): each layer's "
+            "saved input takes 1/tp of the memory, for an all-gather and a reduce-scatter per layer; "
+            "the values are unchanged. Worth it for long sequences with tp > 1 (see stoker plan)."
+        ),
+    )
 
 
 class CheckpointSpec(SpecModel):

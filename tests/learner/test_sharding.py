@@ -146,3 +146,67 @@ def test_param_spec_rules() -> None:
     assert sharding.param_spec((8192, 3, 4), fake) == P("fsdp", None, "tp")  # type: ignore[arg-type]
     assert sharding.param_spec((512,), fake) == P(None)  # type: ignore[arg-type]
     assert sharding.param_spec((8, 8), fake) == P(None, None)  # type: ignore[arg-type]
+
+
+LAYOUT = textwrap.dedent(
+    """
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from stoker.learner import packing, sharding, train
+    from stoker.model.model import TrainingLayout, init_model, training_layout
+    from stoker.spec import TransformerConfig
+
+    # Three layers: the layer loop (a scan over stacked parameters) runs, with remat full.
+    cfg = TransformerConfig(vocab_size=256, hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
+                            intermediate_size=256, max_seq_len=64)
+    rng = np.random.default_rng(0)
+    seqs = []
+    for i in range(8):
+        n = int(rng.integers(8, 60))
+        ids = rng.integers(0, 256, n).astype(np.int32)
+        mask = (rng.random(n) < 0.6).astype(np.uint8)
+        seqs.append(packing.TrainSequence(ids, mask, np.where(mask, -5.0, 0).astype(np.float32),
+                                          np.where(mask, 0, -1).astype(np.int32),
+                                          advantage=float(rng.normal()), reward=float(rng.random())))
+    out = {}
+    for name, (fsdp, tp, devices, seq) in {"single": (1, 1, jax.devices()[:1], False),
+                                           "fsdp2_tp4_seq": (2, 4, None, True)}.items():
+        mesh = sharding.make_mesh(fsdp, tp, devices)
+        micros = packing.pack([[s] for s in seqs], [64], {64: 4})
+        train.assign_weights(micros, [m.arrays["mask"] for m in micros], "token-mean")
+        trainer = train.Trainer(init_model(cfg, 0), train.StepOptions("grpo", sequence_sharding=seq),
+                                train.make_optimizer(1e-2, 1.0), mesh)
+        scalars = {"version": jnp.int32(0), "num_pairs": jnp.float32(1), "micro": jnp.int32(0)}
+        batch = train.batch_to_device(micros[0], mesh)
+        grads, stats = trainer._grad(trainer.params, trainer.frozen, batch, scalars)
+        # The residual stream as the layer loop saw it: split over tp when asked.
+        hlo = trainer._grad.lower(trainer.params, trainer.frozen, batch, scalars).as_text()
+        # Eagerly, outside jit, the same layout gives the same hidden states.
+        model = trainer.policy_model()
+        layout = TrainingLayout(lambda shape: sharding.stacked_sharding(shape, mesh),
+                                sharding.residual_sharding(mesh) if seq else None)
+        with training_layout(layout):
+            hidden = model.hidden_states(batch["tokens"], batch["positions"], batch["segment_ids"], remat="full")
+        out[name] = {"loss": float(stats["loss"]),
+                     "grads": [np.asarray(g, np.float64).ravel().tolist() for g in jax.tree.leaves(grads)],
+                     "hidden": np.asarray(hidden, np.float64).ravel()[::97].tolist(),
+                     "residual_split": 'sharding_constraint' in hlo and '[{"fsdp"}, {"tp"}, {}]' in hlo}
+    json.dump(out, sys.stdout)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # ~270 s on two loaded cores
+def test_sequence_sharding_and_stacked_layer_layout_leave_loss_and_gradients_unchanged() -> None:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", LAYOUT], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    single, split = out["single"], out["fsdp2_tp4_seq"]
+    assert split["residual_split"] and not single["residual_split"]
+    # float32 throughout: only the reduction order differs between the layouts.
+    np.testing.assert_allclose(split["loss"], single["loss"], rtol=1e-5, atol=1e-7)
+    for a, b in zip(split["grads"], single["grads"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(split["hidden"], single["hidden"], rtol=1e-5, atol=1e-5)

@@ -48,6 +48,8 @@ def test_a_tiny_job_compiles_for_v5e_fits_and_reports_its_terms(job: Callable[..
     # Adam's two moments, plus its step count(s).
     assert 0 <= grad["terms"]["optimizer"] - 2 * grad["terms"]["parameters"] <= 64
     assert grad["terms"]["gradients"] == 2 * grad["terms"]["parameters"]  # the sum so far + this micro-batch's
+    # The last publish's copy (float32 compute here: the parameters' size) lives beside the step.
+    assert grad["terms"]["publish copy"] == grad["terms"]["parameters"]
     assert grad["total_bytes"] == sum(grad["terms"].values())
     assert grad["hbm_bytes"] == 16 * GIB and grad["topology"] == "v5e:2x2"
     assert "attention splash" in grad["notes"][0]  # auto on a TPU
@@ -98,6 +100,8 @@ def test_a_job_over_the_chips_hbm_does_not_fit_exits_1_and_names_its_largest_ter
     assert grad["largest"] == "temporaries" and grad["terms"]["temporaries"] == max(grad["terms"].values())
     assert grad["total_bytes"] > 3 * 2**20
     assert "learner.microbatchTokens, now 1024" in grad["advice"] and "8 x 128 tokens" in grad["advice"]
+    # float32 compute is named first; sequence sharding is not, with tp = 1 (nothing to split over).
+    assert grad["advice"].startswith("model.dtype: bfloat16") and "sequenceSharding" not in grad["advice"]
     # A program under the shrunken HBM still fits: the verdict is per program.
     publish = next(p for p in result["programs"] if p["program"] == "publish")
     assert publish["fits"] and publish["total_bytes"] <= 3 * 2**20
