@@ -20,7 +20,27 @@ from jax.sharding import PartitionSpec as P
 
 from stoker.learner import sharding
 
-SCRIPT = textwrap.dedent(
+# Shared by the subprocess scripts below: random token rows with a loss mask, log-probs and advantages.
+SEQUENCES = textwrap.dedent(
+    """
+    import numpy as np
+    from stoker.learner import packing
+
+    def random_sequences(count, shortest, longest):
+        rng = np.random.default_rng(0)
+        seqs = []
+        for _ in range(count):
+            n = int(rng.integers(shortest, longest))
+            ids = rng.integers(0, 256, n).astype(np.int32)
+            mask = (rng.random(n) < 0.6).astype(np.uint8)
+            seqs.append(packing.TrainSequence(ids, mask, np.where(mask, -5.0, 0).astype(np.float32),
+                                              np.where(mask, 0, -1).astype(np.int32),
+                                              advantage=float(rng.normal()), reward=float(rng.random())))
+        return seqs
+    """
+)
+
+SCRIPT = SEQUENCES + textwrap.dedent(
     """
     import json, sys
     import jax, numpy as np
@@ -33,15 +53,7 @@ SCRIPT = textwrap.dedent(
     assert jax.device_count() == 8, jax.devices()
     cfg = TransformerConfig(vocab_size=256, hidden_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
                             intermediate_size=256, max_seq_len=64)
-    rng = np.random.default_rng(0)
-    seqs = []
-    for i in range(12):
-        n = int(rng.integers(4, 30))
-        ids = rng.integers(0, 256, n).astype(np.int32)
-        mask = (rng.random(n) < 0.6).astype(np.uint8)
-        seqs.append(packing.TrainSequence(ids, mask, np.where(mask, -5.0, 0).astype(np.float32),
-                                          np.where(mask, 0, -1).astype(np.int32),
-                                          advantage=float(rng.normal()), reward=float(rng.random())))
+    seqs = random_sequences(12, 4, 30)
     out = {}
     # PPO exercises everything that could split wrongly: the value network, GAE's scan, the KL
     # reference, the shard_map'd loss and sequence-level sums.
@@ -148,7 +160,7 @@ def test_param_spec_rules() -> None:
     assert sharding.param_spec((8, 8), fake) == P(None, None)  # type: ignore[arg-type]
 
 
-LAYOUT = textwrap.dedent(
+LAYOUT = SEQUENCES + textwrap.dedent(
     """
     import json, sys
     import jax, jax.numpy as jnp, numpy as np
@@ -159,15 +171,7 @@ LAYOUT = textwrap.dedent(
     # Three layers: the layer loop (a scan over stacked parameters) runs, with remat full.
     cfg = TransformerConfig(vocab_size=256, hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
                             intermediate_size=256, max_seq_len=64)
-    rng = np.random.default_rng(0)
-    seqs = []
-    for i in range(8):
-        n = int(rng.integers(8, 60))
-        ids = rng.integers(0, 256, n).astype(np.int32)
-        mask = (rng.random(n) < 0.6).astype(np.uint8)
-        seqs.append(packing.TrainSequence(ids, mask, np.where(mask, -5.0, 0).astype(np.float32),
-                                          np.where(mask, 0, -1).astype(np.int32),
-                                          advantage=float(rng.normal()), reward=float(rng.random())))
+    seqs = random_sequences(8, 8, 60)
     out = {}
     for name, (fsdp, tp, devices, seq) in {"single": (1, 1, jax.devices()[:1], False),
                                            "fsdp2_tp4_seq": (2, 4, None, True)}.items():
