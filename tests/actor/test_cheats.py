@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import socket
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -453,9 +454,19 @@ def test_the_feedback_withholds_the_reference_fix_even_if_printed(tmp_path: Path
     monkeypatch.setenv("STOKER_SANDBOX_ISOLATION", "rlimits")
     from stoker.actor.swe import tasks_root
 
-    env = _median(tmp_path)
-    _prepend(env, f"print('Error: ' + open({str(tasks_root() / 'median.toml')!r}).read())")
-    result = env.step("run_tests")
+    # An installed package is world-readable; a checkout under `mktemp -d` (0700) is not, so the
+    # answer key is copied where the judged code (nobody, when the actor is root) can read it.
+    readable = Path(tempfile.mkdtemp(prefix="stoker-answer-key-"))
+    try:
+        readable.chmod(0o755)
+        key = readable / "median.toml"
+        shutil.copyfile(tasks_root() / "median.toml", key)
+        key.chmod(0o644)
+        env = _median(tmp_path)
+        _prepend(env, f"print('Error: ' + open({str(key)!r}).read())")
+        result = env.step("run_tests")
+    finally:
+        shutil.rmtree(readable)
     assert env.last_verdict is not None and "sorted(values)" in env.last_verdict.output  # it did read it
     assert "sorted(values)" not in result.observation.text
 
