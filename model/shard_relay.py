@@ -10,10 +10,16 @@ then ``primary`` (the learner's servers or the shared directory) for whatever th
 block that relay is not reading (another layout), or a relay that dies, stalls or sends a bad
 block mid-transfer. The reader keeps the verified blocks it has and asks the next source for the
 rest. Every block is checked against the manifest's crc32 before it is used or passed on.
+
+Upstream relays are either fixed (``upstream``) or, with ``registry`` (the learner's primary
+weights server) and ``advertise`` (where this relay is reached), asked for per version: the
+first time a reader of a version says which blocks it will read, it registers them and its
+address and is told whom to read from (``Relays`` RPC, stoker.model.relay_registry).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import threading
@@ -169,6 +175,7 @@ class RelayStats:
 
     taken: dict[str, int] = field(default_factory=dict)
     fallbacks: int = 0
+    upstream: dict[int, tuple[str, ...]] = field(default_factory=dict)  # per version, as the registry answered
     served: dict[str, int] = field(default_factory=lambda: {"bytes": 0})
 
 
@@ -176,8 +183,12 @@ class WeightRelay:
     """One rollout server's relay: what it reads is served on; it reads from ``upstream`` first."""
 
     def __init__(self, upstream: tuple[str, ...] = (), *, keep: int = 2, auth_token: str | None = None,
-                 wait_s: float = WAIT_SECONDS, timeout_s: float = 120.0):
+                 wait_s: float = WAIT_SECONDS, timeout_s: float = 120.0,
+                 registry: str | None = None, advertise: str | None = None):
+        if (registry is None) != (advertise is None):
+            raise ValueError("a relay registers with both the learner's address and its own advertised address")
         self.upstream = upstream
+        self.registry, self.advertise = registry, advertise
         self.cache = RelayCache(keep)
         self.wait_s = wait_s
         self.timeout_s = timeout_s
@@ -228,6 +239,24 @@ class WeightRelay:
             received += len(chunk.data)
             yield chunk.data
 
+    def discover(self, manifest: ShardManifest, blocks: list[tuple[str, int]]) -> tuple[str, ...]:
+        """Register as a reader of ``blocks`` of ``manifest`` with the registry; the relays to read
+        them from, nearest first (none if the registry cannot say: the primary serves it all)."""
+        assert self.registry is not None and self.advertise is not None
+        layout = hashlib.sha256("\n".join(f"{k}\t{b}" for k, b in sorted(blocks)).encode()).hexdigest()
+        request = weights_pb2.RelaysRequest(policy_version=manifest.version, layout=layout, address=self.advertise)
+        try:
+            reply = self._stub(self.registry).Relays(request, timeout=min(self.timeout_s, 30.0), metadata=self.metadata)
+        except grpc.RpcError as err:
+            log.warning("weights relay: %s gave no relays for version %d (%s); reading from the learner",
+                        self.registry, manifest.version, getattr(err, "details", lambda: err)())
+            return ()
+        found = tuple(a for a in reply.upstream if a != self.advertise)
+        with self._lock:
+            self.stats.upstream[manifest.version] = found
+        log.info("weights relay: version %d from %s", manifest.version, ", ".join(found) or "the learner")
+        return found
+
     def fell_back(self) -> None:
         with self._lock:
             self.stats.fallbacks += 1
@@ -252,12 +281,20 @@ class RelayedSource:
 
     def __init__(self, relay: WeightRelay, primary: ShardSource):
         self.relay, self.primary = relay, primary
+        self.upstream = relay.upstream
+        self._registered = False
 
     def expect(self, manifest: ShardManifest, blocks: Iterable[tuple[str, int]]) -> None:
-        self.relay.cache.expect(manifest, blocks)
+        planned = list(blocks)
+        # Planned before registering: once anyone is told to read from us, requests wait for these.
+        self.relay.cache.expect(manifest, planned)
+        if self.relay.registry is not None and not self._registered:
+            self._registered = True  # a version's first read names its layout (a server's whole stage)
+            found = self.relay.discover(manifest, planned)
+            self.upstream = found + tuple(a for a in self.relay.upstream if a not in found)
 
     def _streams(self, manifest: ShardManifest, shard: ShardRecord) -> Iterator[tuple[str, Any]]:
-        for address in self.relay.upstream:
+        for address in self.upstream:
             yield f"relay {address}", lambda o, n, a=address: self.relay.stream(a, manifest, shard, o, n)
         stream = getattr(self.primary, "stream", None)
         if stream is not None:

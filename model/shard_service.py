@@ -21,6 +21,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from stoker.channels import channel_options
+from stoker.model.relay_registry import RelayRegistry
 from stoker.model.shards import ShardManifest, ShardRecord, ShardsMissing, as_bytes
 from stoker.model.weight_errors import WeightsCorrupt, WeightsError, WeightsUnavailable
 from stoker.model.weights import _GRPC_OPTIONS, DEFAULT_CHUNK_BYTES, _BearerAuth
@@ -35,6 +36,7 @@ class _ShardServicer(weights_pb2_grpc.WeightsServicer):
         self._staged: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
         self._manifests: OrderedDict[int, tuple[ShardManifest, bytes]] = OrderedDict()
         self.served_bytes = 0  # shard bytes sent to readers (this process's egress)
+        self.relays = RelayRegistry()  # answered on the primary, the server readers ask first
 
     def stage(self, version: int, key: str, array: np.ndarray) -> None:
         with self._lock:
@@ -75,6 +77,14 @@ class _ShardServicer(weights_pb2_grpc.WeightsServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"policy version {request.policy_version} is not retained")
             raise AssertionError("abort raises")
         return weights_pb2.ShardManifest(manifest=found[1])
+
+    def Relays(self, request: weights_pb2.RelaysRequest, context: grpc.ServicerContext) -> weights_pb2.RelaysReply:
+        try:
+            upstream = self.relays.join(request.policy_version, request.layout, request.address)
+        except ValueError as err:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            raise AssertionError("abort raises") from err
+        return weights_pb2.RelaysReply(upstream=upstream)
 
     def ReadShard(self, request: weights_pb2.ReadShardRequest, context: grpc.ServicerContext) -> Iterator[weights_pb2.WeightsChunk]:
         with self._lock:

@@ -2,6 +2,7 @@
 
     stoker rollout --manifest job.yaml [--weights HOST:PORT|DIR] [--port N] [--max-batch N]
                    [--weights-relay-port P] [--weights-relay-from ADDR ...]
+                   [--weights-relay-advertise HOST:PORT]
                    [--max-queue N] [--mesh tp=N] [--metrics-port N] [--ready-file F]
 
 On a multi-host slice every host runs this same command (``stoker.distributed`` reads the
@@ -36,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="read sharded weights from this rollout server's relay first (repeatable; the learner's "
         "servers or the directory for what it cannot give)",
     )
+    parser.add_argument(
+        "--weights-relay-advertise", metavar="HOST:PORT",
+        help="where other servers reach this relay (e.g. $(POD_IP):P): register with the learner's weights "
+        "server for each version and read from the relays it names (needs --weights-relay-port and --weights HOST:PORT)",
+    )
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: all)")
     parser.add_argument("--port", type=int, help="gRPC port (default: spec.rollout.port; 0 picks a free one)")
     parser.add_argument("--max-batch", type=int, help="turns decoded together (default: spec.rollout.maxBatch)")
@@ -63,6 +69,9 @@ def main(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             print(f"stoker rollout: --{flag.replace('_', '-')}: got {value}; expected >= 1", file=sys.stderr)
             return 2
+    if (problem := relay_problem(args)) is not None:
+        print(f"stoker rollout: {problem}", file=sys.stderr)
+        return 2
     token = None
     if args.token_file:
         try:
@@ -167,6 +176,21 @@ def follow_primary(sampler: Any, processes: Any, settings: Any, args: argparse.N
     return 0
 
 
+def relay_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the relay flags, if anything."""
+    advertise = args.weights_relay_advertise
+    if advertise is None:
+        return None
+    if args.weights_relay_port is None:
+        return "--weights-relay-advertise needs --weights-relay-port (the relay it advertises)"
+    if not args.weights or args.weights.startswith(("/", ".", "~")) or os.path.isdir(args.weights):
+        return "--weights-relay-advertise needs --weights HOST:PORT (the learner's server names the relays)"
+    host, _, port = advertise.rpartition(":")
+    if not host or not port.isdigit():
+        return f"--weights-relay-advertise {advertise}: expected HOST:PORT"
+    return None
+
+
 def weight_source(args: argparse.Namespace, token: str | None) -> Any:
     """The weight channel's subscriber, relaying sharded weights when asked to."""
     from stoker.actor.wiring import make_weight_source
@@ -177,7 +201,11 @@ def weight_source(args: argparse.Namespace, token: str | None) -> Any:
     if args.weights_relay_port is not None or args.weights_relay_from:
         from stoker.model.shard_relay import WeightRelay
 
-        relay = WeightRelay(tuple(args.weights_relay_from), auth_token=token)
+        advertise = getattr(args, "weights_relay_advertise", None)
+        relay = WeightRelay(
+            tuple(args.weights_relay_from), auth_token=token, advertise=advertise,
+            registry=args.weights if advertise is not None else None,
+        )
         if args.weights_relay_port is not None:
             relay.serve(f"{args.host}:{args.weights_relay_port}")
         subscriber.relay = relay

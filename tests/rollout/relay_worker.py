@@ -1,8 +1,10 @@
 """One rollout server's weight relay for ``test_weight_relay.py``.
 
-    python relay_worker.py OUT NAME LEARNER_ADDR VERSION [--relay-from ADDR ...]
+    python relay_worker.py OUT NAME LEARNER_ADDR VERSION [--relay-from ADDR ...] [--discover] [--go FILE]
 
-Serves a ``WeightRelay`` on a free port (written to ``OUT/NAME.port``), waits for ``OUT/go``,
+Serves a ``WeightRelay`` on a free port (written to ``OUT/NAME.port``), waits for ``OUT/go`` (or
+``OUT/FILE``); with ``--discover`` it registers with the learner's server and reads from the
+relays it names (as ``stoker rollout --weights-relay-advertise``);
 reads every tensor of ``VERSION`` whole (as a one-host server with every chip does) through the
 relay (its upstream relays first, the learner's servers for the rest), writes ``OUT/NAME.json``
 (each tensor's bytes as hex sha256, the bytes taken per source, the fallbacks), and serves on
@@ -25,6 +27,8 @@ def main() -> int:
     parser.add_argument("learner")
     parser.add_argument("version", type=int)
     parser.add_argument("--relay-from", action="append", default=[])
+    parser.add_argument("--discover", action="store_true")
+    parser.add_argument("--go", default="go")
     args = parser.parse_args()
     import logging
 
@@ -35,10 +39,12 @@ def main() -> int:
     out = Path(args.out)
     relay = WeightRelay(tuple(args.relay_from), wait_s=60.0)
     port = relay.serve("127.0.0.1:0")
+    if args.discover:
+        relay.registry, relay.advertise = args.learner, f"127.0.0.1:{port}"
     (out / f"{args.name}.port.tmp").write_text(str(port))
     (out / f"{args.name}.port.tmp").rename(out / f"{args.name}.port")
     deadline = time.monotonic() + 120
-    while not (out / "go").exists() and time.monotonic() < deadline:
+    while not (out / args.go).exists() and time.monotonic() < deadline:
         time.sleep(0.02)  # the test starts every relay's read together (a pipelined chain)
     with WeightSubscriber(address=args.learner, relay=relay) as subscriber:
         weights = subscriber.fetch(args.version)
@@ -47,6 +53,7 @@ def main() -> int:
     result = {
         "sha256": {n: hashlib.sha256(p.tobytes()).hexdigest() for n, p in zip(names, parts, strict=True)},
         "taken": relay.stats.taken, "fallbacks": relay.stats.fallbacks,
+        "upstream": {str(v): list(u) for v, u in relay.stats.upstream.items()},
     }
     (out / f"{args.name}.json.tmp").write_text(json.dumps(result))
     (out / f"{args.name}.json.tmp").rename(out / f"{args.name}.json")

@@ -47,3 +47,18 @@ def test_the_mesh_comes_from_the_spec_unless_the_flag_overrides_it() -> None:
     assert RolloutSettings.from_spec(spec).tensor_parallel == 4
     assert RolloutSettings.from_spec(spec, tensor_parallel=2).tensor_parallel == 2
     assert RolloutSettings.from_spec(job.spec).tensor_parallel is None  # rollout/mesh.py's default
+
+
+def test_relay_discovery_flags_that_cannot_work_exit_2_with_the_reason(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["rollout", "--manifest", str(EXAMPLE), "--port", "0"]
+    cases = [
+        (["--weights", "learner:50052", "--weights-relay-advertise", "10.0.0.5:50053"], "needs --weights-relay-port"),
+        (["--weights", str(tmp_path), "--weights-relay-port", "50053", "--weights-relay-advertise", "10.0.0.5:50053"],
+         "needs --weights HOST:PORT"),
+        (["--weights", "learner:50052", "--weights-relay-port", "50053", "--weights-relay-advertise", "10.0.0.5"],
+         "--weights-relay-advertise 10.0.0.5: expected HOST:PORT"),
+    ]
+    for flags, reason in cases:
+        assert cli.main([*base, *flags]) == 2
+        err = capsys.readouterr().err
+        assert reason in err and "Traceback" not in err

@@ -1,5 +1,7 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
 from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -37,6 +39,22 @@ class ReadShardRequest(_message.Message):
     offset: int
     size: int
     def __init__(self, policy_version: _Optional[int] = ..., key: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
+class RelaysRequest(_message.Message):
+    __slots__ = ("policy_version", "layout", "address")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    layout: str
+    address: str
+    def __init__(self, policy_version: _Optional[int] = ..., layout: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class RelaysReply(_message.Message):
+    __slots__ = ("upstream",)
+    UPSTREAM_FIELD_NUMBER: _ClassVar[int]
+    upstream: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, upstream: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("policy_version",)

@@ -54,6 +54,11 @@ class WeightsStub:
                 request_serializer=stoker_dot_v1_dot_weights__pb2.ReadShardRequest.SerializeToString,
                 response_deserializer=stoker_dot_v1_dot_weights__pb2.WeightsChunk.FromString,
                 _registered_method=True)
+        self.Relays = channel.unary_unary(
+                '/stoker.v1.Weights/Relays',
+                request_serializer=stoker_dot_v1_dot_weights__pb2.RelaysRequest.SerializeToString,
+                response_deserializer=stoker_dot_v1_dot_weights__pb2.RelaysReply.FromString,
+                _registered_method=True)
 
 
 class WeightsServicer:
@@ -86,6 +91,15 @@ class WeightsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Relays(self, request, context):
+        """A relaying rollout server about to read a sharded version registers itself (primary only) and
+        is told which relays to read it from first: a tree of bounded fan-out among the servers
+        reading the same version in the same layout (stoker.model.relay_registry).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +122,11 @@ def add_WeightsServicer_to_server(servicer, server):
                     servicer.ReadShard,
                     request_deserializer=stoker_dot_v1_dot_weights__pb2.ReadShardRequest.FromString,
                     response_serializer=stoker_dot_v1_dot_weights__pb2.WeightsChunk.SerializeToString,
+            ),
+            'Relays': grpc.unary_unary_rpc_method_handler(
+                    servicer.Relays,
+                    request_deserializer=stoker_dot_v1_dot_weights__pb2.RelaysRequest.FromString,
+                    response_serializer=stoker_dot_v1_dot_weights__pb2.RelaysReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +237,33 @@ class Weights:
             '/stoker.v1.Weights/ReadShard',
             stoker_dot_v1_dot_weights__pb2.ReadShardRequest.SerializeToString,
             stoker_dot_v1_dot_weights__pb2.WeightsChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Relays(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stoker.v1.Weights/Relays',
+            stoker_dot_v1_dot_weights__pb2.RelaysRequest.SerializeToString,
+            stoker_dot_v1_dot_weights__pb2.RelaysReply.FromString,
             options,
             channel_credentials,
             insecure,

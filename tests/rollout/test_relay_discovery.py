@@ -1,0 +1,166 @@
+"""Relaying rollout servers that find their upstream through the learner's weights server (the
+``Relays`` RPC, stoker.model.relay_registry), as real processes over loopback: what the operator
+wires on a cluster, where servers have no stable names (``--weights-relay-advertise``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stoker.learner.publish import ShardedPublisher
+from stoker.model import shard_service
+from stoker.model.relay_registry import RelayRegistry, upstream_positions
+from stoker.model.shard_relay import WeightRelay
+from stoker.model.weights import WeightSubscriber
+
+from .test_weight_relay import TOTAL, WORKER, publish, wait_for
+
+
+def start(out: Path, name: str, learner: str, go: str = "go") -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), str(out), name, learner, "1", "--discover", "--go", go],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    wait_for(out / f"{name}.port", proc)
+    return proc, f"127.0.0.1:{(out / f'{name}.port').read_text()}"
+
+
+def readers(publisher: ShardedPublisher) -> tuple[str, ...]:
+    """The registered readers of version 1, in order (one layout: every reader reads it whole)."""
+    trees = publisher.server.servicer.relays.trees(1)
+    assert len(trees) <= 1, trees
+    return next(iter(trees.values()), ())
+
+
+def test_the_registry_places_readers_as_a_heap_and_names_the_nearest_ancestors_first() -> None:
+    assert [upstream_positions(i) for i in range(4)] == [(), (0,), (1, 0), (2, 1)]  # a chain
+    assert [upstream_positions(i, fanout=2) for i in range(7)] == [(), (0,), (0,), (1, 0), (1, 0), (2, 0), (2, 0)]
+    registry = RelayRegistry(fanout=2, keep=2)
+    assert [registry.join(5, "tp1", f"s{i}") for i in range(4)] == [(), ("s0",), ("s0",), ("s1", "s0")]
+    assert registry.join(5, "tp1", "s2") == ("s0",)  # registering again keeps the place
+    assert registry.join(5, "tp2", "t0") == ()  # another layout: its own tree, read from the learner
+    registry.join(6, "tp1", "s9")
+    registry.join(7, "tp1", "s9")  # version 5's trees are dropped (keep 2)
+    assert registry.trees(5) == {} and registry.join(5, "tp1", "s3") == ()
+    with pytest.raises(ValueError):
+        registry.join(7, "tp1", "")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_four_servers_registering_with_the_learner_take_one_copy_from_it_and_each_is_bit_exact(tmp_path: Path) -> None:
+    with publish() as (publisher, want, total):
+        learner = f"127.0.0.1:{publisher.port}"
+        procs: list[subprocess.Popen[str]] = []
+        try:
+            addresses = {}
+            for i in range(4):
+                proc, addresses[f"r{i}"] = start(tmp_path, f"r{i}", learner)
+                procs.append(proc)
+            (tmp_path / "go").touch()  # all four read at once; the registry orders them
+            for i, proc in enumerate(procs):
+                wait_for(tmp_path / f"r{i}.json", proc)
+            results = {f"r{i}": json.loads((tmp_path / f"r{i}.json").read_text()) for i in range(4)}
+        finally:
+            (tmp_path / "done").touch()
+            logs = [proc.communicate(timeout=60)[0] for proc in procs]
+        for result in results.values():
+            assert result["sha256"] == want
+            assert result["fallbacks"] == 0, logs
+        # However many servers read it, the learner sent the version out once.
+        assert publisher.server.servicer.served_bytes == total
+        order = readers(publisher)
+        assert sorted(order) == sorted(addresses.values()), logs
+        name_of = {a: n for n, a in addresses.items()}
+        for position, address in enumerate(order):
+            result = results[name_of[address]]
+            # Each read the whole version from the relay the registry named (its parent in the chain).
+            upstream = [order[p] for p in upstream_positions(position)]
+            assert result["upstream"] == {"1": upstream}
+            assert result["taken"] == ({f"relay {upstream[0]}": total} if upstream else {"primary": total})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_relay_killed_mid_transfer_leaves_its_reader_to_finish_from_the_next_relay_up_bit_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # learner <- r0 <- r1 <- reader. The learner stops sending after half the version until r1
+    # is dead: the reader has part of that half from r1, and the rest must come from r0 (its
+    # grandparent), so the learner still sends the version out exactly once.
+    gate, halfway = threading.Event(), threading.Event()
+    real = shard_service._ShardServicer.ReadShard
+
+    def gated(self: Any, request: Any, context: Any) -> Iterator[Any]:
+        for chunk in real(self, request, context):
+            if self.served_bytes >= TOTAL // 2 and not gate.is_set():
+                halfway.set()
+                assert gate.wait(120), "the test never opened the gate"
+            yield chunk
+
+    monkeypatch.setattr(shard_service._ShardServicer, "ReadShard", gated)  # before the server binds it
+    with publish() as (publisher, want, total):
+        learner = f"127.0.0.1:{publisher.port}"
+        procs: dict[str, subprocess.Popen[str]] = {}
+        reader = WeightRelay(wait_s=60.0)
+        port = reader.serve("127.0.0.1:0")
+        reader.registry, reader.advertise = learner, f"127.0.0.1:{port}"
+        result: dict[str, Any] = {}
+
+        def read() -> None:
+            try:
+                with WeightSubscriber(address=learner, relay=reader) as subscriber:
+                    weights: Any = subscriber.fetch(1)
+                    names = list(weights.manifest.tensors)
+                    parts = weights.read_boxes([(n, tuple((0, d) for d in weights.manifest.tensors[n].shape)) for n in names])
+                    result["sha256"] = {n: hashlib.sha256(p.tobytes()).hexdigest() for n, p in zip(names, parts, strict=True)}
+            except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+                result["error"] = repr(exc)
+
+        thread = threading.Thread(target=read)
+        try:
+            addresses = {}
+            for i in range(2):  # registered one after the other: r0 first, then r1
+                procs[f"r{i}"], addresses[f"r{i}"] = start(tmp_path, f"r{i}", learner, go=f"go-r{i}")
+                (tmp_path / f"go-r{i}").touch()
+                deadline = time.monotonic() + 60
+                while len(readers(publisher)) < i + 1:
+                    assert time.monotonic() < deadline and procs[f"r{i}"].poll() is None, f"r{i} never registered"
+                    time.sleep(0.01)
+            thread.start()
+            assert halfway.wait(120), "r0 never read half the version"
+            r1 = f"relay {addresses['r1']}"
+            deadline = time.monotonic() + 120
+            while reader.stats.taken.get(r1, 0) == 0:
+                assert time.monotonic() < deadline and thread.is_alive(), (result, reader.stats)
+                time.sleep(0.01)  # until the reader has part of the version from r1
+            procs["r1"].send_signal(signal.SIGKILL)
+            procs["r1"].wait(timeout=30)
+            gate.set()
+            thread.join(timeout=120)
+        finally:
+            gate.set()
+            (tmp_path / "done").touch()
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.communicate(timeout=60)
+            reader.close()
+        assert not thread.is_alive() and "error" not in result, result
+        assert result["sha256"] == want
+        assert publisher.server.servicer.served_bytes == total, reader.stats  # still one copy out of the learner
+        from_r1, from_r0 = reader.stats.taken.get(r1, 0), reader.stats.taken.get(f"relay {addresses['r0']}", 0)
+        assert from_r1 > 0 and from_r0 > 0 and from_r1 + from_r0 == total, reader.stats
+        assert "primary" not in reader.stats.taken and reader.stats.fallbacks >= 1, reader.stats
+        assert readers(publisher) == (addresses["r0"], addresses["r1"], reader.advertise)
+        assert reader.stats.upstream == {1: (addresses["r1"], addresses["r0"])}
