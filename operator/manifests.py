@@ -22,6 +22,7 @@ from stoker.operator.naming import ROLE_ACTOR, ROLE_BUFFER, ROLE_LEARNER, Names,
 from stoker.operator.rbac import SANDBOX_MANAGER_POD_VERBS
 from stoker.operator.rollout import ACTOR_CONFIG_FIELDS, ACTOR_HASH_IGNORES, BUFFER_CONFIG_FIELDS, LIVE_BUFFER_FIELDS, config_hash
 from stoker.operator.settings import OperatorSettings
+from stoker.operator.weights_volume import WEIGHTS_MOUNT, add_weights_volume, weights_volume_annotations
 from stoker.remote_checkpoint import ACTOR, CACHE_ENV, FetchPlan, remote_uris
 from stoker.spec import API_VERSION, KIND, ObjectMeta, RLJob, RLJobSpec
 
@@ -369,6 +370,9 @@ def build_buffer_deployment(ctx: JobContext) -> Manifest:
 
 def build_actor_deployment(ctx: JobContext) -> Manifest:
     actors = ctx.spec.actors
+    # Actors that sample in-process read new weights from the learner's weights volume when it
+    # has one (read-only, by slice), else from its weights Service.
+    volume = ctx.spec.learner.weights_volume if ctx.spec.rollout is None else None
     volumes, mounts = common_volumes(ctx, token=True)
     cache_volumes, cache_mounts, cache_env = checkpoint_cache(ctx, ACTOR)  # config and tokenizer files only
     volumes, mounts = volumes + cache_volumes, mounts + cache_mounts
@@ -377,7 +381,7 @@ def build_actor_deployment(ctx: JobContext) -> Manifest:
     env.append({"name": "STOKER_IMAGE", "value": sandbox_image})  # sandbox pods run this image
     if ctx.spec.rollout is not None:  # generation is served by the rollout tier's Service
         env.append({"name": ROLLOUT_ADDRESS_ENV, "value": f"{ctx.names.rollout}:{ctx.spec.rollout.port}"})
-    return {
+    deployment: Manifest = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": metadata(ctx, ctx.names.actors, ROLE_ACTOR),
@@ -388,7 +392,8 @@ def build_actor_deployment(ctx: JobContext) -> Manifest:
                 "metadata": {
                     "labels": labels(ctx.name, ROLE_ACTOR, ctx.settings.extra_labels),
                     "annotations": {
-                        CONFIG_HASH_ANNOTATION: config_hash(ctx.spec, include=ACTOR_CONFIG_FIELDS, ignore=ACTOR_HASH_IGNORES)
+                        CONFIG_HASH_ANNOTATION: config_hash(ctx.spec, include=ACTOR_CONFIG_FIELDS, ignore=ACTOR_HASH_IGNORES),
+                        **weights_volume_annotations(volume),
                     },
                 },
                 "spec": {
@@ -402,7 +407,7 @@ def build_actor_deployment(ctx: JobContext) -> Manifest:
                             "args": [
                                 *("actor", "--manifest", JOB_FILE, "--job", ctx.name),
                                 *buffer_client_args(ctx),
-                                *("--weights", f"{ctx.names.weights}:{WEIGHTS_PORT}"),
+                                *("--weights", WEIGHTS_MOUNT if volume is not None else f"{ctx.names.weights}:{WEIGHTS_PORT}"),
                             ],
                             "env": env,
                             "volumeMounts": mounts,
@@ -415,3 +420,6 @@ def build_actor_deployment(ctx: JobContext) -> Manifest:
             },
         },
     }
+    pod = deployment["spec"]["template"]["spec"]
+    add_weights_volume(volume, pod, pod["containers"][0], read_only=True)
+    return deployment

@@ -23,6 +23,8 @@ from stoker.operator.learner_workload import (
     COMPLETION_INDEX_LABEL,
     EXCLUSIVE_TOPOLOGY_ANNOTATION,
     JOBSET_API_VERSION,
+    learner_shape,
+    single_host,
 )
 from stoker.operator.manifests import (
     CONFIG_HASH_ANNOTATION,
@@ -60,6 +62,8 @@ ROLLOUT_CONFIG_FIELDS: Paths = (
 ROLLOUT_HASH_IGNORES: Paths = (("rollout", "replicas"), ("rollout", "minReplicas"), ("rollout", "maxReplicas"))
 
 SINGLE_HOST = SliceShape(chips=0, hosts=1, chips_per_host=0)
+# Where a server relays the sharded weight blocks it reads to the servers below it.
+WEIGHTS_RELAY_PORT = 50054
 
 
 def rollout_shape(rollout: RolloutSpec) -> SliceShape:
@@ -116,10 +120,12 @@ def _pod_spec(ctx: JobContext, shape: SliceShape, *, restart_policy: str) -> dic
             *("rollout", "--manifest", JOB_FILE, "--job", ctx.name, "--port", str(port)),
             *("--weights", _weights_source(ctx), "--token-file", token_file(ctx)),
             *("--metrics-port", str(METRICS_PORT)),
+            *relay_args(ctx),
         ],
         "ports": [
             {"name": "grpc", "containerPort": port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+            *([{"name": "weights-relay", "containerPort": relay_port(rollout), "protocol": "TCP"}] if relays(ctx) else []),
         ],
         "env": container_env(ctx, ROLE_ROLLOUT) + cache_env,
         "volumeMounts": mounts,
@@ -152,6 +158,29 @@ def _weights_source(ctx: JobContext) -> str:
     if ctx.spec.learner.weights_volume is not None:
         return WEIGHTS_MOUNT
     return f"{ctx.names.weights}:{WEIGHTS_PORT}"
+
+
+def relays(ctx: JobContext) -> bool:
+    """Whether the servers relay weights to each other: when they fetch sharded weights from the
+    learner's pods (a learner of several processes publishes sharded; peer serving, no volume).
+    A single blob is fetched whole from the learner, and a weights volume serves every reader."""
+    learner = ctx.spec.learner
+    return learner.weights_volume is None and not single_host(ctx, learner_shape(learner))
+
+
+def relay_port(rollout: RolloutSpec) -> int:
+    return WEIGHTS_RELAY_PORT if rollout.port != WEIGHTS_RELAY_PORT else WEIGHTS_RELAY_PORT + 1
+
+
+def relay_args(ctx: JobContext) -> list[str]:
+    """Each server (each host of a multi-host one) relays what it reads and registers with the
+    learner's weights server, which names its upstream per version (stoker.model.relay_registry):
+    no stable pod names needed, so a Deployment's servers and scaling stay as they are. POD_IP
+    comes from the downward API (``container_env``); Kubernetes expands ``$(POD_IP)``."""
+    if not relays(ctx):
+        return []
+    port = relay_port(_spec(ctx))
+    return ["--weights-relay-port", str(port), "--weights-relay-advertise", f"$(POD_IP):{port}"]
 
 
 def _template_labels(ctx: JobContext, extra: dict[str, str] | None = None) -> dict[str, str]:
