@@ -16,15 +16,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import pytest
 
 from stoker.learner.publish import ShardedPublisher
 from stoker.model import shard_service
+from stoker.model.hf import to_hf
+from stoker.model.model import init_model
 from stoker.model.relay_registry import RelayRegistry, upstream_positions
 from stoker.model.shard_relay import WeightRelay
 from stoker.model.weights import WeightSubscriber
 
-from .test_weight_relay import TOTAL, WORKER, publish, wait_for
+from .test_weight_relay import CONFIG, TOTAL, WORKER, publish, wait_for
 
 
 def start(out: Path, name: str, learner: str, go: str = "go") -> tuple[subprocess.Popen[str], str]:
@@ -164,3 +167,81 @@ def test_a_relay_killed_mid_transfer_leaves_its_reader_to_finish_from_the_next_r
         assert "primary" not in reader.stats.taken and reader.stats.fallbacks >= 1, reader.stats
         assert readers(publisher) == (addresses["r0"], addresses["r1"], reader.advertise)
         assert reader.stats.upstream == {1: (addresses["r1"], addresses["r0"])}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_stoker_rollout_relay_flags_register_with_the_learner_and_read_from_the_relay_it_names() -> None:
+    """``--weights-relay-port/--weights-relay-advertise`` as the operator sets them, parsed by the
+    real CLI and wired by ``weight_source``: the second server reads the version from the first."""
+    from stoker.cli import build_parser
+    from stoker.rollout.cli import relay_problem, weight_source
+
+    from .test_cli import EXAMPLE
+
+    with publish() as (publisher, want, total):
+        learner = f"127.0.0.1:{publisher.port}"
+        subscribers = []
+        try:
+            for _ in range(2):
+                port = _free_port()
+                argv = ["rollout", "--manifest", str(EXAMPLE), "--host", "127.0.0.1", "--weights", learner,
+                        "--weights-relay-port", str(port), "--weights-relay-advertise", f"127.0.0.1:{port}"]
+                args = build_parser(argv).parse_args(argv)
+                assert relay_problem(args) is None
+                subscribers.append(weight_source(args, None))
+            first, second = subscribers
+            for subscriber in subscribers:  # one after the other: the first holds it all when the second reads
+                weights: Any = subscriber.fetch(subscriber.latest_version())
+                got = dict(zip(weights.manifest.tensors, weights.read_boxes(
+                    [(n, tuple((0, d) for d in t.shape)) for n, t in weights.manifest.tensors.items()]
+                ), strict=True))
+                assert {n: hashlib.sha256(a.tobytes()).hexdigest() for n, a in got.items()} == want
+            assert first.relay.stats.taken == {"primary": total}
+            assert second.relay.stats.upstream == {1: (first.relay.advertise,)}
+            assert second.relay.stats.taken == {f"relay {first.relay.advertise}": total}
+            assert publisher.server.servicer.served_bytes == total
+        finally:
+            for subscriber in subscribers:
+                subscriber.relay.close()
+                subscriber.close()
+
+
+@pytest.mark.slow
+def test_hosts_reading_different_slices_form_one_tree_per_layout_and_each_reads_its_slice_from_its_own() -> None:
+    """The hosts of multi-host servers read different boxes (their devices' slices): host k of
+    every server joins host k's tree, never one that does not hold its blocks."""
+    published = to_hf(init_model(CONFIG, 7, jnp.bfloat16))  # what publish() serves
+    with publish() as (publisher, _, _):
+        learner = f"127.0.0.1:{publisher.port}"
+        relays = [WeightRelay(wait_s=10.0) for _ in range(4)]
+        try:
+            for relay in relays:
+                relay.registry, relay.advertise = learner, f"127.0.0.1:{relay.serve('127.0.0.1:0')}"
+            for n, relay in enumerate(relays):  # server 0's hosts 0 and 1, then server 1's
+                with WeightSubscriber(address=learner, relay=relay) as subscriber:
+                    weights: Any = subscriber.fetch(1)
+                    boxes = []
+                    for name, tensor in weights.manifest.tensors.items():
+                        rows, half = tensor.shape[0], tensor.shape[0] // 2
+                        boxes.append((name, ((0, half) if n % 2 == 0 else (half, rows), *((0, d) for d in tensor.shape[1:]))))
+                    for (name, box), got in zip(boxes, weights.read_boxes(boxes), strict=True):
+                        assert got.tobytes() == published[name][slice(*box[0])].tobytes(), name
+            trees = publisher.server.servicer.relays.trees(1)
+            assert sorted(trees.values()) == sorted([(relays[0].advertise, relays[2].advertise), (relays[1].advertise, relays[3].advertise)])
+            for host in (0, 1):
+                root, below = relays[host], relays[host + 2]
+                assert set(root.stats.taken) == {"primary"} and below.stats.fallbacks == 0
+                assert below.stats.taken == {f"relay {root.advertise}": root.stats.taken["primary"]}
+            # Each host's slice left the learner once (a block at the halves' seam goes to both trees).
+            assert publisher.server.servicer.served_bytes == relays[0].stats.taken["primary"] + relays[1].stats.taken["primary"]
+        finally:
+            for relay in relays:
+                relay.close()
