@@ -8,6 +8,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from stoker.actor.policy import BatchedSampler
 from stoker.actor.wiring import make_weight_source
@@ -22,6 +23,7 @@ from stoker.spec import SamplingSpec, TransformerConfig
 CONFIG = TransformerConfig(vocab_size=32, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
 
 
+@pytest.mark.slow
 def test_an_actor_loads_a_sharded_version_from_the_weights_directory_bit_exact(tmp_path: Path) -> None:
     trained = init_model(CONFIG, 5, jnp.float32)  # the learner's version 3
     with ShardedPublisher(directory=str(tmp_path / "weights"), processes=Processes(), block_bytes=512) as publisher:
