@@ -269,7 +269,7 @@ class ShardedWeights(Mapping[str, np.ndarray]):
     def _assemble(tensor: TensorRecord, box: Box, blocks: dict[tuple[str, int], tuple[np.ndarray, int]]) -> np.ndarray:
         """``box`` of ``tensor`` from its shards' blocks. A box inside one run of one shard, read
         into writable memory, is returned as a view of it (no copy); otherwise copied together."""
-        pieces = []
+        pieces: list[tuple[tuple[slice, ...], np.ndarray, Box | None]] = []  # (where in out, values, the part, once per shard)
         for shard in tensor.shards:
             part = intersect(shard.box, box)
             if part is None:
@@ -278,22 +278,20 @@ class ShardedWeights(Mapping[str, np.ndarray]):
                 pieces.append(((), blocks[(shard.key, 0)][0], ()))
                 continue
             first, last = _block_span(shard, part)
-            runs = [blocks[(shard.key, b)] for b in range(first, last + 1)]
-            if all(run is runs[0][0] for run, _ in runs):
-                run, at = runs[0]
-                rows = run[at : at + (last - first + 1) * shard.block_rows]
-            else:
-                rows = np.concatenate([run[at : at + shard.block_rows] for run, at in runs])
-            lo = part[0][0] - shard.box[0][0] - first * shard.block_rows
-            local = (slice(lo, lo + part[0][1] - part[0][0]),) + tuple(
-                slice(a - o, b - o) for (a, b), (o, _) in zip(part[1:], shard.box[1:], strict=True)
-            )
-            pieces.append((tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(part, box, strict=True)), rows[local], part))
+            p0, p1 = part[0][0] - shard.box[0][0], part[0][1] - shard.box[0][0]  # the shard's own rows
+            trailing = tuple(slice(x - o, y - o) for (x, y), (o, _) in zip(part[1:], shard.box[1:], strict=True))
+            placed = tuple(slice(x - o, y - o) for (x, y), (o, _) in zip(part[1:], box[1:], strict=True))
+            for run, at, b0, b1 in _groups(blocks, shard.key, first, last):  # blocks b0..b1 lie in one run
+                g0, g1 = max(p0, b0 * shard.block_rows), min(p1, (b1 + 1) * shard.block_rows)
+                rows = run[at + g0 - b0 * shard.block_rows : at + g1 - b0 * shard.block_rows]
+                to = g0 + shard.box[0][0] - box[0][0]
+                pieces.append(((slice(to, to + g1 - g0), *placed), rows[(slice(None), *trailing)], None))
+            pieces[-1] = (pieces[-1][0], pieces[-1][1], part)  # counted once per shard
         shape = tuple(b - a for a, b in box)
-        covered = sum(math.prod(b - a for a, b in part) for _, _, part in pieces)
+        covered = sum(math.prod(b - a for a, b in part) for _, _, part in pieces if part is not None)
         if covered != math.prod(shape):
             raise ShardsCorrupt(f"{tensor.name}: the shards cover {covered} of the {math.prod(shape)} elements asked for")
-        if len(pieces) == 1 and pieces[0][1].flags.c_contiguous and pieces[0][1].flags.writeable:
+        if len(pieces) == 1 and pieces[0][1].flags.c_contiguous and pieces[0][1].flags.writeable and pieces[0][1].size == math.prod(shape):
             return pieces[0][1].reshape(shape)
         out = np.empty(shape, dtype_of(tensor.dtype))
         for where, piece, _ in pieces:
@@ -415,6 +413,18 @@ class StagedWeights(Mapping[str, np.ndarray]):
                 var.set_value(jax.make_array_from_single_device_arrays(slot.shape, slot.sharding, shards))
 
 
+def _groups(blocks: dict[tuple[str, int], tuple[np.ndarray, int]], key: str, first: int,
+            last: int) -> Iterator[tuple[np.ndarray, int, int, int]]:
+    """Blocks ``first..last`` of shard ``key`` as maximal stretches read in one run: (the run's
+    rows, the first block's row in it, first block, last block)."""
+    start = first
+    for b in range(first + 1, last + 2):
+        if b > last or blocks[(key, b)][0] is not blocks[(key, start)][0]:
+            run, at = blocks[(key, start)]
+            yield run, at, start, b - 1
+            start = b
+
+
 def _block_span(shard: ShardRecord, part: Box) -> tuple[int, int]:
     """The first and last checksum block of ``shard`` that rows of ``part`` fall in."""
     if not shard.shape:
@@ -525,13 +535,20 @@ class ShardDirectory:
         except FileNotFoundError:
             return None
 
-    def read(self, manifest: ShardManifest, shard: ShardRecord, offset: int, size: int) -> bytes:
+    def read(self, manifest: ShardManifest, shard: ShardRecord, offset: int, size: int) -> memoryview:
+        """Into one fresh buffer (writable, so a box inside one read is assembled without a copy)."""
         path = self.directory / manifest.folder / f"p{shard.process:05d}" / shard.key
+        out, got = memoryview(np.empty(size, np.uint8)), 0
         try:
             with open(path, "rb") as f:
-                return os.pread(f.fileno(), size, offset)
+                while got < size:
+                    n = os.preadv(f.fileno(), [out[got:]], offset + got)
+                    if n == 0:
+                        break  # a short file: the caller's size check says so
+                    got += n
         except FileNotFoundError as err:
             raise ShardsMissing(f"policy version {manifest.version} was pruned from {self.directory}") from err
+        return out[:got]
 
 
 # ------------------------------------------------------------------------------ in process

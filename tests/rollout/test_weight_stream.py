@@ -145,3 +145,25 @@ def test_a_stream_server_killed_mid_transfer_leaves_the_reader_to_finish_over_gr
         assert streams.fallbacks >= 1
         assert streams.streamed_bytes >= manifest.nbytes // 2  # half the version and part of the cut reads
         assert streams.streamed_bytes + publisher.server.servicer.served_bytes == manifest.nbytes
+
+
+@pytest.mark.parametrize("run_bytes", [16 << 20, 512], ids=["one-run", "many-runs"])
+def test_any_box_reads_bit_exact_over_every_transport_however_the_reads_are_split(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_bytes: int
+) -> None:
+    from stoker.model import shards
+
+    monkeypatch.setattr(shards, "RUN_BYTES", run_bytes)  # 512: a box's blocks come from several reads
+    rng = np.random.default_rng(0)
+    with publish(tmp_path / "weights") as (publisher, manifest, want):
+        sources = {"stream": StreamShards(fallback=PeerShards()), "grpc": PeerShards(),
+                   "directory": shards.ShardDirectory(tmp_path / "weights")}
+        for name, source in sources.items():
+            weights = ShardedWeights(manifest, source)  # type: ignore[arg-type]
+            wanted = []
+            for tensor, array in want.items():
+                lo = [int(rng.integers(0, n)) for n in array.shape]
+                wanted.append((tensor, tuple((a, int(rng.integers(a + 1, n + 1))) for a, n in zip(lo, array.shape, strict=True))))
+            for (tensor, box), got in zip(wanted, weights.read_boxes(wanted), strict=True):
+                expected = want[tensor][tuple(slice(a, b) for a, b in box)]
+                assert got.shape == expected.shape and got.tobytes() == expected.tobytes(), (name, tensor, box)
