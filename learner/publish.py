@@ -109,7 +109,7 @@ class ShardedPublisher:
     """Publishes sharded versions from every learner process (every process constructs one, in
     the same order: the run id is agreed with a broadcast). ``directory``: the shared volume's
     path; ``address``: serve this process's shards there (``host:port``), the bytes also over a
-    plain-TCP stream on a free port of the same host unless ``stream`` is false. At least one."""
+    plain-TCP stream on ``stream_port`` (0: a free one) of the same host unless ``stream`` is false. At least one."""
 
     every_process = True  # the learner's loop hands it to every process, not only the primary
 
@@ -125,6 +125,7 @@ class ShardedPublisher:
         block_bytes: int = BLOCK_BYTES,
         writers: int = WRITERS,
         stream: bool = True,
+        stream_port: int = 0,
     ):
         if directory is None and address is None:
             raise ValueError("ShardedPublisher needs a directory, an address, or both")
@@ -148,7 +149,7 @@ class ShardedPublisher:
         if address is not None and stream:
             from stoker.model.shard_stream import StreamServer, staged_lookup, stream_address
 
-            self.stream = StreamServer(stream_address(address), staged_lookup(self.server.servicer.array), token=auth_token)
+            self.stream = StreamServer(stream_address(address, stream_port), staged_lookup(self.server.servicer.array), token=auth_token)
             self.stream_address = advertised(address, self.stream.port)
         self.run = self._agree_run_id()
         self.stats = PublishStats()

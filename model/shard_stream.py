@@ -29,6 +29,7 @@ import math
 import socket
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +45,8 @@ OK, NOT_FOUND, REFUSED, BAD_REQUEST = 0, 1, 2, 3
 _REPLY = struct.Struct(">BQ")
 _LENGTH = struct.Struct(">I")
 MAX_REQUEST = 64 << 10
+CONNECT_TIMEOUT_S = 10.0  # a firewalled stream port costs this once, then its reads go to the fallback
+DEAD_FOR_S = 30.0  # how long a server we could not connect to is skipped
 
 # What a server sends for (version, process, key): the shard's bytes in memory, or its file.
 Served = memoryview | Path
@@ -192,6 +195,7 @@ class StreamShards:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._idle: dict[str, list[socket.socket]] = {}
+        self._dead: dict[str, float] = {}  # address: until when (monotonic) it is not tried
         self.fallbacks = 0  # reads a stream could not finish
         self.streamed_bytes = 0  # verified bytes that came over a stream
 
@@ -203,6 +207,9 @@ class StreamShards:
         good = [0]  # bytes verified so far, block by block
         failure: Exception | None = None
         address = manifest.streams[shard.process] if shard.process < len(manifest.streams) else ""
+        with self._lock:
+            if address and self._dead.get(address, 0.0) > time.monotonic():
+                address = ""
         if address:
             try:
                 self._receive(address, manifest, shard, offset, out, step, good)
@@ -264,7 +271,13 @@ class StreamShards:
             if idle:
                 return idle.pop()
         host, port = address.rsplit(":", 1)
-        conn = socket.create_connection((host.strip("[]"), int(port)), timeout=self.timeout_s)
+        try:
+            conn = socket.create_connection((host.strip("[]"), int(port)), timeout=min(CONNECT_TIMEOUT_S, self.timeout_s))
+        except OSError:
+            with self._lock:
+                self._dead[address] = time.monotonic() + DEAD_FOR_S
+            raise
+        conn.settimeout(self.timeout_s)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn
 
@@ -295,8 +308,8 @@ def staged_lookup(arrays: Callable[[int, str], np.ndarray | None]) -> Lookup:
     return lookup
 
 
-def stream_address(address: str) -> str:
-    """Where a learner process's stream server binds beside its gRPC server at ``address``:
-    the same host, a free port (advertised in the manifest)."""
-    return f"{address.rsplit(':', 1)[0]}:0"
+def stream_address(address: str, port: int = 0) -> str:
+    """Where a learner process's stream server binds beside its gRPC server at ``address``: the
+    same host, ``port`` (0: a free one; the manifest advertises it either way)."""
+    return f"{address.rsplit(':', 1)[0]}:{port}"
 

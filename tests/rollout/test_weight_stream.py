@@ -167,3 +167,18 @@ def test_any_box_reads_bit_exact_over_every_transport_however_the_reads_are_spli
             for (tensor, box), got in zip(wanted, weights.read_boxes(wanted), strict=True):
                 expected = want[tensor][tuple(slice(a, b) for a, b in box)]
                 assert got.shape == expected.shape and got.tobytes() == expected.tobytes(), (name, tensor, box)
+
+
+def test_a_stream_port_nobody_answers_on_is_tried_once_and_the_reads_go_over_grpc() -> None:
+    import socket
+
+    with socket.socket() as closed:  # a port bound but never listened on: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        with publish() as (publisher, manifest, want):
+            streams = StreamShards(fallback=PeerShards())
+            weights = ShardedWeights(dataclasses.replace(manifest, streams=(f"127.0.0.1:{closed.getsockname()[1]}",)), streams, threads=1)
+            names = list(manifest.tensors)
+            got = dict(zip(names, weights.read_boxes([(n, tuple((0, d) for d in manifest.tensors[n].shape)) for n in names]), strict=True))
+            assert publisher.server.servicer.served_bytes == manifest.nbytes
+    assert_bit_exact(got, want)
+    assert streams.fallbacks == 1 and streams.streamed_bytes == 0  # then skipped while it is marked dead
