@@ -33,6 +33,7 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -203,7 +204,8 @@ class StreamShards:
         step, total = _geometry(manifest, shard)
         if offset % step or (size % step and offset + size != total):
             raise ValueError(f"{shard.key}: stream reads cover whole checksum blocks (offset {offset}, size {size})")
-        out = memoryview(np.empty(size, np.uint8))
+        buffer: Any = np.empty(size, np.uint8)  # not zeroed: every byte is received or read before use
+        out = memoryview(buffer)
         good = [0]  # bytes verified so far, block by block
         failure: Exception | None = None
         address = manifest.streams[shard.process] if shard.process < len(manifest.streams) else ""

@@ -538,7 +538,8 @@ class ShardDirectory:
     def read(self, manifest: ShardManifest, shard: ShardRecord, offset: int, size: int) -> memoryview:
         """Into one fresh buffer (writable, so a box inside one read is assembled without a copy)."""
         path = self.directory / manifest.folder / f"p{shard.process:05d}" / shard.key
-        out, got = memoryview(np.empty(size, np.uint8)), 0
+        buffer: Any = np.empty(size, np.uint8)
+        out, got = memoryview(buffer), 0
         try:
             with open(path, "rb") as f:
                 while got < size:
