@@ -48,6 +48,7 @@ _LENGTH = struct.Struct(">I")
 MAX_REQUEST = 64 << 10
 CONNECT_TIMEOUT_S = 10.0  # a firewalled stream port costs this once, then its reads go to the fallback
 DEAD_FOR_S = 30.0  # how long a server we could not connect to is skipped
+IDLE_S = 120.0  # a server closes a connection idle this long (readers reconnect)
 
 # What a server sends for (version, process, key): the shard's bytes in memory, or its file.
 Served = memoryview | Path
@@ -72,9 +73,10 @@ class StreamServer:
     """Serves shard byte ranges on ``address`` (``host:port``; port 0 picks one), one thread per
     connection. ``lookup`` finds what to send; ``token``: the bearer token readers must send."""
 
-    def __init__(self, address: str, lookup: Lookup, *, token: str | None = None):
+    def __init__(self, address: str, lookup: Lookup, *, token: str | None = None, idle_s: float = IDLE_S):
         host, port = address.rsplit(":", 1)
         self.lookup = lookup
+        self.idle_s = idle_s
         self._token = token
         self._listener = socket.create_server((host.strip("[]") or "0.0.0.0", int(port)), backlog=128)
         self.port = int(self._listener.getsockname()[1])
@@ -91,6 +93,7 @@ class StreamServer:
             except OSError:
                 return  # closed
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(self.idle_s)  # also bounds a send to a reader that stopped reading
             with self._lock:
                 if self._closed:
                     conn.close()
@@ -138,6 +141,10 @@ class StreamServer:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+
+    def open_connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
 
     @staticmethod
     def _refuse(conn: socket.socket, status: int, reason: str) -> None:
@@ -238,12 +245,21 @@ class StreamShards:
 
     def _receive(self, address: str, manifest: ShardManifest, shard: ShardRecord, offset: int,
                  out: memoryview, step: int, good: list[int]) -> None:
-        conn = self._connect(address)
+        request = json.dumps({"token": self.token, "version": manifest.version, "process": shard.process,
+                              "key": shard.key, "offset": offset, "size": len(out)}).encode()
+        conn, reused = self._connect(address)
         try:
-            request = json.dumps({"token": self.token, "version": manifest.version, "process": shard.process,
-                                  "key": shard.key, "offset": offset, "size": len(out)}).encode()
-            conn.sendall(_LENGTH.pack(len(request)) + request)
-            status, length = _REPLY.unpack(_recv_exact(conn, _REPLY.size))
+            try:
+                conn.sendall(_LENGTH.pack(len(request)) + request)
+                header = _recv_exact(conn, _REPLY.size)
+            except OSError:
+                if not reused:
+                    raise
+                conn.close()  # the server closed it while it sat idle in our pool: once more, afresh
+                conn, reused = self._connect(address, fresh=True)
+                conn.sendall(_LENGTH.pack(len(request)) + request)
+                header = _recv_exact(conn, _REPLY.size)
+            status, length = _REPLY.unpack(header)
             if status != OK:
                 reason = _recv_exact(conn, min(length, MAX_REQUEST)).decode(errors="replace")
                 if status == REFUSED:
@@ -267,11 +283,12 @@ class StreamShards:
         with self._lock:
             self._idle.setdefault(address, []).append(conn)
 
-    def _connect(self, address: str) -> socket.socket:
+    def _connect(self, address: str, fresh: bool = False) -> tuple[socket.socket, bool]:
+        """A connection to ``address`` and whether it was reused from the pool."""
         with self._lock:
             idle = self._idle.get(address)
-            if idle:
-                return idle.pop()
+            if idle and not fresh:
+                return idle.pop(), True
         host, port = address.rsplit(":", 1)
         try:
             conn = socket.create_connection((host.strip("[]"), int(port)), timeout=min(CONNECT_TIMEOUT_S, self.timeout_s))
@@ -281,7 +298,7 @@ class StreamShards:
             raise
         conn.settimeout(self.timeout_s)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return conn
+        return conn, False
 
     def close(self) -> None:
         with self._lock:

@@ -182,3 +182,23 @@ def test_a_stream_port_nobody_answers_on_is_tried_once_and_the_reads_go_over_grp
             assert publisher.server.servicer.served_bytes == manifest.nbytes
     assert_bit_exact(got, want)
     assert streams.fallbacks == 1 and streams.streamed_bytes == 0  # then skipped while it is marked dead
+
+
+def test_a_pooled_connection_the_server_closed_while_idle_is_reopened_not_counted_a_failure() -> None:
+    with publish() as (publisher, manifest, want):
+        server = StreamServer("127.0.0.1:0", staged_lookup(publisher.server.servicer.array), idle_s=0.2)
+        try:
+            relocated = dataclasses.replace(manifest, streams=(f"127.0.0.1:{server.port}",))
+            streams = StreamShards(fallback=PeerShards())
+            shard = next(iter(manifest.tensors.values())).shards[0]
+            size = len(as_bytes(publisher.server.servicer.array(1, shard.key)))
+            first = bytes(streams.read(relocated, shard, 0, size))
+            deadline = time.monotonic() + 30
+            while server.open_connections():  # the server drops the idle connection; ours stays pooled
+                assert time.monotonic() < deadline, "the server kept an idle connection open"
+                time.sleep(0.01)
+            again = bytes(streams.read(relocated, shard, 0, size))
+        finally:
+            server.close()
+        assert first == again == bytes(as_bytes(publisher.server.servicer.array(1, shard.key)))
+        assert streams.fallbacks == 0 and publisher.server.servicer.served_bytes == 0
