@@ -1,28 +1,34 @@
-"""Sharded weights: one learner process's publish and serve throughput, one reader's fetch
-throughput, against the single blob's gRPC fetch (the baseline) in the same run.
+"""Sharded weights: one learner process's publish (staging) rate and one reader's fetch rate over
+each transport (gRPC ``ReadShard``, the plain-TCP stream, the shared directory), against the
+single blob's gRPC fetch, in the same run.
 
-    .venv/bin/python benchmarks/weights_shards.py [--repeats 5]
+    nice -n 10 .venv/bin/python benchmarks/weights_shards.py [--repeats 5]
 
 For each parameter set a ``ShardedPublisher`` (one process, one device: every shard is this
-process's) publishes one version to a directory on local disk and to its own gRPC server; then,
-alternating calls so load drift hits all alike:
+process's) publishes versions alternately to its own servers only (what the peer/relay path
+stages) and to a directory on local disk as well. Then, alternating calls so load drift hits all
+alike, every tensor is read whole by slice (crc32 per block, assembly) from:
 
 * blob gRPC: ``WeightSubscriber.fetch`` from a ``WeightPublisher`` (transfer, sha256, decode);
-* shards gRPC: every tensor read by slice from the process's ``ShardServer`` (``ReadShard``
-  streams, crc32 per block, assembly);
-* shards directory: the same from the shared directory (page cache: a reader's own ceiling).
+* shards gRPC: the process's ``ShardServer`` (``WeightSubscriber(stream=False)``);
+* shards stream: the same shards over its plain-TCP stream (``stoker.model.shard_stream``, the
+  subscriber's default);
+* shards directory: the shared directory (page cache: a reader's own ceiling).
 
-Each against the path before the per-process cuts, in the same run ("old"): publishing one
-shard at a time, transposed on the host, fsynced file by file (``old_publish`` below); reading
-each shard as one stream of 1 MiB chunks. The fan-out model in docs/sizing.md takes its
-per-process figures from these.
+Twice: with the servers in the reader's own process (table 1), and in a separate process
+(``--serve``, table 2: the reader's process does only the reading). docs/sizing.md's fan-out
+model takes its per-process rates from these.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import resource
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,14 +36,10 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-import numpy as np
-
 from stoker.distributed import Processes
-from stoker.learner.publish import ShardedPublisher, plan
-from stoker.model import shards as shards_module
+from stoker.learner.publish import ShardedPublisher
 from stoker.model.model import count_params, init_model
-from stoker.model.shard_service import ShardServer
-from stoker.model.shards import BLOCK_BYTES, ShardedWeights, block_rows, checksums
+from stoker.model.shards import ShardedWeights
 from stoker.model.weights import WeightPublisher, WeightSubscriber, flatten_params
 from stoker.spec import TransformerConfig
 
@@ -64,93 +66,125 @@ def timed(fns: list[Callable[[], object]], repeats: int) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-def old_publish(model: object, directory: Path, server: ShardServer, version: int) -> None:
-    """The staging loop before the cuts: sequential, host transpose, fsync per file."""
-    shards, _ = plan(model)
-    where = directory / f"old-{version}"
-    where.mkdir(parents=True, exist_ok=True)
-    for shard in shards:
-        data = {s.device: s.data for s in shard.array.addressable_shards}[shard.device]
-        host = np.asarray(data)
-        if shard.transpose:
-            host = np.ascontiguousarray(host.T)
-        checksums(host, block_rows(host.shape, host.dtype.itemsize, BLOCK_BYTES))
-        with open(where / shard.key, "wb") as f:
-            f.write(shards_module.as_bytes(host))
-            f.flush()
-            os.fsync(f.fileno())
-        server.servicer.stage(version, shard.key, host)
-
-
 def read_all(weights: ShardedWeights) -> int:
     parts = weights.read_boxes([(t.name, tuple((0, n) for n in t.shape)) for t in weights.manifest.tensors.values()])
     return sum(p.nbytes for p in parts)
 
 
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of this process (or of ``pid``, from /proc)."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def reads(address: str, directory: Path, version: int, repeats: int, server: int | None = None) -> list[tuple[float, float, float]]:
+    """For gRPC, the stream and the directory: median seconds to read ``version`` whole, and the
+    reader's (and the serving process's, given its pid) CPU seconds per GB over 3 more reads."""
+    with (
+        WeightSubscriber(address=address, stream=False) as grpc_sub,
+        WeightSubscriber(address=address) as stream_sub,
+        WeightSubscriber(directory=directory) as dir_sub,
+    ):
+        for sub in (grpc_sub, stream_sub):
+            sub.latest()
+        streamed = stream_sub.fetch(version)
+        assert type(streamed.source).__name__ == "StreamShards", streamed.source  # type: ignore[attr-defined]
+        fns: list[Callable[[], int]] = [
+            lambda: read_all(grpc_sub.fetch(version)),  # type: ignore[arg-type]
+            lambda: read_all(stream_sub.fetch(version)),  # type: ignore[arg-type]
+            lambda: read_all(dir_sub.fetch(version)),  # type: ignore[arg-type]
+        ]
+        seconds = timed(fns, repeats)  # type: ignore[arg-type]
+        out = []
+        for fn, s in zip(fns, seconds, strict=True):
+            mine, theirs = cpu_seconds(), cpu_seconds(server) if server else 0.0
+            gb = sum(fn() for _ in range(3)) / 1e9
+            out.append((s, (cpu_seconds() - mine) / gb, ((cpu_seconds(server) - theirs) / gb) if server else 0.0))
+        assert streamed.source.fallbacks == 0  # type: ignore[attr-defined]
+    return out
+
+
+def serve(label: str, out: Path) -> int:
+    """``--serve``: publish ``label``'s set once and serve it until stdin closes."""
+    config, dtype = SETS[label]
+    model = init_model(config, seed=0, dtype=dtype)
+    with ShardedPublisher(directory=str(out / "shards"), address="127.0.0.1:0", processes=Processes()) as publisher:
+        publisher.publish(1, model)
+        (out / "serving.json").write_text(json.dumps({"port": publisher.port}))
+        sys.stdin.read()
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--serve", nargs=2, metavar=("SET", "DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve:
+        return serve(args.serve[0], Path(args.serve[1]))
+    print(f"load average {os.getloadavg()[0]:.1f}, median of {args.repeats}")
+    print("\nTable 1: servers in the reader's process\n")
     print(
-        "| parameter set | params | MB | publish s (dir + server) | publish MB/s | blob gRPC fetch MB/s "
-        "| shards gRPC fetch MB/s | shards directory fetch MB/s | shards gRPC / blob gRPC time "
-        "| old publish MB/s | new / old publish time | old shards gRPC fetch MB/s | new / old gRPC fetch time |"
+        "| parameter set | params | MB | publish MB/s (servers) | publish MB/s (dir + servers) | blob gRPC fetch MB/s "
+        "| shards gRPC MB/s | shards stream MB/s | shards directory MB/s | stream / gRPC time |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label, (config, dtype) in SETS.items():
         model = init_model(config, seed=0, dtype=dtype)
         flat = flatten_params(model)
         with tempfile.TemporaryDirectory() as tmp:
             with (
-                ShardedPublisher(directory=str(Path(tmp) / "shards"), address="127.0.0.1:0", processes=Processes(), keep=8) as shards,
+                ShardedPublisher(address="127.0.0.1:0", processes=Processes(), keep=2) as served,
+                ShardedPublisher(directory=str(Path(tmp) / "shards"), address="127.0.0.1:0", processes=Processes(), keep=2) as both,
                 WeightPublisher(address="127.0.0.1:0") as blob,
             ):
-                old_server = ShardServer("127.0.0.1:0", keep=2, chunk_bytes=1 << 20)
-                publish_times, old_times = [], []
-                for version in range(1, args.repeats + 1):  # alternating, so load drift hits both
-                    start = time.perf_counter()
-                    manifest = shards.publish(version, model)
-                    publish_times.append(time.perf_counter() - start)
-                    start = time.perf_counter()
-                    old_publish(model, Path(tmp), old_server, version)
-                    old_times.append(time.perf_counter() - start)
-                assert manifest is not None
-                old_server.servicer.commit(manifest)
+                served_s, both_s = [], []
+                for version in range(1, args.repeats + 2):  # alternating, so load drift hits both
+                    for publisher, times in ((served, served_s), (both, both_s)):
+                        start = time.perf_counter()
+                        manifest = publisher.publish(version, model)
+                        times.append(time.perf_counter() - start)
                 assert manifest is not None
                 mb = manifest.nbytes / 1e6
                 blob.publish(1, flat)
-                latest = args.repeats
-                with (
-                    WeightSubscriber(address=f"127.0.0.1:{blob.port}") as blob_sub,
-                    WeightSubscriber(address=f"127.0.0.1:{shards.port}") as peer_sub,
-                    WeightSubscriber(directory=Path(tmp) / "shards") as dir_sub,
-                ):
-                    peer_sub.latest()
-                    got = peer_sub.fetch(latest)
-                    assert all(got[k].tobytes() == flat[k].tobytes() for k in flat)
-                    old_sub = WeightSubscriber(address=f"127.0.0.1:{old_server.port}")
-
-                    def old_read() -> int:
-                        run_bytes, shards_module.RUN_BYTES = shards_module.RUN_BYTES, 1 << 62  # one stream per shard
-                        try:
-                            return read_all(old_sub.fetch(latest))  # type: ignore[arg-type]
-                        finally:
-                            shards_module.RUN_BYTES = run_bytes
-
-                    old_sub.latest()
-                    blob_s, peer_s, dir_s, old_peer_s = timed([
-                        lambda: blob_sub.fetch(1),
-                        lambda: read_all(peer_sub.fetch(latest)),  # type: ignore[arg-type]
-                        lambda: read_all(dir_sub.fetch(latest)),  # type: ignore[arg-type]
-                        old_read,
-                    ], args.repeats)
-                    old_sub.close()
-                old_server.close()
-        publish_s, old_s = statistics.median(publish_times), statistics.median(old_times)
+                with WeightSubscriber(address=f"127.0.0.1:{blob.port}") as blob_sub:
+                    blob_s = timed([lambda: blob_sub.fetch(1)], args.repeats)[0]
+                (grpc_s, _, _), (stream_s, _, _), (dir_s, _, _) = reads(
+                    f"127.0.0.1:{both.port}", Path(tmp) / "shards", args.repeats + 1, args.repeats)
+        pub_served, pub_both = statistics.median(served_s[1:]), statistics.median(both_s[1:])
         print(
-            f"| {label} | {count_params(model):,} | {mb:.1f} | {publish_s:.3f} | {mb / publish_s:.0f} | {mb / blob_s:.0f} "
-            f"| {mb / peer_s:.0f} | {mb / dir_s:.0f} | {peer_s / blob_s:.2f} "
-            f"| {mb / old_s:.0f} | {publish_s / old_s:.2f} | {mb / old_peer_s:.0f} | {peer_s / old_peer_s:.2f} |"
+            f"| {label} | {count_params(model):,} | {mb:.1f} | {mb / pub_served:.0f} | {mb / pub_both:.0f} | {mb / blob_s:.0f} "
+            f"| {mb / grpc_s:.0f} | {mb / stream_s:.0f} | {mb / dir_s:.0f} | {stream_s / grpc_s:.2f} |"
+        )
+    print("\nTable 2: servers in a separate process (the reader's process only reads)\n")
+    print(
+        "| parameter set | MB | shards gRPC MB/s | shards stream MB/s | shards directory MB/s | stream / gRPC time "
+        "| reader CPU s/GB: gRPC, stream, directory | server CPU s/GB: gRPC, stream |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for label in SETS:
+        with tempfile.TemporaryDirectory() as tmp:
+            proc = subprocess.Popen([sys.executable, __file__, "--serve", label, tmp], stdin=subprocess.PIPE)
+            try:
+                deadline = time.monotonic() + 300
+                while not (Path(tmp) / "serving.json").exists():
+                    assert proc.poll() is None and time.monotonic() < deadline, "the serving process did not start"
+                    time.sleep(0.1)
+                port = json.loads((Path(tmp) / "serving.json").read_text())["port"]
+                with WeightSubscriber(address=f"127.0.0.1:{port}") as probe:
+                    mb = probe.fetch(1).manifest.nbytes / 1e6  # type: ignore[attr-defined]
+                (grpc_s, grpc_c, grpc_sc), (stream_s, stream_c, stream_sc), (dir_s, dir_c, _) = reads(
+                    f"127.0.0.1:{port}", Path(tmp) / "shards", 1, args.repeats, proc.pid)
+            finally:
+                assert proc.stdin is not None
+                proc.stdin.close()
+                proc.wait(60)
+        print(
+            f"| {label} | {mb:.1f} | {mb / grpc_s:.0f} | {mb / stream_s:.0f} | {mb / dir_s:.0f} | {stream_s / grpc_s:.2f} "
+            f"| {grpc_c:.2f}, {stream_c:.2f}, {dir_c:.2f} | {grpc_sc:.2f}, {stream_sc:.2f} |"
         )
     return 0
 

@@ -4,7 +4,7 @@ In ``mode: colocated`` (no ``--buffer``) it runs the synchronous loop instead, p
 episodes on its own chips (``stoker.sync``): the operator's colocated learner pod.
 
     stoker learner --manifest job.yaml --buffer HOST:PORT [--token-file F] --run-dir DIR \\
-                   [--weights-dir DIR] [--weights-port P] [--max-steps N] [--metrics-port P]
+                   [--weights-dir DIR] [--weights-port P [--weights-stream-port P]] [--max-steps N] [--metrics-port P]
 
 Resumes from the latest checkpoint under the spec's ``learner.checkpoint.dir`` (relative to
 ``--run-dir``). SIGTERM/SIGINT stop it after the current step with a final checkpoint. Metrics go to
@@ -46,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--weights-format", choices=["auto", "blob", "shards"], default="auto",
         help="shards: every process publishes only its own shards (stoker.learner.publish); blob: the primary "
         "publishes one safetensors file; auto (default): shards when the learner spans several processes",
+    )
+    parser.add_argument(
+        "--weights-stream-port", type=int, default=0, metavar="P",
+        help="sharded weights: each process also streams its shards' bytes over plain TCP on this port "
+        "(default 0: a free one, named in the manifest; readers fall back to gRPC); -1: off",
     )
     parser.add_argument("--max-steps", type=int, metavar="N", help="stop after N total steps (default: spec)")
     parser.add_argument("--metrics-port", type=int, default=0, metavar="P", help="serve Prometheus metrics here")
@@ -129,7 +134,8 @@ def main(args: argparse.Namespace) -> int:
     if (args.weights_dir or weights_address) and sharded:  # every process serves/writes its own shards
         from stoker.learner.publish import ShardedPublisher
 
-        publisher = ShardedPublisher(directory=args.weights_dir, address=weights_address, auth_token=token)
+        publisher = ShardedPublisher(directory=args.weights_dir, address=weights_address, auth_token=token,
+                                     stream=args.weights_stream_port >= 0, stream_port=max(0, args.weights_stream_port))
     elif (args.weights_dir or weights_address) and primary:
         publisher = WeightPublisher(directory=args.weights_dir, address=weights_address, auth_token=token)
     stop = threading.Event()

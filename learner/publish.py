@@ -108,7 +108,8 @@ def advertised(address: str, port: int) -> str:
 class ShardedPublisher:
     """Publishes sharded versions from every learner process (every process constructs one, in
     the same order: the run id is agreed with a broadcast). ``directory``: the shared volume's
-    path; ``address``: serve this process's shards there (``host:port``). At least one."""
+    path; ``address``: serve this process's shards there (``host:port``), the bytes also over a
+    plain-TCP stream on ``stream_port`` (0: a free one) of the same host unless ``stream`` is false. At least one."""
 
     every_process = True  # the learner's loop hands it to every process, not only the primary
 
@@ -123,6 +124,8 @@ class ShardedPublisher:
         commit_timeout_s: float = COMMIT_TIMEOUT_SECONDS,
         block_bytes: int = BLOCK_BYTES,
         writers: int = WRITERS,
+        stream: bool = True,
+        stream_port: int = 0,
     ):
         if directory is None and address is None:
             raise ValueError("ShardedPublisher needs a directory, an address, or both")
@@ -141,6 +144,13 @@ class ShardedPublisher:
 
             self.server = ShardServer(address, keep=keep, auth_token=auth_token)
             self.address = advertised(address, self.server.port)
+        self.stream: Any = None  # the plain-TCP stream of the same staged shards (bulk bytes)
+        self.stream_address: str | None = None
+        if address is not None and stream:
+            from stoker.model.shard_stream import StreamServer, staged_lookup, stream_address
+
+            self.stream = StreamServer(stream_address(address, stream_port), staged_lookup(self.server.servicer.array), token=auth_token)
+            self.stream_address = advertised(address, self.stream.port)
         self.run = self._agree_run_id()
         self.stats = PublishStats()
         self._latest = -1
@@ -244,7 +254,7 @@ class ShardedPublisher:
         """Post this process's part; the primary gets every process's (the barrier), others None."""
         import json
 
-        mine = {"address": self.address, "shards": {k: [rows, list(crc)] for k, (rows, crc) in part.items()}}
+        mine = {"address": self.address, "stream": self.stream_address, "shards": {k: [rows, list(crc)] for k, (rows, crc) in part.items()}}
         if not self.processes.multi:
             return [mine]
         from jax._src.distributed import global_state
@@ -280,13 +290,17 @@ class ShardedPublisher:
             rows, crc = parts[process]["shards"][shard.key]
             records[shard.name].append(ShardRecord(shard.box, process, shard.key, int(rows), tuple(crc)))
         peers = tuple(str(p["address"]) for p in parts) if self.server is not None else ()
+        streams = tuple(str(p.get("stream") or "") for p in parts) if any(p.get("stream") for p in parts) else ()
         return ShardManifest(
             version, folder, self.processes.count,
             {name: TensorRecord(name, shape, dtype, tuple(records[name])) for name, (shape, dtype) in tensors.items()},
-            peers,
+            peers, streams,
         )
 
     def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
         if self.server is not None:
             self.server.close()
             self.server = None

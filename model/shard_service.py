@@ -46,6 +46,11 @@ class _ShardServicer(weights_pb2_grpc.WeightsServicer):
                     self._staged.popitem(last=False)
             self._staged[version][key] = np.ascontiguousarray(array)
 
+    def array(self, version: int, key: str) -> np.ndarray | None:
+        """A staged shard (what the plain-TCP stream serves), or None once pruned."""
+        with self._lock:
+            return self._staged.get(version, {}).get(key)
+
     def commit(self, manifest: ShardManifest) -> None:
         with self._lock:
             self._manifests[manifest.version] = (manifest, manifest.to_json())

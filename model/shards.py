@@ -87,6 +87,7 @@ class ShardManifest:
     processes: int
     tensors: dict[str, TensorRecord]
     peers: tuple[str, ...] = ()  # each process's weights server, peer transport (by process index)
+    streams: tuple[str, ...] = ()  # each process's plain-TCP shard stream (stoker.model.shard_stream)
 
     @property
     def nbytes(self) -> int:
@@ -95,7 +96,7 @@ class ShardManifest:
     def to_json(self) -> bytes:
         return json.dumps({
             "format": FORMAT, "policy_version": self.version, "folder": self.folder, "processes": self.processes,
-            "peers": list(self.peers),
+            "peers": list(self.peers), "streams": list(self.streams),
             "tensors": [
                 {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "shards": [
                     {"box": [list(r) for r in s.box], "process": s.process, "key": s.key,
@@ -118,7 +119,7 @@ class ShardManifest:
                 )) for t in raw["tensors"]
             }
             return cls(int(raw["policy_version"]), str(raw["folder"]), int(raw["processes"]), tensors,
-                       tuple(raw.get("peers", ())))
+                       tuple(raw.get("peers", ())), tuple(raw.get("streams", ())))
         except (KeyError, TypeError, ValueError) as err:
             raise ShardsCorrupt(f"not a weights shard manifest: {err}") from err
 
@@ -163,9 +164,10 @@ def intersect(a: Box, b: Box) -> Box | None:
 
 class ShardSource(Protocol):
     """Where a version's shard bytes come from: ``read`` returns ``size`` bytes of one shard's
-    C-order array from byte ``offset`` on."""
+    C-order array from byte ``offset`` on (a source whose ``verifies_blocks`` is true has checked
+    every block against its crc32 already)."""
 
-    def read(self, manifest: ShardManifest, shard: ShardRecord, offset: int, size: int) -> bytes: ...
+    def read(self, manifest: ShardManifest, shard: ShardRecord, offset: int, size: int) -> bytes | memoryview: ...
 
 
 @dataclass
@@ -228,10 +230,11 @@ class ShardedWeights(Mapping[str, np.ndarray]):
         ]
         with futures.ThreadPoolExecutor(max_workers=max(1, self.threads), thread_name_prefix="shard-read") as pool:
             read = list(pool.map(lambda run: self._read_blocks(*run), runs))
-        blocks: dict[tuple[str, int], np.ndarray] = {}
-        for (name, key, first, _), rows in zip(runs, read, strict=True):
-            for n, block in enumerate(rows):
-                blocks[(key, first + n)] = block
+        blocks: dict[tuple[str, int], tuple[np.ndarray, int]] = {}  # (key, block): (its run's rows, first row)
+        for (name, key, first, last), rows in zip(runs, read, strict=True):
+            step = self._shard(name, key).block_rows
+            for n in range(last - first + 1):
+                blocks[(key, first + n)] = (rows, n * step)
         return [self._assemble(self.manifest.tensors[name], box, blocks) for name, box in wanted]
 
     def _run_blocks(self, name: str, key: str) -> int:
@@ -243,8 +246,9 @@ class ShardedWeights(Mapping[str, np.ndarray]):
     def _shard(self, name: str, key: str) -> ShardRecord:
         return next(s for s in self.manifest.tensors[name].shards if s.key == key)
 
-    def _read_blocks(self, name: str, key: str, first: int, last: int) -> list[np.ndarray]:
-        """Blocks ``first..last`` of one shard, each checked against its crc32, as row arrays."""
+    def _read_blocks(self, name: str, key: str, first: int, last: int) -> np.ndarray:
+        """Blocks ``first..last`` of one shard, each checked against its crc32, as one array of
+        rows (a view of the bytes the source gave: no copy)."""
         tensor, shard = self.manifest.tensors[name], self._shard(name, key)
         dtype = np.dtype(dtype_of(tensor.dtype))
         shape, rows = shard.shape, rows_of(shard.shape)
@@ -254,36 +258,44 @@ class ShardedWeights(Mapping[str, np.ndarray]):
         if len(data) != (stop - start) * row_bytes:
             raise ShardsCorrupt(f"{name} {key}: got {len(data)} bytes for rows {start}..{stop}")
         self.stats.add(len(data))
-        view, step, out = memoryview(data), shard.block_rows * row_bytes, []
-        for n, block in enumerate(range(first, last + 1)):
-            chunk = view[n * step : (n + 1) * step]
-            if block >= len(shard.checksums) or zlib.crc32(chunk) != shard.checksums[block]:
-                raise ShardsCorrupt(f"{name} {key}: block {block} does not match its published crc32")
-            out.append(np.frombuffer(chunk, dtype).reshape((-1, *shape[1:]) if shape else ()))
-        return out
+        view, step = memoryview(data), shard.block_rows * row_bytes
+        if not getattr(self.source, "verifies_blocks", False):
+            for n, block in enumerate(range(first, last + 1)):
+                if block >= len(shard.checksums) or zlib.crc32(view[n * step : (n + 1) * step]) != shard.checksums[block]:
+                    raise ShardsCorrupt(f"{name} {key}: block {block} does not match its published crc32")
+        return np.frombuffer(view, dtype).reshape((-1, *shape[1:]) if shape else ())
 
     @staticmethod
-    def _assemble(tensor: TensorRecord, box: Box, blocks: dict[tuple[str, int], np.ndarray]) -> np.ndarray:
-        out = np.empty(tuple(b - a for a, b in box), dtype_of(tensor.dtype))
-        covered = 0
+    def _assemble(tensor: TensorRecord, box: Box, blocks: dict[tuple[str, int], tuple[np.ndarray, int]]) -> np.ndarray:
+        """``box`` of ``tensor`` from its shards' blocks. A box inside one run of one shard, read
+        into writable memory, is returned as a view of it (no copy); otherwise copied together."""
+        pieces: list[tuple[tuple[slice, ...], np.ndarray, Box | None]] = []  # (where in out, values, the part, once per shard)
         for shard in tensor.shards:
             part = intersect(shard.box, box)
             if part is None:
                 continue
             if not shard.shape:
-                out[()] = blocks[(shard.key, 0)]
-                covered += 1
+                pieces.append(((), blocks[(shard.key, 0)][0], ()))
                 continue
             first, last = _block_span(shard, part)
-            rows = np.concatenate([blocks[(shard.key, b)] for b in range(first, last + 1)])
-            lo = part[0][0] - shard.box[0][0] - first * shard.block_rows
-            local = (slice(lo, lo + part[0][1] - part[0][0]),) + tuple(
-                slice(a - o, b - o) for (a, b), (o, _) in zip(part[1:], shard.box[1:], strict=True)
-            )
-            out[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(part, box, strict=True))] = rows[local]
-            covered += math.prod(b - a for a, b in part)
-        if covered != math.prod(out.shape):
-            raise ShardsCorrupt(f"{tensor.name}: the shards cover {covered} of the {math.prod(out.shape)} elements asked for")
+            p0, p1 = part[0][0] - shard.box[0][0], part[0][1] - shard.box[0][0]  # the shard's own rows
+            trailing = tuple(slice(x - o, y - o) for (x, y), (o, _) in zip(part[1:], shard.box[1:], strict=True))
+            placed = tuple(slice(x - o, y - o) for (x, y), (o, _) in zip(part[1:], box[1:], strict=True))
+            for run, at, b0, b1 in _groups(blocks, shard.key, first, last):  # blocks b0..b1 lie in one run
+                g0, g1 = max(p0, b0 * shard.block_rows), min(p1, (b1 + 1) * shard.block_rows)
+                rows = run[at + g0 - b0 * shard.block_rows : at + g1 - b0 * shard.block_rows]
+                to = g0 + shard.box[0][0] - box[0][0]
+                pieces.append(((slice(to, to + g1 - g0), *placed), rows[(slice(None), *trailing)], None))
+            pieces[-1] = (pieces[-1][0], pieces[-1][1], part)  # counted once per shard
+        shape = tuple(b - a for a, b in box)
+        covered = sum(math.prod(b - a for a, b in part) for _, _, part in pieces if part is not None)
+        if covered != math.prod(shape):
+            raise ShardsCorrupt(f"{tensor.name}: the shards cover {covered} of the {math.prod(shape)} elements asked for")
+        if len(pieces) == 1 and pieces[0][1].flags.c_contiguous and pieces[0][1].flags.writeable and pieces[0][1].size == math.prod(shape):
+            return pieces[0][1].reshape(shape)
+        out = np.empty(shape, dtype_of(tensor.dtype))
+        for where, piece, _ in pieces:
+            out[where] = piece
         return out
 
     def load_into(self, model: Any) -> None:
@@ -401,6 +413,18 @@ class StagedWeights(Mapping[str, np.ndarray]):
                 var.set_value(jax.make_array_from_single_device_arrays(slot.shape, slot.sharding, shards))
 
 
+def _groups(blocks: dict[tuple[str, int], tuple[np.ndarray, int]], key: str, first: int,
+            last: int) -> Iterator[tuple[np.ndarray, int, int, int]]:
+    """Blocks ``first..last`` of shard ``key`` as maximal stretches read in one run: (the run's
+    rows, the first block's row in it, first block, last block)."""
+    start = first
+    for b in range(first + 1, last + 2):
+        if b > last or blocks[(key, b)][0] is not blocks[(key, start)][0]:
+            run, at = blocks[(key, start)]
+            yield run, at, start, b - 1
+            start = b
+
+
 def _block_span(shard: ShardRecord, part: Box) -> tuple[int, int]:
     """The first and last checksum block of ``shard`` that rows of ``part`` fall in."""
     if not shard.shape:
@@ -511,13 +535,21 @@ class ShardDirectory:
         except FileNotFoundError:
             return None
 
-    def read(self, manifest: ShardManifest, shard: ShardRecord, offset: int, size: int) -> bytes:
+    def read(self, manifest: ShardManifest, shard: ShardRecord, offset: int, size: int) -> memoryview:
+        """Into one fresh buffer (writable, so a box inside one read is assembled without a copy)."""
         path = self.directory / manifest.folder / f"p{shard.process:05d}" / shard.key
+        buffer: Any = np.empty(size, np.uint8)
+        out, got = memoryview(buffer), 0
         try:
             with open(path, "rb") as f:
-                return os.pread(f.fileno(), size, offset)
+                while got < size:
+                    n = os.preadv(f.fileno(), [out[got:]], offset + got)
+                    if n == 0:
+                        break  # a short file: the caller's size check says so
+                    got += n
         except FileNotFoundError as err:
             raise ShardsMissing(f"policy version {manifest.version} was pruned from {self.directory}") from err
+        return out[:got]
 
 
 # ------------------------------------------------------------------------------ in process

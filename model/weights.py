@@ -327,12 +327,18 @@ class WeightSubscriber:
         auth_token: str | None = None,
         timeout_s: float = 120.0,
         relay: Any = None,
+        stream: bool = True,
     ):
         if (address is None) == (directory is None):
             raise ValueError("WeightSubscriber needs exactly one of address and directory")
         # A ``stoker.model.shard_relay.WeightRelay``: sharded reads go through it (other rollout
         # servers first, what is read is served on).
         self.relay = relay
+        # Sharded bytes over the learner processes' plain-TCP streams where the manifest names
+        # them (stoker.model.shard_stream), gRPC ReadShard as their fallback.
+        self.stream = stream
+        self._token = auth_token
+        self._streams: Any = None
         self.timeout_s = timeout_s
         self._directory = Path(directory) if directory is not None else None
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
@@ -379,7 +385,15 @@ class WeightSubscriber:
         assert self._address is not None
         if self._peers is None:
             self._peers = PeerShards(self._metadata, self.timeout_s)
-        return ShardedWeights(self._peers.manifest(self._address, version), self._relayed(self._peers))
+        manifest = self._peers.manifest(self._address, version)
+        source: Any = self._peers
+        if self.stream and manifest.streams:
+            from stoker.model.shard_stream import StreamShards
+
+            if self._streams is None:
+                self._streams = StreamShards(self._token, self._peers, timeout_s=self.timeout_s)
+            source = self._streams
+        return ShardedWeights(manifest, self._relayed(source))
 
     def _relayed(self, source: Any) -> Any:
         return source if self.relay is None else self.relay.source(source)
@@ -456,6 +470,9 @@ class WeightSubscriber:
         if self._peers is not None:
             self._peers.close()
             self._peers = None
+        if self._streams is not None:
+            self._streams.close()
+            self._streams = None
 
     def __enter__(self) -> WeightSubscriber:
         return self

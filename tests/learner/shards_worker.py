@@ -156,6 +156,8 @@ def read(args: argparse.Namespace) -> int:
     result = {
         "process": jax.process_index(), "equal": bool(equal), "shards_checked": shards, "bytes_read": weights.stats.bytes_read,
         "bytes_needed": needed, "bytes_total": sum(a.nbytes for a in want.values()), "version": sampler.version,
+        # bytes over the learners' plain-TCP streams (stoker.model.shard_stream), and reads they could not finish
+        "streamed_bytes": getattr(weights.source, "streamed_bytes", 0), "stream_fallbacks": getattr(weights.source, "fallbacks", 0),
     }
     (out / f"read-{jax.process_index()}.json").write_text(json.dumps(result))
     subscriber.close()

@@ -118,6 +118,8 @@ def test_learners_publish_their_own_shards_and_rollout_hosts_with_another_tp_rea
         assert result["bytes_needed"] <= result["bytes_read"] <= result["bytes_needed"] + 4096, result
     for result in peer_reads:  # each tp=4 host holds half of every split tensor (k/v stay whole: 2 heads)
         assert result["bytes_read"] < 0.6 * total, result
+        # Every byte over the learners' plain-TCP streams, none through gRPC's fallback.
+        assert result["streamed_bytes"] == result["bytes_read"] and result["stream_fallbacks"] == 0, result
     assert dir_read["bytes_read"] == total  # one host with every device needs it all, once
 
     # A single-blob-era subscriber API sees the version and assembles a gathered copy, bit-exact.

@@ -54,11 +54,12 @@ def start(out: Path, name: str, learner: str, version: int, *upstream: str) -> t
 
 
 @contextlib.contextmanager
-def publish() -> Iterator[tuple[ShardedPublisher, dict[str, str], int]]:
-    """One learner process's server holding version 1 (many 256-byte checksum blocks)."""
+def publish(stream: bool = False) -> Iterator[tuple[ShardedPublisher, dict[str, str], int]]:
+    """One learner process's server holding version 1 (many 256-byte checksum blocks); its bytes
+    over gRPC ReadShard only (what the gates below hook) unless ``stream``."""
     model = init_model(CONFIG, 7, jnp.bfloat16)
     want = {name: hashlib.sha256(a.tobytes()).hexdigest() for name, a in to_hf(model).items()}
-    with ShardedPublisher(address="127.0.0.1:0", processes=Processes(), block_bytes=256) as publisher:
+    with ShardedPublisher(address="127.0.0.1:0", processes=Processes(), block_bytes=256, stream=stream) as publisher:
         manifest = publisher.publish(1, model)
         assert manifest is not None
         yield publisher, want, manifest.nbytes
@@ -66,8 +67,9 @@ def publish() -> Iterator[tuple[ShardedPublisher, dict[str, str], int]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_chain_of_relaying_servers_takes_one_copy_from_the_learner_and_each_is_bit_exact(tmp_path: Path) -> None:
-    with publish() as published:
+@pytest.mark.parametrize("stream", [False, True], ids=["grpc", "stream"])
+def test_a_chain_of_relaying_servers_takes_one_copy_from_the_learner_and_each_is_bit_exact(tmp_path: Path, stream: bool) -> None:
+    with publish(stream) as published:  # the learner's bytes over gRPC, or over its plain-TCP stream
         chain(tmp_path, *published)
 
 
@@ -93,7 +95,8 @@ def chain(tmp_path: Path, publisher: ShardedPublisher, want: dict[str, str], tot
         assert result["sha256"] == want
         assert result["fallbacks"] == 0
     # The learner sent the version out once; every server below the first took all of it from a relay.
-    assert publisher.server.servicer.served_bytes == total
+    streamed = publisher.stream.served_bytes if publisher.stream else 0
+    assert (publisher.server.servicer.served_bytes, streamed) == ((0, total) if publisher.stream else (total, 0))
     assert results[0]["taken"] == {"primary": total}
     assert [list(r["taken"].items()) for r in results[1:]] == [[(f"relay {a}", total)] for a in (
         f"127.0.0.1:{(tmp_path / 'r0.port').read_text()}", f"127.0.0.1:{(tmp_path / 'r1.port').read_text()}"

@@ -1,0 +1,334 @@
+"""Shard bytes over plain TCP, beside the gRPC weights service: no per-byte Python work.
+
+gRPC keeps the control path (``Latest``, ``Manifest``, the fallback ``ReadShard``); the bulk
+bytes go over this stream, which a sharded version's manifest names per learner process
+(``ShardManifest.streams``). On the server the bytes leave by ``socket.sendall`` of the staged
+array's own memory or by ``socket.sendfile`` from the shard's file; on the reader they land by
+``recv_into`` in one preallocated buffer per read, each checksum block checked against the
+manifest's crc32 as it completes (zlib lets go of the GIL, so other reads go on meanwhile).
+gRPC's path copies every byte ~4 times in Python-visible buffers and builds a message per MiB;
+measured side by side in benchmarks/README.md, "Sharded weights".
+
+Wire format, one request after another on a connection:
+    request: 4-byte big-endian length, then that many bytes of JSON
+             {"token", "version", "process", "key", "offset", "size"}
+    reply:   1 status byte and an 8-byte big-endian length; status OK: that many shard bytes,
+             otherwise that many bytes of a UTF-8 reason (and the server closes the connection).
+
+A dead, stalled or lying server (short, refused or wrong bytes) makes ``StreamShards`` keep the
+blocks it verified and read the rest from its ``fallback`` (the gRPC peer, the directory); only a
+refused token is final (the same token would be refused there too).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+import socket
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stoker.model.shards import ShardDirectory, ShardManifest, ShardRecord, ShardsCorrupt, ShardsMissing, ShardSource, dtype_of
+from stoker.model.weight_errors import WeightsError, WeightsUnavailable
+
+log = logging.getLogger(__name__)
+
+OK, NOT_FOUND, REFUSED, BAD_REQUEST = 0, 1, 2, 3
+_REPLY = struct.Struct(">BQ")
+_LENGTH = struct.Struct(">I")
+MAX_REQUEST = 64 << 10
+CONNECT_TIMEOUT_S = 10.0  # a firewalled stream port costs this once, then its reads go to the fallback
+DEAD_FOR_S = 30.0  # how long a server we could not connect to is skipped
+IDLE_S = 120.0  # a server closes a connection idle this long (readers reconnect)
+
+# What a server sends for (version, process, key): the shard's bytes in memory, or its file.
+Served = memoryview | Path
+Lookup = Callable[[int, int, str], Served | None]
+
+
+class StreamRefused(WeightsError):
+    """The stream server refused our token."""
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        piece = conn.recv(n - len(data))
+        if not piece:
+            raise ConnectionError(f"connection closed after {len(data)} of {n} bytes")
+        data += piece
+    return bytes(data)
+
+
+class StreamServer:
+    """Serves shard byte ranges on ``address`` (``host:port``; port 0 picks one), one thread per
+    connection. ``lookup`` finds what to send; ``token``: the bearer token readers must send."""
+
+    def __init__(self, address: str, lookup: Lookup, *, token: str | None = None, idle_s: float = IDLE_S):
+        host, port = address.rsplit(":", 1)
+        self.lookup = lookup
+        self.idle_s = idle_s
+        self._token = token
+        self._listener = socket.create_server((host.strip("[]") or "0.0.0.0", int(port)), backlog=128)
+        self.port = int(self._listener.getsockname()[1])
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._closed = False
+        self.served_bytes = 0  # shard bytes sent (this process's egress over the stream)
+        threading.Thread(target=self._accept, name="weight-stream-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(self.idle_s)  # also bounds a send to a reader that stopped reading
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="weight-stream", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                try:
+                    head = conn.recv(_LENGTH.size, socket.MSG_WAITALL)
+                except OSError:
+                    return
+                if len(head) < _LENGTH.size:
+                    return  # the reader closed its connection
+                (length,) = _LENGTH.unpack(head)
+                if length > MAX_REQUEST:
+                    return self._refuse(conn, BAD_REQUEST, f"a {length}-byte request")
+                try:
+                    request = json.loads(_recv_exact(conn, length))
+                    token, version, process = request.get("token"), int(request["version"]), int(request["process"])
+                    key, offset, size = str(request["key"]), int(request["offset"]), int(request["size"])
+                except (ValueError, KeyError, TypeError, AttributeError) as err:
+                    return self._refuse(conn, BAD_REQUEST, f"not a shard request: {err}")
+                if self._token is not None and not hmac.compare_digest(str(token or ""), self._token):
+                    return self._refuse(conn, REFUSED, "missing or wrong bearer token")
+                served = self.lookup(version, process, key)
+                if served is None:
+                    return self._refuse(conn, NOT_FOUND, f"shard {key} of version {version} is not held here")
+                total = served.stat().st_size if isinstance(served, Path) else len(served)
+                if offset < 0 or size < 0 or offset + size > total:
+                    return self._refuse(conn, BAD_REQUEST, f"bytes {offset}..{offset + size} of a {total}-byte shard")
+                conn.sendall(_REPLY.pack(OK, size))
+                if isinstance(served, Path):
+                    with open(served, "rb") as f:
+                        conn.sendfile(f, offset, size)
+                else:
+                    conn.sendall(served[offset : offset + size])
+                with self._lock:
+                    self.served_bytes += size
+        except (OSError, FileNotFoundError):
+            return  # the reader went away, or the file was pruned under us: the reader falls back
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def open_connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    @staticmethod
+    def _refuse(conn: socket.socket, status: int, reason: str) -> None:
+        data = reason.encode()
+        conn.sendall(_REPLY.pack(status, len(data)) + data)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns, self._conns = list(self._conns), set()
+        self._listener.close()
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def directory_lookup(directory: ShardDirectory) -> Lookup:
+    """Serve a shared directory's committed shard files (``sendfile``)."""
+    folders: dict[int, str] = {}
+
+    def lookup(version: int, process: int, key: str) -> Served | None:
+        if version not in folders:
+            manifest = directory.manifest(version)
+            if manifest is None:
+                return None
+            folders[version] = manifest.folder
+        path = directory.directory / folders[version] / f"p{process:05d}" / key
+        return path if path.is_file() else None
+
+    return lookup
+
+
+def _geometry(manifest: ShardManifest, shard: ShardRecord) -> tuple[int, int]:
+    """(bytes per checksum block, the shard's bytes)."""
+    tensor = next(t for t in manifest.tensors.values() if any(s.key == shard.key for s in t.shards))
+    itemsize = np.dtype(dtype_of(tensor.dtype)).itemsize
+    total = math.prod(shard.shape) * itemsize
+    if not shard.shape:
+        return total, total
+    return max(1, shard.block_rows * math.prod(shard.shape[1:]) * itemsize), total
+
+
+class StreamShards:
+    """``ShardSource`` over the learner processes' stream servers (``manifest.streams``), with
+    ``fallback`` for whatever a stream cannot give. Every block it returns was checked against
+    its crc32 (``verifies_blocks``: the reader does not check it again). Reads must cover whole
+    blocks, as ``ShardedWeights`` and the relay ask."""
+
+    verifies_blocks = True
+
+    def __init__(self, token: str | None = None, fallback: ShardSource | None = None, *, timeout_s: float = 120.0):
+        self.token = token
+        self.fallback = fallback
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._idle: dict[str, list[socket.socket]] = {}
+        self._dead: dict[str, float] = {}  # address: until when (monotonic) it is not tried
+        self.fallbacks = 0  # reads a stream could not finish
+        self.streamed_bytes = 0  # verified bytes that came over a stream
+
+    def read(self, manifest: ShardManifest, shard: ShardRecord, offset: int, size: int) -> memoryview:
+        step, total = _geometry(manifest, shard)
+        if offset % step or (size % step and offset + size != total):
+            raise ValueError(f"{shard.key}: stream reads cover whole checksum blocks (offset {offset}, size {size})")
+        buffer: Any = np.empty(size, np.uint8)  # not zeroed: every byte is received or read before use
+        out = memoryview(buffer)
+        good = [0]  # bytes verified so far, block by block
+        failure: Exception | None = None
+        address = manifest.streams[shard.process] if shard.process < len(manifest.streams) else ""
+        with self._lock:
+            if address and self._dead.get(address, 0.0) > time.monotonic():
+                address = ""
+        if address:
+            try:
+                self._receive(address, manifest, shard, offset, out, step, good)
+                with self._lock:
+                    self.streamed_bytes += size
+                return out
+            except StreamRefused:
+                raise
+            except (OSError, WeightsError) as err:
+                failure = err
+                with self._lock:
+                    self.fallbacks += 1
+                    self.streamed_bytes += good[0]
+                log.info("weights stream %s failed on %s after %d of %d bytes (%s); reading on from %s",
+                         address, shard.key, good[0], size, err, "the fallback" if self.fallback else "nowhere")
+        if self.fallback is None:
+            raise failure if failure is not None else WeightsUnavailable(f"no stream server for learner process {shard.process}")
+        rest = self.fallback.read(manifest, shard, offset + good[0], size - good[0])
+        if len(rest) != size - good[0]:
+            raise ShardsCorrupt(f"{shard.key}: the fallback gave {len(rest)} of {size - good[0]} bytes")
+        out[good[0]:] = memoryview(rest).cast("B")
+        _verify(shard, out, offset // step, step, good[0], size)
+        return out
+
+    def _receive(self, address: str, manifest: ShardManifest, shard: ShardRecord, offset: int,
+                 out: memoryview, step: int, good: list[int]) -> None:
+        request = json.dumps({"token": self.token, "version": manifest.version, "process": shard.process,
+                              "key": shard.key, "offset": offset, "size": len(out)}).encode()
+        conn, reused = self._connect(address)
+        try:
+            try:
+                conn.sendall(_LENGTH.pack(len(request)) + request)
+                header = _recv_exact(conn, _REPLY.size)
+            except OSError:
+                if not reused:
+                    raise
+                conn.close()  # the server closed it while it sat idle in our pool: once more, afresh
+                conn, reused = self._connect(address, fresh=True)
+                conn.sendall(_LENGTH.pack(len(request)) + request)
+                header = _recv_exact(conn, _REPLY.size)
+            status, length = _REPLY.unpack(header)
+            if status != OK:
+                reason = _recv_exact(conn, min(length, MAX_REQUEST)).decode(errors="replace")
+                if status == REFUSED:
+                    raise StreamRefused(f"the weights stream server {address} refused our token: {reason}")
+                raise (ShardsMissing if status == NOT_FOUND else WeightsUnavailable)(f"weights stream {address}: {reason}")
+            if length != len(out):
+                raise ShardsCorrupt(f"{shard.key}: {address} offers {length} of {len(out)} bytes")
+            got, first = 0, offset // step
+            while got < len(out):
+                n = conn.recv_into(out[got:])
+                if n == 0:
+                    raise ConnectionError(f"{address} closed after {got} of {len(out)} bytes")
+                got += n
+                done = got if got == len(out) else got - got % step
+                for at in range(good[0], done, step):  # block by block: what passed stays ours
+                    _verify(shard, out, first, step, at, min(at + step, done))
+                    good[0] = min(at + step, done)
+        except BaseException:
+            conn.close()
+            raise
+        with self._lock:
+            self._idle.setdefault(address, []).append(conn)
+
+    def _connect(self, address: str, fresh: bool = False) -> tuple[socket.socket, bool]:
+        """A connection to ``address`` and whether it was reused from the pool."""
+        with self._lock:
+            idle = self._idle.get(address)
+            if idle and not fresh:
+                return idle.pop(), True
+        host, port = address.rsplit(":", 1)
+        try:
+            conn = socket.create_connection((host.strip("[]"), int(port)), timeout=min(CONNECT_TIMEOUT_S, self.timeout_s))
+        except OSError:
+            with self._lock:
+                self._dead[address] = time.monotonic() + DEAD_FOR_S
+            raise
+        conn.settimeout(self.timeout_s)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn, False
+
+    def close(self) -> None:
+        with self._lock:
+            conns = [c for idle in self._idle.values() for c in idle]
+            self._idle.clear()
+        for conn in conns:
+            conn.close()
+
+
+def _verify(shard: ShardRecord, out: memoryview, first: int, step: int, start: int, stop: int) -> None:
+    """Check the blocks of ``out[start:stop]`` (whole blocks; block 0 of ``out`` is ``first``)."""
+    for at in range(start, stop, step):
+        block = first + at // step
+        if block >= len(shard.checksums) or zlib.crc32(out[at : min(at + step, stop)]) != shard.checksums[block]:
+            raise ShardsCorrupt(f"{shard.key}: block {block} does not match its published crc32")
+
+
+def staged_lookup(arrays: Callable[[int, str], np.ndarray | None]) -> Lookup:
+    """Serve the arrays a learner process staged (``_ShardServicer.array``), from their memory."""
+    from stoker.model.shards import as_bytes
+
+    def lookup(version: int, process: int, key: str) -> Served | None:
+        array = arrays(version, key)
+        return None if array is None else as_bytes(array)
+
+    return lookup
+
+
+def stream_address(address: str, port: int = 0) -> str:
+    """Where a learner process's stream server binds beside its gRPC server at ``address``: the
+    same host, ``port`` (0: a free one; the manifest advertises it either way)."""
+    return f"{address.rsplit(':', 1)[0]}:{port}"
+

@@ -1,0 +1,204 @@
+"""Sharded weights over the learner processes' plain-TCP streams (stoker.model.shard_stream), over
+loopback: bit-exact by default through the subscriber; a stream server killed mid-transfer and one
+sending a flipped byte both leave the reader bit-exact from its fallback; a wrong token refused."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from stoker.distributed import Processes
+from stoker.learner.publish import ShardedPublisher
+from stoker.model.hf import to_hf
+from stoker.model.model import init_model
+from stoker.model.shard_service import PeerShards
+from stoker.model.shard_stream import StreamRefused, StreamServer, StreamShards, staged_lookup
+from stoker.model.shards import ShardedWeights, ShardManifest, as_bytes
+from stoker.model.weights import WeightSubscriber
+from stoker.spec import TransformerConfig
+
+CONFIG = TransformerConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+WORKER = Path(__file__).with_name("stream_worker.py")
+
+
+@contextlib.contextmanager
+def publish(directory: Path | None = None, token: str | None = None) -> Iterator[tuple[ShardedPublisher, ShardManifest, dict[str, np.ndarray]]]:
+    """One learner process's servers (gRPC + stream) holding version 1 (many 256-byte blocks)."""
+    model = init_model(CONFIG, 7, jnp.bfloat16)
+    with ShardedPublisher(directory=str(directory) if directory else None, address="127.0.0.1:0", processes=Processes(),
+                          block_bytes=256, auth_token=token) as publisher:
+        manifest = publisher.publish(1, model)
+        assert manifest is not None
+        yield publisher, manifest, to_hf(model)
+
+
+def read_all(manifest: ShardManifest, source: object) -> dict[str, np.ndarray]:
+    weights = ShardedWeights(manifest, source)  # type: ignore[arg-type]
+    names = list(manifest.tensors)
+    return dict(zip(names, weights.read_boxes([(n, tuple((0, d) for d in manifest.tensors[n].shape)) for n in names]), strict=True))
+
+
+def assert_bit_exact(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert set(got) == set(want)
+    for name, array in want.items():
+        assert got[name].dtype == array.dtype and got[name].tobytes() == array.tobytes(), name
+
+
+def test_the_subscriber_reads_a_sharded_version_over_the_streams_bit_exact() -> None:
+    with publish() as (publisher, manifest, want):
+        assert manifest.streams == (publisher.stream_address,)
+        with WeightSubscriber(address=f"127.0.0.1:{publisher.port}") as subscriber:
+            assert subscriber.latest_version() == 1
+            weights = subscriber.fetch(1)
+            got = {name: weights[name] for name in want}
+            source = weights.source  # type: ignore[attr-defined]
+        assert_bit_exact(got, want)
+        assert isinstance(source, StreamShards) and source.fallbacks == 0
+        assert publisher.stream.served_bytes == manifest.nbytes  # every byte over the stream...
+        assert publisher.server.servicer.served_bytes == 0  # ...none over gRPC ReadShard
+
+
+def test_a_stream_server_sending_a_flipped_byte_is_caught_and_the_reader_reads_the_rest_over_grpc() -> None:
+    with publish() as (publisher, manifest, want):
+        shard = max((s for t in manifest.tensors.values() for s in t.shards), key=lambda s: len(s.checksums))
+        staged = publisher.server.servicer.array(1, shard.key)
+        bad = bytearray(as_bytes(staged))
+        bad[300] ^= 0x01  # block 1 (256-byte blocks)
+
+        def lying(version: int, process: int, key: str) -> memoryview | None:
+            return memoryview(bytes(bad)) if key == shard.key else staged_lookup(publisher.server.servicer.array)(version, process, key)
+
+        liar = StreamServer("127.0.0.1:0", lying)
+        try:
+            streams = StreamShards(fallback=PeerShards())
+            got = read_all(dataclasses.replace(manifest, streams=(f"127.0.0.1:{liar.port}",)), streams)
+        finally:
+            liar.close()
+        assert_bit_exact(got, want)
+        assert streams.fallbacks == 1
+        # Block 0 of the bad shard (verified) came over the stream; from its block 1 on, gRPC.
+        assert publisher.server.servicer.served_bytes == len(bad) - 256
+        assert streams.streamed_bytes == manifest.nbytes - (len(bad) - 256)
+
+
+def test_a_wrong_token_is_refused_by_the_stream_and_nothing_is_read() -> None:
+    with publish(token="right") as (publisher, manifest, want):
+        shard = next(iter(manifest.tensors.values())).shards[0]
+        size = len(as_bytes(publisher.server.servicer.array(1, shard.key)))
+        for token in ("wrong", None):
+            # Final even with a fallback: the same token would be refused there too.
+            with pytest.raises(StreamRefused, match="refused our token"):
+                StreamShards(token, fallback=PeerShards()).read(manifest, shard, 0, size)
+        assert publisher.stream.served_bytes == 0 and publisher.server.servicer.served_bytes == 0
+        got = StreamShards("right").read(manifest, shard, 0, size)
+        assert bytes(got) == bytes(as_bytes(publisher.server.servicer.array(1, shard.key)))
+
+
+@pytest.mark.timeout(120)
+def test_a_stream_server_killed_mid_transfer_leaves_the_reader_to_finish_over_grpc_bit_exact(tmp_path: Path) -> None:
+    with publish(tmp_path / "weights") as (publisher, manifest, want):
+        # A separate process serving the shared directory's files (sendfile); after half the
+        # version it sends half of each request and stalls, and is then SIGKILLed.
+        proc = subprocess.Popen([sys.executable, str(WORKER), str(tmp_path), str(tmp_path / "weights"), str(manifest.nbytes // 2)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        try:
+            deadline = time.monotonic() + 60
+            while not (tmp_path / "stream.port").exists():
+                assert proc.poll() is None, proc.communicate()[0][-3000:]
+                assert time.monotonic() < deadline, "the stream worker never listened"
+                time.sleep(0.02)
+            streams = StreamShards(fallback=PeerShards())
+            relocated = dataclasses.replace(manifest, streams=(f"127.0.0.1:{(tmp_path / 'stream.port').read_text()}",))
+            result: dict[str, object] = {}
+
+            def reader() -> None:
+                try:
+                    result["got"] = read_all(relocated, streams)
+                except BaseException as err:  # noqa: BLE001 - reported below
+                    result["error"] = err
+
+            thread = threading.Thread(target=reader)
+            thread.start()
+            while not (tmp_path / "stalled").exists():
+                assert thread.is_alive() and time.monotonic() < deadline, result
+                time.sleep(0.01)
+            os.kill(proc.pid, signal.SIGKILL)
+            thread.join(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        assert "error" not in result, result.get("error")
+        assert_bit_exact(result["got"], want)  # type: ignore[arg-type]
+        assert streams.fallbacks >= 1
+        assert streams.streamed_bytes >= manifest.nbytes // 2  # half the version and part of the cut reads
+        assert streams.streamed_bytes + publisher.server.servicer.served_bytes == manifest.nbytes
+
+
+@pytest.mark.parametrize("run_bytes", [16 << 20, 512], ids=["one-run", "many-runs"])
+def test_any_box_reads_bit_exact_over_every_transport_however_the_reads_are_split(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_bytes: int
+) -> None:
+    from stoker.model import shards
+
+    monkeypatch.setattr(shards, "RUN_BYTES", run_bytes)  # 512: a box's blocks come from several reads
+    rng = np.random.default_rng(0)
+    with publish(tmp_path / "weights") as (publisher, manifest, want):
+        sources = {"stream": StreamShards(fallback=PeerShards()), "grpc": PeerShards(),
+                   "directory": shards.ShardDirectory(tmp_path / "weights")}
+        for name, source in sources.items():
+            weights = ShardedWeights(manifest, source)  # type: ignore[arg-type]
+            wanted = []
+            for tensor, array in want.items():
+                lo = [int(rng.integers(0, n)) for n in array.shape]
+                wanted.append((tensor, tuple((a, int(rng.integers(a + 1, n + 1))) for a, n in zip(lo, array.shape, strict=True))))
+            for (tensor, box), got in zip(wanted, weights.read_boxes(wanted), strict=True):
+                expected = want[tensor][tuple(slice(a, b) for a, b in box)]
+                assert got.shape == expected.shape and got.tobytes() == expected.tobytes(), (name, tensor, box)
+
+
+def test_a_stream_port_nobody_answers_on_is_tried_once_and_the_reads_go_over_grpc() -> None:
+    import socket
+
+    with socket.socket() as closed:  # a port bound but never listened on: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        with publish() as (publisher, manifest, want):
+            streams = StreamShards(fallback=PeerShards())
+            weights = ShardedWeights(dataclasses.replace(manifest, streams=(f"127.0.0.1:{closed.getsockname()[1]}",)), streams, threads=1)
+            names = list(manifest.tensors)
+            got = dict(zip(names, weights.read_boxes([(n, tuple((0, d) for d in manifest.tensors[n].shape)) for n in names]), strict=True))
+            assert publisher.server.servicer.served_bytes == manifest.nbytes
+    assert_bit_exact(got, want)
+    assert streams.fallbacks == 1 and streams.streamed_bytes == 0  # then skipped while it is marked dead
+
+
+def test_a_pooled_connection_the_server_closed_while_idle_is_reopened_not_counted_a_failure() -> None:
+    with publish() as (publisher, manifest, want):
+        server = StreamServer("127.0.0.1:0", staged_lookup(publisher.server.servicer.array), idle_s=0.2)
+        try:
+            relocated = dataclasses.replace(manifest, streams=(f"127.0.0.1:{server.port}",))
+            streams = StreamShards(fallback=PeerShards())
+            shard = next(iter(manifest.tensors.values())).shards[0]
+            size = len(as_bytes(publisher.server.servicer.array(1, shard.key)))
+            first = bytes(streams.read(relocated, shard, 0, size))
+            deadline = time.monotonic() + 30
+            while server.open_connections():  # the server drops the idle connection; ours stays pooled
+                assert time.monotonic() < deadline, "the server kept an idle connection open"
+                time.sleep(0.01)
+            again = bytes(streams.read(relocated, shard, 0, size))
+        finally:
+            server.close()
+        assert first == again == bytes(as_bytes(publisher.server.servicer.array(1, shard.key)))
+        assert streams.fallbacks == 0 and publisher.server.servicer.served_bytes == 0
