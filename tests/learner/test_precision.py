@@ -142,8 +142,11 @@ def test_bfloat16_weights_take_the_float32_update_rounded_once() -> None:
     state = jax.tree.map(jnp.copy, trainer.opt_state)
     updates, _ = jax.jit(trainer.optimizer.update)(jax.tree.map(lambda g: g.astype(jnp.float32), grads), state,
                                                     jax.tree.map(jnp.copy, params))
-    new_params, new_state, _, finite = trainer._apply(params, trainer.opt_state, grads)
+    exact_norm = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(grads)))
+    new_params, new_state, norm, finite = trainer._apply(params, trainer.opt_state, grads)
     assert bool(finite)
+    # The gradient norm (which the clip divides by, and the metrics report) summed in float32.
+    assert exact_norm > 1.0 and float(norm) == pytest.approx(exact_norm, rel=1e-5)
     for p, u, got in zip(jax.tree.leaves(before), jax.tree.leaves(updates), jax.tree.leaves(new_params), strict=True):
         assert u.dtype == jnp.float32 and got.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(got), (p + np.asarray(u)).astype(BF16))
