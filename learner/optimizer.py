@@ -114,7 +114,7 @@ def scale_by_adam_stored(state_dtype: Any, b1: float = B1, b2: float = B2, eps: 
         )
         return direction, stored
 
-    return optax.GradientTransformation(init, update)  # type: ignore[arg-type]
+    return optax.GradientTransformation(init, update)
 
 
 def make_optimizer(

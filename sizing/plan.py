@@ -95,13 +95,13 @@ def advice(program: Program, target: Target, spec: RLJobSpec, per_chip: int) -> 
     state = sum(v for k, v in program.terms.items() if k in STATE_TERMS) * dpc
     rest = per_chip - state
     if largest in STATE_TERMS and program.component == "learner":
-        knobs = _stored_dtype_knobs(program, spec, dpc)
+        stored = _stored_dtype_knobs(program, spec, dpc)
         if rest < hbm:
             need = math.ceil(chips * state / (hbm - rest))
-            return "; ".join(knobs + [
+            return "; ".join(stored + [
                 f"more chips: parameters, optimizer state and gradients shard over all {chips} chips (fsdp x tp); "
                 f"about {need} chips bring them to {(hbm - rest) / GIB:.1f} GiB per chip"])
-        return "; ".join(knobs + ["more chips, and fewer temporaries (below): what is not sharded state alone fills the chip"])
+        return "; ".join(stored + ["more chips, and fewer temporaries (below): what is not sharded state alone fills the chip"])
     if largest == "temporaries" and program.component == "learner" and not program.name.startswith("grad"):
         return (f"more chips: the {program.name} program's temporaries are per-parameter, sharded over all {chips} "
                 "chips (fsdp x tp) like the state")
