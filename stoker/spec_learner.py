@@ -18,7 +18,8 @@ MAX_SEQUENCE_BUCKETS = 16
 # Policy versions a group may lag: far past any run's, and what the buffer takes live (Configure).
 MAX_STALENESS = 1_000_000
 # Below this peak learning rate bfloat16 master weights keep nearly no update: an Adam step of
-# about lr is lost on every weight above ~2^8 x lr (0.0026 at 1e-5), which is most of a model's.
+# at most about lr is lost on every weight above 2^9 x lr (0.005 at 1e-5; on many from 2^8 x lr),
+# which is most of a model's (|w| ~ 0.02).
 MIN_BF16_WEIGHTS_LEARNING_RATE = 1e-5
 
 
