@@ -1,7 +1,8 @@
 """`stoker plan` at real scale: Llama-3-70B, Llama-3-8B and Qwen2.5-7B GRPO learners at 8,192 tokens,
 compiled by libtpu for the slices they would train on, on this CPU machine (no TPU).
 
-    .venv/bin/python benchmarks/plan_real_scale.py [--only NAME ...] [--dtype bfloat16] [--sequence-sharding] [--json OUT]
+    .venv/bin/python benchmarks/plan_real_scale.py [--only NAME ...] [--dtype bfloat16] [--sequence-sharding]
+        [--weight-dtype bfloat16] [--optimizer-state-dtype bfloat16] [--json OUT]
 
 Each case is a manifest run through `stoker plan`'s own code (every program: grad at the 8,192-token
 bucket, one row per fsdp shard; apply; publish). Prints one markdown row per case: GiB per chip by
@@ -48,13 +49,16 @@ spec:
     accelerator: {accelerator}
     topology: "{topology}"
     mesh: {{fsdp: {fsdp}, tp: {tp}, sequenceSharding: {sequence_sharding}}}
+    weightDtype: {weight_dtype}
+    optimizerStateDtype: {state_dtype}
     batchGroups: 4
     sequenceBuckets: [8192]
     microbatchTokens: {tokens}
 """
 
 
-def run(name: str, directory: Path, dtype: str = "float32", sequence_sharding: bool = False) -> dict:
+def run(name: str, directory: Path, dtype: str = "float32", sequence_sharding: bool = False,
+        weight_dtype: str = "float32", state_dtype: str = "float32") -> dict:
     from stoker.manifest import load_job
     from stoker.sizing.plan import build, report, targets
 
@@ -62,14 +66,17 @@ def run(name: str, directory: Path, dtype: str = "float32", sequence_sharding: b
     path = directory / f"{name}.yaml"
     path.write_text(MANIFEST.format(arch=arch, accelerator=accelerator, topology=topology, fsdp=fsdp, tp=tp,
                                     attention=attention, tokens=8192 * fsdp, dtype=dtype,
-                                    sequence_sharding=str(sequence_sharding).lower()))
+                                    sequence_sharding=str(sequence_sharding).lower(), weight_dtype=weight_dtype,
+                                    state_dtype=state_dtype))
     spec = load_job(str(path)).spec
     plan_targets, notes = targets(spec, None)
     started = time.perf_counter()
     build(spec, plan_targets, lambda line: print(f"[{name}] {line}", file=sys.stderr, flush=True))
     result = report(spec, plan_targets, notes)
     result["case"], result["seconds"] = name, time.perf_counter() - started
-    result["knobs"] = f"{dtype}{', sequence sharding' if sequence_sharding else ''}"
+    stored = "".join(f", {what} {name}" for what, name in (("weights", weight_dtype), ("Adam state", state_dtype))
+                     if name != "float32")
+    result["knobs"] = f"{dtype}{', sequence sharding' if sequence_sharding else ''}{stored}"
     return result
 
 
@@ -92,6 +99,9 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", choices=sorted(CASES), help="cases to run (default: all)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="model.dtype (compute)")
     parser.add_argument("--sequence-sharding", action="store_true", help="learner.mesh.sequenceSharding: true")
+    parser.add_argument("--weight-dtype", choices=["float32", "bfloat16"], default="float32", help="learner.weightDtype")
+    parser.add_argument("--optimizer-state-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="learner.optimizerStateDtype")
     parser.add_argument("--json", metavar="OUT", help="also write every result as JSON here")
     args = parser.parse_args()
     print("| case | knobs | params | optimizer | gradients | publish copy | temporaries | grad total / HBM GiB | verdict "
@@ -100,7 +110,8 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory() as directory:
         for name in args.only or list(CASES):
-            result = run(name, Path(directory), args.dtype, args.sequence_sharding)
+            result = run(name, Path(directory), args.dtype, args.sequence_sharding, args.weight_dtype,
+                         args.optimizer_state_dtype)
             results.append(result)
             print(row(result), flush=True)
     if args.json:

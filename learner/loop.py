@@ -66,7 +66,8 @@ class LearnerSettings:
     """Everything the learner reads from the RLJob, resolved (paths against ``run_dir``)."""
 
     architecture: TransformerConfig = field(default_factory=TransformerConfig)
-    dtype: str = "float32"
+    dtype: str = "float32"  # spec.model.dtype: the compute dtype
+    weight_dtype: str = "float32"  # spec.learner.weightDtype: the trained (master) weights
     model_checkpoint: str | None = None  # Hugging Face-format directory; random init when None
     remat: str = "full"  # spec.model.remat
     attention: str = "auto"  # spec.model.attention, resolved against the backend by the Learner
@@ -124,6 +125,7 @@ class LearnerSettings:
         settings = cls(
             architecture=spec.model.architecture,
             dtype=spec.model.dtype,
+            weight_dtype=learner.weight_dtype,
             model_checkpoint=spec.model.checkpoint,
             remat=spec.model.remat,
             attention=spec.model.attention,
@@ -147,7 +149,7 @@ class LearnerSettings:
             loss_aggregation=algorithm.loss_aggregation,
             learning_rate=algorithm.learning_rate,
             max_grad_norm=algorithm.max_grad_norm,
-            optimizer=OptimizerConfig.from_spec(algorithm, learner.max_steps),
+            optimizer=OptimizerConfig.from_spec(algorithm, learner.max_steps, learner.optimizer_state_dtype),
             advantage_normalization=algorithm.advantage_normalization,
             temperature=spec.actors.sampling.temperature,
             top_k=spec.actors.sampling.top_k,
@@ -254,8 +256,13 @@ class Learner:
             teacher = load_teacher(settings.spec, settings.teacher_checkpoint, dtype, model.config.vocab_size)
         optimizer = train.make_optimizer(settings.learning_rate, settings.max_grad_norm, settings.optimizer)
         schedule = learning_rate_schedule(settings.learning_rate, settings.optimizer)
+        if settings.weight_dtype != "float32":
+            log.warning("learner.weightDtype %s: an update smaller than about |w| x 2^-9 rounds away (at learning "
+                        "rate %g, on every weight above %.2g)", settings.weight_dtype, settings.learning_rate,
+                        settings.learning_rate * 2**9)
         self.trainer = train.Trainer(
-            model, options, optimizer, self.mesh, value_model=value_model, schedule=schedule, teacher_model=teacher
+            model, options, optimizer, self.mesh, value_model=value_model, schedule=schedule, teacher_model=teacher,
+            weight_dtype=hf.dtype_from_name(settings.weight_dtype),
         )
         self.rows = packing.rows_for_buckets(
             settings.buckets, settings.microbatch_tokens, sharding.data_parallel_size(self.mesh)

@@ -214,6 +214,7 @@ class Trainer:
         value_model: nnx.Module | None = None,
         schedule: optax.Schedule | None = None,
         teacher_model: Transformer | None = None,
+        weight_dtype: Any = jnp.float32,
     ):
         self.options = options
         self.schedule = schedule  # the optimizer's learning rate per update, for the metrics
@@ -222,22 +223,28 @@ class Trainer:
         self.nonfinite_updates = 0  # updates skipped for a non-finite gradient (``step``)
         self.policy_def, policy_state = nnx.split(model)
         # Mixed precision: the model computes in its own dtype (bfloat16, say) but the optimizer
-        # keeps float32 master weights; an Adam step of lr ~1e-6 is below bfloat16's resolution
-        # (8 mantissa bits) and would otherwise round away.
+        # keeps master weights in ``weight_dtype``, float32 by default: an Adam step of lr ~1e-6
+        # is below bfloat16's resolution (8 mantissa bits) and rounds away in bfloat16 weights
+        # (spec.learner.weightDtype says so). The update is computed in float32 either way and
+        # rounded once into the weights (``_apply_impl``); gradients come in the weights' dtype.
         self.compute_dtype = _float_dtype(policy_state)
+        self.weight_dtype = jnp.dtype(weight_dtype)
         params: dict[str, Any] = {}
         base = None
         if options.lora is not None:
+            if self.weight_dtype != jnp.float32:
+                raise ValueError("learner.weightDtype: LoRA trains float32 adapters on a base frozen in model.dtype; "
+                                 "expected float32 with model.lora")
             base = _cast(policy_state, self.compute_dtype)
             params["lora"] = lora.init_adapters(policy_state, model.config.num_layers, options.lora)
         else:
-            params["policy"] = _cast(policy_state, jnp.float32)
+            params["policy"] = _cast(policy_state, self.weight_dtype)
         self.value_def = None
         if options.needs_value:
             if value_model is None:
                 raise ValueError("PPO needs a value_model")
             self.value_def, value_state = nnx.split(value_model)
-            params["value"] = _cast(value_state, jnp.float32)
+            params["value"] = _cast(value_state, self.weight_dtype)
         self.param_shardings = sharding.tree_shardings(params, mesh)
         # An abstract model (nnx.eval_shape) gives a trainer that only compiles: see memory_analysis.
         self.abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
@@ -252,11 +259,14 @@ class Trainer:
         if options.needs_reference and options.lora is None:
             reference = _cast(self.params["policy"], self.compute_dtype)
             self.reference = reference if self.abstract else jax.tree.map(jnp.copy, reference)
-        opt_state = jax.eval_shape(optimizer.init, self.params)
+        # The optimizer sees float32 parameters and gradients (``_apply_impl``), so its state is
+        # float32 whatever the weights' dtype, unless it stores its own (optimizerStateDtype).
+        init = lambda p: optimizer.init(_cast(p, jnp.float32))  # noqa: E731
+        opt_state = jax.eval_shape(init, self.params)
         self.opt_shardings = sharding.tree_shardings(opt_state, mesh)
         self.opt_state = (
             _abstract(opt_state, self.opt_shardings) if self.abstract
-            else jax.jit(optimizer.init, out_shardings=self.opt_shardings)(self.params)
+            else jax.jit(init, out_shardings=self.opt_shardings)(self.params)
         )
         rep = sharding.replicated(mesh)
         batch_spec = sharding.batch_sharding(mesh)
@@ -398,9 +408,11 @@ class Trainer:
         every parameter through Adam's moments and never leave. Skipped, the parameters and the
         optimizer state (its step count, so the learning-rate schedule too) stay as they were."""
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+        grads = _cast(grads, jnp.float32)  # a no-op for float32 weights: clip, norm and Adam in float32
 
         def update() -> tuple[Any, Any]:
             updates, new_state = self.optimizer.update(grads, opt_state, params)
+            # p + u in float32, rounded once to the weights' dtype (optax.apply_updates casts back).
             return optax.apply_updates(params, updates), new_state
 
         new_params, new_state = jax.lax.cond(finite, update, lambda: (params, opt_state))

@@ -23,7 +23,7 @@ os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 from stoker.manifest import load_job  # noqa: E402
 from stoker.sizing.chips import GIB, Chip, chip, parse_topology, topology_name  # noqa: E402
 from stoker.sizing.compiler import CompilerMissing, Slice  # noqa: E402
-from stoker.spec import RLJobSpec  # noqa: E402
+from stoker.spec import MIN_BF16_WEIGHTS_LEARNING_RATE, RLJobSpec  # noqa: E402
 from stoker.tpu import ACCELERATORS, TopologyError, slice_shape  # noqa: E402
 
 if TYPE_CHECKING:
@@ -95,18 +95,20 @@ def advice(program: Program, target: Target, spec: RLJobSpec, per_chip: int) -> 
     state = sum(v for k, v in program.terms.items() if k in STATE_TERMS) * dpc
     rest = per_chip - state
     if largest in STATE_TERMS and program.component == "learner":
+        stored = _stored_dtype_knobs(program, spec, dpc)
         if rest < hbm:
             need = math.ceil(chips * state / (hbm - rest))
-            return (f"more chips: parameters, optimizer state and gradients shard over all {chips} chips (fsdp x tp); "
-                    f"about {need} chips bring them to {(hbm - rest) / GIB:.1f} GiB per chip")
-        return "more chips, and fewer temporaries (below): what is not sharded state alone fills the chip"
+            return "; ".join(stored + [
+                f"more chips: parameters, optimizer state and gradients shard over all {chips} chips (fsdp x tp); "
+                f"about {need} chips bring them to {(hbm - rest) / GIB:.1f} GiB per chip"])
+        return "; ".join(stored + ["more chips, and fewer temporaries (below): what is not sharded state alone fills the chip"])
     if largest == "temporaries" and program.component == "learner" and not program.name.startswith("grad"):
         return (f"more chips: the {program.name} program's temporaries are per-parameter, sharded over all {chips} "
                 "chips (fsdp x tp) like the state")
     if largest == "temporaries" and program.component == "learner":
         knobs: list[str] = []
         if spec.model.dtype == "float32":
-            knobs.append("model.dtype: bfloat16 (activations in bfloat16; the optimizer keeps float32 master weights)")
+            knobs.append("model.dtype: bfloat16 (activations in bfloat16; the master weights stay learner.weightDtype)")
         mesh = spec.learner.mesh
         if mesh.tp > 1 and not mesh.sequence_sharding:
             knobs.append(f"learner.mesh.sequenceSharding: true (each layer's saved input split over the tp={mesh.tp} chips)")
@@ -126,6 +128,26 @@ def advice(program: Program, target: Target, spec: RLJobSpec, per_chip: int) -> 
                     "(rollout.tensorParallel splits the cache over key/value heads)")
         return "a larger slice: rollout.tensorParallel splits the parameters over more chips"
     return f"reduce {largest}"
+
+
+def _stored_dtype_knobs(program: Program, spec: RLJobSpec, devices_per_chip: int) -> list[str]:
+    """The learner's stored dtypes still at float32, the one for the largest term first, each with
+    what it saves per chip."""
+    terms, learner = program.terms, spec.learner
+    knobs: list[tuple[bool, str]] = []
+    if learner.optimizer_state_dtype == "float32" and terms.get("optimizer", 0):
+        saved = terms["optimizer"] // 2 * devices_per_chip
+        knobs.append((program.largest == "optimizer",
+                      f"learner.optimizerStateDtype: bfloat16 (Adam's two moments in half the bytes, {gib(saved)} GiB "
+                      "less per chip, for smaller steps once the second moment settles)"))
+    # Not where the spec would refuse it: LoRA, or a rate whose updates bfloat16 weights would lose.
+    if (learner.weight_dtype == "float32" and spec.model.lora is None
+            and spec.algorithm.learning_rate >= MIN_BF16_WEIGHTS_LEARNING_RATE):
+        saved = (terms.get("parameters", 0) + terms.get("gradients", 0)) // 2 * devices_per_chip
+        knobs.append((program.largest in ("parameters", "gradients"),
+                      f"learner.weightDtype: bfloat16 (parameters and gradients in half the bytes, {gib(saved)} GiB less "
+                      "per chip, but bfloat16 weights lose every update below |w| x 2^-9)"))
+    return [text for _, text in sorted(knobs, key=lambda knob: not knob[0])]
 
 
 def build(spec: RLJobSpec, plan_targets: list[Target], progress: Any) -> None:

@@ -116,7 +116,8 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
     mesh = sharding.make_mesh(settings.mesh_fsdp, settings.mesh_tp, slice_.devices)
     optimizer = train.make_optimizer(settings.learning_rate, settings.max_grad_norm, settings.optimizer)
     trainer = train.Trainer(model, options, optimizer, mesh, value_model=value_model,
-                            schedule=learning_rate_schedule(settings.learning_rate, settings.optimizer))
+                            schedule=learning_rate_schedule(settings.learning_rate, settings.optimizer),
+                            weight_dtype=dtype_from_name(settings.weight_dtype))
     devices = list(mesh.devices.flat)
 
     def slice_of(index: int) -> int:  # a collective's device index (mesh order) -> its slice
@@ -129,7 +130,9 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
     published = shard_bytes(train._cast(trainer.params["policy"], trainer.compute_dtype)) if "policy" in trainer.params else 0
     fsdp = sharding.data_parallel_size(mesh)
     rows = packing.rows_for_buckets(settings.buckets, settings.microbatch_tokens, fsdp)
-    layout = (f"fsdp {fsdp} x tp {mesh.shape[sharding.TP]}, {settings.dtype}, remat {settings.remat}, "
+    stored = "".join(f", {what} {name}" for what, name in (("weights", settings.weight_dtype),
+                                                            ("Adam state", settings.optimizer.state_dtype)) if name != "float32")
+    layout = (f"fsdp {fsdp} x tp {mesh.shape[sharding.TP]}, {settings.dtype}{stored}, remat {settings.remat}, "
               f"attention {kernel.implementation}{', sequence sharding' if settings.sequence_sharding else ''}")
     notes = [layout] + ([note] if note else [])
     out: list[Program] = []

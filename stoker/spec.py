@@ -44,6 +44,7 @@ from stoker.spec_base import (
 from stoker.spec_cel import cel
 from stoker.spec_learner import (
     MAX_SEQUENCE_BUCKETS,
+    MIN_BF16_WEIGHTS_LEARNING_RATE,
     AlgorithmName,
     AlgorithmSpec,
     BufferSpec,
@@ -62,7 +63,8 @@ from stoker.spec_rules import CEL_RULES, ROOT_CEL_RULES, cross_field_problems, n
 
 __all__ = [
     "API_VERSION", "CEL_RULES", "DNS_LABEL_PATTERN", "DNS_SUBDOMAIN_PATTERN", "GROUP", "KIND", "MAX_EVAL_TASK_CHARACTERS",
-    "MAX_EVAL_TASK_ENTRIES", "MAX_SEQUENCE_BUCKETS", "PLURAL", "QUANTITY_PATTERN", "ROOT_CEL_RULES", "SHORT_NAMES",
+    "MAX_EVAL_TASK_ENTRIES", "MAX_SEQUENCE_BUCKETS", "MIN_BF16_WEIGHTS_LEARNING_RATE", "PLURAL", "QUANTITY_PATTERN",
+    "ROOT_CEL_RULES", "SHORT_NAMES",
     "SINGULAR", "TPU_ACCELERATORS", "VERSION", "ActorsSpec", "AlgorithmName", "AlgorithmSpec", "BufferSpec",
     "CheckpointSpec", "EnvironmentSpec", "FrozenLakeOptions", "LearnerSpec", "LearningRateScheduleSpec", "LoraSpec", "MeshSpec",
     "ModelSpec", "ObjectMeta", "RLJob", "RLJobSpec", "ResourceList", "Resources", "RewardSpec", "RewardTermSpec",

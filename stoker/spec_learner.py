@@ -17,6 +17,10 @@ from stoker.spec_base import DNS_LABEL_PATTERN, DNS_SUBDOMAIN_PATTERN, QUANTITY_
 MAX_SEQUENCE_BUCKETS = 16
 # Policy versions a group may lag: far past any run's, and what the buffer takes live (Configure).
 MAX_STALENESS = 1_000_000
+# Below this peak learning rate bfloat16 master weights keep nearly no update: an Adam step of
+# at most about lr is lost on every weight above 2^9 x lr (0.005 at 1e-5; on many from 2^8 x lr),
+# which is most of a model's (|w| ~ 0.02).
+MIN_BF16_WEIGHTS_LEARNING_RATE = 1e-5
 
 
 # ----------------------------------------------------------------------------------- algorithm
@@ -258,6 +262,24 @@ class LearnerSpec(SpecModel):
         None,
         ge=8,
         description="Tokens (rows x bucket length) per packed micro-batch; 4 x the longest bucket when unset.",
+    )
+    weight_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description=(
+            "dtype of the weights the learner trains (master weights; model.dtype is what it computes and publishes "
+            "in). bfloat16 halves parameters and gradients, but bfloat16 keeps 8 bits of a weight: an update smaller "
+            "than about |w| x 2^-9 rounds away, so at fine-tuning rates (learningRate ~1e-6 to 1e-5) nearly every "
+            "update is lost (refused below 1e-5), and weight decay too. The update is computed in float32 and rounded "
+            "once. Not with model.lora."
+        ),
+    )
+    optimizer_state_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description=(
+            "dtype Adam's two moments are stored in (computed in float32 either way). bfloat16 halves the optimizer "
+            "state; its 8 bits cannot follow v's 0.1%-a-step decay (b2 0.999), so after ~500 updates v only grows: "
+            "steps come out smaller, never larger. A checkpoint of either restores into the other."
+        ),
     )
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     publish_interval_steps: int = Field(1, ge=1, description="Publish weights to actors every k steps.")

@@ -127,7 +127,14 @@ class ModelSpec(SpecModel):
         default_factory=TransformerConfig,
         description="Read from the checkpoint's config.json when checkpoint is set; fields given here must agree with it.",
     )
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter and compute dtype.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description=(
+            "Compute dtype: the learner's forward and backward, the reference and the weights it publishes and "
+            "the samplers run. The learner's own weights and Adam state are learner.weightDtype and "
+            "learner.optimizerStateDtype (float32 by default)."
+        ),
+    )
     lora: LoraSpec | None = Field(
         None,
         description=(

@@ -13,7 +13,9 @@ from stoker import spec_cel
 from stoker.jobname import name_problems as _name_problems
 from stoker.jobname import rollout_name_problems as _rollout_name_problems
 from stoker.spec_cel import cel
-from stoker.spec_learner import MAX_SEQUENCE_BUCKETS, AlgorithmName, BufferSpec, LearnerSpec
+from stoker.spec_learner import (
+    MAX_SEQUENCE_BUCKETS, MIN_BF16_WEIGHTS_LEARNING_RATE, AlgorithmName, AlgorithmSpec, BufferSpec, LearnerSpec,
+)
 from stoker.spec_model import TransformerConfig
 from stoker.spec_rollout import ROLLOUT_CEL_RULES, ROLLOUT_NAME_CEL_RULE, rollout_hosts, rollout_problems
 from stoker.tpu import TopologyError, hosts_per_slice
@@ -78,6 +80,17 @@ def cross_field_problems(spec: RLJobSpec) -> list[tuple[str, str]]:
             ("mode", f"colocated with a learner of {hosts} hosts; expected one host (the colocated learner plays its "
                      "episodes in one process) or mode: disaggregated")
         )
+    if spec.learner.weight_dtype != "float32" and spec.model.lora is not None:
+        problems.append(
+            ("learner.weightDtype", f"got {spec.learner.weight_dtype} with model.lora; expected float32 (LoRA trains "
+                                    "float32 adapters on a base frozen in model.dtype)")
+        )
+    elif spec.learner.weight_dtype == "bfloat16" and spec.algorithm.learning_rate < MIN_BF16_WEIGHTS_LEARNING_RATE:
+        problems.append(
+            ("learner.weightDtype", f"bfloat16 with learningRate {spec.algorithm.learning_rate:g}; expected float32: "
+                                    f"bfloat16 weights lose every update below ~|w| x 2^-9, nearly all of them below "
+                                    f"learningRate {MIN_BF16_WEIGHTS_LEARNING_RATE:g}")
+        )
     volume = spec.learner.weights_volume
     if volume is not None and (volume.gcs_bucket is None) == (volume.persistent_volume_claim is None):
         problems.append(
@@ -133,6 +146,8 @@ _GROUP_SIZE = spec_cel.opt("self", ("buffer", "groupSize"), str(BufferSpec().gro
 _CAPACITY = spec_cel.opt("self", ("buffer", "capacity"), str(BufferSpec().capacity))
 _BUCKETS = spec_cel.opt("self", ("learner", "sequenceBuckets"), str(LearnerSpec().sequence_buckets))
 _MAX_SEQ_LEN = spec_cel.opt("self", ("model", "architecture", "maxSeqLen"), str(TransformerConfig().max_seq_len))
+_WEIGHT_DTYPE = spec_cel.opt("self", ("learner", "weightDtype"), "'float32'")
+_LEARNING_RATE = spec_cel.opt("self", ("algorithm", "learningRate"), repr(float(AlgorithmSpec().learning_rate)))
 
 ROOT_CEL_RULES: list[dict[str, Any]] = [
     cel(
@@ -177,6 +192,15 @@ CEL_RULES: dict[tuple[str, ...], list[dict[str, Any]]] = {
         cel(
             f"{_BUCKETS}[{_BUCKETS}.size() - 1] <= {_MAX_SEQ_LEN}",
             "learner.sequenceBuckets must not exceed model.architecture.maxSeqLen",
+        ),
+        cel(
+            f"{_WEIGHT_DTYPE} == 'float32' || !(has(self.model) && has(self.model.lora))",
+            "learner.weightDtype must be float32 with model.lora (LoRA trains float32 adapters)",
+        ),
+        cel(
+            f"!({_WEIGHT_DTYPE} == 'bfloat16' && {_LEARNING_RATE} < {MIN_BF16_WEIGHTS_LEARNING_RATE:.8f})",
+            f"learner.weightDtype bfloat16 needs algorithm.learningRate >= {MIN_BF16_WEIGHTS_LEARNING_RATE:g}: "
+            "bfloat16 weights lose smaller updates",
         ),
         cel(
             f"!({spec_cel.opt('self', ('mode',), repr('disaggregated'))} == 'colocated'"

@@ -153,3 +153,77 @@ def test_a_program_the_compiler_refuses_for_hbm_is_reported_with_its_temporaries
     compiled = compile_program(jitted, (jax.ShapeDtypeStruct((80000,), jnp.float32),), devices, lambda i: 0)
     assert compiled.error is not None and "exceeds available HBM (15.75G)" in compiled.error
     assert compiled.required_temp_bytes is not None and compiled.required_temp_bytes >= 80000**2 * 4
+
+
+def _state_bound_grad(terms: dict[str, int]) -> tuple[object, object]:
+    from stoker.sizing.chips import chip
+    from stoker.sizing.compiler import Compiled
+    from stoker.sizing.plan import Target
+    from stoker.sizing.programs import Program
+
+    program = Program("learner", "grad 8192", "1 x 8192 tokens", terms, Compiled(seconds=0.0))
+    return program, Target("learner", "v6e:4x4", chip("v6e"), 16, 1)
+
+
+@pytest.mark.parametrize(
+    ("largest", "first"),
+    [("optimizer", "learner.optimizerStateDtype: bfloat16"), ("parameters", "learner.weightDtype: bfloat16")],
+)
+def test_state_bound_advice_names_the_stored_dtype_of_the_largest_term_first(largest: str, first: str) -> None:
+    """Over HBM because of sharded state: the float32 stored dtypes come before more chips, the
+    largest term's first, each with what it saves; a knob already at bfloat16, or one the spec
+    would refuse (LoRA, a fine-tuning learning rate), is not named."""
+    from stoker.sizing.plan import advice
+    from stoker.spec import RLJobSpec
+
+    state = {"optimizer": 40 * GIB, "parameters": 10 * GIB, "gradients": 20 * GIB} if largest == "optimizer" else \
+        {"parameters": 24 * GIB, "optimizer": 12 * GIB, "gradients": 16 * GIB}  # bf16 Adam state already: 0.5 x params
+    program, target = _state_bound_grad({**state, "temporaries": 2 * GIB})
+    assert program.largest == largest
+    per_chip = program.total
+    spec = RLJobSpec.model_validate({"algorithm": {"learningRate": 1e-4}})
+    text = advice(program, target, spec, per_chip)
+    knobs = text.split("; ")
+    assert knobs[0].startswith(first), text
+    assert knobs[2].startswith("more chips"), text  # after both stored dtypes
+    if largest == "optimizer":
+        assert "20.00 GiB less per chip" in knobs[0] and "15.00 GiB less per chip" in knobs[1]
+    stored = RLJobSpec.model_validate({"learner": {"optimizerStateDtype": "bfloat16"}, "algorithm": {"learningRate": 1e-4}})
+    assert "optimizerStateDtype" not in advice(program, target, stored, per_chip)
+    for refused in ({"model": {"lora": {"rank": 4}}}, {"algorithm": {"learningRate": 1e-6}}):
+        text = advice(program, target, RLJobSpec.model_validate(refused), per_chip)
+        assert "weightDtype" not in text and "optimizerStateDtype" in text
+
+
+@pytest.mark.slow
+def test_bfloat16_weights_and_adam_state_halve_the_learners_state_terms(
+    job: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The tiny job of the first test compiled for v5e:2x2 with learner.weightDtype and
+    optimizerStateDtype bfloat16: parameters and gradients half the float32 figure, the optimizer
+    state half too (the moments in 2 bytes instead of 4), the publish copy still float32 (the
+    compute dtype); the apply program, which casts to float32 and back, compiles and fits."""
+    path = job(learner=", weightDtype: bfloat16, optimizerStateDtype: bfloat16")
+    code, out, _ = plan(capsys, str(path), "--topology", "v5e:2x2", "--json")
+    assert code == 0
+    result = json.loads(out)
+    programs = {p["program"]: p for p in result["programs"]}
+    from flax import nnx
+
+    from stoker.model.model import Transformer, count_params
+    from stoker.spec import TransformerConfig
+
+    config = TransformerConfig(vocab_size=256, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                               intermediate_size=128, max_seq_len=512)
+    values = count_params(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    embedding = 256 * 64  # sharded 4 ways over fsdp; the rest replicated (as in the float32 test)
+    float32_params = 4 * (values - embedding + embedding // 4)
+    grad = programs["grad 128"]
+    assert grad["terms"]["parameters"] == float32_params // 2
+    assert grad["terms"]["gradients"] == float32_params
+    # float32: 2 x params (+ the step count); bfloat16 moments: half of that.
+    assert 0 <= grad["terms"]["optimizer"] - float32_params <= 64
+    assert grad["terms"]["publish copy"] == float32_params
+    assert "weights bfloat16, Adam state bfloat16" in grad["notes"][0]
+    apply = programs["apply"]
+    assert apply["fits"] and apply["terms"]["optimizer"] == grad["terms"]["optimizer"]
