@@ -57,6 +57,7 @@ Logger = logging.Logger | logging.LoggerAdapter[Any]
 
 FINALIZER = "stoker.dev/operator"
 ANNOTATION_PREFIX = "stoker.dev"
+EXITING_LOOK_POLL_SECONDS = 1.0  # how often a deletion checks whether the job's status look has ended
 POD_INDEX = "stoker_pods"
 
 
@@ -192,6 +193,10 @@ def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     # at INFO, every handler log line of every look would become an Event.
     settings.posting.level = logging.WARNING
     settings.execution.max_workers = 16
+    # A status look still running when its job is deleted holds the finalizer until its thread
+    # ends; kopf then re-checks only on the job's next watch event or after this poll (60 s by
+    # default), and a look that writes nothing makes no event: the deletion would wait a minute.
+    settings.background.cancellation_polling = EXITING_LOOK_POLL_SECONDS
 
 
 def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:

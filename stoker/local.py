@@ -458,7 +458,10 @@ DEFAULT_COMPILATION_CACHE = Path.home() / ".cache" / "stoker" / "jax"
 
 
 def compilation_cache_dir(options: RunOptions) -> str:
-    return options.job.spec.learner.compilation_cache_dir or str(DEFAULT_COMPILATION_CACHE)
+    """The spec's cache, else the one JAX_COMPILATION_CACHE_DIR names (as JAX reads it in the
+    children), else the default: the sync run's in-process learner uses the same one."""
+    return (options.job.spec.learner.compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+            or str(DEFAULT_COMPILATION_CACHE))
 
 
 def child_env(options: RunOptions) -> dict[str, str]:

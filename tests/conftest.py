@@ -37,3 +37,24 @@ def xla_cache(xla_cache_dir: Path) -> Iterator[Path]:
     enable_compilation_cache(xla_cache_dir)
     yield xla_cache_dir
     disable_compilation_cache()
+
+
+
+@pytest.fixture(scope="session")
+def jax_cache_env(xla_cache_dir: Path) -> dict[str, str]:
+    """The variables that point a subprocess's JAX at the session's compilation cache, keeping
+    every program however fast it compiled (what ``stoker run`` sets for its children).
+
+    Tests that run the same model (the examples, ``TINY_JOB``) then compile each program once per
+    session instead of once per test, and nothing is written to the user's ~/.cache/stoker."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(xla_cache_dir),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
+
+
+@pytest.fixture
+def jax_env(jax_cache_env: dict[str, str]) -> dict[str, str]:
+    """This test's environment (as monkeypatched so far) with ``jax_cache_env``, for its subprocesses."""
+    return {**os.environ, **jax_cache_env}

@@ -120,13 +120,13 @@ def test_the_example_dataset_is_what_its_generator_writes() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["async", "sync"])
-def test_the_example_job_runs_from_the_repository_root(tmp_path: Path, mode: str) -> None:
+def test_the_example_job_runs_from_the_repository_root(tmp_path: Path, mode: str, jax_env: dict[str, str]) -> None:
     """A short run of examples/answers.yaml; that it learns (0.9 success) is measured in docs/environments.md.
     In sync mode its batch (4 groups of 8 episodes) outnumbers an actor's concurrency (8)."""
     done = subprocess.run(
         [sys.executable, "-m", "stoker.cli", "run", "examples/answers.yaml", "--run-dir", str(tmp_path), "--no-progress",
          "--max-steps", "3", "--mode", mode],
-        capture_output=True, text=True, cwd=REPO, timeout=400,
+        capture_output=True, text=True, cwd=REPO, timeout=400, env=jax_env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     steps = [json.loads(line) for line in (tmp_path / "learner_metrics.jsonl").read_text().splitlines() if line]

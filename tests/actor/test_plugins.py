@@ -154,7 +154,7 @@ async def test_a_plugin_raising_mid_episode_fails_that_episode_only(
 
 
 @pytest.mark.slow
-def test_a_plugin_environment_trains_end_to_end_through_stoker_run(on_path: Path, tmp_path: Path) -> None:
+def test_a_plugin_environment_trains_end_to_end_through_stoker_run(on_path: Path, tmp_path: Path, jax_env: dict[str, str]) -> None:
     manifest = tmp_path / "plugin.yaml"
     manifest.write_text(textwrap.dedent("""\
         apiVersion: stoker.dev/v1alpha1
@@ -167,10 +167,9 @@ def test_a_plugin_environment_trains_end_to_end_through_stoker_run(on_path: Path
           buffer: {groupSize: 2, maxStaleness: 2}
           learner: {batchGroups: 1, sequenceBuckets: [64], maxSteps: 3}
         """))
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache")}
     done = subprocess.run(
         [sys.executable, "-m", "stoker.cli", "run", str(manifest), "--run-dir", str(tmp_path / "run"), "--no-progress"],
-        capture_output=True, text=True, env=env, timeout=400,
+        capture_output=True, text=True, env=jax_env, timeout=400,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     steps = [json.loads(line) for line in (tmp_path / "run" / "learner_metrics.jsonl").read_text().splitlines() if line]

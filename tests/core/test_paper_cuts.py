@@ -72,3 +72,19 @@ def test_stoker_runs_processes_find_modules_beside_the_manifest(tmp_path: Path, 
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     options = RunOptions(manifest=tmp_path / "job.yaml", job=RLJob(), mode="async", run_dir=tmp_path / "run")
     assert child_env(options)["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), "/elsewhere"]
+
+
+def test_both_modes_compile_into_the_cache_jax_compilation_cache_dir_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The async run's children read JAX_COMPILATION_CACHE_DIR themselves; the sync run's
+    in-process learner is given the same directory, not ~/.cache/stoker/jax; the spec's wins."""
+    from stoker.local import DEFAULT_COMPILATION_CACHE, RunOptions, child_env, compilation_cache_dir
+    from stoker.spec import RLJob
+
+    options = RunOptions(manifest=tmp_path / "job.yaml", job=RLJob(), mode="sync", run_dir=tmp_path / "run")
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    assert compilation_cache_dir(options) == child_env(options)["JAX_COMPILATION_CACHE_DIR"] == str(DEFAULT_COMPILATION_CACHE)
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env-cache"))
+    assert compilation_cache_dir(options) == child_env(options)["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "env-cache")
+    spec = RLJob().spec
+    job = RLJob(spec=spec.model_copy(update={"learner": spec.learner.model_copy(update={"compilation_cache_dir": str(tmp_path / "spec")})}))
+    assert compilation_cache_dir(RunOptions(tmp_path / "job.yaml", job, "sync", tmp_path / "run")) == str(tmp_path / "spec")

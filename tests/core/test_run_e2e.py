@@ -16,15 +16,15 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory: pytest.TempPathFactory, tiny_job: str) -> tuple[Path, dict[str, str]]:
+def job(tmp_path_factory: pytest.TempPathFactory, tiny_job: str, jax_cache_env: dict[str, str]) -> tuple[Path, dict[str, str]]:
     root = tmp_path_factory.mktemp("run")
     manifest = root / "tiny.yaml"
     # With a held-out map: the async run's actor plays evaluation rounds (the sync baseline does not).
     with_eval = tiny_job.replace("sandbox: {kind: inline}}", "sandbox: {kind: inline}, evalTasks: ['5'], evalEveryVersions: 1}")
     assert with_eval != tiny_job
     manifest.write_text(with_eval)
-    # One compilation cache for the module: later runs reuse what the first compiled.
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(root / "jax-cache")}
+    # The session's compilation cache (tests/conftest.py): later runs reuse what the first compiled.
+    env = {**os.environ, **jax_cache_env}
     return manifest, env
 
 

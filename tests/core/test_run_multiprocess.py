@@ -4,7 +4,6 @@ command -- it trains, side effects happen once, and Ctrl-C stops every process w
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,15 +17,14 @@ from stoker.local import UsageError, jax_process_envs, resolve_options
 pytestmark = pytest.mark.slow
 
 
-def test_two_learner_processes_train_once_and_stop_together_on_ctrl_c(tmp_path: Path, tiny_job: str) -> None:
+def test_two_learner_processes_train_once_and_stop_together_on_ctrl_c(tmp_path: Path, tiny_job: str, jax_env: dict[str, str]) -> None:
     manifest = tmp_path / "tiny.yaml"
     manifest.write_text(tiny_job)
     run_dir = tmp_path / "run"
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache")}
     runner = subprocess.Popen(
         [sys.executable, "-m", "stoker.cli", "run", str(manifest), "--run-dir", str(run_dir), "--no-progress",
          "--learner-processes", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=jax_env,
     )
     metrics = run_dir / "learner_metrics.jsonl"
     deadline = time.monotonic() + 300

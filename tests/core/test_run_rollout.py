@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +23,9 @@ def test_rollout_example_is_the_frozenlake_job_with_a_rollout_server() -> None:
     assert remote.spec.model_copy(update={"rollout": None}) == plain.spec
 
 
-def test_run_with_a_two_process_rollout_server_trains_and_keeps_the_logprob_check(tmp_path: Path, tiny_job: str) -> None:
+def test_run_with_a_two_process_rollout_server_trains_and_keeps_the_logprob_check(
+    tmp_path: Path, tiny_job: str, jax_env: dict[str, str]
+) -> None:
     """The server runs as two JAX processes (one mesh, process 0 serving), as on a multi-host
     slice; everything the actors and the learner see is as with one."""
     manifest = tmp_path / "tiny-rollout.yaml"
@@ -32,12 +33,11 @@ def test_run_with_a_two_process_rollout_server_trains_and_keeps_the_logprob_chec
     # the log-prob check below needs trained tokens.
     job = tiny_job.replace("mapSeeds: [1]}", "mapSeeds: [1], rewardShaping: true}").replace("groupSize: 2", "groupSize: 4")
     manifest.write_text(job.replace("concurrency: 2", "concurrency: 4") + "  rollout: {maxBatch: 4}\n")
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache")}
     run_dir = tmp_path / "run"
     done = subprocess.run(
         [sys.executable, "-m", "stoker.cli", "run", str(manifest), "--run-dir", str(run_dir), "--no-progress",
          "--max-steps", "3", "--rollout-processes", "2"],
-        capture_output=True, text=True, env=env, timeout=400,
+        capture_output=True, text=True, env=jax_env, timeout=400,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     steps = [json.loads(line) for line in (run_dir / "learner_metrics.jsonl").read_text().splitlines() if line]

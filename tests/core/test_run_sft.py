@@ -20,20 +20,24 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 
-def stoker(tmp_path: Path, *args: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "stoker.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=400,
-        env={**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache")},
-    )
+def stoker(env: dict[str, str], *args: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "stoker.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=400, env=env)
     assert done.returncode == 0, f"stoker {' '.join(args)}:\n{done.stderr[-3000:]}"
 
 
 @pytest.fixture(scope="module")
-def sft_stage(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def env(jax_cache_env: dict[str, str]) -> dict[str, str]:
+    """The session's compilation cache (tests/conftest.py): the RL stage samples with the model
+    examples/answers.yaml trains (tests/actor/test_answers.py)."""
+    return {**os.environ, **jax_cache_env}
+
+
+@pytest.fixture(scope="module")
+def sft_stage(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> Path:
     """examples/sft.yaml for 12 steps and its export (tmp/sft, tmp/export), run once."""
     tmp_path = tmp_path_factory.mktemp("stages")
-    stoker(tmp_path, "run", "examples/sft.yaml", "--run-dir", str(tmp_path / "sft"), "--no-progress", "--max-steps", "12")
-    stoker(tmp_path, "export", str(tmp_path / "sft"), "--to", str(tmp_path / "export"))
+    stoker(env, "run", "examples/sft.yaml", "--run-dir", str(tmp_path / "sft"), "--no-progress", "--max-steps", "12")
+    stoker(env, "export", str(tmp_path / "sft"), "--to", str(tmp_path / "export"))
     return tmp_path
 
 
@@ -81,7 +85,7 @@ def exported(directory: Path) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.timeout(900)  # two `stoker run`s with actors, two exports
-def test_sft_then_rl_then_distillation_each_from_the_previous_export(sft_stage: Path) -> None:
+def test_sft_then_rl_then_distillation_each_from_the_previous_export(sft_stage: Path, env: dict[str, str]) -> None:
     """answers-from-sft.yaml on the SFT export (its version 0 is that export, and it trains from
     there), then answers-distill.yaml with that RL stage's export as the teacher."""
     tmp_path = sft_stage
@@ -91,25 +95,25 @@ def test_sft_then_rl_then_distillation_each_from_the_previous_export(sft_stage: 
         spec["actors"]["replicas"] = 1
 
     rl = example(tmp_path, "answers-from-sft.yaml", from_sft)
-    stoker(tmp_path, "run", str(rl), "--run-dir", str(tmp_path / "rl"), "--no-progress", "--max-steps", "1")
+    stoker(env, "run", str(rl), "--run-dir", str(tmp_path / "rl"), "--no-progress", "--max-steps", "1")
     published = weights(tmp_path / "rl")
     assert sorted(published) == [0, 1]
     sft = exported(tmp_path / "export")
     for name, array in sft.items():  # the RL stage's version 0 is the SFT stage's policy
         np.testing.assert_array_equal(published[0][name], array, err_msg=name)
     assert any(not np.array_equal(published[1][k], sft[k]) for k in sft)  # and it trained from there
-    stoker(tmp_path, "export", str(tmp_path / "rl"), "--to", str(tmp_path / "rl-export"))
+    stoker(env, "export", str(tmp_path / "rl"), "--to", str(tmp_path / "rl-export"))
 
     def from_teacher(spec: dict[str, Any]) -> None:
         spec["algorithm"]["teacher"]["checkpoint"] = str(tmp_path / "rl-export")
         spec["actors"]["replicas"] = 1
 
     distill = example(tmp_path, "answers-distill.yaml", from_teacher)
-    stoker(tmp_path, "run", str(distill), "--run-dir", str(tmp_path / "student"), "--no-progress", "--max-steps", "2")
+    stoker(env, "run", str(distill), "--run-dir", str(tmp_path / "student"), "--no-progress", "--max-steps", "2")
     records = [json.loads(line) for line in (tmp_path / "student" / "learner_metrics.jsonl").read_text().splitlines() if line]
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["reverse_kl"] > 0 for r in records)  # scored under the RL stage's export
-    stoker(tmp_path, "export", str(tmp_path / "student"), "--to", str(tmp_path / "student-export"))
+    stoker(env, "export", str(tmp_path / "student"), "--to", str(tmp_path / "student-export"))
     student = exported(tmp_path / "student-export")
     assert student["model.embed_tokens.weight"].shape == (264, 32)  # the smaller student
     assert exported(tmp_path / "rl-export")["model.embed_tokens.weight"].shape == (264, 64)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
+import logging
 import os
 import subprocess
 import sys
@@ -57,8 +59,17 @@ class VersionedEmulator(kmock.KubernetesEmulator):
     _version: int = 1
     refusals: dict[str, tuple[int, str, str]] | None = None
     """plural -> (status, reason, message): creates the API server refuses (a webhook, RBAC)."""
+    hold: Any = None
+    """A predicate: the next request it matches waits for ``released`` (a slow API server)."""
+    held: asyncio.Event | None = None
+    released: asyncio.Event | None = None
 
     async def _handle(self, request: Any) -> Any:
+        if self.hold is not None and self.hold(request):
+            self.hold = None  # one request only
+            assert self.held is not None and self.released is not None
+            self.held.set()
+            await self.released.wait()
         if self.refusals and request.resource is not None and request.action == kmock.action.CREATE:
             refused = self.refusals.get(request.resource.plural or "")
             if refused is not None:
@@ -104,6 +115,38 @@ def write_kubeconfig(path: Path, server: str) -> Path:
     return path
 
 
+class OperatorLog(logging.Handler):
+    """The last lines kopf and the operator logged (DEBUG included: kopf says there why it waits),
+    printed when an ``eventually`` times out, so a failure in CI shows what the operator was doing."""
+
+    LOGGERS = ("kopf", "stoker.operator")
+
+    def __init__(self, lines: int = 300) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: collections.deque[str] = collections.deque(maxlen=lines)
+        self.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s"))
+        self.levels: dict[str, int] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+    def __enter__(self) -> OperatorLog:
+        for name in self.LOGGERS:
+            logger = logging.getLogger(name)
+            self.levels[name] = logger.level
+            logger.setLevel(logging.DEBUG)
+            logger.addHandler(self)
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        for name, level in self.levels.items():
+            logging.getLogger(name).removeHandler(self)
+            logging.getLogger(name).setLevel(level)
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(list(self.lines)[-lines:])
+
+
 @dataclass
 class Cluster:
     """The emulator plus helpers that act like kubectl and the controllers kmock does not run."""
@@ -111,6 +154,7 @@ class Cluster:
     k: kmock.KubernetesEmulator
     kubeconfig: Path | None = None
     namespace: str = "research"
+    log: OperatorLog | None = None
     _uids: int = 0
 
     def _uid(self) -> str:
@@ -162,8 +206,7 @@ class Cluster:
             what="the operator's watches",
         )
 
-    @staticmethod
-    async def eventually(check: Any, timeout: float = 30.0, what: str = "condition") -> Any:
+    async def eventually(self, check: Any, timeout: float = 30.0, what: str = "condition") -> Any:
         """Poll ``check()`` until it returns something truthy (the operator acts asynchronously).
 
         The default bound is generous because it is only reached when the check fails: at a
@@ -175,7 +218,8 @@ class Cluster:
             if last:
                 return last
             await asyncio.sleep(0.05)
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+        logged = f"\nthe operator's last log lines:\n{self.log.tail()}" if self.log is not None else ""
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}{logged}")
 
     def objects(self, resource: str) -> list[Any]:
         return [obj for (res, _, _), obj in self.k.objects.items() if res == kmock.resource(resource) and not obj.deleted]
@@ -189,6 +233,7 @@ async def operator_factory(tmp_path: Path) -> AsyncIterator[Any]:
     (at exit it cancels every task left in it), while the emulator serves from the test's loop.
     """
     stack: list[tuple[threading.Event, threading.Thread, Any, Any]] = []
+    log = OperatorLog()
 
     async def start(*, jobset: bool = True, run: bool = True, **overrides: Any) -> Cluster:
         emulator = VersionedEmulator()
@@ -207,7 +252,7 @@ async def operator_factory(tmp_path: Path) -> AsyncIterator[Any]:
         )
         if not run:  # the test runs the operator itself
             stack.append((threading.Event(), threading.Thread(target=lambda: None), server, emulator))
-            return Cluster(emulator, kubeconfig=kubeconfig)
+            return Cluster(emulator, kubeconfig=kubeconfig, log=log)
         stop, ready = threading.Event(), threading.Event()
         thread = threading.Thread(
             target=lambda: asyncio.run(run_operator(settings, stop_flag=stop, ready_flag=ready)), daemon=True
@@ -215,18 +260,19 @@ async def operator_factory(tmp_path: Path) -> AsyncIterator[Any]:
         thread.start()
         stack.append((stop, thread, server, emulator))
         assert await asyncio.to_thread(ready.wait, 20), "the operator did not start"
-        cluster = Cluster(emulator, kubeconfig=kubeconfig)
+        cluster = Cluster(emulator, kubeconfig=kubeconfig, log=log)
         await cluster.watching()
         return cluster
 
-    yield start
-    for stop, thread, server, emulator in reversed(stack):
-        stop.set()
-        if thread.ident is not None:
-            await asyncio.to_thread(thread.join, 30)
-        await server.__aexit__(None, None, None)
-        await emulator.__aexit__(None, None, None)
-        assert not thread.is_alive(), "the operator did not stop"
+    with log:
+        yield start
+        for stop, thread, server, emulator in reversed(stack):
+            stop.set()
+            if thread.ident is not None:
+                await asyncio.to_thread(thread.join, 30)
+            await server.__aexit__(None, None, None)
+            await emulator.__aexit__(None, None, None)
+            assert not thread.is_alive(), f"the operator did not stop; its last log lines:\n{log.tail()}"
 
 
 @pytest.fixture

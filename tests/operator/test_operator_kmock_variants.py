@@ -4,6 +4,7 @@ by a buffer whose Stats report stale data and then a starved learner."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import threading
@@ -244,7 +245,8 @@ async def test_deleting_the_job_deletes_its_sandbox_pods(operator_factory: Any) 
     await c.create("/api/v1/namespaces/{ns}/pods", pod("other-sbx-0", "other", "sandbox"))
     await c.delete(RLJOBS + "/lake")
     # kopf stops the status timer before the deletion handler runs, and a tick in flight may be
-    # waiting out its buffer Stats deadline (no buffer runs here) and API timeouts: allow several.
+    # waiting out its buffer Stats deadline (no buffer runs here): the job goes after that tick
+    # (test_a_deletion_during_a_status_look_is_not_held_behind_it).
     await c.eventually(lambda: c.get("stoker.dev/v1alpha1/rljobs", "lake") is None, timeout=30.0, what="RLJob gone")
     await c.eventually(lambda: not {f"lake-sbx-{i}" for i in range(3)} & c.names("v1/pods"), what="sandboxes deleted")
     assert {"lake-actor-a", "other-sbx-0"} <= c.names("v1/pods")  # the actor goes by garbage collection
@@ -252,6 +254,26 @@ async def test_deleting_the_job_deletes_its_sandbox_pods(operator_factory: Any) 
     lists = [r for r in c.k if r.resource == kmock.resource("v1/pods") and r.action == kmock.action.LIST
              and r.params.get("labelSelector") == "stoker.dev/job=lake,stoker.dev/role=sandbox"]
     assert lists, "the deletion handler listed no sandbox pods"
+
+
+async def test_a_deletion_during_a_status_look_is_not_held_behind_it(operator_factory: Any) -> None:
+    """The job is deleted while a status look is waiting on the API server: kopf stops the timer
+    before the deletion handler and keeps the finalizer until the look's thread ends. A look that
+    then writes nothing wakes nobody, so the job stays until kopf's next poll of exiting timers
+    (60 s by default): the operator polls every second instead."""
+    c = await operator_factory(stats_timeout_seconds=0.5)  # no buffer runs: each look waits this out
+    await c.create(RLJOBS, rljob("lake"))
+    await c.eventually(lambda: status_of(c, "lake").get("conditions"), what="a full status look")
+    c.k.held, c.k.released = asyncio.Event(), asyncio.Event()
+    c.k.hold = lambda r: r.action == kmock.action.FETCH and r.resource == kmock.resource("jobset.x-k8s.io/v1alpha2/jobsets")
+    await asyncio.wait_for(c.k.held.wait(), 30)  # the next look reads the learner's JobSet first
+    await c.delete(RLJOBS + "/lake")
+    await c.eventually(lambda: any(  # the deletion handler lists the job's sandboxes first
+        r.resource == kmock.resource("v1/pods") and r.action == kmock.action.LIST
+        and r.params.get("labelSelector") == "stoker.dev/job=lake,stoker.dev/role=sandbox" for r in c.k
+    ), what="the deletion handler")
+    c.k.released.set()  # the look ends (its status unchanged: the job is going)
+    await c.eventually(lambda: c.get("stoker.dev/v1alpha1/rljobs", "lake") is None, timeout=20.0, what="RLJob gone")
 
 
 async def test_refused_edit_keeps_the_job_observed(scripted_buffer: Any, operator_factory: Any) -> None:
