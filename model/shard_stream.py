@@ -277,8 +277,9 @@ class StreamShards:
             if self._dead.get(address, 0.0) > time.monotonic():
                 raise WeightsUnavailable(f"weights stream {address}: not answering (skipped for {DEAD_FOR_S:.0f} s)")
         good = [0]
+        buffer: Any = np.empty(size, np.uint8)
         try:
-            self._receive(address, manifest, shard, offset, memoryview(np.empty(size, np.uint8)), step, good, landed)
+            self._receive(address, manifest, shard, offset, memoryview(buffer), step, good, landed)
         except BaseException:
             with self._lock:
                 self.fallbacks += 1
