@@ -60,7 +60,7 @@ def test_the_registry_places_readers_as_a_heap_and_names_the_nearest_ancestors_f
         registry.join(7, "tp1", "")
     # Each relay's stream address goes to the readers below it ("" for one that serves none).
     registry.join(7, "tp1", "s10", stream="s10:50056")
-    assert registry.join(7, "tp1", "s11") == ("s10", "s9")
+    assert registry.join(7, "tp1", "s11") == ("s9",)  # fan-out 2: s9 is s10's and s11's parent
     assert registry.streams(7, ("s10", "s9", "s11")) == ("s10:50056", "", "")
 
 
