@@ -50,10 +50,12 @@ class RelayRegistry:
         self.fanout, self.ancestors, self.keep = fanout, ancestors, keep
         self._lock = threading.Lock()
         self._trees: OrderedDict[int, dict[str, list[str]]] = OrderedDict()
+        self._streams: dict[int, dict[str, str]] = {}  # per version: a relay's plain-TCP stream address
 
-    def join(self, version: int, layout: str, address: str) -> tuple[str, ...]:
+    def join(self, version: int, layout: str, address: str, stream: str = "") -> tuple[str, ...]:
         """Place ``address`` among the readers of ``version`` in ``layout`` (again: the same place)
-        and return the relays it reads from, nearest first."""
+        and return the relays it reads from, nearest first. ``stream``: where it also serves the
+        blocks over the shard stream (``streams`` names it to the readers below)."""
         if not address or not layout:
             raise ValueError("a relay registers with its layout digest and its address")
         with self._lock:
@@ -62,12 +64,21 @@ class RelayRegistry:
                 trees = self._trees[version] = {}
                 for old in sorted(self._trees)[: max(0, len(self._trees) - self.keep)]:
                     del self._trees[old]  # the oldest versions' trees
+                    self._streams.pop(old, None)
                 if version not in self._trees:
                     return ()  # older than every remembered version: read from the learner
+            if stream:
+                self._streams.setdefault(version, {})[address] = stream
             members = trees.setdefault(layout, [])
             if address not in members:
                 members.append(address)
             return tuple(members[p] for p in upstream_positions(members.index(address), self.fanout, self.ancestors))
+
+    def streams(self, version: int, addresses: tuple[str, ...]) -> tuple[str, ...]:
+        """Each relay's stream address for ``version`` ("" where it registered none)."""
+        with self._lock:
+            known = self._streams.get(version, {})
+            return tuple(known.get(a, "") for a in addresses)
 
     def trees(self, version: int) -> dict[str, tuple[str, ...]]:
         """Each layout's readers of ``version`` in the order they registered."""

@@ -138,6 +138,20 @@ class RelayCache:
             return sum(len(d) for held in self._versions.values() for d in held.blocks.values())
 
 
+def held_pieces(cache: RelayCache, version: int, key: str, shape: BlockGeometry, offset: int, size: int,
+                wait_s: float) -> Iterator[bytes]:
+    """Bytes ``offset..offset + size`` of ``key`` block by block as this server gets them; stops
+    early at a block it will not have (not reading it, gave up, or ``wait_s`` passed for it)."""
+    end = offset + size
+    for block in range(offset // shape.block_bytes, max(end - 1, offset) // shape.block_bytes + 1):
+        data = cache.block(version, key, block, time.monotonic() + wait_s)
+        if data is None:
+            return
+        start, _ = shape.span(block)
+        lo, hi = max(offset, start) - start, min(end, start + len(data)) - start
+        yield data if (lo, hi) == (0, len(data)) else data[lo:hi]
+
+
 class _RelayServicer(weights_pb2_grpc.WeightsServicer):
     def __init__(self, cache: RelayCache, wait_s: float, served: dict[str, int], lock: threading.Lock):
         self.cache, self.wait_s, self.served, self.lock = cache, wait_s, served, lock
@@ -153,25 +167,21 @@ class _RelayServicer(weights_pb2_grpc.WeightsServicer):
         if end > shape.total_bytes:
             context.abort(grpc.StatusCode.OUT_OF_RANGE, f"bytes {request.offset}..{end} of a {shape.total_bytes}-byte shard")
             return
-        for block in range(request.offset // shape.block_bytes, max(end - 1, request.offset) // shape.block_bytes + 1):
-            data = self.cache.block(request.policy_version, request.key, block, time.monotonic() + self.wait_s)
-            if data is None:
-                context.abort(grpc.StatusCode.NOT_FOUND, f"this relay does not hold block {block} of {request.key}")
-                return
-            start, _ = shape.span(block)
-            lo, hi = max(request.offset, start) - start, min(end, start + len(data)) - start
+        sent = 0
+        for data in held_pieces(self.cache, request.policy_version, request.key, shape, request.offset, request.size, self.wait_s):
             with self.lock:
-                self.served["bytes"] += hi - lo
-            yield weights_pb2.WeightsChunk(
-                policy_version=request.policy_version, offset=start + lo - request.offset,
-                data=data if (lo, hi) == (0, len(data)) else data[lo:hi],
-            )
+                self.served["bytes"] += len(data)
+            yield weights_pb2.WeightsChunk(policy_version=request.policy_version, offset=sent, data=data)
+            sent += len(data)
+        if sent < request.size:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"this relay does not hold {request.key} past byte {request.offset + sent}")
 
 
 @dataclass
 class RelayStats:
-    """Bytes this server's reads took from each source ("relay <address>" or "primary"), how many
-    times a source failed mid-read, and the bytes it served to other servers."""
+    """Bytes this server's reads took from each source ("relay <address> stream" over the relay's
+    shard stream, "relay <address>" over its gRPC, or "primary"), how many times a source failed
+    mid-read, and the bytes it served to other servers (over gRPC; its stream server counts its own)."""
 
     taken: dict[str, int] = field(default_factory=dict)
     fallbacks: int = 0
@@ -184,11 +194,18 @@ class WeightRelay:
 
     def __init__(self, upstream: tuple[str, ...] = (), *, keep: int = 2, auth_token: str | None = None,
                  wait_s: float = WAIT_SECONDS, timeout_s: float = 120.0,
-                 registry: str | None = None, advertise: str | None = None):
+                 registry: str | None = None, advertise: str | None = None,
+                 upstream_streams: dict[str, str] | None = None, stream_port: int | None = 0):
         if (registry is None) != (advertise is None):
             raise ValueError("a relay registers with both the learner's address and its own advertised address")
         self.upstream = upstream
         self.registry, self.advertise = registry, advertise
+        # A relay's gRPC address -> its shard-stream address (read first; its gRPC, then the next
+        # source, if the stream fails). Filled from the registry's answers too.
+        self.streams_of: dict[str, str] = dict(upstream_streams or {})
+        self.stream_port = stream_port  # serve() also serves the blocks over the stream here (0: free; None: off)
+        self.stream_server: Any = None
+        self.stream_client: Any = None
         self.cache = RelayCache(keep)
         self.wait_s = wait_s
         self.timeout_s = timeout_s
@@ -215,7 +232,37 @@ class WeightRelay:
         if self.port == 0:
             raise OSError(f"cannot bind the weight relay to {address}")
         self._server.start()
+        if self.stream_port is not None:
+            from stoker.model.shard_stream import StreamServer, stream_address
+
+            self.stream_server = StreamServer(stream_address(address, self.stream_port), self._stream_lookup, token=self.auth_token)
         return self.port
+
+    def _stream_lookup(self, version: int, process: int, key: str) -> Any:
+        from stoker.model.shard_stream import Progressive
+
+        found = self.cache.shard(version, key, time.monotonic() + self.wait_s)
+        if found is None:
+            return None
+        shape = geometry(*found)
+        return Progressive(shape.total_bytes, lambda o, n: held_pieces(self.cache, version, key, shape, o, n, self.wait_s))
+
+    def stream_advertise(self) -> str:
+        """Where readers reach this relay's stream: the advertised host, the stream's port."""
+        if self.stream_server is None or self.advertise is None:
+            return ""
+        return f"{self.advertise.rsplit(':', 1)[0]}:{self.stream_server.port}"
+
+    def receive(self, address: str, manifest: ShardManifest, shard: ShardRecord, offset: int, size: int,
+                landed: Any) -> None:
+        """Read from the relay stream at ``address``, each verified block to ``landed``."""
+        from stoker.model.shard_stream import StreamShards
+
+        with self._lock:
+            if self.stream_client is None:
+                self.stream_client = StreamShards(self.auth_token, timeout_s=self.timeout_s)
+            client = self.stream_client
+        client.receive(address, manifest, shard, offset, size, landed)
 
     def source(self, primary: ShardSource) -> RelayedSource:
         return RelayedSource(self, primary)
@@ -244,7 +291,8 @@ class WeightRelay:
         them from, nearest first (none if the registry cannot say: the primary serves it all)."""
         assert self.registry is not None and self.advertise is not None
         layout = hashlib.sha256("\n".join(f"{k}\t{b}" for k, b in sorted(blocks)).encode()).hexdigest()
-        request = weights_pb2.RelaysRequest(policy_version=manifest.version, layout=layout, address=self.advertise)
+        request = weights_pb2.RelaysRequest(policy_version=manifest.version, layout=layout, address=self.advertise,
+                                            stream=self.stream_advertise())
         try:
             reply = self._stub(self.registry).Relays(request, timeout=min(self.timeout_s, 30.0), metadata=self.metadata)
         except grpc.RpcError as err:
@@ -254,6 +302,8 @@ class WeightRelay:
         found = tuple(a for a in reply.upstream if a != self.advertise)
         with self._lock:
             self.stats.upstream[manifest.version] = found
+            if len(reply.upstream_streams) == len(reply.upstream):
+                self.streams_of.update((a, s) for a, s in zip(reply.upstream, reply.upstream_streams, strict=True) if s)
         log.info("weights relay: version %d from %s", manifest.version, ", ".join(found) or "the learner")
         return found
 
@@ -266,6 +316,11 @@ class WeightRelay:
             self.stats.taken[source] = self.stats.taken.get(source, 0) + n
 
     def close(self) -> None:
+        if self.stream_server is not None:
+            self.stream_server.close()
+            self.stream_server = None
+        if self.stream_client is not None:
+            self.stream_client.close()
         if self._server is not None:
             self._server.stop(0.5).wait()
             self._server = None
@@ -294,7 +349,12 @@ class RelayedSource:
             self.upstream = found + tuple(a for a in self.relay.upstream if a not in found)
 
     def _streams(self, manifest: ShardManifest, shard: ShardRecord) -> Iterator[tuple[str, Any]]:
+        """(source name, open) in the order tried; ``open(offset, size)`` gives the bytes as
+        pieces, or None for a stream source (its blocks arrive verified through ``landed``)."""
         for address in self.upstream:
+            stream = self.relay.streams_of.get(address)
+            if stream:
+                yield f"relay {address} stream", None
             yield f"relay {address}", lambda o, n, a=address: self.relay.stream(a, manifest, shard, o, n)
         stream = getattr(self.primary, "stream", None)
         if stream is not None:
@@ -310,11 +370,24 @@ class RelayedSource:
         out: list[bytes] = []
         good, block = 0, first
         failure: Exception | None = None
+        def landed(data: Any) -> None:  # one verified block from a relay's stream
+            nonlocal good, block
+            kept = bytes(data)
+            self.relay.cache.put(manifest, shard.key, block, kept)
+            self.relay.take(name, len(kept))
+            out.append(kept)
+            good += len(kept)
+            block += 1
+
         for name, open_stream in self._streams(manifest, shard):
             if good == size:
                 break
             pending = bytearray()
             try:
+                if open_stream is None:
+                    address = self.relay.streams_of[name.split()[1]]
+                    self.relay.receive(address, manifest, shard, offset + good, size - good, landed)
+                    continue
                 for piece in open_stream(offset + good, size - good):
                     pending += piece
                     while good < size:

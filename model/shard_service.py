@@ -85,11 +85,12 @@ class _ShardServicer(weights_pb2_grpc.WeightsServicer):
 
     def Relays(self, request: weights_pb2.RelaysRequest, context: grpc.ServicerContext) -> weights_pb2.RelaysReply:
         try:
-            upstream = self.relays.join(request.policy_version, request.layout, request.address)
+            upstream = self.relays.join(request.policy_version, request.layout, request.address, request.stream)
         except ValueError as err:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
             raise AssertionError("abort raises") from err
-        return weights_pb2.RelaysReply(upstream=upstream)
+        streams = self.relays.streams(request.policy_version, upstream)
+        return weights_pb2.RelaysReply(upstream=upstream, upstream_streams=streams)
 
     def ReadShard(self, request: weights_pb2.ReadShardRequest, context: grpc.ServicerContext) -> Iterator[weights_pb2.WeightsChunk]:
         with self._lock:

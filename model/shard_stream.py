@@ -31,7 +31,8 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +51,21 @@ CONNECT_TIMEOUT_S = 10.0  # a firewalled stream port costs this once, then its r
 DEAD_FOR_S = 30.0  # how long a server we could not connect to is skipped
 IDLE_S = 120.0  # a server closes a connection idle this long (readers reconnect)
 
-# What a server sends for (version, process, key): the shard's bytes in memory, or its file.
-Served = memoryview | Path
+
+
+@dataclass(frozen=True)
+class Progressive:
+    """A shard still arriving (a relay's blocks): ``pieces(offset, size)`` yields those bytes in
+    order as they come, waiting for planned ones, and stops early if the rest will not come (the
+    server then closes the connection mid-reply: the reader keeps what it verified and falls back)."""
+
+    total: int  # the shard's bytes
+    pieces: Callable[[int, int], Iterator[bytes]]
+
+
+# What a server sends for (version, process, key): the shard's bytes in memory, its file, or a
+# relay's blocks as they arrive.
+Served = memoryview | Path | Progressive
 Lookup = Callable[[int, int, str], Served | None]
 
 
@@ -124,10 +138,20 @@ class StreamServer:
                 served = self.lookup(version, process, key)
                 if served is None:
                     return self._refuse(conn, NOT_FOUND, f"shard {key} of version {version} is not held here")
-                total = served.stat().st_size if isinstance(served, Path) else len(served)
+                total = served.stat().st_size if isinstance(served, Path) else served.total if isinstance(served, Progressive) else len(served)
                 if offset < 0 or size < 0 or offset + size > total:
                     return self._refuse(conn, BAD_REQUEST, f"bytes {offset}..{offset + size} of a {total}-byte shard")
                 conn.sendall(_REPLY.pack(OK, size))
+                if isinstance(served, Progressive):
+                    sent = 0
+                    for piece in served.pieces(offset, size):
+                        conn.sendall(piece)
+                        sent += len(piece)
+                        with self._lock:
+                            self.served_bytes += len(piece)
+                    if sent < size:
+                        return  # the relay gave up on a block: closing tells the reader
+                    continue
                 if isinstance(served, Path):
                     with open(served, "rb") as f:
                         conn.sendfile(f, offset, size)
@@ -243,8 +267,29 @@ class StreamShards:
         _verify(shard, out, offset // step, step, good[0], size)
         return out
 
+    def receive(self, address: str, manifest: ShardManifest, shard: ShardRecord, offset: int, size: int,
+                landed: Callable[[memoryview], None]) -> None:
+        """Read ``size`` bytes at ``offset`` of ``shard`` from the stream server at ``address`` (a
+        relay), no fallback: each block goes to ``landed`` as soon as it matched its crc32, so a
+        failure (raised) leaves the caller holding every verified block before it."""
+        step, _ = _geometry(manifest, shard)
+        with self._lock:
+            if self._dead.get(address, 0.0) > time.monotonic():
+                raise WeightsUnavailable(f"weights stream {address}: not answering (skipped for {DEAD_FOR_S:.0f} s)")
+        good = [0]
+        buffer: Any = np.empty(size, np.uint8)
+        try:
+            self._receive(address, manifest, shard, offset, memoryview(buffer), step, good, landed)
+        except BaseException:
+            with self._lock:
+                self.fallbacks += 1
+                self.streamed_bytes += good[0]
+            raise
+        with self._lock:
+            self.streamed_bytes += size
+
     def _receive(self, address: str, manifest: ShardManifest, shard: ShardRecord, offset: int,
-                 out: memoryview, step: int, good: list[int]) -> None:
+                 out: memoryview, step: int, good: list[int], landed: Callable[[memoryview], None] | None = None) -> None:
         request = json.dumps({"token": self.token, "version": manifest.version, "process": shard.process,
                               "key": shard.key, "offset": offset, "size": len(out)}).encode()
         conn, reused = self._connect(address)
@@ -277,6 +322,8 @@ class StreamShards:
                 for at in range(good[0], done, step):  # block by block: what passed stays ours
                     _verify(shard, out, first, step, at, min(at + step, done))
                     good[0] = min(at + step, done)
+                    if landed is not None:
+                        landed(out[at : good[0]])
         except BaseException:
             conn.close()
             raise

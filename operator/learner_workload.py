@@ -18,6 +18,7 @@ from stoker.operator.manifests import (
     JOB_FILE,
     METRICS_PORT,
     WEIGHTS_PORT,
+    WEIGHTS_STREAM_PORT,
     JobContext,
     Manifest,
     buffer_client_args,
@@ -84,6 +85,7 @@ def _pod_spec(ctx: JobContext, shape: SliceShape, env: list[dict[str, Any]], *, 
         "args": [
             *("learner", "--manifest", JOB_FILE, "--run-dir", RUN_DIR),
             *("--metrics-port", str(METRICS_PORT), "--weights-port", str(WEIGHTS_PORT)),
+            *("--weights-stream-port", str(WEIGHTS_STREAM_PORT)),
             *(buffer_client_args(ctx) if ctx.streams else ()),
             *learner_args(learner.weights_volume),
         ],
@@ -110,6 +112,7 @@ def _pod_spec(ctx: JobContext, shape: SliceShape, env: list[dict[str, Any]], *, 
     add_weights_volume(learner.weights_volume, pod, container, read_only=False)
     container["ports"] = [
         {"name": "weights", "containerPort": WEIGHTS_PORT, "protocol": "TCP"},
+        {"name": "weights-stream", "containerPort": WEIGHTS_STREAM_PORT, "protocol": "TCP"},
         {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
     ]
     if shape.chips_per_host:

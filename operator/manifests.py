@@ -36,6 +36,9 @@ TOKEN_DIR = "/var/run/stoker/buffer-token"
 CONTROL_DIR = "/etc/stoker/control"
 METRICS_PORT = 9090
 WEIGHTS_PORT = 50052
+# The learner processes' plain-TCP shard stream (stoker.model.shard_stream): pinned, so a
+# NetworkPolicy can name it (the CLI's default is a free port, advertised in the manifest).
+WEIGHTS_STREAM_PORT = 50055
 ADMISSION_FILE = f"{CONTROL_DIR}/admission.json"
 BUFFER_DATA_DIR = "/var/lib/stoker/buffer"
 GENERATED_TOKEN_KEY = "token"

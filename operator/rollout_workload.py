@@ -62,8 +62,10 @@ ROLLOUT_CONFIG_FIELDS: Paths = (
 ROLLOUT_HASH_IGNORES: Paths = (("rollout", "replicas"), ("rollout", "minReplicas"), ("rollout", "maxReplicas"))
 
 SINGLE_HOST = SliceShape(chips=0, hosts=1, chips_per_host=0)
-# Where a server relays the sharded weight blocks it reads to the servers below it.
+# Where a server relays the sharded weight blocks it reads to the servers below it: gRPC, and
+# the plain-TCP shard stream the servers below read first (pinned for NetworkPolicies).
 WEIGHTS_RELAY_PORT = 50054
+WEIGHTS_RELAY_STREAM_PORT = 50056
 
 
 def rollout_shape(rollout: RolloutSpec) -> SliceShape:
@@ -125,7 +127,8 @@ def _pod_spec(ctx: JobContext, shape: SliceShape, *, restart_policy: str) -> dic
         "ports": [
             {"name": "grpc", "containerPort": port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
-            *([{"name": "weights-relay", "containerPort": relay_port(rollout), "protocol": "TCP"}] if relays(ctx) else []),
+            *([{"name": "weights-relay", "containerPort": relay_port(rollout), "protocol": "TCP"},
+               {"name": "relay-stream", "containerPort": relay_stream_port(rollout), "protocol": "TCP"}] if relays(ctx) else []),
         ],
         "env": container_env(ctx, ROLE_ROLLOUT) + cache_env,
         "volumeMounts": mounts,
@@ -172,6 +175,13 @@ def relay_port(rollout: RolloutSpec) -> int:
     return WEIGHTS_RELAY_PORT if rollout.port != WEIGHTS_RELAY_PORT else WEIGHTS_RELAY_PORT + 1
 
 
+def relay_stream_port(rollout: RolloutSpec) -> int:
+    port = WEIGHTS_RELAY_STREAM_PORT
+    while port in (rollout.port, relay_port(rollout)):
+        port += 1
+    return port
+
+
 def relay_args(ctx: JobContext) -> list[str]:
     """Each server (each host of a multi-host one) relays what it reads and registers with the
     learner's weights server, which names its upstream per version (stoker.model.relay_registry):
@@ -180,7 +190,8 @@ def relay_args(ctx: JobContext) -> list[str]:
     if not relays(ctx):
         return []
     port = relay_port(_spec(ctx))
-    return ["--weights-relay-port", str(port), "--weights-relay-advertise", f"$(POD_IP):{port}"]
+    return ["--weights-relay-port", str(port), "--weights-relay-advertise", f"$(POD_IP):{port}",
+            "--weights-relay-stream-port", str(relay_stream_port(_spec(ctx)))]
 
 
 def _template_labels(ctx: JobContext, extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -2,7 +2,7 @@
 
     stoker rollout --manifest job.yaml [--weights HOST:PORT|DIR] [--port N] [--max-batch N]
                    [--weights-relay-port P] [--weights-relay-from ADDR ...]
-                   [--weights-relay-advertise HOST:PORT]
+                   [--weights-relay-advertise HOST:PORT] [--weights-relay-stream-port P]
                    [--max-queue N] [--mesh tp=N] [--metrics-port N] [--ready-file F]
 
 On a multi-host slice every host runs this same command (``stoker.distributed`` reads the
@@ -31,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--weights-relay-port", type=int, metavar="P",
         help="serve the sharded weight blocks this server reads to other rollout servers on this port",
+    )
+    parser.add_argument(
+        "--weights-relay-stream-port", type=int, default=0, metavar="P",
+        help="also serve them over the plain-TCP shard stream on this port (default 0: a free one, "
+        "advertised with --weights-relay-advertise's host; -1: off, gRPC only)",
     )
     parser.add_argument(
         "--weights-relay-from", metavar="ADDR", action="append", default=[],
@@ -205,6 +210,7 @@ def weight_source(args: argparse.Namespace, token: str | None) -> Any:
         relay = WeightRelay(
             tuple(args.weights_relay_from), auth_token=token, advertise=advertise,
             registry=args.weights if advertise is not None else None,
+            stream_port=None if args.weights_relay_stream_port < 0 else args.weights_relay_stream_port,
         )
         if args.weights_relay_port is not None:
             relay.serve(f"{args.host}:{args.weights_relay_port}")

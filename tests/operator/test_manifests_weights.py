@@ -36,9 +36,11 @@ def test_servers_of_a_sharded_learner_relay_and_register_with_its_weights_server
         env = {e["name"]: e for e in container["env"]}
         assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}  # what $(POD_IP) expands to
         assert {"name": "weights-relay", "containerPort": 50054, "protocol": "TCP"} in container["ports"]
+        assert {"name": "relay-stream", "containerPort": 50056, "protocol": "TCP"} in container["ports"]
         args = build_parser(container["args"]).parse_args(_expanded(container["args"]))
         assert args.command == "rollout" and args.weights == "lake-weights:50052"  # registers with the learner
         assert args.weights_relay_port == 50054 and args.weights_relay_advertise == "10.8.0.7:50054"
+        assert args.weights_relay_stream_port == 50056  # the stream the servers below read first
         assert args.weights_relay_from == []  # upstreams come from the registry, per version
         assert relay_problem(args) is None
 
@@ -59,13 +61,29 @@ def test_servers_do_not_relay_when_the_learner_does_not_serve_sharded_weights_it
         assert "weights-relay" not in {p["name"] for p in container["ports"]}
 
 
-def test_the_relay_port_steps_aside_for_a_server_port_that_takes_it() -> None:
-    ctx = make_ctx(rollout={"replicas": 1, "port": 50054, **GPU_SERVER}, rollout_replicas=1, learner=MULTI_HOST_LEARNER)
+@pytest.mark.parametrize(("port", "relay", "stream"), [(50054, 50055, 50056), (50056, 50054, 50057)])
+def test_the_relay_ports_step_aside_for_a_server_port_that_takes_one(port: int, relay: int, stream: int) -> None:
+    ctx = make_ctx(rollout={"replicas": 1, "port": port, **GPU_SERVER}, rollout_replicas=1, learner=MULTI_HOST_LEARNER)
     children = desired_children(ctx)
     check_all(children)
     ((_, pod),) = _pods(children, "rollout")
     args = build_parser(pod["containers"][0]["args"]).parse_args(_expanded(pod["containers"][0]["args"]))
-    assert args.port == 50054 and args.weights_relay_port == 50055 and args.weights_relay_advertise == "10.8.0.7:50055"
+    assert args.port == port and args.weights_relay_port == relay and args.weights_relay_advertise == f"10.8.0.7:{relay}"
+    assert args.weights_relay_stream_port == stream
+    assert sorted(p["containerPort"] for p in pod["containers"][0]["ports"]) == sorted([port, relay, stream, 9090])
+
+
+@pytest.mark.parametrize("learner", [{"accelerator": "cpu"}, {"accelerator": "tpu-v5p-slice", "topology": "2x2x1"}, MULTI_HOST_LEARNER])
+def test_learner_pods_stream_shards_on_a_pinned_declared_port_a_network_policy_can_name(learner: dict[str, Any]) -> None:
+    children = desired_children(make_ctx(learner=learner))
+    check_all(children)
+    pods = _pods(children, "learner")
+    assert pods
+    for _, pod in pods:
+        (container,) = pod["containers"]
+        args = build_parser(container["args"]).parse_args(container["args"])
+        assert args.command == "learner" and args.weights_port == 50052 and args.weights_stream_port == 50055
+        assert {"name": "weights-stream", "containerPort": 50055, "protocol": "TCP"} in container["ports"]
 
 
 @pytest.mark.parametrize(

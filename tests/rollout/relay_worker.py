@@ -1,8 +1,9 @@
 """One rollout server's weight relay for ``test_weight_relay.py``.
 
-    python relay_worker.py OUT NAME LEARNER_ADDR VERSION [--relay-from ADDR ...] [--discover] [--go FILE]
+    python relay_worker.py OUT NAME LEARNER_ADDR VERSION [--relay-from ADDR[=STREAM] ...] [--discover] [--go FILE] [--no-stream]
 
-Serves a ``WeightRelay`` on a free port (written to ``OUT/NAME.port``), waits for ``OUT/go`` (or
+Serves a ``WeightRelay`` on a free port (written to ``OUT/NAME.port``; its shard stream's port to
+``OUT/NAME.stream`` unless ``--no-stream``), waits for ``OUT/go`` (or
 ``OUT/FILE``); with ``--discover`` it registers with the learner's server and reads from the
 relays it names (as ``stoker rollout --weights-relay-advertise``);
 reads every tensor of ``VERSION`` whole (as a one-host server with every chip does) through the
@@ -29,6 +30,7 @@ def main() -> int:
     parser.add_argument("--relay-from", action="append", default=[])
     parser.add_argument("--discover", action="store_true")
     parser.add_argument("--go", default="go")
+    parser.add_argument("--no-stream", action="store_true")
     args = parser.parse_args()
     import logging
 
@@ -37,10 +39,15 @@ def main() -> int:
     from stoker.model.weights import WeightSubscriber
 
     out = Path(args.out)
-    relay = WeightRelay(tuple(args.relay_from), wait_s=60.0)
+    upstream = [u.split("=", 1) for u in args.relay_from]
+    relay = WeightRelay(tuple(u[0] for u in upstream), wait_s=60.0, stream_port=None if args.no_stream else 0,
+                        upstream_streams={u[0]: u[1] for u in upstream if len(u) == 2})
     port = relay.serve("127.0.0.1:0")
     if args.discover:
         relay.registry, relay.advertise = args.learner, f"127.0.0.1:{port}"
+    if relay.stream_server is not None:
+        (out / f"{args.name}.stream.tmp").write_text(str(relay.stream_server.port))
+        (out / f"{args.name}.stream.tmp").rename(out / f"{args.name}.stream")
     (out / f"{args.name}.port.tmp").write_text(str(port))
     (out / f"{args.name}.port.tmp").rename(out / f"{args.name}.port")
     deadline = time.monotonic() + 120
@@ -60,6 +67,8 @@ def main() -> int:
     deadline = time.monotonic() + 120
     while not (out / "done").exists() and time.monotonic() < deadline:
         time.sleep(0.05)  # serve the relays below until the test is done
+    served = {"grpc": relay.stats.served["bytes"], "stream": relay.stream_server.served_bytes if relay.stream_server else 0}
+    (out / f"{args.name}.served.json").write_text(json.dumps(served))  # this relay's egress, per transport
     relay.close()
     return 0
 

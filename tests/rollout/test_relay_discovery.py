@@ -58,6 +58,10 @@ def test_the_registry_places_readers_as_a_heap_and_names_the_nearest_ancestors_f
     assert registry.trees(5) == {} and registry.join(5, "tp1", "s3") == ()
     with pytest.raises(ValueError):
         registry.join(7, "tp1", "")
+    # Each relay's stream address goes to the readers below it ("" for one that serves none).
+    registry.join(7, "tp1", "s10", stream="s10:50056")
+    assert registry.join(7, "tp1", "s11") == ("s9",)  # fan-out 2: s9 is s10's and s11's parent
+    assert registry.streams(7, ("s10", "s9", "s11")) == ("s10:50056", "", "")
 
 
 @pytest.mark.slow
@@ -91,7 +95,8 @@ def test_four_servers_registering_with_the_learner_take_one_copy_from_it_and_eac
             # Each read the whole version from the relay the registry named (its parent in the chain).
             upstream = [order[p] for p in upstream_positions(position)]
             assert result["upstream"] == {"1": upstream}
-            assert result["taken"] == ({f"relay {upstream[0]}": total} if upstream else {"primary": total})
+            # Over the parent's shard stream, which it registered beside its address.
+            assert result["taken"] == ({f"relay {upstream[0]} stream": total} if upstream else {"primary": total})
 
 
 @pytest.mark.slow
@@ -143,7 +148,7 @@ def test_a_relay_killed_mid_transfer_leaves_its_reader_to_finish_from_the_next_r
                     time.sleep(0.01)
             thread.start()
             assert halfway.wait(120), "r0 never read half the version"
-            r1 = f"relay {addresses['r1']}"
+            r1 = f"relay {addresses['r1']} stream"  # the relays' stream, which the registry named
             deadline = time.monotonic() + 120
             while reader.stats.taken.get(r1, 0) == 0:
                 assert time.monotonic() < deadline and thread.is_alive(), (result, reader.stats)
@@ -162,8 +167,10 @@ def test_a_relay_killed_mid_transfer_leaves_its_reader_to_finish_from_the_next_r
         assert not thread.is_alive() and "error" not in result, result
         assert result["sha256"] == want
         assert publisher.server.servicer.served_bytes == total, reader.stats  # still one copy out of the learner
-        from_r1, from_r0 = reader.stats.taken.get(r1, 0), reader.stats.taken.get(f"relay {addresses['r0']}", 0)
+        from_r1, from_r0 = reader.stats.taken.get(r1, 0), reader.stats.taken.get(f"relay {addresses['r0']} stream", 0)
         assert from_r1 > 0 and from_r0 > 0 and from_r1 + from_r0 == total, reader.stats
+        streams = {a: f"127.0.0.1:{(tmp_path / f'{n}.stream').read_text()}" for n, a in addresses.items()}
+        assert reader.streams_of == streams
         assert "primary" not in reader.stats.taken and reader.stats.fallbacks >= 1, reader.stats
         assert readers(publisher) == (addresses["r0"], addresses["r1"], reader.advertise)
         assert reader.stats.upstream == {1: (addresses["r1"], addresses["r0"])}
@@ -188,12 +195,14 @@ def test_stoker_rollout_relay_flags_register_with_the_learner_and_read_from_the_
 
     with publish() as (publisher, want, total):
         learner = f"127.0.0.1:{publisher.port}"
-        subscribers = []
+        subscribers, stream_ports = [], []
         try:
             for _ in range(2):
-                port = _free_port()
+                port, stream_port = _free_port(), _free_port()
+                stream_ports.append(stream_port)
                 argv = ["rollout", "--manifest", str(EXAMPLE), "--host", "127.0.0.1", "--weights", learner,
-                        "--weights-relay-port", str(port), "--weights-relay-advertise", f"127.0.0.1:{port}"]
+                        "--weights-relay-port", str(port), "--weights-relay-advertise", f"127.0.0.1:{port}",
+                        "--weights-relay-stream-port", str(stream_port)]
                 args = build_parser(argv).parse_args(argv)
                 assert relay_problem(args) is None
                 subscribers.append(weight_source(args, None))
@@ -206,7 +215,12 @@ def test_stoker_rollout_relay_flags_register_with_the_learner_and_read_from_the_
                 assert {n: hashlib.sha256(a.tobytes()).hexdigest() for n, a in got.items()} == want
             assert first.relay.stats.taken == {"primary": total}
             assert second.relay.stats.upstream == {1: (first.relay.advertise,)}
-            assert second.relay.stats.taken == {f"relay {first.relay.advertise}": total}
+            assert second.relay.stats.taken == {f"relay {first.relay.advertise} stream": total}
+            assert first.relay.stream_server.port == stream_ports[0]
+            deadline = time.monotonic() + 30  # its count moves after each send returns, maybe after our read
+            while first.relay.stream_server.served_bytes < total and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert first.relay.stream_server.served_bytes == total
             assert publisher.server.servicer.served_bytes == total
         finally:
             for subscriber in subscribers:
@@ -239,7 +253,7 @@ def test_hosts_reading_different_slices_form_one_tree_per_layout_and_each_reads_
             for host in (0, 1):
                 root, below = relays[host], relays[host + 2]
                 assert set(root.stats.taken) == {"primary"} and below.stats.fallbacks == 0
-                assert below.stats.taken == {f"relay {root.advertise}": root.stats.taken["primary"]}
+                assert below.stats.taken == {f"relay {root.advertise} stream": root.stats.taken["primary"]}
             # Each host's slice left the learner once (a block at the halves' seam goes to both trees).
             assert publisher.server.servicer.served_bytes == relays[0].stats.taken["primary"] + relays[1].stats.taken["primary"]
         finally:

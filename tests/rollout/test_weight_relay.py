@@ -1,6 +1,7 @@
 """Rollout servers relaying sharded weights to each other (stoker.model.shard_relay), as real
 processes over loopback: a pipelined chain takes one copy of a version out of the learner, every
-server bit-exact; a relay killed mid-transfer makes its reader take the rest from the learner."""
+server bit-exact, each hop over the relays' shard stream (or gRPC); a relay killed mid-transfer
+makes its reader take the rest from the learner; a relay lying over either transport is caught."""
 
 from __future__ import annotations
 
@@ -43,14 +44,20 @@ def wait_for(path: Path, proc: subprocess.Popen[str], seconds: float = 120.0) ->
         time.sleep(0.02)
 
 
-def start(out: Path, name: str, learner: str, version: int, *upstream: str) -> tuple[subprocess.Popen[str], str]:
+def start(out: Path, name: str, learner: str, version: int, *upstream: str, stream: bool = True) -> tuple[subprocess.Popen[str], str]:
+    """A relay worker reading from ``upstream`` (``ADDR`` or ``ADDR=STREAM_ADDR``); its gRPC
+    address, plus ``=STREAM_ADDR`` when it serves the shard stream (what the next one reads)."""
     flags = [a for u in upstream for a in ("--relay-from", u)]
     proc = subprocess.Popen(
-        [sys.executable, str(WORKER), str(out), name, learner, str(version), *flags],
+        [sys.executable, str(WORKER), str(out), name, learner, str(version), *flags, *([] if stream else ["--no-stream"])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     wait_for(out / f"{name}.port", proc)
-    return proc, f"127.0.0.1:{(out / f'{name}.port').read_text()}"
+    address = f"127.0.0.1:{(out / f'{name}.port').read_text()}"
+    if stream:
+        wait_for(out / f"{name}.stream", proc)
+        address += f"=127.0.0.1:{(out / f'{name}.stream').read_text()}"
+    return proc, address
 
 
 @contextlib.contextmanager
@@ -69,18 +76,18 @@ def publish(stream: bool = False) -> Iterator[tuple[ShardedPublisher, dict[str, 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stream", [False, True], ids=["grpc", "stream"])
 def test_a_chain_of_relaying_servers_takes_one_copy_from_the_learner_and_each_is_bit_exact(tmp_path: Path, stream: bool) -> None:
-    with publish(stream) as published:  # the learner's bytes over gRPC, or over its plain-TCP stream
-        chain(tmp_path, *published)
+    with publish(stream) as published:  # every hop over gRPC, or over the plain-TCP shard streams
+        chain(tmp_path, *published, stream=stream)
 
 
-def chain(tmp_path: Path, publisher: ShardedPublisher, want: dict[str, str], total: int) -> None:
+def chain(tmp_path: Path, publisher: ShardedPublisher, want: dict[str, str], total: int, stream: bool) -> None:
     learner = f"127.0.0.1:{publisher.port}"
     procs: list[subprocess.Popen[str]] = []
     try:
-        first, address = start(tmp_path, "r0", learner, 1)
+        first, address = start(tmp_path, "r0", learner, 1, stream=stream)
         procs.append(first)
         for i in (1, 2):  # r0 <- learner, r1 <- r0, r2 <- r1, all reading at once
-            proc, address = start(tmp_path, f"r{i}", learner, 1, address)
+            proc, address = start(tmp_path, f"r{i}", learner, 1, address, stream=stream)
             procs.append(proc)
         (tmp_path / "go").touch()
         for i, proc in enumerate(procs):
@@ -98,15 +105,21 @@ def chain(tmp_path: Path, publisher: ShardedPublisher, want: dict[str, str], tot
     streamed = publisher.stream.served_bytes if publisher.stream else 0
     assert (publisher.server.servicer.served_bytes, streamed) == ((0, total) if publisher.stream else (total, 0))
     assert results[0]["taken"] == {"primary": total}
-    assert [list(r["taken"].items()) for r in results[1:]] == [[(f"relay {a}", total)] for a in (
+    hop = " stream" if stream else ""
+    assert [list(r["taken"].items()) for r in results[1:]] == [[(f"relay {a}{hop}", total)] for a in (
         f"127.0.0.1:{(tmp_path / 'r0.port').read_text()}", f"127.0.0.1:{(tmp_path / 'r1.port').read_text()}"
     )]
+    # Each relay's egress: one copy over the transport the hop below used, nothing over the other.
+    served = [json.loads((tmp_path / f"r{i}.served.json").read_text()) for i in range(3)]
+    one = {"grpc": 0, "stream": total} if stream else {"grpc": total, "stream": 0}
+    assert served == [one, one, {"grpc": 0, "stream": 0}]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("stream", [False, True], ids=["grpc", "stream"])
 def test_a_relay_killed_mid_transfer_leaves_its_reader_to_finish_from_the_learner_bit_exact(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stream: bool
 ) -> None:
     # The learner stops sending after half the version until the relay is dead: the relay holds
     # half, its reader has some of that half, and the rest must come from the learner.
@@ -122,15 +135,18 @@ def test_a_relay_killed_mid_transfer_leaves_its_reader_to_finish_from_the_learne
 
     monkeypatch.setattr(shard_service._ShardServicer, "ReadShard", gated)  # before the server binds it
     with publish() as (publisher, want, total):
-        killed_mid_transfer(tmp_path, publisher, want, total, gate, halfway)
+        killed_mid_transfer(tmp_path, publisher, want, total, gate, halfway, stream)
 
 
 def killed_mid_transfer(
-    tmp_path: Path, publisher: ShardedPublisher, want: dict[str, str], total: int, gate: threading.Event, halfway: threading.Event
+    tmp_path: Path, publisher: ShardedPublisher, want: dict[str, str], total: int, gate: threading.Event,
+    halfway: threading.Event, stream: bool,
 ) -> None:
     learner = f"127.0.0.1:{publisher.port}"
-    relay_proc, relay_address = start(tmp_path, "r0", learner, 1)
-    reader = WeightRelay((relay_address,), wait_s=60.0)
+    relay_proc, advertised = start(tmp_path, "r0", learner, 1, stream=stream)
+    relay_address, _, relay_stream = advertised.partition("=")
+    reader = WeightRelay((relay_address,), wait_s=60.0, upstream_streams={relay_address: relay_stream} if stream else None)
+    taken_from_relay = f"relay {relay_address}" + (" stream" if stream else "")
     result: dict[str, Any] = {}
 
     def read() -> None:
@@ -149,7 +165,7 @@ def killed_mid_transfer(
         thread.start()
         assert halfway.wait(120), "the relay never read half the version"
         deadline = time.monotonic() + 120
-        while reader.stats.taken.get(f"relay {relay_address}", 0) == 0:
+        while reader.stats.taken.get(taken_from_relay, 0) == 0:
             assert time.monotonic() < deadline and thread.is_alive(), (result, reader.stats)
             time.sleep(0.01)  # until the reader has part of the version from the relay
         relay_proc.send_signal(signal.SIGKILL)
@@ -164,16 +180,20 @@ def killed_mid_transfer(
         reader.close()
     assert not thread.is_alive() and "error" not in result, result
     assert result["sha256"] == want
-    from_relay, from_learner = reader.stats.taken.get(f"relay {relay_address}", 0), reader.stats.taken.get("primary", 0)
+    from_relay, from_learner = reader.stats.taken.get(taken_from_relay, 0), reader.stats.taken.get("primary", 0)
     assert from_relay > 0 and from_learner > 0 and from_relay + from_learner == total, reader.stats
+    assert set(reader.stats.taken) == {taken_from_relay, "primary"}, reader.stats  # the dead relay's gRPC gave nothing
     assert reader.stats.fallbacks >= 1
 
 
-def test_a_relay_sending_a_bad_block_is_caught_by_its_crc32_and_the_reader_reads_it_from_the_learner() -> None:
+@pytest.mark.parametrize("stream", [False, True], ids=["grpc", "stream"])
+def test_a_relay_sending_a_bad_block_is_caught_by_its_crc32_and_the_reader_reads_it_from_the_learner(stream: bool) -> None:
     with publish() as (publisher, want, total):
-        bad = WeightRelay()
+        bad = WeightRelay(stream_port=0 if stream else None)
         bad.serve("127.0.0.1:0")
-        reader = WeightRelay((f"127.0.0.1:{bad.port}",))
+        bad_address = f"127.0.0.1:{bad.port}"
+        streams = {bad_address: f"127.0.0.1:{bad.stream_server.port}"} if stream else None
+        reader = WeightRelay((bad_address,), upstream_streams=streams)
         try:
             with WeightSubscriber(address=f"127.0.0.1:{publisher.port}") as plain:
                 weights: Any = plain.fetch(1)
@@ -191,9 +211,13 @@ def test_a_relay_sending_a_bad_block_is_caught_by_its_crc32_and_the_reader_reads
             with WeightSubscriber(address=f"127.0.0.1:{publisher.port}", relay=reader) as subscriber:
                 got = subscriber.fetch(1)[name]
             assert hashlib.sha256(got.tobytes()).hexdigest() == want[name]
-            # Block 0 came from the relay; the bad block 1 and the rest from the learner.
-            assert reader.stats.fallbacks == 1, reader.stats
-            assert reader.stats.taken == {f"relay 127.0.0.1:{bad.port}": step, "primary": got.nbytes - step}, reader.stats
+            # Block 0 came from the relay (over its stream, if it has one); the bad block 1 was
+            # refused from each of the relay's transports, and it and the rest came from the learner.
+            assert reader.stats.fallbacks == (2 if stream else 1), reader.stats
+            first = f"relay {bad_address}" + (" stream" if stream else "")
+            assert reader.stats.taken == {first: step, "primary": got.nbytes - step}, reader.stats
+            if stream:
+                assert bad.stream_server.served_bytes >= 2 * step  # block 1 did go out over the stream
         finally:
             reader.close()
             bad.close()

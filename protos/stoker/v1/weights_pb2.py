@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17stoker/v1/weights.proto\x12\tstoker.v1\"\x0f\n\rLatestRequest\"Z\n\x0bWeightsInfo\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x0f\n\x07sharded\x18\x04 \x01(\x08\"!\n\rShardManifest\x12\x10\n\x08manifest\x18\x01 \x01(\x0c\"U\n\x10ReadShardRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\"H\n\rRelaysRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0e\n\x06layout\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"\x1f\n\x0bRelaysReply\x12\x10\n\x08upstream\x18\x01 \x03(\t\"&\n\x0c\x46\x65tchRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"h\n\x0cWeightsChunk\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t2\xc2\x02\n\x07Weights\x12:\n\x06Latest\x12\x18.stoker.v1.LatestRequest\x1a\x16.stoker.v1.WeightsInfo\x12;\n\x05\x46\x65tch\x12\x17.stoker.v1.FetchRequest\x1a\x17.stoker.v1.WeightsChunk0\x01\x12=\n\x08Manifest\x12\x17.stoker.v1.FetchRequest\x1a\x18.stoker.v1.ShardManifest\x12\x43\n\tReadShard\x12\x1b.stoker.v1.ReadShardRequest\x1a\x17.stoker.v1.WeightsChunk0\x01\x12:\n\x06Relays\x12\x18.stoker.v1.RelaysRequest\x1a\x16.stoker.v1.RelaysReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17stoker/v1/weights.proto\x12\tstoker.v1\"\x0f\n\rLatestRequest\"Z\n\x0bWeightsInfo\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x0f\n\x07sharded\x18\x04 \x01(\x08\"!\n\rShardManifest\x12\x10\n\x08manifest\x18\x01 \x01(\x0c\"U\n\x10ReadShardRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\"X\n\rRelaysRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0e\n\x06layout\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0e\n\x06stream\x18\x04 \x01(\t\"9\n\x0bRelaysReply\x12\x10\n\x08upstream\x18\x01 \x03(\t\x12\x18\n\x10upstream_streams\x18\x02 \x03(\t\"&\n\x0c\x46\x65tchRequest\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\"h\n\x0cWeightsChunk\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\t2\xc2\x02\n\x07Weights\x12:\n\x06Latest\x12\x18.stoker.v1.LatestRequest\x1a\x16.stoker.v1.WeightsInfo\x12;\n\x05\x46\x65tch\x12\x17.stoker.v1.FetchRequest\x1a\x17.stoker.v1.WeightsChunk0\x01\x12=\n\x08Manifest\x12\x17.stoker.v1.FetchRequest\x1a\x18.stoker.v1.ShardManifest\x12\x43\n\tReadShard\x12\x1b.stoker.v1.ReadShardRequest\x1a\x17.stoker.v1.WeightsChunk0\x01\x12:\n\x06Relays\x12\x18.stoker.v1.RelaysRequest\x1a\x16.stoker.v1.RelaysReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,13 +40,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_READSHARDREQUEST']._serialized_start=182
   _globals['_READSHARDREQUEST']._serialized_end=267
   _globals['_RELAYSREQUEST']._serialized_start=269
-  _globals['_RELAYSREQUEST']._serialized_end=341
-  _globals['_RELAYSREPLY']._serialized_start=343
-  _globals['_RELAYSREPLY']._serialized_end=374
-  _globals['_FETCHREQUEST']._serialized_start=376
-  _globals['_FETCHREQUEST']._serialized_end=414
-  _globals['_WEIGHTSCHUNK']._serialized_start=416
-  _globals['_WEIGHTSCHUNK']._serialized_end=520
-  _globals['_WEIGHTS']._serialized_start=523
-  _globals['_WEIGHTS']._serialized_end=845
+  _globals['_RELAYSREQUEST']._serialized_end=357
+  _globals['_RELAYSREPLY']._serialized_start=359
+  _globals['_RELAYSREPLY']._serialized_end=416
+  _globals['_FETCHREQUEST']._serialized_start=418
+  _globals['_FETCHREQUEST']._serialized_end=456
+  _globals['_WEIGHTSCHUNK']._serialized_start=458
+  _globals['_WEIGHTSCHUNK']._serialized_end=562
+  _globals['_WEIGHTS']._serialized_start=565
+  _globals['_WEIGHTS']._serialized_end=887
 # @@protoc_insertion_point(module_scope)

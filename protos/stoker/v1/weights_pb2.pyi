@@ -41,20 +41,24 @@ class ReadShardRequest(_message.Message):
     def __init__(self, policy_version: _Optional[int] = ..., key: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class RelaysRequest(_message.Message):
-    __slots__ = ("policy_version", "layout", "address")
+    __slots__ = ("policy_version", "layout", "address", "stream")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     layout: str
     address: str
-    def __init__(self, policy_version: _Optional[int] = ..., layout: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    stream: str
+    def __init__(self, policy_version: _Optional[int] = ..., layout: _Optional[str] = ..., address: _Optional[str] = ..., stream: _Optional[str] = ...) -> None: ...
 
 class RelaysReply(_message.Message):
-    __slots__ = ("upstream",)
+    __slots__ = ("upstream", "upstream_streams")
     UPSTREAM_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_STREAMS_FIELD_NUMBER: _ClassVar[int]
     upstream: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, upstream: _Optional[_Iterable[str]] = ...) -> None: ...
+    upstream_streams: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, upstream: _Optional[_Iterable[str]] = ..., upstream_streams: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("policy_version",)
