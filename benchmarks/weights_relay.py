@@ -7,8 +7,9 @@ A ``ShardedPublisher`` (one process, its stream on) publishes the ~200 MB bf16 s
 ``WeightRelay`` reads it whole once from the learner and holds every block. Then, alternating,
 a fresh downstream relay reads every tensor whole through its ``RelayedSource`` with that relay
 as its upstream: once told the upstream's stream address (the registry's answer), once not
-(gRPC only). Every byte must come from the upstream relay (checked). All in one process, so the
-serving side shares the reader's process (benchmarks/weights_shards.py's table 1 setting).
+(gRPC only). Every byte must come from the upstream relay (checked). For reference, a plain
+subscriber reads the same version from the learner's stream. All in one process, so the serving
+side shares the reader's process (benchmarks/weights_shards.py's table 1 setting).
 """
 
 from __future__ import annotations
@@ -56,7 +57,11 @@ def main() -> int:
             finally:
                 reader.close()
 
-        grpc_s, stream_s = timed([lambda: hop(False), lambda: hop(True)], args.repeats)
+        def direct() -> None:  # the learner's stream, no relay: the rate a hop could reach
+            with WeightSubscriber(address=learner) as subscriber:
+                assert read_all(subscriber.fetch(1)) == total  # type: ignore[arg-type]
+
+        grpc_s, stream_s, learner_s = timed([lambda: hop(False), lambda: hop(True), direct], args.repeats)
         upstream.close()
     mb = total / 1e6
     print(f"{label}, {mb:.0f} MB, one relay hop, median of {args.repeats} (after a warm-up):")
@@ -64,7 +69,8 @@ def main() -> int:
     print("|---|---|---|")
     print(f"| relay over gRPC ReadShard | {grpc_s:.3f} | {mb / grpc_s:.0f} |")
     print(f"| relay over the shard stream | {stream_s:.3f} | {mb / stream_s:.0f} |")
-    print(f"stream/gRPC time: {stream_s / grpc_s:.2f}")
+    print(f"| the learner's stream, no relay | {learner_s:.3f} | {mb / learner_s:.0f} |")
+    print(f"stream/gRPC time: {stream_s / grpc_s:.2f}; relay stream/learner stream time: {stream_s / learner_s:.2f}")
     return 0
 
 

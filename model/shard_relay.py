@@ -24,7 +24,6 @@ import logging
 import math
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from concurrent import futures
@@ -35,7 +34,6 @@ import grpc
 import numpy as np
 
 from stoker.model.shards import ShardManifest, ShardRecord, ShardSource, ShardsCorrupt, dtype_of
-from stoker.model.weight_errors import WeightsError
 from stoker.v1 import weights_pb2, weights_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -66,7 +64,7 @@ def geometry(manifest: ShardManifest, shard: ShardRecord) -> BlockGeometry:
 class _Held:
     manifest: ShardManifest
     shards: dict[str, ShardRecord]
-    blocks: dict[tuple[str, int], bytes] = field(default_factory=dict)
+    blocks: dict[tuple[str, int], memoryview | bytes] = field(default_factory=dict)  # views of the read buffers
     planned: set[tuple[str, int]] = field(default_factory=set)
 
 
@@ -93,7 +91,9 @@ class RelayCache:
             self._held(manifest).planned.update(blocks)
             self._cond.notify_all()
 
-    def put(self, manifest: ShardManifest, key: str, block: int, data: bytes) -> None:
+    def put(self, manifest: ShardManifest, key: str, block: int, data: memoryview | bytes) -> None:
+        """Block ``block`` of ``key``, verified: kept as it is (a view of the reader's buffer, not
+        copied; nothing writes a verified block again)."""
         with self._cond:
             self._held(manifest).blocks[(key, block)] = data
             self._cond.notify_all()
@@ -117,7 +117,7 @@ class RelayCache:
                 if not self._cond.wait(max(0.0, deadline - time.monotonic())) and time.monotonic() >= deadline:
                     return None
 
-    def block(self, version: int, key: str, block: int, deadline: float) -> bytes | None:
+    def block(self, version: int, key: str, block: int, deadline: float) -> memoryview | bytes | None:
         """Block ``block`` of ``key`` once this server has it; None if it is not reading it,
         gave up on it, dropped the version, or ``deadline`` passed."""
         with self._cond:
@@ -139,7 +139,7 @@ class RelayCache:
 
 
 def held_pieces(cache: RelayCache, version: int, key: str, shape: BlockGeometry, offset: int, size: int,
-                wait_s: float) -> Iterator[bytes]:
+                wait_s: float) -> Iterator[memoryview | bytes]:
     """Bytes ``offset..offset + size`` of ``key`` block by block as this server gets them; stops
     early at a block it will not have (not reading it, gave up, or ``wait_s`` passed for it)."""
     end = offset + size
@@ -171,7 +171,8 @@ class _RelayServicer(weights_pb2_grpc.WeightsServicer):
         for data in held_pieces(self.cache, request.policy_version, request.key, shape, request.offset, request.size, self.wait_s):
             with self.lock:
                 self.served["bytes"] += len(data)
-            yield weights_pb2.WeightsChunk(policy_version=request.policy_version, offset=sent, data=data)
+            # protobuf takes bytes only: the gRPC path (the stream's fallback) pays this copy
+            yield weights_pb2.WeightsChunk(policy_version=request.policy_version, offset=sent, data=bytes(data))
             sent += len(data)
         if sent < request.size:
             context.abort(grpc.StatusCode.NOT_FOUND, f"this relay does not hold {request.key} past byte {request.offset + sent}")
@@ -253,18 +254,21 @@ class WeightRelay:
             return ""
         return f"{self.advertise.rsplit(':', 1)[0]}:{self.stream_server.port}"
 
-    def receive(self, address: str, manifest: ShardManifest, shard: ShardRecord, offset: int, size: int,
+    def receive(self, address: str, manifest: ShardManifest, shard: ShardRecord, offset: int, out: memoryview,
                 landed: Any) -> None:
-        """Read from the relay stream at ``address``, each verified block to ``landed``."""
+        """Read from the relay stream at ``address`` into ``out``, each verified block to ``landed``."""
         from stoker.model.shard_stream import StreamShards
 
         with self._lock:
             if self.stream_client is None:
                 self.stream_client = StreamShards(self.auth_token, timeout_s=self.timeout_s)
             client = self.stream_client
-        client.receive(address, manifest, shard, offset, size, landed)
+        client.receive(address, manifest, shard, offset, out, landed)
 
-    def source(self, primary: ShardSource) -> RelayedSource:
+    def source(self, primary: ShardSource) -> Any:
+        """The ``ShardSource`` this server's reads go through (``relay_source.RelayedSource``)."""
+        from stoker.model.relay_source import RelayedSource
+
         return RelayedSource(self, primary)
 
     def _stub(self, address: str) -> Any:
@@ -329,95 +333,3 @@ class WeightRelay:
                 channel.close()
             self._channels.clear()
 
-
-class RelayedSource:
-    """``ShardSource`` of a relaying server: upstream relays, then the primary source; every
-    verified block goes into the relay's cache for the servers below it."""
-
-    def __init__(self, relay: WeightRelay, primary: ShardSource):
-        self.relay, self.primary = relay, primary
-        self.upstream = relay.upstream
-        self._registered = False
-
-    def expect(self, manifest: ShardManifest, blocks: Iterable[tuple[str, int]]) -> None:
-        planned = list(blocks)
-        # Planned before registering: once anyone is told to read from us, requests wait for these.
-        self.relay.cache.expect(manifest, planned)
-        if self.relay.registry is not None and not self._registered:
-            self._registered = True  # a version's first read names its layout (a server's whole stage)
-            found = self.relay.discover(manifest, planned)
-            self.upstream = found + tuple(a for a in self.relay.upstream if a not in found)
-
-    def _streams(self, manifest: ShardManifest, shard: ShardRecord) -> Iterator[tuple[str, Any]]:
-        """(source name, open) in the order tried; ``open(offset, size)`` gives the bytes as
-        pieces, or None for a stream source (its blocks arrive verified through ``landed``)."""
-        for address in self.upstream:
-            stream = self.relay.streams_of.get(address)
-            if stream:
-                yield f"relay {address} stream", None
-            yield f"relay {address}", lambda o, n, a=address: self.relay.stream(a, manifest, shard, o, n)
-        stream = getattr(self.primary, "stream", None)
-        if stream is not None:
-            yield "primary", lambda o, n: stream(manifest, shard, o, n)
-        else:
-            yield "primary", lambda o, n: iter([self.primary.read(manifest, shard, o, n)])
-
-    def read(self, manifest: ShardManifest, shard: ShardRecord, offset: int, size: int) -> bytes:
-        shape = geometry(manifest, shard)
-        if offset % shape.block_bytes:
-            raise ValueError(f"{shard.key}: relayed reads start at a block boundary (offset {offset})")
-        first = offset // shape.block_bytes
-        out: list[bytes] = []
-        good, block = 0, first
-        failure: Exception | None = None
-        def landed(data: Any) -> None:  # one verified block from a relay's stream
-            nonlocal good, block
-            kept = bytes(data)
-            self.relay.cache.put(manifest, shard.key, block, kept)
-            self.relay.take(name, len(kept))
-            out.append(kept)
-            good += len(kept)
-            block += 1
-
-        for name, open_stream in self._streams(manifest, shard):
-            if good == size:
-                break
-            pending = bytearray()
-            try:
-                if open_stream is None:
-                    address = self.relay.streams_of[name.split()[1]]
-                    self.relay.receive(address, manifest, shard, offset + good, size - good, landed)
-                    continue
-                for piece in open_stream(offset + good, size - good):
-                    pending += piece
-                    while good < size:
-                        start, stop = shape.span(block)
-                        length = min(stop, offset + size) - start
-                        if len(pending) < length:
-                            break
-                        data = bytes(pending[:length])
-                        del pending[:length]
-                        if block >= len(shard.checksums) or zlib.crc32(data) != shard.checksums[block]:
-                            raise ShardsCorrupt(f"{shard.key}: block {block} from {name} does not match its crc32")
-                        self.relay.cache.put(manifest, shard.key, block, data)
-                        self.relay.take(name, length)
-                        out.append(data)
-                        good += length
-                        block += 1
-                if good < size:
-                    raise ShardsCorrupt(f"{shard.key}: {name} ended after {good} of {size} bytes")
-            except (grpc.RpcError, WeightsError, OSError) as err:
-                failure = err
-                if name != "primary":
-                    self.relay.fell_back()
-                    log.info("weights relay: %s failed on %s at block %d (%s); reading on from the next source",
-                             name, shard.key, block, getattr(err, "details", lambda: err)())
-        if good < size:
-            last = (offset + size - 1) // shape.block_bytes
-            self.relay.cache.give_up(manifest.version, shard.key, range(block, last + 1))
-            if isinstance(failure, WeightsError):
-                raise failure
-            from stoker.model.shard_service import translate
-
-            raise translate(failure) if isinstance(failure, grpc.RpcError) else ShardsCorrupt(str(failure))
-        return b"".join(out)

@@ -60,7 +60,7 @@ class Progressive:
     server then closes the connection mid-reply: the reader keeps what it verified and falls back)."""
 
     total: int  # the shard's bytes
-    pieces: Callable[[int, int], Iterator[bytes]]
+    pieces: Callable[[int, int], Iterator[bytes | memoryview]]
 
 
 # What a server sends for (version, process, key): the shard's bytes in memory, its file, or a
@@ -267,26 +267,26 @@ class StreamShards:
         _verify(shard, out, offset // step, step, good[0], size)
         return out
 
-    def receive(self, address: str, manifest: ShardManifest, shard: ShardRecord, offset: int, size: int,
+    def receive(self, address: str, manifest: ShardManifest, shard: ShardRecord, offset: int, out: memoryview,
                 landed: Callable[[memoryview], None]) -> None:
-        """Read ``size`` bytes at ``offset`` of ``shard`` from the stream server at ``address`` (a
-        relay), no fallback: each block goes to ``landed`` as soon as it matched its crc32, so a
-        failure (raised) leaves the caller holding every verified block before it."""
+        """Read ``len(out)`` bytes at ``offset`` of ``shard`` from the stream server at ``address``
+        (a relay) into ``out`` (the caller's buffer, 1-D bytes), no fallback: each block's view of
+        ``out`` goes to ``landed`` as soon as it matched its crc32, so a failure (raised) leaves the
+        caller holding every verified block before it."""
         step, _ = _geometry(manifest, shard)
         with self._lock:
             if self._dead.get(address, 0.0) > time.monotonic():
                 raise WeightsUnavailable(f"weights stream {address}: not answering (skipped for {DEAD_FOR_S:.0f} s)")
         good = [0]
-        buffer: Any = np.empty(size, np.uint8)
         try:
-            self._receive(address, manifest, shard, offset, memoryview(buffer), step, good, landed)
+            self._receive(address, manifest, shard, offset, out, step, good, landed)
         except BaseException:
             with self._lock:
                 self.fallbacks += 1
                 self.streamed_bytes += good[0]
             raise
         with self._lock:
-            self.streamed_bytes += size
+            self.streamed_bytes += len(out)
 
     def _receive(self, address: str, manifest: ShardManifest, shard: ShardRecord, offset: int,
                  out: memoryview, step: int, good: list[int], landed: Callable[[memoryview], None] | None = None) -> None:

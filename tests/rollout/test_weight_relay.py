@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from stoker.distributed import Processes
@@ -27,6 +28,7 @@ from stoker.model import shard_service
 from stoker.model.hf import to_hf
 from stoker.model.model import init_model
 from stoker.model.shard_relay import WeightRelay, geometry
+from stoker.model.shards import ShardsCorrupt
 from stoker.model.weights import WeightSubscriber
 from stoker.spec import TransformerConfig
 
@@ -221,3 +223,41 @@ def test_a_relay_sending_a_bad_block_is_caught_by_its_crc32_and_the_reader_reads
         finally:
             reader.close()
             bad.close()
+
+
+def test_a_relay_checks_each_block_from_a_primary_that_does_not_and_keeps_views_of_its_read_not_copies() -> None:
+    # The relay's reads say they verify every block (the reader does not check again), so a
+    # primary that does not check (a directory, a gRPC peer) must have each block checked here.
+    with publish() as (publisher, want, total):
+        relay = WeightRelay(stream_port=None)
+        try:
+            with WeightSubscriber(address=f"127.0.0.1:{publisher.port}") as plain:
+                weights: Any = plain.fetch(1)
+                manifest, learner = weights.manifest, weights.source
+                shard = manifest.tensors["model.embed_tokens.weight"].shards[0]
+                shape = geometry(manifest, shard)
+                blocks = -(-shape.total_bytes // shape.block_bytes)
+                assert blocks > 2 and not getattr(learner, "verifies_blocks", False)
+
+                class Flipping:  # returns the learner's bytes with the last one flipped, unchecked
+                    def read(self, m: Any, s: Any, offset: int, size: int) -> bytearray:
+                        data = bytearray(learner.read(m, s, offset, size))
+                        data[-1] ^= 1
+                        return data
+
+                lying = relay.source(Flipping())
+                assert lying.verifies_blocks
+                lying.expect(manifest, [(shard.key, b) for b in range(blocks)])
+                with pytest.raises(ShardsCorrupt, match=f"block {blocks - 1} from primary"):
+                    lying.read(manifest, shard, 0, shape.total_bytes)
+                now = time.monotonic()
+                assert relay.cache.block(1, shard.key, blocks - 2, now) is not None  # the good ones are kept
+                assert relay.cache.block(1, shard.key, blocks - 1, now) is None  # the bad one is not
+
+                out = relay.source(learner).read(manifest, shard, 0, shape.total_bytes)
+                assert bytes(out) == bytes(learner.read(manifest, shard, 0, shape.total_bytes))
+                held = relay.cache.block(1, shard.key, 1, time.monotonic())
+                assert held is not None and bytes(held) == bytes(out[shape.block_bytes : 2 * shape.block_bytes])
+                assert np.shares_memory(np.frombuffer(held, np.uint8), np.frombuffer(out, np.uint8))
+        finally:
+            relay.close()
