@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +19,13 @@ import jax.numpy as jnp
 import pytest
 
 from stoker.learner.publish import ShardedPublisher
-from stoker.model import shard_service
 from stoker.model.hf import to_hf
 from stoker.model.model import init_model
 from stoker.model.relay_registry import RelayRegistry, upstream_positions
 from stoker.model.shard_relay import WeightRelay
 from stoker.model.weights import WeightSubscriber
 
-from .test_weight_relay import CONFIG, TOTAL, WORKER, publish, wait_for
+from .test_weight_relay import CONFIG, WORKER, gate_learner_after_half, publish, wait_for
 
 
 def start(out: Path, name: str, learner: str, go: str = "go") -> tuple[subprocess.Popen[str], str]:
@@ -107,17 +105,7 @@ def test_a_relay_killed_mid_transfer_leaves_its_reader_to_finish_from_the_next_r
     # learner <- r0 <- r1 <- reader. The learner stops sending after half the version until r1
     # is dead: the reader has part of that half from r1, and the rest must come from r0 (its
     # grandparent), so the learner still sends the version out exactly once.
-    gate, halfway = threading.Event(), threading.Event()
-    real = shard_service._ShardServicer.ReadShard
-
-    def gated(self: Any, request: Any, context: Any) -> Iterator[Any]:
-        for chunk in real(self, request, context):
-            if self.served_bytes >= TOTAL // 2 and not gate.is_set():
-                halfway.set()
-                assert gate.wait(120), "the test never opened the gate"
-            yield chunk
-
-    monkeypatch.setattr(shard_service._ShardServicer, "ReadShard", gated)  # before the server binds it
+    gate, halfway = gate_learner_after_half(monkeypatch)
     with publish() as (publisher, want, total):
         learner = f"127.0.0.1:{publisher.port}"
         procs: dict[str, subprocess.Popen[str]] = {}

@@ -117,14 +117,9 @@ def chain(tmp_path: Path, publisher: ShardedPublisher, want: dict[str, str], tot
     assert served == [one, one, {"grpc": 0, "stream": 0}]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("stream", [False, True], ids=["grpc", "stream"])
-def test_a_relay_killed_mid_transfer_leaves_its_reader_to_finish_from_the_learner_bit_exact(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stream: bool
-) -> None:
-    # The learner stops sending after half the version until the relay is dead: the relay holds
-    # half, its reader has some of that half, and the rest must come from the learner.
+def gate_learner_after_half(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """The learner's gRPC ReadShard stops after half the version (``halfway`` set) until ``gate``
+    is set. Call before the publisher's server binds ReadShard."""
     gate, halfway = threading.Event(), threading.Event()
     real = shard_service._ShardServicer.ReadShard
 
@@ -135,7 +130,19 @@ def test_a_relay_killed_mid_transfer_leaves_its_reader_to_finish_from_the_learne
                 assert gate.wait(120), "the test never opened the gate"
             yield chunk
 
-    monkeypatch.setattr(shard_service._ShardServicer, "ReadShard", gated)  # before the server binds it
+    monkeypatch.setattr(shard_service._ShardServicer, "ReadShard", gated)
+    return gate, halfway
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stream", [False, True], ids=["grpc", "stream"])
+def test_a_relay_killed_mid_transfer_leaves_its_reader_to_finish_from_the_learner_bit_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    # The learner stops sending after half the version until the relay is dead: the relay holds
+    # half, its reader has some of that half, and the rest must come from the learner.
+    gate, halfway = gate_learner_after_half(monkeypatch)
     with publish() as (publisher, want, total):
         killed_mid_transfer(tmp_path, publisher, want, total, gate, halfway, stream)
 
