@@ -319,6 +319,15 @@ class Trainer:
             out_shardings=self.param_shardings,
             donate_argnums=(0,),
         )
+        # One program for the whole copy: an eager jnp.copy per leaf compiled one per distinct shape.
+        self._copy = None
+        if "policy" in self.param_shardings:
+            compute_dtype = self.compute_dtype
+            self._copy = jax.jit(
+                lambda policy: jax.tree.map(partial(_fresh_copy, dtype=compute_dtype), policy),
+                in_shardings=(self.param_shardings["policy"],),
+                out_shardings=self.param_shardings["policy"],
+            )
 
     # -------------------------------------------------------------------------------- device
 
@@ -426,14 +435,11 @@ class Trainer:
         the count so far)."""
         if not micros:
             raise ValueError("no micro-batches to train on")
-        scalars = {
-            "version": jnp.asarray(version, jnp.int32),
-            "num_pairs": jnp.asarray(max(num_pairs, 1), jnp.float32),
-        }
+        scalars = {"version": _scalar(version, np.int32), "num_pairs": _scalar(max(num_pairs, 1), np.float32)}
         grads = None
         device_stats = []
         for index, micro in enumerate(micros):
-            scalars["micro"] = jnp.asarray(index, jnp.int32)
+            scalars["micro"] = _scalar(index, np.int32)
             g, stats = self._grad(self.params, self.frozen, batch_to_device(micro, self.mesh), scalars)
             grads = g if grads is None else self._accumulate(grads, g)
             device_stats.append(stats)
@@ -453,10 +459,7 @@ class Trainer:
     def evaluate(self, micros: list[MicroBatch], version: int) -> dict[str, float]:
         """The loss's summed stats over micro-batches (weights already set), without an update:
         a held-out split's loss."""
-        scalars = {
-            "version": jnp.asarray(version, jnp.int32), "num_pairs": jnp.asarray(1.0, jnp.float32),
-            "micro": jnp.asarray(0, jnp.int32),
-        }
+        scalars = {"version": _scalar(version, np.int32), "num_pairs": _scalar(1.0, np.float32), "micro": _scalar(0, np.int32)}
         device_stats = [
             self._evaluate(self.params, self.frozen, batch_to_device(micro, self.mesh), scalars) for micro in micros
         ]
@@ -518,12 +521,21 @@ class Trainer:
         if self._merge is not None:
             return self._merge(self.base, self.params["lora"])
 
-        def copy(x: jax.Array) -> jax.Array:
-            if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != self.compute_dtype:
-                return x.astype(self.compute_dtype)  # a new buffer already
-            return jnp.copy(x)
+        assert self._copy is not None
+        return self._copy(self.params["policy"])
 
-        return jax.tree.map(copy, self.params["policy"])
+
+def _fresh_copy(x: jax.Array, *, dtype: Any) -> jax.Array:
+    """``x`` in a new buffer, floating point as ``dtype`` (traced inside ``Trainer._copy``)."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+        return x.astype(dtype)
+    return jnp.copy(x)
+
+
+def _scalar(value: float, dtype: Any) -> np.ndarray:
+    """A step scalar as a host array: ``jnp.asarray`` of a Python number compiles a small
+    convert program per dtype; a NumPy array goes to the device with the step's arguments."""
+    return np.asarray(value, dtype)
 
 
 def _float_dtype(tree: Any) -> Any:

@@ -631,3 +631,52 @@ def test_logprob_alignment_matches_the_model(grpo_learner: Learner) -> None:
     metrics = learner.train_on([Group([ep, other])])
     assert metrics["tito_tokens"] == 4
     assert abs(metrics["tito_logprob_diff_mean"]) < 1e-5 and metrics["tito_logprob_diff_std"] < 1e-5
+
+
+def two_bucket_groups(learner: Learner, rng: np.random.Generator) -> list[Group]:
+    """Two groups that fill both of ``settings()``'s buckets: eight 13-token episodes take the
+    8 rows of 16 (3 tokens left in each), eight 6-token ones then take a micro-batch of 8."""
+    groups = []
+    for g, n in enumerate([13, 6]):
+        episodes = []
+        for i in range(8):
+            mask = np.zeros(n, np.uint8)
+            mask[2:] = 1
+            episodes.append(
+                Episode(
+                    episode_id=f"{g}-{i}", group_id=f"g{g}", group_size=8, task_id="t",
+                    token_ids=rng.integers(0, 8, n).astype(np.int32), loss_mask=mask,
+                    logprobs=np.where(mask, -1.0, 0.0).astype(np.float32),
+                    policy_versions=np.where(mask, learner.version, -1).astype(np.int32),
+                    reward=float(i % 2), status=1,
+                )
+            )
+        groups.append(Group(episodes))
+    return groups
+
+
+@pytest.mark.slow  # ~7 s in this file (its programs are the other tests'), ~23 s alone
+def test_steps_after_the_first_compile_nothing() -> None:
+    """A step compiles each bucket's program once; later steps (new versions, new scalars, a weights
+    copy for publishing each time) reuse every program. A recompile per step would be a silent
+    many-fold slowdown, so this counts XLA compilations through jax.monitoring, not time."""
+    from collections import Counter
+
+    from stoker.learner.metrics import CompileCounter
+
+    counter = CompileCounter.install()
+    learner = Learner(settings())
+    rng = np.random.default_rng(7)
+
+    def step() -> None:
+        assert learner.train_on(two_bucket_groups(learner, rng))["trained"]
+        jax.block_until_ready(learner.trainer.policy_copy())
+
+    before = Counter(counter.by_function)
+    step()
+    first = Counter(counter.by_function) - before
+    assert first["jit(_grad_impl)"] == 2 and first["jit(_apply_impl)"] == 1, first  # one per bucket; one update
+    for _ in range(3):
+        step()
+    assert Counter(counter.by_function) - before == first, "a later step compiled again"
+    assert learner.version == 4
