@@ -25,7 +25,7 @@ from stoker.model.relay_registry import RelayRegistry, upstream_positions
 from stoker.model.shard_relay import WeightRelay
 from stoker.model.weights import WeightSubscriber
 
-from .test_weight_relay import CONFIG, WORKER, gate_learner_after_half, publish, wait_for
+from .test_weight_relay import CONFIG, WORKER, gate_learner_after_half, publish, read_version_into, wait_for
 
 
 def start(out: Path, name: str, learner: str, go: str = "go") -> tuple[subprocess.Popen[str], str]:
@@ -113,18 +113,7 @@ def test_a_relay_killed_mid_transfer_leaves_its_reader_to_finish_from_the_next_r
         port = reader.serve("127.0.0.1:0")
         reader.registry, reader.advertise = learner, f"127.0.0.1:{port}"
         result: dict[str, Any] = {}
-
-        def read() -> None:
-            try:
-                with WeightSubscriber(address=learner, relay=reader) as subscriber:
-                    weights: Any = subscriber.fetch(1)
-                    names = list(weights.manifest.tensors)
-                    parts = weights.read_boxes([(n, tuple((0, d) for d in weights.manifest.tensors[n].shape)) for n in names])
-                    result["sha256"] = {n: hashlib.sha256(p.tobytes()).hexdigest() for n, p in zip(names, parts, strict=True)}
-            except Exception as exc:  # noqa: BLE001 - reported by the assertion below
-                result["error"] = repr(exc)
-
-        thread = threading.Thread(target=read)
+        thread = threading.Thread(target=read_version_into, args=(learner, reader, result))
         try:
             addresses = {}
             for i in range(2):  # registered one after the other: r0 first, then r1

@@ -147,6 +147,19 @@ def test_a_relay_killed_mid_transfer_leaves_its_reader_to_finish_from_the_learne
         killed_mid_transfer(tmp_path, publisher, want, total, gate, halfway, stream)
 
 
+def read_version_into(learner: str, reader: WeightRelay, result: dict[str, Any]) -> None:
+    """Read version 1 whole through ``reader``'s relays into ``result["sha256"]`` (per tensor), or
+    ``result["error"]``: a thread's body, asserted on by the test that starts it."""
+    try:
+        with WeightSubscriber(address=learner, relay=reader) as subscriber:
+            weights: Any = subscriber.fetch(1)
+            names = list(weights.manifest.tensors)
+            parts = weights.read_boxes([(n, tuple((0, d) for d in weights.manifest.tensors[n].shape)) for n in names])
+            result["sha256"] = {n: hashlib.sha256(p.tobytes()).hexdigest() for n, p in zip(names, parts, strict=True)}
+    except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+        result["error"] = repr(exc)
+
+
 def killed_mid_transfer(
     tmp_path: Path, publisher: ShardedPublisher, want: dict[str, str], total: int, gate: threading.Event,
     halfway: threading.Event, stream: bool,
@@ -157,18 +170,7 @@ def killed_mid_transfer(
     reader = WeightRelay((relay_address,), wait_s=60.0, upstream_streams={relay_address: relay_stream} if stream else None)
     taken_from_relay = f"relay {relay_address}" + (" stream" if stream else "")
     result: dict[str, Any] = {}
-
-    def read() -> None:
-        try:
-            with WeightSubscriber(address=learner, relay=reader) as subscriber:
-                weights: Any = subscriber.fetch(1)
-                names = list(weights.manifest.tensors)
-                parts = weights.read_boxes([(n, tuple((0, d) for d in weights.manifest.tensors[n].shape)) for n in names])
-                result["sha256"] = {n: hashlib.sha256(p.tobytes()).hexdigest() for n, p in zip(names, parts, strict=True)}
-        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
-            result["error"] = repr(exc)
-
-    thread = threading.Thread(target=read)
+    thread = threading.Thread(target=read_version_into, args=(learner, reader, result))
     try:
         (tmp_path / "go").touch()
         thread.start()
