@@ -50,7 +50,12 @@ PUT_RESPONSE_KEY = "stoker-put-response-bin"
 RETRY_AFTER_KEY = "stoker-retry-after-ms"
 # How long a channel being watched may take to report its current state.
 CONNECTED_NOW_SECONDS = 0.05
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED})
+# CANCELLED too: a buffer stopping cancels the calls it has in flight (gRPC's GOAWAY "Cancelling
+# all calls"); this client cancels its own calls only by closing, after which a retry is refused.
+RETRYABLE = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.CANCELLED,
+})
 
 class BufferClientError(Exception):
     """Base of the client's errors."""

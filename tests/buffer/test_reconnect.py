@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -223,3 +224,30 @@ def test_a_retry_goes_out_once_the_channel_reconnects_not_after_its_whole_backof
         finally:
             waiter.join(60)
             server.stop(grace=0)
+
+
+def test_a_call_the_stopping_buffer_cancels_is_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A buffer that stops with calls in flight may answer them CANCELLED (its GOAWAY cancels every
+    call), not UNAVAILABLE: the caller's Stats must come back, not raise."""
+    from stoker.buffer import service
+
+    answered = service.BufferService.stats
+    calls = itertools.count()
+
+    async def cancelled_once(self: Any, request: Any, context: Any) -> Any:
+        if next(calls) == 0:
+            await context.abort(grpc.StatusCode.CANCELLED, "Cancelling all calls")
+        return await answered(self, request, context)
+
+    monkeypatch.setattr(service.BufferService, "stats", cancelled_once)
+    settings = BufferSettings(group_size=1, capacity=1 << 20, max_staleness=100, batch_groups=1)
+    server = BufferServer(settings, tmp_path / "data", host="127.0.0.1", port=(port := free_port())).start()
+    try:
+        client = BufferClient(f"127.0.0.1:{port}", retry=RetryPolicy(deadline=30.0))
+        assert client.stats().policy_version == 0
+        assert next(calls) == 2, "the cancelled call was not sent again"
+        client.close()
+    finally:
+        server.stop(grace=0)
