@@ -101,7 +101,9 @@ class RemotePolicy:
                     wait = retry_after_seconds(exc) * (1 + 0.25 * self._rng.random())
                     await asyncio.sleep(wait)  # the server's own hint: it is up, only saturated
                     continue
-                if code == grpc.StatusCode.UNAVAILABLE:
+                # CANCELLED: a server stopping cancels the turns in flight (its GOAWAY); the turn
+                # was never answered, so it is sent again like one that found the server down.
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                     give_up_at = give_up_at or loop.time() + self.unavailable_seconds
                     if loop.time() < give_up_at:
                         self.reconnects += 1
