@@ -160,12 +160,12 @@ def main(args: argparse.Namespace) -> int:
     options.logs_dir.mkdir(exist_ok=True)
     _write_run_record(options)
     if options.mode == "sync":
-        from stoker.sync import run_sync
+        from stoker.runner.sync import run_sync
 
         outcome = run_sync(options)
     else:
         outcome = run_async(options)
-    from stoker.report import write_report
+    from stoker.runner.report import write_report
 
     failed = outcome.exit_code not in (0, 130)  # 130: interrupted, its report is what it did so far
     report = write_report(options.run_dir, failure=outcome.message if failed else None)
@@ -478,7 +478,7 @@ def child_env(options: RunOptions) -> dict[str, str]:
 
 
 def run_async(options: RunOptions) -> Outcome:
-    from stoker.progress import Progress
+    from stoker.runner.progress import Progress
 
     run = AsyncRun(options)
     deadline = time.monotonic() + options.max_minutes * 60 if options.max_minutes else None
