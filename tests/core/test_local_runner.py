@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stoker.runner.local import Child, wait_for_ready_file
+from stoker.runner.children import Child, wait_for_ready_file
 from stoker.runner.progress import MetricsTail, RunState
 from stoker.runner.report import rolling_mean, time_to_reach, write_report
 
@@ -105,7 +105,7 @@ def test_report_is_written_from_partial_records(tmp_path: Path) -> None:
 def test_a_second_signal_does_not_cut_the_orderly_stop_short() -> None:
     import signal as signals
 
-    from stoker.runner.local import _terminate_on_signals
+    from stoker.runner.children import terminate_on_signals as _terminate_on_signals
 
     stopped = []
     with _terminate_on_signals():
