@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from stoker.report import read_jsonl, time_to_reach
+from stoker.runner.report import read_jsonl, time_to_reach
 
 REPO = Path(__file__).resolve().parent.parent
 

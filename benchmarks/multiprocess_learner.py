@@ -64,7 +64,7 @@ def worker(args: argparse.Namespace) -> int:
         return out
 
     def multihost_encode(batch: Any) -> bytes:
-        from stoker.buffer.client import encode_sample
+        from stoker.buffer.client_types import encode_sample
 
         return encode_sample(batch).SerializeToString()
 

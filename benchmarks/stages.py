@@ -104,7 +104,7 @@ def run_until(manifest: Path, run_dir: Path, target: float, minutes: float) -> R
     import signal
     import time
 
-    from stoker.report import read_jsonl
+    from stoker.runner.report import read_jsonl
 
     if run_dir.exists():
         shutil.rmtree(run_dir)

@@ -82,9 +82,9 @@ class PutStream:
     def put(self, item: Any) -> Future[None]:
         """Queue one trajectory (an Episode, a wire Trajectory or its bytes); the future completes
         once it is durable (or was already stored), or raises ``InvalidTrajectoryError``."""
-        from stoker.buffer.client import _encode, _episode_id
+        from stoker.buffer.client_types import encode_item, episode_id_of
 
-        queued = _Item(_encode(item), _episode_id(item))
+        queued = _Item(encode_item(item), episode_id_of(item))
         with self._cond:
             while self._in_flight >= self.window and self._failed is None:
                 self._cond.wait()

@@ -18,7 +18,7 @@ section). The gaps alignment leaves are filled with padding records (type ``PAD`
 readers skip, so a segment stays one unbroken run of records. A position becomes durable only once
 every append before it has been written, so an acknowledged record never sits behind a hole.
 
-What the records mean is the caller's business (see ``stoker.buffer.core``); this module knows
+What the records mean is the caller's business (see ``stoker.buffer.core_state``); this module knows
 files, offsets, checksums and which segments still hold live records ("pins").
 """
 

@@ -1,7 +1,7 @@
 """``stoker learner``: pull batches from the buffer, train, publish weights, checkpoint.
 
 In ``mode: colocated`` (no ``--buffer``) it runs the synchronous loop instead, playing its own
-episodes on its own chips (``stoker.sync``): the operator's colocated learner pod.
+episodes on its own chips (``stoker.runner.sync``): the operator's colocated learner pod.
 
     stoker learner --manifest job.yaml --buffer HOST:PORT [--token-file F] --run-dir DIR \\
                    [--weights-dir DIR] [--weights-port P [--weights-stream-port P]] [--max-steps N] [--metrics-port P]
@@ -90,14 +90,14 @@ def main(args: argparse.Namespace) -> int:
     # Multi-host TPU pods: must happen before anything touches a JAX backend.
     from stoker import distributed
 
-    if colocated:  # the learner plays its own episodes, on its own chips (stoker/sync.py)
+    if colocated:  # the learner plays its own episodes, on its own chips (runner/sync.py)
         try:
             several = distributed.from_environment() is not None
         except distributed.DistributedEnvError as exc:
             return _fail(f"TPU environment: {exc}")
         if several:
             return _fail("mode: colocated runs on one host; a learner slice of several hosts needs mode: disaggregated")
-        from stoker.sync import run_colocated
+        from stoker.runner.sync import run_colocated
 
         return run_colocated(job, Path(args.manifest), run_dir, args.max_steps)
 

@@ -215,7 +215,7 @@ class Learner:
 
         import jax
 
-        from stoker.learner import metrics, sharding, train
+        from stoker.learner import metrics, sharding, step, train, value_network
         from stoker.model import hf
         from stoker.learner.checkpoint import Checkpointer
         from stoker.model.attention_kernels import detect_backend, select_attention
@@ -238,7 +238,7 @@ class Learner:
             softcap=model.config.attn_logit_softcap,
         )
         log.info("attention: %s (%s)", kernel.implementation, kernel.reason)
-        options = train.StepOptions(
+        options = step.StepOptions(
             settings.algorithm, settings.loss, settings.temperature, allowed_token_ids=settings.allowed_token_ids,
             top_k=settings.top_k, min_p=settings.min_p,
             remat=settings.remat,  # type: ignore[arg-type]  # a RematPolicy, checked by the spec
@@ -246,7 +246,7 @@ class Learner:
         )
         value_model = None
         if options.needs_value:
-            value_model = train.init_value_network(model.config, settings.seed + 1, dtype, placement=placement)
+            value_model = value_network.init_value_network(model.config, settings.seed + 1, dtype, placement=placement)
         teacher = None
         if options.needs_teacher:
             from stoker.learner.teacher import TeacherError, load_teacher
@@ -321,7 +321,7 @@ class Learner:
     def evaluate_sequences(self, sequences: Sequence[TrainSequence]) -> dict[str, float]:
         """The mean loss per trained token over ``sequences``, without an update (a held-out split):
         ``eval_loss`` (the NLL per token) and ``eval_tokens``."""
-        from stoker.learner.train import assign_weights
+        from stoker.learner.step import assign_weights
 
         longest = max(self.settings.buckets)
         items = [[packing.truncate(seq, longest)] for seq in sequences]
@@ -380,7 +380,7 @@ class Learner:
             log.warning("batch skipped: all %d model tokens are past maxStaleness=%d", stale, stale_limit)
             self.steps += 1
             return {**base, "policy_version": self.version, "step": self.steps, "trained": 0.0, "stale_tokens": stale}
-        from stoker.learner.train import assign_weights
+        from stoker.learner.step import assign_weights
 
         assign_weights(micros, trainable, s.loss_aggregation)
         sums = self.trainer.step(micros, self.version, num_pairs=prepared.num_pairs)

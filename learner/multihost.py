@@ -36,7 +36,7 @@ def share_step(processes: Processes, batch: SampledBatch | None, stop: bool) -> 
     but not trained is not committed, so the buffer delivers it again after its lease)."""
     if not processes.multi:
         return stop, batch
-    from stoker.buffer.client import decode_sample, encode_sample
+    from stoker.buffer.client_types import decode_sample, encode_sample
     from stoker.v1 import buffer_pb2
 
     payload = encode_sample(batch).SerializeToString() if processes.primary and batch is not None else b""

@@ -4,7 +4,7 @@ Every ``every`` steps the best and the worst episode of the batch (by reward) ar
 job's tokenizer and appended to ``samples.jsonl`` (one record each: step, rank, task, reward and its
 per-turn terms, status, turns, the prompt, the completion and every turn's text) and to TensorBoard
 as text. Special tokens are kept in the text, so a turn that never emits its end-of-turn token
-shows. ``stoker run``'s report shows the newest ones (``stoker.report``).
+shows. ``stoker run``'s report shows the newest ones (``stoker.runner.report``).
 """
 
 from __future__ import annotations

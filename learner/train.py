@@ -11,11 +11,13 @@ PartitionSpecs, batch rows over ``fsdp``. The model forward runs under ``jit`` w
 shardings (XLA's SPMD partitioner places the collectives); the loss is a per-shard computation
 under ``shard_map`` — every packed sequence lies inside one row and every row inside one shard, so
 each shard reduces its own rows and one ``psum`` over ``fsdp`` combines them.
+
+The step's options, its per-shard loss and the micro-batches' loss weights are
+``stoker.learner.step``; PPO's critic is ``stoker.learner.value_network``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -27,18 +29,20 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from stoker.learner import algorithms, lora, sharding
-from stoker.learner.algorithms import LossConfig
-from stoker.model.attention_kernels import Implementation, rows_split_over
-from stoker.model.logprobs import TokenStats, token_stats
-from stoker.model.model import (
-    Block, RematPolicy, RMSNorm, TrainingLayout, Transformer, packed_visibility, training_layout,
-)
 from stoker.learner.optimizer import make_optimizer as make_optimizer  # re-exported: train.make_optimizer
 from stoker.learner.optimizer import updates_applied
 from stoker.learner.packing import FIELDS, MicroBatch
-from stoker.spec import TransformerConfig
+# Re-exported: train.StepOptions, train.assign_weights, train.ValueNetwork, as callers name them.
+from stoker.learner.step import StepOptions as StepOptions
+from stoker.learner.step import assign_weights as assign_weights
+from stoker.learner.step import per_shard_loss
+from stoker.learner.trees import abstract_placed, cast_floats, float_dtype, fresh_copy, host_scalar
+from stoker.learner.value_network import ValueNetwork as ValueNetwork
+from stoker.learner.value_network import init_value_network as init_value_network
+from stoker.model.attention_kernels import rows_split_over
+from stoker.model.logprobs import TokenStats, token_stats
+from stoker.model.model import TrainingLayout, Transformer, training_layout
 
-ALGORITHMS = ("grpo", "ppo", "gspo", "dpo", "sft", "distill")
 # Batch arrays the device needs (sequence_index stays on the host).
 DEVICE_FIELDS = (
     "tokens", "targets", "positions", "segment_ids", "weights", "behaviour_logprobs", "behaviour_known",
@@ -46,152 +50,10 @@ DEVICE_FIELDS = (
 )
 
 
-@dataclass(frozen=True)
-class StepOptions:
-    """What the train step computes; static (part of the compiled program)."""
-
-    algorithm: str = "grpo"
-    loss: LossConfig = LossConfig()
-    temperature: float = 1.0  # the actors' sampling temperature: mu is the tempered policy
-    # Constrained decoding (spec.actors.sampling.allowedTokens): the policy is the model restricted
-    # to these tokens, exactly as the sampler restricts it.
-    allowed_token_ids: tuple[int, ...] | None = None
-    # Top-k and min-p truncation (spec.actors.sampling.topK/minP): mu is the truncated, renormalised policy.
-    top_k: int = 0
-    min_p: float = 0.0
-    # Per-layer rematerialisation (spec.model.remat): what the backward recomputes instead of storing.
-    remat: RematPolicy = "full"
-    # The attention kernel (spec.model.attention after attention_kernels.select_attention).
-    attention: Implementation = "blockwise"
-    # spec.model.lora: train low-rank adapters on a frozen base (stoker.learner.lora).
-    lora: lora.LoraConfig | None = None
-    # spec.learner.mesh.sequenceSharding: the residual stream's tokens split over tp between layers.
-    sequence_sharding: bool = False
-
-    def __post_init__(self) -> None:
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm {self.algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
-
-    @property
-    def needs_reference(self) -> bool:
-        return self.algorithm == "dpo" or self.loss.kl_coef > 0
-
-    @property
-    def needs_teacher(self) -> bool:
-        return self.algorithm == "distill"
-
-    @property
-    def needs_value(self) -> bool:
-        return self.algorithm == "ppo"
-
-
-class ValueNetwork(nnx.Module):
-    """PPO's critic: a separate one-block transformer with a scalar head, V(prefix up to t).
-
-    Kept apart from the policy (rather than a head on its last hidden state) so the policy stays
-    exactly the published Llama/Qwen graph the actors load; one block of the policy's width is
-    enough to read the state of a packed row and costs ~1/num_layers of the policy's compute.
-    """
-
-    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32):
-        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.block = Block(config, dtype=dtype, rngs=rngs)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
-        self.head = nnx.Linear(
-            config.hidden_size, 1, dtype=dtype, param_dtype=dtype, kernel_init=nnx.initializers.zeros_init(), rngs=rngs
-        )
-
-    def __call__(self, token_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        """[B, T] int32 x3 -> float32 values [B, T]."""
-        h, _ = self.block(self.embed_tokens(token_ids), positions, packed_visibility(segment_ids))
-        return self.head(self.norm(h))[..., 0].astype(jnp.float32)
-
-
-def init_value_network(
-    config: TransformerConfig, seed: int, dtype: Any = jnp.float32, placement: Any = None
-) -> ValueNetwork:
-    """PPO's critic, initialised as ``init_model`` initialises the policy: one compiled program,
-    placed or not (the same values either way); ``placement(shape)`` is each parameter's
-    sharding, so each device computes only its own shard."""
-    make = lambda: ValueNetwork(config, rngs=nnx.Rngs(params=seed), dtype=dtype)  # noqa: E731
-    graphdef, abstract = nnx.split(nnx.eval_shape(make))
-    placed = {} if placement is None else {"out_shardings": jax.tree.map(lambda a: placement(tuple(a.shape)), abstract)}
-    state = jax.jit(lambda: nnx.state(make()), **placed)()
-    network: ValueNetwork = nnx.merge(graphdef, state)
-    return network
-
-
 def batch_to_device(micro: MicroBatch, mesh: Mesh) -> dict[str, jax.Array]:
     """The device arrays of a micro-batch, rows split over fsdp."""
     spec = sharding.batch_sharding(mesh)
     return {name: jax.device_put(micro.arrays[name], spec) for name in DEVICE_FIELDS}
-
-
-def _per_shard_loss(
-    options: StepOptions,
-    logp: jax.Array,
-    extras: dict[str, jax.Array],
-    batch: dict[str, jax.Array],
-    scalars: dict[str, jax.Array],
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Loss and summed stats of this shard's rows, then combined over fsdp (psum / pmax)."""
-    cfg = options.loss
-    weights = batch["weights"]
-    mask = (weights > 0).astype(jnp.float32)
-    rows, length = logp.shape
-    row_base = jnp.arange(rows, dtype=jnp.int32)[:, None] * length
-    # Row-local ids are unique within the shard, which is all the segment sums need.
-    sequence_ids = jnp.maximum(row_base + batch["segment_ids"] - 1, 0)
-    old = batch["behaviour_logprobs"] if cfg.clips_against_behaviour(options.algorithm) else jax.lax.stop_gradient(logp)
-    ref = extras.get("ref_logprobs")
-    entropy = extras.get("entropy")
-    if options.algorithm == "grpo":
-        loss, stats = algorithms.grpo_loss(
-            logp, old, batch["behaviour_logprobs"], batch["advantages"], weights, cfg,
-            ref_logprobs=ref, entropy=entropy, stuck=batch["stuck"], log_not_taken=extras["log_not_taken"],
-        )
-    elif options.algorithm == "gspo":
-        loss, stats = algorithms.gspo_loss(
-            logp, old, batch["behaviour_logprobs"], batch["advantages"], weights, sequence_ids, cfg,
-            ref_logprobs=ref, entropy=entropy, stuck=batch["stuck"], log_not_taken=extras["log_not_taken"],
-        )
-    elif options.algorithm == "sft":
-        loss, stats = algorithms.sft_loss(logp, weights)
-    elif options.algorithm == "distill":
-        loss, stats = algorithms.distill_loss(
-            logp, extras["teacher_logprobs"], batch["behaviour_logprobs"], batch["behaviour_known"], weights,
-            cfg.importance_cap, divergence=cfg.divergence, beta=cfg.jsd_beta,
-        )
-    elif options.algorithm == "ppo":
-        values = extras["values"]
-        advantages, returns = algorithms.gae(
-            batch["rewards"], values, mask, batch["segment_ids"], cfg.gamma, cfg.gae_lambda
-        )
-        loss, stats = algorithms.ppo_loss(
-            logp, old, batch["behaviour_logprobs"], advantages, values, returns, weights, cfg,
-            ref_logprobs=ref, entropy=entropy,
-        )
-        stats["advantage_sum"] = jnp.sum(mask * advantages)
-        stats["value_sum"] = jnp.sum(mask * jax.lax.stop_gradient(values))
-    else:
-        assert ref is not None
-        pair_ids = row_base + batch["pair_slot"]
-        loss, stats = algorithms.dpo_loss(
-            logp, ref, old, batch["behaviour_logprobs"], batch["behaviour_known"], mask, pair_ids,
-            batch["pair_sign"], cfg, num_pairs=scalars["num_pairs"],
-        )
-    stats.update(
-        algorithms.sampler_trainer_logprob_stats(
-            logp, batch["behaviour_logprobs"], batch["versions"], mask * batch["behaviour_known"], scalars["version"]
-        )
-    )
-    stats["trained_tokens"] = jnp.sum(mask)
-    stats["loss"] = loss
-    combined = {
-        key: (jax.lax.pmax(value, sharding.FSDP) if key in algorithms.MAX_STATS else jax.lax.psum(value, sharding.FSDP))
-        for key, value in stats.items()
-    }
-    return combined["loss"], combined
 
 
 class Trainer:
@@ -227,7 +89,7 @@ class Trainer:
         # is below bfloat16's resolution (8 mantissa bits) and rounds away in bfloat16 weights
         # (spec.learner.weightDtype says so). The update is computed in float32 either way and
         # rounded once into the weights (``_apply_impl``); gradients come in the weights' dtype.
-        self.compute_dtype = _float_dtype(policy_state)
+        self.compute_dtype = float_dtype(policy_state)
         self.weight_dtype = jnp.dtype(weight_dtype)
         params: dict[str, Any] = {}
         base = None
@@ -235,37 +97,37 @@ class Trainer:
             if self.weight_dtype != jnp.float32:
                 raise ValueError("learner.weightDtype: LoRA trains float32 adapters on a base frozen in model.dtype; "
                                  "expected float32 with model.lora")
-            base = _cast(policy_state, self.compute_dtype)
+            base = cast_floats(policy_state, self.compute_dtype)
             params["lora"] = lora.init_adapters(policy_state, model.config.num_layers, options.lora)
         else:
-            params["policy"] = _cast(policy_state, self.weight_dtype)
+            params["policy"] = cast_floats(policy_state, self.weight_dtype)
         self.value_def = None
         if options.needs_value:
             if value_model is None:
                 raise ValueError("PPO needs a value_model")
             self.value_def, value_state = nnx.split(value_model)
-            params["value"] = _cast(value_state, self.weight_dtype)
+            params["value"] = cast_floats(value_state, self.weight_dtype)
         self.param_shardings = sharding.tree_shardings(params, mesh)
         # An abstract model (nnx.eval_shape) gives a trainer that only compiles: see memory_analysis.
         self.abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
-        self.params = _abstract(params, self.param_shardings) if self.abstract else jax.device_put(params, self.param_shardings)
+        self.params = abstract_placed(params, self.param_shardings) if self.abstract else jax.device_put(params, self.param_shardings)
         self.base = None
         self.base_shardings = None
         if base is not None:
             self.base_shardings = sharding.tree_shardings(base, mesh)
-            self.base = _abstract(base, self.base_shardings) if self.abstract else jax.device_put(base, self.base_shardings)
+            self.base = abstract_placed(base, self.base_shardings) if self.abstract else jax.device_put(base, self.base_shardings)
         # A copy in the compute dtype, not an alias: the live parameters are donated to updates.
         self.reference = None
         if options.needs_reference and options.lora is None:
-            reference = _cast(self.params["policy"], self.compute_dtype)
+            reference = cast_floats(self.params["policy"], self.compute_dtype)
             self.reference = reference if self.abstract else jax.tree.map(jnp.copy, reference)
         # The optimizer sees float32 parameters and gradients (``_apply_impl``), so its state is
         # float32 whatever the weights' dtype, unless it stores its own (optimizerStateDtype).
-        init = lambda p: optimizer.init(_cast(p, jnp.float32))  # noqa: E731
+        init = lambda p: optimizer.init(cast_floats(p, jnp.float32))  # noqa: E731
         opt_state = jax.eval_shape(init, self.params)
         self.opt_shardings = sharding.tree_shardings(opt_state, mesh)
         self.opt_state = (
-            _abstract(opt_state, self.opt_shardings) if self.abstract
+            abstract_placed(opt_state, self.opt_shardings) if self.abstract
             else jax.jit(init, out_shardings=self.opt_shardings)(self.params)
         )
         rep = sharding.replicated(mesh)
@@ -281,10 +143,10 @@ class Trainer:
             if teacher_model is None:
                 raise ValueError("distillation needs a teacher_model")
             self.teacher_def, teacher_state = nnx.split(teacher_model)
-            teacher_state = _cast(teacher_state, self.compute_dtype)
+            teacher_state = cast_floats(teacher_state, self.compute_dtype)
             frozen_shardings["teacher"] = sharding.tree_shardings(teacher_state, mesh)
             self.frozen["teacher"] = (
-                _abstract(teacher_state, frozen_shardings["teacher"]) if self.abstract
+                abstract_placed(teacher_state, frozen_shardings["teacher"]) if self.abstract
                 else jax.device_put(teacher_state, frozen_shardings["teacher"])
             )
         ref_shardings = frozen_shardings
@@ -324,7 +186,7 @@ class Trainer:
         if "policy" in self.param_shardings:
             compute_dtype = self.compute_dtype
             self._copy = jax.jit(
-                lambda policy: jax.tree.map(partial(_fresh_copy, dtype=compute_dtype), policy),
+                lambda policy: jax.tree.map(partial(fresh_copy, dtype=compute_dtype), policy),
                 in_shardings=(self.param_shardings["policy"],),
                 out_shardings=self.param_shardings["policy"],
             )
@@ -338,7 +200,7 @@ class Trainer:
         """The policy's per-token stats at the targets, the logits a chunk at a time
         (``logprobs.token_stats``); ``full=False``: log-probs only (the reference policy).
         ``adapters``: LoRA's, on the frozen ``policy`` (``stoker.learner.lora``)."""
-        model = nnx.merge(self.policy_def if graphdef is None else graphdef, _cast(policy, self.compute_dtype))
+        model = nnx.merge(self.policy_def if graphdef is None else graphdef, cast_floats(policy, self.compute_dtype))
         if adapters is not None:
             assert self.options.lora is not None
             lora.attach(model, adapters, self.options.lora, dropout_key)
@@ -394,11 +256,11 @@ class Trainer:
         if reference is not None:
             extras["ref_logprobs"] = jax.lax.stop_gradient(self._forward_logprobs(reference, batch, full=False).logprobs)
         if self.value_def is not None:
-            critic = nnx.merge(self.value_def, _cast(params["value"], self.compute_dtype))
+            critic = nnx.merge(self.value_def, cast_floats(params["value"], self.compute_dtype))
             extras["values"] = critic(batch["tokens"], batch["positions"], batch["segment_ids"])
         row = PartitionSpec(sharding.FSDP, None)
         per_shard = jax.shard_map(
-            partial(_per_shard_loss, self.options),
+            partial(per_shard_loss, self.options),
             mesh=self.mesh,
             in_specs=(row, {k: row for k in extras}, {k: row for k in batch}, PartitionSpec()),
             out_specs=(PartitionSpec(), PartitionSpec()),
@@ -417,7 +279,7 @@ class Trainer:
         every parameter through Adam's moments and never leave. Skipped, the parameters and the
         optimizer state (its step count, so the learning-rate schedule too) stay as they were."""
         finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-        grads = _cast(grads, jnp.float32)  # a no-op for float32 weights: clip, norm and Adam in float32
+        grads = cast_floats(grads, jnp.float32)  # a no-op for float32 weights: clip, norm and Adam in float32
 
         def update() -> tuple[Any, Any]:
             updates, new_state = self.optimizer.update(grads, opt_state, params)
@@ -435,11 +297,11 @@ class Trainer:
         the count so far)."""
         if not micros:
             raise ValueError("no micro-batches to train on")
-        scalars = {"version": _scalar(version, np.int32), "num_pairs": _scalar(max(num_pairs, 1), np.float32)}
+        scalars = {"version": host_scalar(version, np.int32), "num_pairs": host_scalar(max(num_pairs, 1), np.float32)}
         grads = None
         device_stats = []
         for index, micro in enumerate(micros):
-            scalars["micro"] = _scalar(index, np.int32)
+            scalars["micro"] = host_scalar(index, np.int32)
             g, stats = self._grad(self.params, self.frozen, batch_to_device(micro, self.mesh), scalars)
             grads = g if grads is None else self._accumulate(grads, g)
             device_stats.append(stats)
@@ -459,7 +321,7 @@ class Trainer:
     def evaluate(self, micros: list[MicroBatch], version: int) -> dict[str, float]:
         """The loss's summed stats over micro-batches (weights already set), without an update:
         a held-out split's loss."""
-        scalars = {"version": _scalar(version, np.int32), "num_pairs": _scalar(1.0, np.float32), "micro": _scalar(0, np.int32)}
+        scalars = {"version": host_scalar(version, np.int32), "num_pairs": host_scalar(1.0, np.float32), "micro": host_scalar(0, np.int32)}
         device_stats = [
             self._evaluate(self.params, self.frozen, batch_to_device(micro, self.mesh), scalars) for micro in micros
         ]
@@ -510,7 +372,7 @@ class Trainer:
         elif self._merge is not None:
             state = self._merge(self.base, self.params["lora"])
         else:
-            state = _cast(self.params["policy"], self.compute_dtype)
+            state = cast_floats(self.params["policy"], self.compute_dtype)
         model: Transformer = nnx.merge(self.policy_def, state)
         return model
 
@@ -523,67 +385,3 @@ class Trainer:
 
         assert self._copy is not None
         return self._copy(self.params["policy"])
-
-
-def _fresh_copy(x: jax.Array, *, dtype: Any) -> jax.Array:
-    """``x`` in a new buffer, floating point as ``dtype`` (traced inside ``Trainer._copy``)."""
-    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
-        return x.astype(dtype)
-    return jnp.copy(x)
-
-
-def _scalar(value: float, dtype: Any) -> np.ndarray:
-    """A step scalar as a host array: ``jnp.asarray`` of a Python number compiles a small
-    convert program per dtype; a NumPy array goes to the device with the step's arguments."""
-    return np.asarray(value, dtype)
-
-
-def _float_dtype(tree: Any) -> Any:
-    """The dtype of the first floating-point leaf (the model's compute dtype)."""
-    for leaf in jax.tree.leaves(tree):
-        if jnp.issubdtype(leaf.dtype, jnp.floating):
-            return leaf.dtype
-    return jnp.float32
-
-
-def _cast(tree: Any, dtype: Any) -> Any:
-    """Floating-point leaves as ``dtype`` (a no-op for leaves already in it); abstract leaves too."""
-
-    def cast(x: Any) -> Any:
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            return x
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
-        return x.astype(dtype)
-
-    return jax.tree.map(cast, tree)
-
-
-def _abstract(tree: Any, shardings: Any) -> Any:
-    """Shapes and dtypes of ``tree`` placed as ``shardings``, allocating nothing."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
-def assign_weights(micros: list[MicroBatch], trainable: list[np.ndarray], mode: str) -> None:
-    """Set each micro-batch's ``weights`` so that the weighted sum over all of them is the batch's
-    token-mean or sequence-mean (see ``algorithms.aggregation_weights``). ``trainable`` is each
-    micro-batch's final 0/1 mask (model tokens that are not stale)."""
-    if mode == "token-mean":
-        total = max(sum(float(m.sum()) for m in trainable), 1.0)
-        for micro, m in zip(micros, trainable, strict=True):
-            micro.arrays["weights"] = (m / total).astype(np.float32)
-        return
-    if mode != "sequence-mean":
-        raise ValueError(f"aggregation {mode!r}; expected 'token-mean' or 'sequence-mean'")
-    size = 1 + max(int(micro.arrays["sequence_index"].max()) for micro in micros)
-    counts = np.zeros(size, np.float64)
-    for micro, m in zip(micros, trainable, strict=True):
-        idx = micro.arrays["sequence_index"]
-        np.add.at(counts, idx[idx >= 0], m[idx >= 0])
-    num_sequences = max(int((counts > 0).sum()), 1)
-    for micro, m in zip(micros, trainable, strict=True):
-        idx = np.maximum(micro.arrays["sequence_index"], 0)
-        per_token = np.maximum(counts[idx], 1.0)
-        micro.arrays["weights"] = np.where(m > 0, m / (per_token * num_sequences), 0.0).astype(np.float32)
-
-

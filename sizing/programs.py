@@ -92,7 +92,7 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
     import jax
     from flax import nnx
 
-    from stoker.learner import packing, sharding, train
+    from stoker.learner import packing, sharding, step, train, trees, value_network
     from stoker.learner.loop import LearnerSettings
     from stoker.learner.optimizer import learning_rate_schedule
     from stoker.model.attention_kernels import Backend, select_attention
@@ -104,7 +104,7 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
     dtype = dtype_from_name(settings.dtype)
     kernel = select_attention(settings.attention, Backend("tpu", "", None), dtype=dtype, head_dim=head_dim(config),
                               softcap=config.attn_logit_softcap)
-    options = train.StepOptions(
+    options = step.StepOptions(
         settings.algorithm, settings.loss, settings.temperature, allowed_token_ids=settings.allowed_token_ids,
         remat=settings.remat,  # type: ignore[arg-type]  # a RematPolicy, checked by the spec
         attention=kernel.implementation, sequence_sharding=settings.sequence_sharding,
@@ -112,7 +112,7 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype))
     value_model = None
     if options.needs_value:
-        value_model = nnx.eval_shape(lambda: train.ValueNetwork(config, rngs=nnx.Rngs(1), dtype=dtype))
+        value_model = nnx.eval_shape(lambda: value_network.ValueNetwork(config, rngs=nnx.Rngs(1), dtype=dtype))
     mesh = sharding.make_mesh(settings.mesh_fsdp, settings.mesh_tp, slice_.devices)
     optimizer = train.make_optimizer(settings.learning_rate, settings.max_grad_norm, settings.optimizer)
     trainer = train.Trainer(model, options, optimizer, mesh, value_model=value_model,
@@ -127,7 +127,7 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
     opt_state = shard_bytes(trainer.opt_state)
     reference = shard_bytes(trainer.reference) if trainer.reference is not None else 0
     # The last publish's copy in the compute dtype, which the publisher reads while training goes on.
-    published = shard_bytes(train._cast(trainer.params["policy"], trainer.compute_dtype)) if "policy" in trainer.params else 0
+    published = shard_bytes(trees.cast_floats(trainer.params["policy"], trainer.compute_dtype)) if "policy" in trainer.params else 0
     fsdp = sharding.data_parallel_size(mesh)
     rows = packing.rows_for_buckets(settings.buckets, settings.microbatch_tokens, fsdp)
     stored = "".join(f", {what} {name}" for what, name in (("weights", settings.weight_dtype),

@@ -19,7 +19,7 @@ from stoker.parent import stop_with_parent
 
 # subcommand -> (module providing add_arguments/main, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("stoker.local", "run an RLJob manifest on this machine: buffer, actors and learner as local processes"),
+    "run": ("stoker.runner.local", "run an RLJob manifest on this machine: buffer, actors and learner as local processes"),
     "validate": ("stoker.validate_cmd", "check RLJob manifests; exit 2 and one line per problem when invalid"),
     "explain": ("stoker.spec_reference", "describe an RLJob field (type, default, bounds, meaning): stoker explain spec.actors.sampling"),
     "crd": ("stoker.crd_cmd", "print (or write) the RLJob CustomResourceDefinition generated from the spec"),

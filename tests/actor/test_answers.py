@@ -137,7 +137,7 @@ def test_the_example_job_runs_from_the_repository_root(tmp_path: Path, mode: str
 def test_sync_mode_caches_a_conversation_for_every_episode_of_its_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     from stoker.actor.wiring import conversation_rows
     from stoker.manifest import load_job
-    from stoker.sync import episode_settings
+    from stoker.runner.sync import episode_settings
 
     monkeypatch.chdir(REPO)  # the job's task file is relative to the repository root
     spec = load_job(REPO / "examples" / "answers.yaml").spec

@@ -472,7 +472,7 @@ def test_the_feedback_withholds_the_reference_fix_even_if_printed(tmp_path: Path
 
 
 def test_the_progress_line_shows_attempts_once_episodes_report_them() -> None:
-    from stoker.progress import _tampering_text
+    from stoker.runner.progress import _tampering_text
 
     assert _tampering_text({"episode_tampering_attempts": 0.0}) == "" and _tampering_text({}) == ""
     row = {"episode_tampering_attempts": 0.25, "episode_tampering/frame_introspection": 1.0, "episode_tampering/ctypes": 0.0}

@@ -190,7 +190,7 @@ async def test_the_stats_file_stays_current_while_admission_is_refused(lake: Tex
 
 def test_refused_tampering_is_totalled_by_kind_and_shown_in_the_run_report(tmp_path: Path) -> None:
     from stoker.actor.diagnostics import write_snapshot
-    from stoker.report import _generation
+    from stoker.runner.report import _generation
 
     def tried(**kinds: float) -> Episode:
         e = episode(OK)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from stoker.progress import _eval_text
-from stoker.report import eval_rounds, write_report
+from stoker.runner.progress import _eval_text
+from stoker.runner.report import eval_rounds, write_report
 
 
 def test_evaluation_rounds_get_their_own_section_and_curve(tmp_path: Path) -> None:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from stoker.local import Child, wait_for_ready_file
-from stoker.progress import MetricsTail, RunState
-from stoker.report import rolling_mean, time_to_reach, write_report
+from stoker.runner.children import Child, wait_for_ready_file
+from stoker.runner.progress import MetricsTail, RunState
+from stoker.runner.report import rolling_mean, time_to_reach, write_report
 
 SPAWN_GRANDCHILD = r"""
 import subprocess, sys, time, pathlib
@@ -105,7 +105,7 @@ def test_report_is_written_from_partial_records(tmp_path: Path) -> None:
 def test_a_second_signal_does_not_cut_the_orderly_stop_short() -> None:
     import signal as signals
 
-    from stoker.local import _terminate_on_signals
+    from stoker.runner.children import terminate_on_signals as _terminate_on_signals
 
     stopped = []
     with _terminate_on_signals():
@@ -126,9 +126,9 @@ def test_the_progress_display_does_not_wait_on_a_buffer_that_is_gone(tmp_path: P
     failed call, or the run notices the death only after the client's minutes of retries."""
     import socket
 
-    from stoker.local import RunOptions
+    from stoker.runner.local import RunOptions
     from stoker.manifest import load_job
-    from stoker.progress import Progress
+    from stoker.runner.progress import Progress
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

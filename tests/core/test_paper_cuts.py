@@ -66,7 +66,7 @@ def test_the_rollout_log_announces_weight_versions_at_most_once_a_minute(
 
 
 def test_stoker_runs_processes_find_modules_beside_the_manifest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from stoker.local import RunOptions, child_env
+    from stoker.runner.local import RunOptions, child_env
     from stoker.spec import RLJob
 
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
@@ -77,7 +77,7 @@ def test_stoker_runs_processes_find_modules_beside_the_manifest(tmp_path: Path, 
 def test_both_modes_compile_into_the_cache_jax_compilation_cache_dir_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The async run's children read JAX_COMPILATION_CACHE_DIR themselves; the sync run's
     in-process learner is given the same directory, not ~/.cache/stoker/jax; the spec's wins."""
-    from stoker.local import DEFAULT_COMPILATION_CACHE, RunOptions, child_env, compilation_cache_dir
+    from stoker.runner.local import DEFAULT_COMPILATION_CACHE, RunOptions, child_env, compilation_cache_dir
     from stoker.spec import RLJob
 
     options = RunOptions(manifest=tmp_path / "job.yaml", job=RLJob(), mode="sync", run_dir=tmp_path / "run")

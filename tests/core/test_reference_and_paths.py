@@ -81,7 +81,7 @@ def test_uris_and_the_paths_of_a_tpu_job_are_left_to_the_cluster(tmp_path: Path)
 
 
 def test_stoker_run_refuses_a_missing_checkpoint_before_starting(tmp_path: Path) -> None:
-    from stoker.local import resolve_options
+    from stoker.runner.local import resolve_options
     from stoker.manifest import ManifestError
 
     path = tmp_path / "job.yaml"

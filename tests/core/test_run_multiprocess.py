@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stoker.local import UsageError, jax_process_envs, resolve_options
+from stoker.runner.local import UsageError, jax_process_envs, resolve_options
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +73,7 @@ def test_learner_process_environments() -> None:
 def test_bad_learner_process_options_are_explained(tmp_path: Path, argv: list[str], message: str, tiny_job: str) -> None:
     import argparse
 
-    from stoker.local import add_arguments
+    from stoker.runner.local import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

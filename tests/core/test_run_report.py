@@ -12,9 +12,9 @@ import pytest
 from stoker.actor.diagnostics import ActorDiagnostics, write_snapshot
 from stoker.actor.tokenization import byte_tokenizer
 from stoker.learner.samples import SAMPLES_FILE, SampleLog
-from stoker.local import RunOptions
-from stoker.progress import Progress
-from stoker.report import windowed_duty, write_report
+from stoker.runner.local import RunOptions
+from stoker.runner.progress import Progress
+from stoker.runner.report import windowed_duty, write_report
 from stoker.spec import RLJob
 from stoker.trajectory import Episode
 from stoker.v1 import trajectory_pb2
@@ -104,7 +104,7 @@ def test_stoker_run_that_fails_before_training_says_so_and_writes_no_report(
 ) -> None:
     import argparse
 
-    from stoker import local
+    from stoker.runner import local
 
     manifest = tmp_path / "job.yaml"
     manifest.write_text("apiVersion: stoker.dev/v1alpha1\nkind: RLJob\nmetadata: {name: t}\n")

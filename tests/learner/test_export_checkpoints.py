@@ -100,7 +100,7 @@ def test_a_checkpoint_without_its_spec_needs_the_manifest(tmp_path: Path, capsys
     model = init_model(spec.model.architecture, seed=5)
     from flax import nnx
 
-    from stoker.learner.train import _cast
+    from stoker.learner.trees import cast_floats as _cast
     import jax.numpy as jnp
 
     ckpt = Checkpointer(tmp_path / "ck")

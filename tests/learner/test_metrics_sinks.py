@@ -14,8 +14,8 @@ from tensorboardX.crc32c import crc32c
 from tensorboardX.proto import event_pb2
 
 from stoker.learner.metrics import MetricsSink
-from stoker.progress import RunState
-from stoker.report import time_to_reach, write_report
+from stoker.runner.progress import RunState
+from stoker.runner.report import time_to_reach, write_report
 
 
 def _masked_crc(data: bytes) -> int:

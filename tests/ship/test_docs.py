@@ -42,7 +42,7 @@ def test_relative_links_resolve(page: Path) -> None:
 def test_named_repository_files_exist(page: Path) -> None:
     """Paths such as `examples/gke-v5e-frozenlake.yaml`, `helm/stoker/values.yaml`, `examples/gitops/`
     (a file with an extension, or a folder with its slash; `stoker/actor` is an image name)."""
-    top = r"(?:examples|helm|crds|docs|operator|stoker|tests|benchmarks|learner|actor|buffer)"
+    top = r"(?:examples|helm|crds|docs|operator|stoker|tests|benchmarks|learner|actor|buffer|runner)"
     pattern = rf"(?<![\w/.:-])({top}/(?:[\w-]+/)*(?:[\w-]+\.[a-z]+|[\w-]+/|))(?![\w*<])"
     found = set(re.findall(pattern, page.read_text()))
     for path in found:

@@ -24,7 +24,7 @@ from rich.table import Table
 from stoker.jsonl import json_line
 
 if TYPE_CHECKING:
-    from stoker.local import RunOptions
+    from stoker.runner.local import RunOptions
 
 # Steps averaged for the displayed (and target-checked) success rate.
 SUCCESS_WINDOW_STEPS = 10

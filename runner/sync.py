@@ -25,14 +25,14 @@ if TYPE_CHECKING:
 
     from stoker.actor.settings import ActorSettings
     from stoker.learner.loop import Learner
-    from stoker.local import Outcome, RunOptions
+    from stoker.runner.local import Outcome, RunOptions
     from stoker.spec import RLJob, RLJobSpec
 
-log = logging.getLogger("stoker.sync")
+log = logging.getLogger("stoker.runner.sync")
 
 
 def run_sync(options: RunOptions) -> Outcome:
-    from stoker.local import Outcome
+    from stoker.runner.local import Outcome
 
     try:
         return asyncio.run(_run(options))
@@ -43,7 +43,7 @@ def run_sync(options: RunOptions) -> Outcome:
 def run_colocated(job: RLJob, manifest: Path, run_dir: Path, max_steps: int | None) -> int:
     """``stoker learner`` in ``mode: colocated`` (the operator's colocated learner pod): this
     loop, on the learner's chips, with plain log lines; its exit status."""
-    from stoker.local import RunOptions
+    from stoker.runner.local import RunOptions
 
     options = RunOptions(manifest=manifest, job=job, mode="sync", run_dir=run_dir, max_steps=max_steps, live=False)
     outcome = run_sync(options)
@@ -81,8 +81,8 @@ async def _run(options: RunOptions) -> Outcome:
     from stoker.actor.diagnostics import ActorDiagnostics, write_snapshot
     from stoker.learner.metrics import DutyCycle, MetricsSink
     from stoker.learner.samples import attach_samples
-    from stoker.local import Outcome, compilation_cache_dir
-    from stoker.progress import Progress
+    from stoker.runner.local import Outcome, compilation_cache_dir
+    from stoker.runner.progress import Progress
 
     spec = options.job.spec
     overrides: dict[str, object] = {"compilation_cache_dir": compilation_cache_dir(options)}

@@ -19,23 +19,16 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
 
 from stoker.manifest import ManifestError, add_manifest_directory, environment_problems, load_job
 from stoker.remote_checkpoint import LEARNER
 from stoker.parent import PARENT_ENV
+from stoker.runner.children import STOP_GRACE_SECONDS, Child, terminate_on_signals, wait_for_ready_file
 from stoker.spec import RLJob
-
-# How long a child gets to shut down cleanly after SIGTERM before it is killed.
-STOP_GRACE_SECONDS = 30.0
-READY_TIMEOUT_SECONDS = 120.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -160,12 +153,12 @@ def main(args: argparse.Namespace) -> int:
     options.logs_dir.mkdir(exist_ok=True)
     _write_run_record(options)
     if options.mode == "sync":
-        from stoker.sync import run_sync
+        from stoker.runner.sync import run_sync
 
         outcome = run_sync(options)
     else:
         outcome = run_async(options)
-    from stoker.report import write_report
+    from stoker.runner.report import write_report
 
     failed = outcome.exit_code not in (0, 130)  # 130: interrupted, its report is what it did so far
     report = write_report(options.run_dir, failure=outcome.message if failed else None)
@@ -194,110 +187,8 @@ class Outcome:
     message: str
 
 
-@dataclass
-class Child:
-    """One supervised subprocess, in its own process group so its sandboxes die with it."""
-
-    name: str
-    argv: list[str]
-    log_path: Path
-    process: subprocess.Popen[bytes] | None = None
-    _log: IO[bytes] | None = None
-
-    def start(self, env: dict[str, str]) -> None:
-        self._log = self.log_path.open("ab")
-        self.process = subprocess.Popen(
-            self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-
-    @property
-    def running(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    @property
-    def returncode(self) -> int | None:
-        return None if self.process is None else self.process.poll()
-
-    def signal(self, signum: int) -> None:
-        if self.running and self.process is not None:
-            try:
-                os.killpg(self.process.pid, signum)
-            except ProcessLookupError:
-                pass
-
-    def wait(self, timeout: float) -> bool:
-        if self.process is None:
-            return True
-        try:
-            self.process.wait(timeout=timeout)
-            return True
-        except subprocess.TimeoutExpired:
-            return False
-
-    def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
-        """SIGTERM, wait, then SIGKILL the whole process group (sandboxes included)."""
-        self.signal(signal.SIGTERM)
-        self.finish(grace)
-
-    def finish(self, grace: float) -> None:
-        """After SIGTERM: wait up to ``grace``, then SIGKILL the whole process group."""
-        if not self.wait(grace):
-            self.signal(signal.SIGKILL)
-            self.wait(10.0)
-        # Whatever the child left in its group (e.g. a sandbox mid-step) goes too.
-        if self.process is not None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        if self._log is not None:
-            self._log.close()
-
-    def tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
 def _stoker(*args: str) -> list[str]:
     return [sys.executable, "-m", "stoker.cli", *args]
-
-
-def wait_for_ready_file(path: Path, child: Child, timeout: float = READY_TIMEOUT_SECONDS) -> str:
-    """The content a child writes to ``path`` once it serves (its address), or RuntimeError."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and path.stat().st_size:
-            return path.read_text().strip()
-        if not child.running:
-            raise RuntimeError(f"{child.name} exited with code {child.returncode} before it was ready:\n{child.tail()}")
-        child.wait(0.1)
-    raise RuntimeError(f"{child.name} was not ready after {timeout:.0f} s:\n{child.tail()}")
-
-
-@contextmanager
-def _terminate_on_signals() -> Iterator[None]:
-    """Turn the first SIGINT or SIGTERM into KeyboardInterrupt; ignore the ones after it.
-
-    Both stop the run the same orderly way. A second signal (an impatient Ctrl-C, or a supervisor
-    that signals the whole process tree) must not interrupt that stop halfway, which would leave
-    the remaining children running."""
-    stopping = False
-
-    def interrupt(signum: int, frame: Any) -> None:
-        nonlocal stopping
-        if stopping:
-            return
-        stopping = True
-        raise KeyboardInterrupt
-
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def jax_process_envs(env: dict[str, str], processes: int, devices: int) -> list[dict[str, str]]:
@@ -478,11 +369,11 @@ def child_env(options: RunOptions) -> dict[str, str]:
 
 
 def run_async(options: RunOptions) -> Outcome:
-    from stoker.progress import Progress
+    from stoker.runner.progress import Progress
 
     run = AsyncRun(options)
     deadline = time.monotonic() + options.max_minutes * 60 if options.max_minutes else None
-    with _terminate_on_signals(), Progress(options) as progress:
+    with terminate_on_signals(), Progress(options) as progress:
         try:
             address = run.start(child_env(options))
             if address is not None:
