@@ -16,8 +16,10 @@ alike, every tensor is read whole by slice (crc32 per block, assembly) from:
 * shards directory: the shared directory (page cache: a reader's own ceiling).
 
 Twice: with the servers in the reader's own process (table 1), and in a separate process
-(``--serve``, table 2: the reader's process does only the reading). docs/sizing.md's fan-out
-model takes its per-process rates from these.
+(``--serve``, table 2: the reader's process does only the reading). Table 2 also reads the same
+number of bytes over one raw TCP connection from the serving process (``recv_into`` one reused
+16 MiB buffer, with and without crc32 per 4 MiB): the loopback ceiling the stream is held to.
+docs/sizing.md's fan-out model takes its per-process rates from these.
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ import argparse
 import json
 import os
 import resource
+import socket
+import struct
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,7 +44,7 @@ import jax.numpy as jnp
 from stoker.distributed import Processes
 from stoker.learner.publish import ShardedPublisher
 from stoker.model.model import count_params, init_model
-from stoker.model.shards import ShardedWeights
+from stoker.model.shards import BLOCK_BYTES, RUN_BYTES, ShardedWeights, crc32
 from stoker.model.weights import WeightPublisher, WeightSubscriber, flatten_params
 from stoker.spec import TransformerConfig
 
@@ -80,9 +85,57 @@ def cpu_seconds(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def reads(address: str, directory: Path, version: int, repeats: int, server: int | None = None) -> list[tuple[float, float, float]]:
-    """For gRPC, the stream and the directory: median seconds to read ``version`` whole, and the
-    reader's (and the serving process's, given its pid) CPU seconds per GB over 3 more reads."""
+def raw_server() -> int:
+    """A plain TCP sender in this process: for each 8-byte size it is sent, that many bytes from
+    memory. Returns its port."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    data = memoryview(bytes(RUN_BYTES))
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            while len(head := conn.recv(8, socket.MSG_WAITALL)) == 8:
+                (left,) = struct.unpack(">Q", head)
+                while left:
+                    n = min(left, len(data))
+                    conn.sendall(data[:n])
+                    left -= n
+
+    def accept() -> None:
+        while True:
+            conn, _ = listener.accept()
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return int(listener.getsockname()[1])
+
+
+def raw_reader(port: int, total: int, check: bool) -> Callable[[], int]:
+    """Read ``total`` bytes over one raw connection into one reused buffer (crc32 per block if
+    ``check``): what any reader of this loopback must pay at least."""
+    conn = socket.create_connection(("127.0.0.1", port))
+    buffer = memoryview(bytearray(RUN_BYTES))
+
+    def read() -> int:
+        conn.sendall(struct.pack(">Q", total))
+        left = total
+        while left:
+            n, got = min(left, len(buffer)), 0
+            while got < n:
+                got += conn.recv_into(buffer[got:n])
+            if check:
+                for at in range(0, n, BLOCK_BYTES):
+                    crc32(buffer[at : min(at + BLOCK_BYTES, n)])
+            left -= n
+        return total
+
+    return read
+
+
+def reads(address: str, directory: Path, version: int, repeats: int, server: int | None = None,
+          raw_port: int | None = None) -> list[tuple[float, float, float]]:
+    """For gRPC, the stream and the directory (and, given ``raw_port``, the raw TCP ceiling
+    without and with crc32): median seconds to read ``version`` whole, and the reader's (and the
+    serving process's, given its pid) CPU seconds per GB over 3 more reads."""
     with (
         WeightSubscriber(address=address, stream=False) as grpc_sub,
         WeightSubscriber(address=address) as stream_sub,
@@ -97,6 +150,9 @@ def reads(address: str, directory: Path, version: int, repeats: int, server: int
             lambda: read_all(stream_sub.fetch(version)),  # type: ignore[arg-type]
             lambda: read_all(dir_sub.fetch(version)),  # type: ignore[arg-type]
         ]
+        if raw_port is not None:
+            total = streamed.manifest.nbytes  # type: ignore[attr-defined]
+            fns += [raw_reader(raw_port, total, check=False), raw_reader(raw_port, total, check=True)]
         seconds = timed(fns, repeats)  # type: ignore[arg-type]
         out = []
         for fn, s in zip(fns, seconds, strict=True):
@@ -113,7 +169,7 @@ def serve(label: str, out: Path) -> int:
     model = init_model(config, seed=0, dtype=dtype)
     with ShardedPublisher(directory=str(out / "shards"), address="127.0.0.1:0", processes=Processes()) as publisher:
         publisher.publish(1, model)
-        (out / "serving.json").write_text(json.dumps({"port": publisher.port}))
+        (out / "serving.json").write_text(json.dumps({"port": publisher.port, "raw": raw_server()}))
         sys.stdin.read()
     return 0
 
@@ -162,9 +218,10 @@ def main() -> int:
     print("\nTable 2: servers in a separate process (the reader's process only reads)\n")
     print(
         "| parameter set | MB | shards gRPC MB/s | shards stream MB/s | shards directory MB/s | stream / gRPC time "
-        "| reader CPU s/GB: gRPC, stream, directory | server CPU s/GB: gRPC, stream |"
+        "| raw TCP MB/s: plain, + crc32 | stream / raw+crc32 rate | reader CPU s/GB: gRPC, stream, directory, raw, raw+crc32 "
+        "| server CPU s/GB: gRPC, stream |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label in SETS:
         with tempfile.TemporaryDirectory() as tmp:
             proc = subprocess.Popen([sys.executable, __file__, "--serve", label, tmp], stdin=subprocess.PIPE)
@@ -173,18 +230,20 @@ def main() -> int:
                 while not (Path(tmp) / "serving.json").exists():
                     assert proc.poll() is None and time.monotonic() < deadline, "the serving process did not start"
                     time.sleep(0.1)
-                port = json.loads((Path(tmp) / "serving.json").read_text())["port"]
+                serving = json.loads((Path(tmp) / "serving.json").read_text())
+                port = serving["port"]
                 with WeightSubscriber(address=f"127.0.0.1:{port}") as probe:
                     mb = probe.fetch(1).manifest.nbytes / 1e6  # type: ignore[attr-defined]
-                (grpc_s, grpc_c, grpc_sc), (stream_s, stream_c, stream_sc), (dir_s, dir_c, _) = reads(
-                    f"127.0.0.1:{port}", Path(tmp) / "shards", 1, args.repeats, proc.pid)
+                (grpc_s, grpc_c, grpc_sc), (stream_s, stream_c, stream_sc), (dir_s, dir_c, _), (raw_s, raw_c, _), (crc_s, crc_c, _) = reads(
+                    f"127.0.0.1:{port}", Path(tmp) / "shards", 1, args.repeats, proc.pid, serving["raw"])
             finally:
                 assert proc.stdin is not None
                 proc.stdin.close()
                 proc.wait(60)
         print(
             f"| {label} | {mb:.1f} | {mb / grpc_s:.0f} | {mb / stream_s:.0f} | {mb / dir_s:.0f} | {stream_s / grpc_s:.2f} "
-            f"| {grpc_c:.2f}, {stream_c:.2f}, {dir_c:.2f} | {grpc_sc:.2f}, {stream_sc:.2f} |"
+            f"| {mb / raw_s:.0f}, {mb / crc_s:.0f} | {crc_s / stream_s:.2f} "
+            f"| {grpc_c:.2f}, {stream_c:.2f}, {dir_c:.2f}, {raw_c:.2f}, {crc_c:.2f} | {grpc_sc:.2f}, {stream_sc:.2f} |"
         )
     return 0
 

@@ -13,7 +13,6 @@ relay hop".
 from __future__ import annotations
 
 import logging
-import zlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -21,7 +20,7 @@ import grpc
 import numpy as np
 
 from stoker.model.shard_relay import WeightRelay, geometry
-from stoker.model.shards import ShardManifest, ShardRecord, ShardSource, ShardsCorrupt
+from stoker.model.shards import ShardManifest, ShardRecord, ShardSource, ShardsCorrupt, crc32
 from stoker.model.weight_errors import WeightsError
 
 log = logging.getLogger(__name__)
@@ -63,12 +62,20 @@ class RelayedSource:
             yield "primary", "read", None
 
     def read(self, manifest: ShardManifest, shard: ShardRecord, offset: int, size: int) -> memoryview:
+        buffer: Any = np.empty(size, np.uint8)  # not zeroed: every byte is received before use
+        return self._read(manifest, shard, offset, memoryview(buffer), ours=True)
+
+    def read_into(self, manifest: ShardManifest, shard: ShardRecord, offset: int, out: memoryview) -> None:
+        """``read`` into the caller's buffer; the cache keeps views of it."""
+        self._read(manifest, shard, offset, out, ours=False)
+
+    def _read(self, manifest: ShardManifest, shard: ShardRecord, offset: int, out: memoryview, *, ours: bool) -> memoryview:
+        """Fill ``out``; returns where the bytes are: ``out``, or the primary's own buffer when
+        ``out`` is ``ours`` to drop (no copy)."""
         step = geometry(manifest, shard).block_bytes
         if offset % step:
             raise ValueError(f"{shard.key}: relayed reads start at a block boundary (offset {offset})")
-        first = offset // step
-        buffer: Any = np.empty(size, np.uint8)  # not zeroed: every byte is received before use
-        out = memoryview(buffer)
+        first, size = offset // step, len(out)
         got = 0  # bytes verified, cached and counted so far (whole blocks)
         name = ""
 
@@ -86,7 +93,7 @@ class RelayedSource:
             while got < size and received >= min(got + step, size):
                 stop, block = min(got + step, size), first + got // step
                 view = out[got:stop]
-                if check and (block >= len(shard.checksums) or zlib.crc32(view) != shard.checksums[block]):
+                if check and (block >= len(shard.checksums) or crc32(view) != shard.checksums[block]):
                     raise ShardsCorrupt(f"{shard.key}: block {block} from {name} does not match its crc32")
                 keep(stop, view)
 
@@ -106,13 +113,17 @@ class RelayedSource:
                         received += len(piece)
                         settle(received, check=True)
                 else:
-                    rest = memoryview(self.primary.read(manifest, shard, offset + got, size - got)).cast("B")
-                    if len(rest) != size - got:
-                        raise ShardsCorrupt(f"{shard.key}: {name} gave {len(rest)} of {size - got} bytes")
-                    if got == 0:
-                        out = rest  # the primary's own buffer: no copy
+                    into = getattr(self.primary, "read_into", None)
+                    if into is not None:
+                        into(manifest, shard, offset + got, out[got:])
                     else:
-                        out[got:] = rest
+                        rest = memoryview(self.primary.read(manifest, shard, offset + got, size - got)).cast("B")
+                        if len(rest) != size - got:
+                            raise ShardsCorrupt(f"{shard.key}: {name} gave {len(rest)} of {size - got} bytes")
+                        if got == 0 and ours:
+                            out = rest  # the primary's own buffer: no copy
+                        else:
+                            out[got:] = rest
                     settle(size, check=not getattr(self.primary, "verifies_blocks", False))
                 if got < size:
                     raise ShardsCorrupt(f"{shard.key}: {name} ended after {got} of {size} bytes")

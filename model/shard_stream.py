@@ -5,7 +5,7 @@ bytes go over this stream, which a sharded version's manifest names per learner 
 (``ShardManifest.streams``). On the server the bytes leave by ``socket.sendall`` of the staged
 array's own memory or by ``socket.sendfile`` from the shard's file; on the reader they land by
 ``recv_into`` in one preallocated buffer per read, each checksum block checked against the
-manifest's crc32 as it completes (zlib lets go of the GIL, so other reads go on meanwhile).
+manifest's crc32 as it completes (crc32 by ISA-L, outside the GIL, so other reads go on meanwhile).
 gRPC's path copies every byte ~4 times in Python-visible buffers and builds a message per MiB;
 measured side by side in benchmarks/README.md, "Sharded weights".
 
@@ -30,7 +30,6 @@ import socket
 import struct
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from stoker.model.shards import ShardDirectory, ShardManifest, ShardRecord, ShardsCorrupt, ShardsMissing, ShardSource, dtype_of
+from stoker.model.shards import ShardDirectory, ShardManifest, ShardRecord, ShardsCorrupt, ShardsMissing, ShardSource, crc32, dtype_of
 from stoker.model.weight_errors import WeightsError, WeightsUnavailable
 
 log = logging.getLogger(__name__)
@@ -232,11 +231,17 @@ class StreamShards:
         self.streamed_bytes = 0  # verified bytes that came over a stream
 
     def read(self, manifest: ShardManifest, shard: ShardRecord, offset: int, size: int) -> memoryview:
-        step, total = _geometry(manifest, shard)
-        if offset % step or (size % step and offset + size != total):
-            raise ValueError(f"{shard.key}: stream reads cover whole checksum blocks (offset {offset}, size {size})")
         buffer: Any = np.empty(size, np.uint8)  # not zeroed: every byte is received or read before use
         out = memoryview(buffer)
+        self.read_into(manifest, shard, offset, out)
+        return out
+
+    def read_into(self, manifest: ShardManifest, shard: ShardRecord, offset: int, out: memoryview) -> None:
+        """``read`` into the caller's buffer (``len(out)`` bytes at ``offset``)."""
+        step, total = _geometry(manifest, shard)
+        size = len(out)
+        if offset % step or (size % step and offset + size != total):
+            raise ValueError(f"{shard.key}: stream reads cover whole checksum blocks (offset {offset}, size {size})")
         good = [0]  # bytes verified so far, block by block
         failure: Exception | None = None
         address = manifest.streams[shard.process] if shard.process < len(manifest.streams) else ""
@@ -248,7 +253,7 @@ class StreamShards:
                 self._receive(address, manifest, shard, offset, out, step, good)
                 with self._lock:
                     self.streamed_bytes += size
-                return out
+                return
             except StreamRefused:
                 raise
             except (OSError, WeightsError) as err:
@@ -260,12 +265,15 @@ class StreamShards:
                          address, shard.key, good[0], size, err, "the fallback" if self.fallback else "nowhere")
         if self.fallback is None:
             raise failure if failure is not None else WeightsUnavailable(f"no stream server for learner process {shard.process}")
-        rest = self.fallback.read(manifest, shard, offset + good[0], size - good[0])
-        if len(rest) != size - good[0]:
-            raise ShardsCorrupt(f"{shard.key}: the fallback gave {len(rest)} of {size - good[0]} bytes")
-        out[good[0]:] = memoryview(rest).cast("B")
+        into = getattr(self.fallback, "read_into", None)
+        if into is not None:
+            into(manifest, shard, offset + good[0], out[good[0]:])
+        else:
+            rest = self.fallback.read(manifest, shard, offset + good[0], size - good[0])
+            if len(rest) != size - good[0]:
+                raise ShardsCorrupt(f"{shard.key}: the fallback gave {len(rest)} of {size - good[0]} bytes")
+            out[good[0]:] = memoryview(rest).cast("B")
         _verify(shard, out, offset // step, step, good[0], size)
-        return out
 
     def receive(self, address: str, manifest: ShardManifest, shard: ShardRecord, offset: int, out: memoryview,
                 landed: Callable[[memoryview], None]) -> None:
@@ -359,7 +367,7 @@ def _verify(shard: ShardRecord, out: memoryview, first: int, step: int, start: i
     """Check the blocks of ``out[start:stop]`` (whole blocks; block 0 of ``out`` is ``first``)."""
     for at in range(start, stop, step):
         block = first + at // step
-        if block >= len(shard.checksums) or zlib.crc32(out[at : min(at + step, stop)]) != shard.checksums[block]:
+        if block >= len(shard.checksums) or crc32(out[at : min(at + step, stop)]) != shard.checksums[block]:
             raise ShardsCorrupt(f"{shard.key}: block {block} does not match its published crc32")
 
 

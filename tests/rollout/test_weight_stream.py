@@ -1,6 +1,7 @@
 """Sharded weights over the learner processes' plain-TCP streams (stoker.model.shard_stream), over
 loopback: bit-exact by default through the subscriber; a stream server killed mid-transfer and one
-sending a flipped byte both leave the reader bit-exact from its fallback; a wrong token refused."""
+sending a flipped byte both leave the reader bit-exact from its fallback; a wrong token refused;
+a tensor of many reads lands in one buffer."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +27,7 @@ from stoker.model.hf import to_hf
 from stoker.model.model import init_model
 from stoker.model.shard_service import PeerShards
 from stoker.model.shard_stream import StreamRefused, StreamServer, StreamShards, staged_lookup
-from stoker.model.shards import ShardedWeights, ShardManifest, as_bytes
+from stoker.model.shards import ShardDirectory, ShardedWeights, ShardManifest, ShardsCorrupt, as_bytes, checksums, crc32
 from stoker.model.weights import WeightSubscriber
 from stoker.spec import TransformerConfig
 
@@ -151,9 +153,9 @@ def test_a_stream_server_killed_mid_transfer_leaves_the_reader_to_finish_over_gr
 def test_any_box_reads_bit_exact_over_every_transport_however_the_reads_are_split(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_bytes: int
 ) -> None:
-    from stoker.model import shards
+    from stoker.model import shard_read, shards
 
-    monkeypatch.setattr(shards, "RUN_BYTES", run_bytes)  # 512: a box's blocks come from several reads
+    monkeypatch.setattr(shard_read, "RUN_BYTES", run_bytes)  # 512: a box's blocks come from several reads
     rng = np.random.default_rng(0)
     with publish(tmp_path / "weights") as (publisher, manifest, want):
         sources = {"stream": StreamShards(fallback=PeerShards()), "grpc": PeerShards(),
@@ -202,3 +204,60 @@ def test_a_pooled_connection_the_server_closed_while_idle_is_reopened_not_counte
             server.close()
         assert first == again == bytes(as_bytes(publisher.server.servicer.array(1, shard.key)))
         assert streams.fallbacks == 0 and publisher.server.servicer.served_bytes == 0
+
+
+def test_crc32_gives_zlibs_values_so_published_manifests_stay_valid() -> None:
+    data = np.random.default_rng(3).integers(0, 256, size=(5 << 20) + 7, dtype=np.uint8)
+    for size in (0, 1, 255, 4096, len(data)):
+        assert crc32(memoryview(data)[:size]) == zlib.crc32(memoryview(data)[:size])
+    rows = data[: 1000 * 64].reshape(1000, 64)
+    assert checksums(rows, 100) == tuple(zlib.crc32(rows[i : i + 100].tobytes()) for i in range(0, 1000, 100))
+
+
+@pytest.mark.parametrize("transport", ["stream", "directory"])
+def test_a_tensor_of_many_reads_lands_in_one_buffer_with_no_assembly_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, transport: str
+) -> None:
+    from stoker.model import shard_read
+
+    monkeypatch.setattr(shard_read, "RUN_BYTES", 512)  # two 256-byte blocks per read
+    with publish(tmp_path / "weights") as (_, manifest, want):
+        source = StreamShards() if transport == "stream" else ShardDirectory(tmp_path / "weights")
+        weights = ShardedWeights(manifest, source)  # type: ignore[arg-type]
+        got = read_all(manifest, source)
+        assert_bit_exact(got, want)
+        weights.read_boxes([(name, tuple((0, n) for n in manifest.tensors[name].shape)) for name in manifest.tensors])
+        assert weights.stats.reads > 2 * len(manifest.tensors)  # most tensors took several reads
+        for name, array in got.items():
+            if manifest.tensors[name].nbytes > 512:  # several reads, received in place: a view, not an assembled copy
+                assert not array.flags.owndata and array.flags.writeable, name
+
+
+def test_a_stream_that_fails_mid_read_is_finished_from_the_directory_into_the_same_buffer(tmp_path: Path) -> None:
+    with publish(tmp_path / "weights") as (publisher, manifest, want):
+        shard = max((s for t in manifest.tensors.values() for s in t.shards), key=lambda s: len(s.checksums))
+        staged = publisher.server.servicer.array(1, shard.key)
+        bad = bytearray(as_bytes(staged))
+        bad[300] ^= 0x01  # block 1 (256-byte blocks)
+
+        def lying(version: int, process: int, key: str) -> memoryview | None:
+            return memoryview(bytes(bad)) if key == shard.key else staged_lookup(publisher.server.servicer.array)(version, process, key)
+
+        liar = StreamServer("127.0.0.1:0", lying)
+        try:
+            streams = StreamShards(fallback=ShardDirectory(tmp_path / "weights"))
+            got = read_all(dataclasses.replace(manifest, streams=(f"127.0.0.1:{liar.port}",)), streams)
+        finally:
+            liar.close()
+        assert_bit_exact(got, want)
+        assert streams.fallbacks == 1 and streams.streamed_bytes == manifest.nbytes - (len(bad) - 256)
+
+
+def test_a_shard_file_cut_short_is_reported_corrupt_not_read_as_zeros(tmp_path: Path) -> None:
+    with publish(tmp_path / "weights") as (_, manifest, _want):
+        directory = ShardDirectory(tmp_path / "weights")
+        shard = max((s for t in manifest.tensors.values() for s in t.shards), key=lambda s: len(s.checksums))
+        path = tmp_path / "weights" / manifest.folder / f"p{shard.process:05d}" / shard.key
+        path.write_bytes(path.read_bytes()[:-100])
+        with pytest.raises(ShardsCorrupt, match="short"):
+            read_all(manifest, directory)
