@@ -97,7 +97,8 @@ class StreamServer:
         self._conns: set[socket.socket] = set()
         self._closed = False
         self.served_bytes = 0  # shard bytes sent (this process's egress over the stream)
-        threading.Thread(target=self._accept, name="weight-stream-accept", daemon=True).start()
+        self._acceptor = threading.Thread(target=self._accept, name="weight-stream-accept", daemon=True)
+        self._acceptor.start()
 
     def _accept(self) -> None:
         while True:
@@ -178,7 +179,12 @@ class StreamServer:
         with self._lock:
             self._closed = True
             conns, self._conns = list(self._conns), set()
+        try:  # closing alone leaves a thread blocked in accept() on Linux; shutdown wakes it
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._listener.close()
+        self._acceptor.join(timeout=5.0)
         for conn in conns:
             try:
                 conn.shutdown(socket.SHUT_RDWR)

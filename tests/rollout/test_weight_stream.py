@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -261,3 +262,17 @@ def test_a_shard_file_cut_short_is_reported_corrupt_not_read_as_zeros(tmp_path: 
         path.write_bytes(path.read_bytes()[:-100])
         with pytest.raises(ShardsCorrupt, match="short"):
             read_all(manifest, directory)
+
+
+def test_a_closed_stream_server_leaves_no_thread_behind_and_its_port_refuses() -> None:
+    def acceptors() -> int:
+        return sum(t.name == "weight-stream-accept" for t in threading.enumerate())
+
+    before = acceptors()
+    for _ in range(3):
+        server = StreamServer("127.0.0.1:0", lambda version, process, key: None)
+        assert acceptors() == before + 1
+        server.close()
+        assert acceptors() == before
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
