@@ -73,27 +73,35 @@ def test_the_subscriber_reads_a_sharded_version_over_the_streams_bit_exact() -> 
         assert publisher.server.servicer.served_bytes == 0  # ...none over gRPC ReadShard
 
 
+@contextlib.contextmanager
+def flipping_one_byte(publisher: ShardedPublisher, manifest: ShardManifest) -> Iterator[tuple[ShardManifest, int]]:
+    """A stream server that sends the largest shard with a byte of its block 1 flipped (256-byte
+    blocks) and the rest as staged: the manifest naming it as the stream, and that shard's bytes."""
+    shard = max((s for t in manifest.tensors.values() for s in t.shards), key=lambda s: len(s.checksums))
+    bad = bytearray(as_bytes(publisher.server.servicer.array(1, shard.key)))
+    bad[300] ^= 0x01
+    staged = staged_lookup(publisher.server.servicer.array)
+
+    def lying(version: int, process: int, key: str) -> memoryview | None:
+        return memoryview(bytes(bad)) if key == shard.key else staged(version, process, key)
+
+    liar = StreamServer("127.0.0.1:0", lying)
+    try:
+        yield dataclasses.replace(manifest, streams=(f"127.0.0.1:{liar.port}",)), len(bad)
+    finally:
+        liar.close()
+
+
 def test_a_stream_server_sending_a_flipped_byte_is_caught_and_the_reader_reads_the_rest_over_grpc() -> None:
     with publish() as (publisher, manifest, want):
-        shard = max((s for t in manifest.tensors.values() for s in t.shards), key=lambda s: len(s.checksums))
-        staged = publisher.server.servicer.array(1, shard.key)
-        bad = bytearray(as_bytes(staged))
-        bad[300] ^= 0x01  # block 1 (256-byte blocks)
-
-        def lying(version: int, process: int, key: str) -> memoryview | None:
-            return memoryview(bytes(bad)) if key == shard.key else staged_lookup(publisher.server.servicer.array)(version, process, key)
-
-        liar = StreamServer("127.0.0.1:0", lying)
-        try:
+        with flipping_one_byte(publisher, manifest) as (lied, bad_bytes):
             streams = StreamShards(fallback=PeerShards())
-            got = read_all(dataclasses.replace(manifest, streams=(f"127.0.0.1:{liar.port}",)), streams)
-        finally:
-            liar.close()
+            got = read_all(lied, streams)
         assert_bit_exact(got, want)
         assert streams.fallbacks == 1
         # Block 0 of the bad shard (verified) came over the stream; from its block 1 on, gRPC.
-        assert publisher.server.servicer.served_bytes == len(bad) - 256
-        assert streams.streamed_bytes == manifest.nbytes - (len(bad) - 256)
+        assert publisher.server.servicer.served_bytes == bad_bytes - 256
+        assert streams.streamed_bytes == manifest.nbytes - (bad_bytes - 256)
 
 
 def test_a_wrong_token_is_refused_by_the_stream_and_nothing_is_read() -> None:
@@ -236,22 +244,11 @@ def test_a_tensor_of_many_reads_lands_in_one_buffer_with_no_assembly_copy(
 
 def test_a_stream_that_fails_mid_read_is_finished_from_the_directory_into_the_same_buffer(tmp_path: Path) -> None:
     with publish(tmp_path / "weights") as (publisher, manifest, want):
-        shard = max((s for t in manifest.tensors.values() for s in t.shards), key=lambda s: len(s.checksums))
-        staged = publisher.server.servicer.array(1, shard.key)
-        bad = bytearray(as_bytes(staged))
-        bad[300] ^= 0x01  # block 1 (256-byte blocks)
-
-        def lying(version: int, process: int, key: str) -> memoryview | None:
-            return memoryview(bytes(bad)) if key == shard.key else staged_lookup(publisher.server.servicer.array)(version, process, key)
-
-        liar = StreamServer("127.0.0.1:0", lying)
-        try:
+        with flipping_one_byte(publisher, manifest) as (lied, bad_bytes):
             streams = StreamShards(fallback=ShardDirectory(tmp_path / "weights"))
-            got = read_all(dataclasses.replace(manifest, streams=(f"127.0.0.1:{liar.port}",)), streams)
-        finally:
-            liar.close()
+            got = read_all(lied, streams)
         assert_bit_exact(got, want)
-        assert streams.fallbacks == 1 and streams.streamed_bytes == manifest.nbytes - (len(bad) - 256)
+        assert streams.fallbacks == 1 and streams.streamed_bytes == manifest.nbytes - (bad_bytes - 256)
 
 
 def test_a_shard_file_cut_short_is_reported_corrupt_not_read_as_zeros(tmp_path: Path) -> None:
