@@ -485,13 +485,13 @@ def init_module(
     return nnx.merge(graphdef, state)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=32)  # a process builds a few shapes; bounded all the same
 def _abstract_module(module: Callable[..., nnx.Module], config: TransformerConfig, dtype: jnp.dtype) -> tuple[Any, Any]:
     """The module's graph and its parameters' shapes (no seed changes either)."""
     return nnx.split(nnx.eval_shape(lambda: module(config, rngs=nnx.Rngs(params=0), dtype=dtype)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=32)  # a process builds a few shapes; bounded all the same
 def _init_program(
     module: Callable[..., nnx.Module], config: TransformerConfig, dtype: jnp.dtype,
     shardings: tuple[jax.sharding.Sharding, ...] | None,
