@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from stoker.model.model import Block, RMSNorm, packed_visibility
+from stoker.model.model import Block, RMSNorm, init_module, packed_visibility
 from stoker.spec import TransformerConfig
 
 
@@ -39,10 +39,7 @@ def init_value_network(
 ) -> ValueNetwork:
     """PPO's critic, initialised as ``init_model`` initialises the policy: one compiled program,
     placed or not (the same values either way); ``placement(shape)`` is each parameter's
-    sharding, so each device computes only its own shard."""
-    make = lambda: ValueNetwork(config, rngs=nnx.Rngs(params=seed), dtype=dtype)  # noqa: E731
-    graphdef, abstract = nnx.split(nnx.eval_shape(make))
-    placed = {} if placement is None else {"out_shardings": jax.tree.map(lambda a: placement(tuple(a.shape)), abstract)}
-    state = jax.jit(lambda: nnx.state(make()), **placed)()
-    network: ValueNetwork = nnx.merge(graphdef, state)
+    sharding, so each device computes only its own shard; compiled once per (config, dtype,
+    placement), the seed's key being the program's argument."""
+    network: ValueNetwork = init_module(ValueNetwork, config, seed, dtype, placement)
     return network

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
 
 import jax
 import jax.numpy as jnp
@@ -200,3 +208,109 @@ def test_same_seed_same_initialisation() -> None:
     c = to_hf(init_model(TransformerConfig(), seed=8))
     assert all(np.array_equal(a[k], b[k]) for k in a)
     assert not np.array_equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
+
+
+# ------------------------------------------------------------------ init: one program per shape, not per seed
+# (seed, dtype) pairs; past 32 bits jax (x64 off) keeps the low 32 bits, as the old program did
+CASES = ((0, jnp.float32), (7, jnp.bfloat16), (2**33 + 5, jnp.float32))
+
+
+def constant_seed_init(module: Callable[..., nnx.Module], config: TransformerConfig, seed: int, dtype: object,
+                       placement: Callable[[tuple[int, ...]], jax.sharding.Sharding] | None = None) -> nnx.Module:
+    """The program ``init_model`` ran before its seed became an argument: the seed written into it."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: module(config, rngs=nnx.Rngs(params=seed), dtype=dtype)))
+    placed = {} if placement is None else {"out_shardings": jax.tree.map(lambda a: placement(tuple(a.shape)), abstract)}
+    state = jax.jit(lambda: nnx.state(module(config, rngs=nnx.Rngs(params=seed), dtype=dtype)), **placed)()
+    return nnx.merge(graphdef, state)
+
+
+def same_bits(a: nnx.Module, b: nnx.Module) -> bool:
+    left, right = nnx.to_flat_state(nnx.state(a)), nnx.to_flat_state(nnx.state(b))
+    return [p for p, _ in left] == [p for p, _ in right] and all(
+        x.get_value().dtype == y.get_value().dtype and np.asarray(x.get_value()).tobytes() == np.asarray(y.get_value()).tobytes()
+        for (_, x), (_, y) in zip(left, right, strict=True)
+    )
+
+
+@pytest.mark.parametrize(("seed", "dtype"), CASES)
+def test_init_model_gives_the_constant_seed_programs_values_bit_for_bit(seed: int, dtype: object) -> None:
+    from stoker.learner.value_network import ValueNetwork, init_value_network
+
+    assert same_bits(init_model(QWEN3_LIKE, seed, dtype), constant_seed_init(Transformer, QWEN3_LIKE, seed, dtype))
+    assert same_bits(init_value_network(QWEN3_LIKE, seed, dtype), constant_seed_init(ValueNetwork, QWEN3_LIKE, seed, dtype))
+
+
+PLACED_INIT = textwrap.dedent(
+    """
+    import functools, json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    sys.path.insert(0, sys.argv[1])
+    from test_model import CASES, constant_seed_init, same_bits
+    from stoker.learner import sharding
+    from stoker.learner.value_network import ValueNetwork, init_value_network
+    from stoker.model.model import Transformer, init_model
+    from stoker.spec import TransformerConfig
+
+    assert jax.device_count() == 8, jax.devices()
+    # big enough (>= MIN_SHARDED_SIZE elements) that the embedding and the MLP are split
+    cfg = TransformerConfig(vocab_size=256, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=256)
+    placement = functools.partial(sharding.param_sharding, mesh=sharding.make_mesh(4, 2))
+    out = []
+    for seed, dtype in CASES[:2]:
+        for module, init in ((Transformer, init_model), (ValueNetwork, init_value_network)):
+            new, old = init(cfg, seed, dtype, placement=placement), constant_seed_init(module, cfg, seed, dtype, placement)
+            emb = new.embed_tokens.embedding.get_value()
+            out.append({"case": f"{module.__name__} {jnp.dtype(dtype)} {seed}", "exact": same_bits(new, old),
+                        "unplaced": same_bits(new, init(cfg, seed, dtype)),
+                        "split": max(s.data.size for s in emb.addressable_shards) == emb.size // 8})
+    json.dump(out, sys.stdout)
+    """
+)
+
+
+def test_placed_init_gives_the_constant_seed_programs_values_bit_for_bit() -> None:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", PLACED_INIT, str(Path(__file__).parent)], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = json.loads(proc.stdout)
+    assert len(cases) == 2 * 2
+    for case in cases:
+        assert case["exact"] and case["unplaced"] and case["split"], case
+
+
+class _CompileCounter(logging.Handler):
+    """Collects jax's "Finished XLA compilation" log lines (``jax.log_compiles``) while open."""
+
+    def __init__(self, into: list[str]) -> None:
+        super().__init__(logging.DEBUG)
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "Finished XLA compilation" in (message := record.getMessage()):
+            self.into.append(message)
+
+    def __enter__(self) -> None:
+        logging.getLogger("jax").addHandler(self)
+
+    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+        logging.getLogger("jax").removeHandler(self)
+
+
+def test_init_compiles_once_per_shape_not_per_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second seed neither traces the model again nor compiles: the seed is an argument."""
+    from stoker.learner.value_network import ValueNetwork, init_value_network
+
+    cfg = TransformerConfig(vocab_size=52, hidden_size=24, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=40)
+    for module, init in ((Transformer, init_model), (ValueNetwork, init_value_network)):
+        built = []
+        original = module.__init__
+        monkeypatch.setattr(module, "__init__", lambda self, *a, _o=original, **k: (built.append(1), _o(self, *a, **k))[1])
+        compiles = []
+        with jax.log_compiles(), _CompileCounter(compiles):
+            first = init(cfg, 1, jnp.float32)
+            traced_first, compiled_first = len(built), len(compiles)
+            second = init(cfg, 2, jnp.float32)
+        assert traced_first >= 1 and compiled_first >= 1
+        assert (len(built), len(compiles)) == (traced_first, compiled_first), module.__name__
+        assert not np.array_equal(first.embed_tokens.embedding.get_value(), second.embed_tokens.embedding.get_value())
