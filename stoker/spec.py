@@ -99,7 +99,8 @@ class RLJobSpec(SpecModel):
         "disaggregated", description="disaggregated: actors, buffer, learner apart; colocated: learner only, on-policy."
     )
     suspend: bool = Field(False, description="Scale actors to 0 and stop the learner after a checkpoint.")
-    seed: int = Field(0, ge=0, description="Seeds initialisation, sampling and environments.")
+    # JAX (64-bit off) keeps a seed's low 32 bits: a larger one would silently repeat a smaller one's run.
+    seed: int = Field(0, ge=0, lt=2**32, description="Seeds initialisation, sampling and environments (below 2^32).")
 
 
 class ObjectMeta(BaseModel):

@@ -68,6 +68,7 @@ def test_multi_document_files_validate_each_document() -> None:
         ("spec: {rollout: {accelerator: tpu-v6e-slice, topology: 2x4, tensorParallel: 16}}",
          "spec.rollout.tensorParallel: got 16; expected <= the 8 chips of a tpu-v6e-slice 2x4 slice"),
         ("spec: [1, 2]", "spec: got [1, 2]; expected a valid dictionary"),
+        ("spec: {seed: 4294967301}", "spec.seed: got 4294967301; expected less than 4294967296"),
     ],
 )
 def test_each_problem_names_the_field_what_was_given_and_what_is_expected(body: str, expected: str) -> None:
