@@ -41,7 +41,8 @@ from stoker.learner.value_network import ValueNetwork as ValueNetwork
 from stoker.learner.value_network import init_value_network as init_value_network
 from stoker.model.attention_kernels import rows_split_over
 from stoker.model.logprobs import TokenStats, token_stats
-from stoker.model.model import TrainingLayout, Transformer, training_layout
+from stoker.model.model import Transformer
+from stoker.model.training_layout import TrainingLayout, training_layout
 
 # Batch arrays the device needs (sequence_index stays on the host).
 DEVICE_FIELDS = (

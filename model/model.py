@@ -30,11 +30,9 @@ packed side by side never see each other; ``positions`` restart at 0 for each se
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -47,6 +45,7 @@ from stoker.model.logprobs import (  # noqa: F401 - re-exported: callers import 
     OutputHead, restrict_logits, sequence_logprobs, token_log_not_taken, token_logprobs,
 )
 from stoker.model.rope import inverse_frequencies, rotary
+from stoker.model.training_layout import place_residual, place_stacked
 from stoker.spec import TransformerConfig
 
 # Hugging Face's ``initializer_range``: small embeddings keep the initial policy near uniform,
@@ -59,46 +58,6 @@ _REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
     "full": None,  # only the layer's input: everything inside is recomputed
     "save-matmuls": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-
-
-class TrainingLayout(NamedTuple):
-    """How the learner lays the layer loop out on its mesh (``training_layout``).
-
-    ``stacked(shape)``: the sharding of a stacked [layers, ...] parameter, each layer sharded as
-    it is on its own: without it XLA is free to gather the whole stack at once (every layer's
-    weights, fsdp-gathered, live for the whole step). ``residual``: the residual stream's
-    [B, T, hidden] sharding between layers (sequence sharding: the saved inputs of the layers
-    split over tp), or None to leave it to XLA. Layouts only: the values do not change."""
-
-    stacked: Callable[[tuple[int, ...]], jax.sharding.Sharding]
-    residual: jax.sharding.Sharding | None = None
-
-
-_LAYOUT: contextvars.ContextVar[TrainingLayout | None] = contextvars.ContextVar("training_layout", default=None)
-
-
-@contextlib.contextmanager
-def training_layout(layout: TrainingLayout) -> Iterator[None]:
-    """While tracing inside this, ``hidden_states`` places its layer loop as ``layout`` says."""
-    token = _LAYOUT.set(layout)
-    try:
-        yield
-    finally:
-        _LAYOUT.reset(token)
-
-
-def _place_residual(h: jax.Array) -> jax.Array:
-    layout = _LAYOUT.get()
-    if layout is None or layout.residual is None:
-        return h
-    return jax.lax.with_sharding_constraint(h, layout.residual)
-
-
-def _place_stacked(stacked: Any) -> Any:
-    layout = _LAYOUT.get()
-    if layout is None:
-        return stacked
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, layout.stacked(tuple(x.shape))), stacked)
 
 
 def head_dim(config: TransformerConfig) -> int:
@@ -285,11 +244,11 @@ def _scan_layers(
         return h, layers
     graphdef, _ = nnx.split(nnx.List(layers[:period]))
     states = [nnx.split(nnx.List(layers[g * period : (g + 1) * period]))[1] for g in range(groups)]
-    stacked = _place_stacked(jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+    stacked = place_stacked(jax.tree.map(lambda *xs: jnp.stack(xs), *states))
 
     def body(h: jax.Array, state: Any) -> tuple[jax.Array, None]:
         for block in nnx.merge(graphdef, state):
-            h = _place_residual(block(_place_residual(h), positions, vis, kernel)[0])
+            h = place_residual(block(place_residual(h), positions, vis, kernel)[0])
         return h, None
 
     h, _ = jax.lax.scan(jax.checkpoint(body, policy=_REMAT_POLICIES[policy], prevent_cse=True), h, stacked)
@@ -350,12 +309,12 @@ class Transformer(nnx.Module):
         ``remat``: rematerialise each layer (``ModelSpec.remat``); ``kernel``: the attention
         implementation (``ModelSpec.attention``, resolved); the values are the same."""
         vis = packed_visibility(segment_ids)
-        h = _place_residual(self.embed(token_ids))
+        h = place_residual(self.embed(token_ids))
         layers = list(self.layers)
         if remat != "none":
             h, layers = _scan_layers(layers, h, positions, vis, remat, self.config.global_layer_every or 1, kernel)
         for block in layers:
-            h = _place_residual(_remat_block(block, remat, kernel)(h, positions, vis))
+            h = place_residual(_remat_block(block, remat, kernel)(h, positions, vis))
         return self.norm(h)
 
     def __call__(

@@ -165,7 +165,8 @@ LAYOUT = SEQUENCES + textwrap.dedent(
     import json, sys
     import jax, jax.numpy as jnp, numpy as np
     from stoker.learner import packing, sharding, train
-    from stoker.model.model import TrainingLayout, init_model, training_layout
+    from stoker.model.model import init_model
+    from stoker.model.training_layout import TrainingLayout, training_layout
     from stoker.spec import TransformerConfig
 
     # Three layers: the layer loop (a scan over stacked parameters) runs, with remat full.
