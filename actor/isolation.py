@@ -44,6 +44,19 @@ def _as_nobody() -> dict[str, Any]:
     return {"user": NOBODY, "group": NOBODY, "extra_groups": []} if os.geteuid() == 0 else {}
 
 
+# Becomes nobody, then execs argv[1:]. Starting bwrap through this instead of Popen(user=...)
+# lets subprocess spawn with vfork: with user/group set it must fork(), and in a sandbox whose
+# gRPC server is running, gRPC's fork handlers then crash the child before it execs (SIGSEGV).
+_DROP_TO_NOBODY = (
+    f"import os, sys; os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY}); os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
+def _dropping_to_nobody() -> list[str]:
+    """The argv prefix that runs the rest as nobody when we are root (nothing otherwise)."""
+    return [interpreter() or sys.executable, "-I", "-S", "-c", _DROP_TO_NOBODY] if os.geteuid() == 0 else []
+
+
 def _runs(argv: list[str], **kwargs: Any) -> bool:
     try:
         return subprocess.run(argv, capture_output=True, timeout=30, env={}, **kwargs).returncode == 0
@@ -170,9 +183,8 @@ def confine(argv: list[str], workdir: str, readonly: list[str], tmp_bytes: int) 
         # Root starts the harness, which leaves the host network and becomes nobody before
         # anything of the agent's runs; as any other user it just runs (loopback stays open).
         return Confined([*argv[:5], f"--drop-to={NOBODY}", *argv[5:]] if os.geteuid() == 0 else argv, popen)
-    popen.update(_as_nobody())
     read_end, write_end = os.pipe()
-    args = [shutil.which("bwrap") or "bwrap", *_root_args()]
+    args = [*_dropping_to_nobody(), shutil.which("bwrap") or "bwrap", *_root_args()]
     for path, size in (("/tmp", tmp_bytes), ("/dev/shm", tmp_bytes // 4), ("/var/tmp", tmp_bytes // 4)):
         args += ["--size", str(max(size, 1 << 20)), "--tmpfs", path]  # together 3/4 of the memory limit
     for path in readonly:

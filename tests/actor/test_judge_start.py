@@ -53,11 +53,12 @@ def _broken_starts(monkeypatch: pytest.MonkeyPatch, failing: int, breaks: Any) -
 
 
 def _bad_bwrap_argument(confined: Any) -> None:
-    confined.argv[1:1] = ["--ro-bind", "/nonexistent-stoker-source", "/nonexistent-stoker-target"]
+    bwrap = next(i for i, arg in enumerate(confined.argv) if os.path.basename(arg) == "bwrap")
+    confined.argv[bwrap + 1 : bwrap + 1] = ["--ro-bind", "/nonexistent-stoker-source", "/nonexistent-stoker-target"]
 
 
 def _harness_never_starts(confined: Any) -> None:
-    python = next(i for i, arg in enumerate(confined.argv) if arg == "-I")
+    python = len(confined.argv) - 1 - confined.argv[::-1].index("-I")  # the harness's interpreter: the last one
     confined.argv[python:] = ["-c", "import sys; print('interpreter died'); sys.exit(1)"]
 
 
@@ -122,3 +123,35 @@ def test_a_sandbox_that_cannot_start_fails_the_swe_step_not_the_reward(tmp_path:
     _broken_starts(monkeypatch, 99, _bad_bwrap_argument)
     with pytest.raises(judge.JudgeUnavailable):
         env.step("run_tests")
+
+
+FORK_HANDLERS_ABORT = """
+import ctypes, sys
+from pathlib import Path
+from stoker.actor import isolation, judge
+assert isolation.isolation() == isolation.BUBBLEWRAP and isolation.interpreter()  # probed (and cached) first, as the zygote does
+libc = ctypes.CDLL("libc.so.6")
+# What gRPC does in a sandbox whose server runs: a C fork handler that can crash the child before
+# it execs. Here it always aborts: only a spawn that runs no fork handlers (vfork) gets through.
+# (pthread_atfork is glibc's static wrapper of __register_atfork.)
+assert libc.__register_atfork(None, None, ctypes.cast(libc.abort, ctypes.c_void_p), None) == 0
+tmp = Path(sys.argv[1])
+(tmp / "tree").mkdir()
+(tmp / "tree" / "m.py").write_text("def f(x):\\n    return x * 2\\n")
+verdict = judge.judge_unittest(tmp / "tree", {"test_m.py": sys.argv[2]}, ["test_m"], tmp / "judge", 20.0)
+print("passed" if verdict.passed() else f"failed: {verdict.problem}")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only a root actor hands the run to uid 65534 (which made it fork)")
+def test_a_root_judge_starts_its_run_without_fork_so_the_sandboxs_fork_handlers_never_run(tmp_path: Path) -> None:
+    # The CI flake: Popen(user=65534) must fork(), and in a sandbox gRPC's fork handler crashed
+    # the child before exec (exit -11, "the test run did not start (3 tries)"), ~1 run in 3.
+    import subprocess
+    import sys
+
+    if isolation.isolation() != isolation.BUBBLEWRAP:
+        pytest.fail(isolation.problem())
+    run = subprocess.run([sys.executable, "-c", FORK_HANDLERS_ABORT, str(tmp_path), TESTS],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "passed", (run.stdout + run.stderr)[-2000:]

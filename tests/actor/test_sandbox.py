@@ -76,7 +76,7 @@ async def test_swe_wrong_policy_fails(swe: TextInterface, swe_config: SandboxCon
     [episode] = await run_group(
         ScriptedPolicy(lambda _: run_tests), process_factory(swe_config), swe, "median", 1, limits=SWE_LIMITS
     )
-    assert episode.status == TRUNCATED and episode.reward == 0.0 and episode.metrics["success"] == 0.0
+    assert episode.status == TRUNCATED and episode.reward == 0.0 and episode.metrics["success"] == 0.0, episode.status_reason
     assert episode.metrics["test_runs"] == SWE_LIMITS.max_turns
 
 
