@@ -1,11 +1,11 @@
 """Actors: multi-turn episodes in sandboxes, strict token-in-token-out trajectories.
 
 Modules: ``environments`` (the text environment protocol), ``frozenlake`` and ``swe`` (the two
-environments; SWE tasks live in ``tasks/``), ``tokenization`` (tokenizers and the turn template),
-``policy`` (the ``Policy`` protocol, ``BatchedSampler`` over the JAX sampler), ``episode``
-(``run_episode``/``run_group``), ``sandbox``/``sandbox_server``/``pods`` (isolation), ``runner``
-(the actor loop), ``settings``, ``wiring`` and ``cli``; ``labels`` holds the sandbox-pod label
-keys the operator imports.
+environments; SWE tasks live in ``tasks/``), ``policy`` (``BatchedSampler`` over the JAX sampler),
+``episode`` (``run_episode``/``run_group``), ``sandbox`` (what an episode talks to; inline
+environments), ``process_sandbox``/``sandbox_server``/``pods`` (isolation), ``runner`` (the actor
+loop), ``settings``, ``wiring`` and ``cli``. Tokenization, the turn template and the ``Policy``
+protocol are in ``stoker.conversation``; the sandbox-pod label keys in ``stoker.labels``.
 
 Running episodes in-process (the local runner's synchronous baseline)::
 

@@ -14,6 +14,9 @@ import signal
 import sys
 from pathlib import Path
 
+from stoker.manifest import load_job
+from stoker.remote_checkpoint import ACTOR
+
 log = logging.getLogger("stoker.actor")
 
 
@@ -45,9 +48,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from stoker.remote_checkpoint import ACTOR
-    from stoker.manifest import load_job
-
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     job = load_job(args.manifest, fetch=ACTOR)  # ManifestError is reported by the dispatcher
     token = None
@@ -60,9 +60,11 @@ def main(args: argparse.Namespace) -> int:
     if args.max_groups is not None and args.max_groups < 1:
         print(f"stoker actor: --max-groups: got {args.max_groups}; expected >= 1", file=sys.stderr)
         return 2
-    from stoker.actor.tokenization import TokenizerProblem
+    # Here, not at the top: the actor's wiring loads gRPC, NumPy and the tokenizers (a few tenths of
+    # a second), which `stoker actor --help` does not need.
     from stoker.actor.wiring import ActorSetupError, build_and_run
     from stoker.buffer.client import AuthError
+    from stoker.conversation.tokenization import TokenizerProblem
 
     try:
         stats = asyncio.run(

@@ -16,7 +16,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from stoker.actor.environments import EnvironmentProblem
+from stoker.actor.environments import EnvironmentProblem, options_json
+from stoker.actor.swe import bundled_tasks
 
 MAX_TASK_FILE_BYTES = 256 * 1024 * 1024
 
@@ -96,6 +97,8 @@ def environment_tasks(env: Any) -> tuple[tuple[str, ...], str]:
             raise EnvironmentProblem("the answers environment needs environment.tasks to name a JSONL task file")
         options["taskFiles"] = files
     elif not ids:
+        # Here, not at the top: plugins imports this module (a cycle), and pydantic, which a sandbox
+        # playing the answers environment (answers imports this module) should not pay for.
         from stoker.actor.plugins import resolve
 
         with tempfile.TemporaryDirectory(prefix="stoker-tasks-") as workdir:
@@ -108,16 +111,12 @@ def environment_tasks(env: Any) -> tuple[tuple[str, ...], str]:
 
 def training_tasks(env: Any) -> tuple[tuple[str, ...], str]:
     """The task ids the actors train on and the options JSON every sandbox gets."""
-    from stoker.actor.environments import options_json
-
     if env.name == "frozenlake":
         return tuple(str(s) for s in env.frozenlake.map_seeds), options_json(env.frozenlake)
     if env.name == "swe":
-        from stoker.actor.swe import bundled_tasks
-
         return tuple(env.tasks or env.swe.tasks) or tuple(bundled_tasks()), options_json(env.swe)
     if env.name == "swebench":
-        from stoker.actor.swebench import instance_tasks
+        from stoker.actor.swebench import instance_tasks  # here: swebench imports this module (a cycle)
 
         return instance_tasks(env)
     return environment_tasks(env)  # answers, or a plugin
@@ -150,14 +149,13 @@ def resolve_eval_tasks(env: Any, training: Sequence[str], options_json: str) -> 
     if env.name == "frozenlake":
         ids = entries  # map seeds: spec.cross_field_problems checked that they are integers
     elif env.name == "swe":
-        from stoker.actor.swe import bundled_tasks
-
         bundled = set(bundled_tasks())
         unknown = [task for task in entries if task not in bundled]
         if unknown:
             raise EnvironmentProblem(f"unknown SWE tasks {unknown}; the bundled ones are {sorted(bundled)}")
         ids = entries
     elif env.name == "swebench":
+        # Here, not at the top: both import this module (a cycle; see environment_tasks).
         from stoker.actor.plugins import TaskSection
         from stoker.actor.swebench import instance_tasks
 

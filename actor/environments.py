@@ -63,6 +63,8 @@ def make_environment(name: str, options: dict[str, Any], workdir: str) -> Enviro
     ``package.module:factory`` reference (``stoker.actor.plugins``). ``workdir`` is the sandbox's
     private directory; environments that touch files stay inside it.
     """
+    # Imported by name, not at the top: each environment imports this module (a cycle), and a
+    # sandbox loads only the one it plays (FrozenLake brings gymnasium, a plugin pydantic).
     if name == "frozenlake":
         from stoker.actor.frozenlake import FrozenLake
 

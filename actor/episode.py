@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 
 from stoker.actor.environments import Observation
-from stoker.actor.policy import Policy, PolicyError, Sampled
+from stoker.conversation.policy import Policy, PolicyError, Sampled
 from stoker.actor.sandbox import EnvironmentFactory, EpisodeEnvironment, SandboxFailed, SandboxTimeout
-from stoker.actor.tokenization import TextInterface
+from stoker.conversation.tokenization import TextInterface
 from stoker.trajectory import LOGPROB_DTYPE, MASK_DTYPE, TOKEN_DTYPE, VERSION_DTYPE, Episode
 from stoker.v1 import trajectory_pb2
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from stoker.actor.episode import FAILED, TIMEOUT, EpisodeLimits, EpisodeSlots, run_group
-from stoker.actor.policy import Policy, Sampled
+from stoker.conversation.policy import Policy, Sampled
 from stoker.actor.sandbox import EnvironmentFactory
-from stoker.actor.tokenization import TextInterface
+from stoker.conversation.tokenization import TextInterface
 from stoker.trajectory import Episode
 
 

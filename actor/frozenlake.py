@@ -45,17 +45,10 @@ import numpy as np
 from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv, generate_random_map
 
 from stoker.actor.environments import EnvironmentProblem, Observation, StepResult
+from stoker.conversation.frozenlake_words import ACTIONS, INSTRUCTION, INVALID, ROW_END
 
-ACTIONS = ("left", "down", "right", "up")  # gymnasium's action order 0..3
-INSTRUCTION = "reach G and avoid H . you are P . answer with one move : left down right up ."
-INVALID = "invalid move ."
-ROW_END = "|"
 # A hole is shaped as this many steps further from the goal than its nearest safe neighbour.
 HOLE_STEPS = 2
-# Every word an observation can contain; the tokenizer's vocabulary is built from this.
-WORDS: tuple[str, ...] = tuple(
-    dict.fromkeys([*INSTRUCTION.split(), *INVALID.split(), ROW_END, "S", "F", "H", "G", "P", *ACTIONS])
-)
 
 
 def parse_action(text: str) -> int | None:

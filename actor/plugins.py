@@ -23,7 +23,9 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from stoker.actor.datasets import is_task_file, load_task_file
 from stoker.actor.environments import Environment, EnvironmentProblem
+from stoker.actor.swebench import instance_tasks
 
 BUILTIN = ("frozenlake", "swe", "swebench", "answers")
 ENTRY_POINT_GROUP = "stoker.environments"
@@ -182,12 +184,8 @@ def environment_problems(name: str, options: dict[str, Any], tasks: list[str]) -
 
     Task files must load; a plugin must import and accept its options.
     """
-    from stoker.actor.datasets import is_task_file, load_task_file
-
     problems: list[tuple[str, str]] = []
     if name == "swebench":
-        from stoker.actor.swebench import instance_tasks
-
         try:
             instance_tasks(TaskSection(tasks, options))
         except EnvironmentProblem as exc:

@@ -2,7 +2,7 @@
 
 A sandbox pod is labelled with its job and its actor pod, and carries a heartbeat annotation the
 actor refreshes every ``heartbeatSeconds``; the operator reaps sandbox pods whose actor is gone or
-whose heartbeat is older than ``heartbeatTtlSeconds`` (keys in ``stoker.actor.labels``). The pod
+whose heartbeat is older than ``heartbeatTtlSeconds`` (keys in ``stoker.labels``). The pod
 runs the same ``sandbox_server`` as a local sandbox, as non-root, without a service-account
 token, privilege escalation or capabilities, on a read-only root filesystem, with resource limits;
 inference never runs in it.
@@ -14,7 +14,7 @@ import asyncio
 import uuid
 from typing import Any
 
-from stoker.actor.labels import (
+from stoker.labels import (
     ACTOR_LABEL,
     HEARTBEAT_ANNOTATION,
     JOB_LABEL,
@@ -25,7 +25,7 @@ from stoker.actor.labels import (
 )
 from stoker.actor.isolation import ENV as ISOLATION_ENV
 from stoker.actor.isolation import FALLBACK as ISOLATION_FALLBACK
-from stoker.actor.sandbox import SandboxConfig, SandboxFailed, SandboxTimeout
+from stoker.actor.sandbox import EpisodeEnvironment, SandboxConfig, SandboxEnvironment, SandboxFailed, SandboxTimeout
 from stoker.actor.settings import PodSandboxSettings
 
 SANDBOX_UID = 65532  # "nonroot" in distroless images
@@ -258,8 +258,6 @@ def _terminated_reason(status: Any) -> str | None:
 
 def pod_factory(config: SandboxConfig, pod: PodSandboxSettings, api: Any | None = None) -> Any:
     """Episodes each get a fresh sandbox pod."""
-    from stoker.actor.sandbox import EpisodeEnvironment, SandboxEnvironment
-
     core = api if api is not None else load_core_api()
 
     async def make() -> EpisodeEnvironment:

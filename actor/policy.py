@@ -25,29 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-
-@dataclass
-class Sampled:
-    """One model turn: the ids exactly as sampled, their log-probs, and the policy version."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finished: bool  # ended by sampling a stop token (else by the token limit)
-    version: int
-
-
-class PolicyError(Exception):
-    """The policy could not answer a turn (e.g. its rollout server stayed unreachable); the
-    episode fails with this reason and its group is handled by ``buffer.failedGroupPolicy``."""
-
-
-class Policy(Protocol):
-    async def generate(
-        self, prompt: Sequence[int], *, max_new_tokens: int, stop_token_ids: Sequence[int], session: Hashable = None
-    ) -> Sampled: ...
-
-    async def end_session(self, session: Hashable) -> None:
-        """The conversation ``session`` is over (no more turns)."""
+from stoker.conversation.policy import Policy, PolicyError, Sampled
 
 
 class GenerationLike(Protocol):

@@ -25,11 +25,12 @@ import numpy as np
 from stoker.actor.diagnostics import ActorDiagnostics, StatsFile
 from stoker.actor.episode import EpisodeSlots, run_group, summarize
 from stoker.actor.evaluation import EvalOutcome, play_round, round_due
-from stoker.actor.policy import Policy
+from stoker.conversation.policy import Policy
 from stoker.actor.sandbox import EnvironmentFactory
 from stoker.actor.settings import ActorSettings
-from stoker.actor.tokenization import TextInterface
+from stoker.conversation.tokenization import TextInterface
 from stoker.trajectory import Episode
+from stoker.weights.errors import WeightsError
 
 log = logging.getLogger("stoker.actor")
 
@@ -66,7 +67,7 @@ class BufferPort(Protocol):
 class WeightSource(Protocol):
     def latest_version(self) -> int: ...
 
-    def fetch(self, version: int) -> dict[str, np.ndarray]: ...
+    def fetch(self, version: int) -> Mapping[str, np.ndarray]: ...
 
 
 class LoadsWeights(Protocol):
@@ -356,8 +357,6 @@ class Actor:
     async def _sync_weights(self) -> None:
         """Poll the weight channel and load each newer version into the policy (with
         ``between-episodes`` the policy keeps running episodes on the weights they started with)."""
-        from stoker.model.weights import WeightsError
-
         assert self.weights is not None and self.loader is not None
         weights, loader = self.weights, self.loader
         while True:

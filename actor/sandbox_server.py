@@ -8,8 +8,8 @@ with threads (JAX, gRPC), and they bind the environment's own children (a SWE ta
 too. Its working directory is the sandbox's private temp dir. Inference never runs here, and JAX
 is never imported, so a sandbox starts in a fraction of a second.
 
-When ready it prints ``SANDBOX_READY port=<port>`` on stdout (and writes the port to
-``--ready-file`` if given). It exits after Close, when its parent dies (Linux parent-death
+When ready it prints ``SANDBOX_READY port=<port>`` on stdout (``SANDBOX_READY address=unix:///...``
+with ``--listen unix:///PATH``) and writes the same to ``--ready-file`` if given. It exits after Close, when its parent dies (Linux parent-death
 signal), or after ``--idle-exit-seconds`` without any call (the actor heartbeats), so a crashed
 actor leaves no sandboxes behind.
 """
@@ -33,6 +33,13 @@ from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 from typing import Any
+
+import grpc
+
+from stoker.actor.environments import EnvironmentProblem, StepLatency, crash_reason, make_environment
+from stoker.actor.isolation import describe, drop_root
+from stoker.endpoints import MAX_UNIX_PATH_BYTES, Address, AddressError, add_grpc_port, parse, write_ready_file
+from stoker.v1 import sandbox_pb2, sandbox_pb2_grpc
 
 log = logging.getLogger("stoker.sandbox")
 
@@ -60,13 +67,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stoker.actor.sandbox_server", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    parser.add_argument("--ready-file", type=Path, help="write the bound port here when ready")
+    parser.add_argument("--listen", metavar="ADDRESS", help="serve on HOST:PORT or unix:///PATH (instead of --host/--port)")
+    parser.add_argument("--ready-file", type=Path, help="write the bound port (a unix socket: its address) here when ready")
     parser.add_argument("--cpu-seconds", type=int, default=0, help="RLIMIT_CPU (0: unlimited)")
     parser.add_argument("--memory-mb", type=int, default=0, help="RLIMIT_AS in MiB (0: unlimited)")
     parser.add_argument("--idle-exit-seconds", type=float, default=0.0, help="exit after this long without calls")
     parser.add_argument("--parent-pid", type=int, default=0, help="die with this parent (Linux)")
     parser.add_argument("--zygote", action="store_true", help="fork sandboxes on request (see zygote_main)")
     args = parser.parse_args(argv)
+    try:
+        address = parse(args.listen, where="--listen") if args.listen else Address(host=args.host, port=args.port)
+    except AddressError as exc:
+        parser.error(str(exc))
     if args.parent_pid:
         die_with_parent(args.parent_pid)
     if args.zygote:
@@ -74,29 +86,24 @@ def main(argv: list[str] | None = None) -> int:
     apply_limits(args.cpu_seconds, args.memory_mb)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s sandbox %(levelname)s %(message)s")
 
-    def ready(port: int) -> None:
+    def ready(bound: Address) -> None:
         if args.ready_file:
-            tmp = args.ready_file.with_suffix(".tmp")
-            tmp.write_text(str(port))
-            tmp.replace(args.ready_file)  # atomic: a reader never sees a half-written port
-        print(f"SANDBOX_READY port={port}", flush=True)
+            write_ready_file(args.ready_file, bound)
+        print(f"SANDBOX_READY {'address=' + bound.target if bound.is_unix else f'port={bound.port}'}", flush=True)
 
-    return serve(args.host, args.port, args.idle_exit_seconds, ready)
+    return serve(address, args.idle_exit_seconds, ready)
 
 
-def serve(host: str, port: int, idle_exit_seconds: float, ready: Callable[[int], None]) -> int:
+def serve(address: Address, idle_exit_seconds: float, ready: Callable[[Address], None]) -> int:
     """Serve one environment until Close, SIGTERM or ``idle_exit_seconds`` without calls."""
-    import grpc
-
-    from stoker.v1 import sandbox_pb2_grpc
-
     done = threading.Event()
     servicer = SandboxServicer(workdir=os.getcwd(), on_close=done.set)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     sandbox_pb2_grpc.add_SandboxServicer_to_server(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        print(f"sandbox: cannot bind {host}:{port}", file=sys.stderr)
+    try:
+        bound = add_grpc_port(server, address, where="sandbox")
+    except (OSError, AddressError) as exc:
+        print(f"sandbox: {exc}", file=sys.stderr)
         return 2
     server.start()
     ready(bound)
@@ -125,16 +132,14 @@ def zygote_main() -> int:
     with the zygote, which dies with the actor.
 
     Protocol, one line each. stdin: a JSON request ``{"id", "cpu_seconds", "memory_mb",
-    "idle_exit_seconds"}``. stdout: ``READY <id> <pid> <port> <workdir>`` or ``FAILED <id>
+    "idle_exit_seconds"}``. stdout: ``READY <id> <pid> <address> <workdir>`` or ``FAILED <id>
     <reason>`` per request, and ``EXIT <pid> <wait status> <id>`` when a child ends. On stdin EOF the
     zygote kills its children and exits.
     """
-    import grpc  # noqa: F401 - imported once here so every fork inherits it
-
+    # Preloaded here, not at the top, so every fork inherits them: a standalone server (a sandbox
+    # pod) imports only the environment it plays, when Reset names it.
     import stoker.actor.frozenlake  # noqa: F401
     import stoker.actor.swe  # noqa: F401
-    from stoker.actor.isolation import describe
-    from stoker.v1 import sandbox_pb2_grpc  # noqa: F401
 
     print(f"sandbox isolation: {describe()}", file=sys.stderr, flush=True)  # probes once; forks inherit
 
@@ -181,8 +186,6 @@ def _child(request: dict[str, Any], zygote_pid: int, say: Callable[[str], None])
         os.chdir(workdir)
         os.environ["HOME"] = os.environ["TMPDIR"] = workdir
         logfile = os.open(os.path.join(workdir, "sandbox.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        from stoker.actor.isolation import drop_root
-
         drop_root(workdir)  # a root actor's sandboxes run as nobody
         die_with_parent(zygote_pid)  # a credential change clears the parent-death signal: set it again
         devnull = os.open(os.devnull, os.O_RDONLY)
@@ -191,16 +194,25 @@ def _child(request: dict[str, Any], zygote_pid: int, say: Callable[[str], None])
         logging.basicConfig(level=logging.INFO, format="%(asctime)s sandbox %(levelname)s %(message)s", force=True)
         apply_limits(int(request["cpu_seconds"]), int(request["memory_mb"]))
 
-        def ready(port: int) -> None:
-            say(f"READY {request['id']} {os.getpid()} {port} {workdir}")
+        def ready(bound: Address) -> None:
+            say(f"READY {request['id']} {os.getpid()} {bound.target} {workdir}")
             os.dup2(logfile, 1)  # from now on stdout is this sandbox's own log
 
-        code = serve("127.0.0.1", 0, float(request["idle_exit_seconds"]), ready)
+        code = serve(_child_address(workdir), float(request["idle_exit_seconds"]), ready)
     except BaseException as exc:  # noqa: BLE001 - a forked child must never return into the zygote
         with contextlib.suppress(OSError):
             say(f"FAILED {request.get('id')} {type(exc).__name__}: {exc}".replace("\n", " "))
     finally:
         os._exit(code)
+
+
+def _child_address(workdir: str) -> Address:
+    """A forked sandbox serves on a unix socket in its own folder: no port to find, and none on a
+    host that allows no inet socket. Loopback TCP only where the path cannot be a socket's."""
+    path = os.path.join(workdir, "sandbox.sock")
+    if len(os.fsencode(path)) <= MAX_UNIX_PATH_BYTES and not any(c.isspace() for c in path):
+        return Address(path=path)
+    return Address(host="127.0.0.1", port=0)
 
 
 class SandboxServicer:
@@ -220,10 +232,6 @@ class SandboxServicer:
         self.last_call = time.monotonic()
 
     def Reset(self, request: Any, context: Any) -> Any:
-        import grpc
-
-        from stoker.actor.environments import EnvironmentProblem, StepLatency, crash_reason, make_environment
-
         self._touch()
         with self._lock:
             self.close_environment()
@@ -240,11 +248,6 @@ class SandboxServicer:
             return _observation(observation)
 
     def Step(self, request: Any, context: Any) -> Any:
-        import grpc
-
-        from stoker.actor.environments import EnvironmentProblem, crash_reason
-        from stoker.v1 import sandbox_pb2
-
         self._touch()
         with self._lock:
             if self._env is None:
@@ -267,8 +270,6 @@ class SandboxServicer:
             )
 
     def Close(self, request: Any, context: Any) -> Any:
-        from stoker.v1 import sandbox_pb2
-
         self._touch()
         with self._lock:
             self.close_environment()
@@ -276,8 +277,6 @@ class SandboxServicer:
         return sandbox_pb2.CloseResponse()
 
     def Heartbeat(self, request: Any, context: Any) -> Any:
-        from stoker.v1 import sandbox_pb2
-
         self._touch()
         return sandbox_pb2.HeartbeatResponse(uptime_seconds=time.monotonic() - self.started)
 
@@ -288,8 +287,6 @@ class SandboxServicer:
 
 
 def _observation(observation: Any) -> Any:
-    from stoker.v1 import sandbox_pb2
-
     return sandbox_pb2.Observation(text=observation.text, info_json=json.dumps(observation.info))
 
 

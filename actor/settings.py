@@ -10,10 +10,10 @@ from stoker.actor.datasets import resolve_eval_tasks, training_tasks
 from stoker.actor.environments import StepLatency, options_json
 from stoker.actor.episode import EpisodeLimits
 from stoker.actor.evaluation import EvalPlan
-from stoker.actor.labels import SANDBOX_POD_PORT
+from stoker.labels import SANDBOX_POD_PORT
 from stoker.actor.rewards import RewardTerm
 from stoker.actor.sandbox import SandboxConfig
-from stoker.actor.tokenization import allowed_token_ids
+from stoker.conversation.tokenization import allowed_token_ids
 from stoker.spec import RLJobSpec, SamplingSpec, TransformerConfig
 
 

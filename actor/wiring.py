@@ -11,14 +11,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
+
+from stoker import chips
 from stoker.actor.environments import EnvironmentProblem
 from stoker.actor.evaluation import EvalOutcome, GreedyPolicy
+from stoker.actor.pods import pod_factory
 from stoker.actor.policy import BatchedSampler
+from stoker.actor.process_sandbox import process_factory
+from stoker.actor.rewards import RewardedFactory
 from stoker.actor.runner import Actor, ActorStats, BufferUnavailable, Grant
-from stoker.actor.sandbox import EnvironmentFactory, close_factory, inline_factory, process_factory
+from stoker.actor.sandbox import EnvironmentFactory, close_factory, inline_factory
 from stoker.actor.settings import ActorSettings
+from stoker.buffer.client import BufferClient, BufferUnavailableError, InvalidTrajectoryError
 from stoker.rollout.client import RemotePolicy
-from stoker.actor.tokenization import text_interface
+from stoker.conversation.tokenization import text_interface
 from stoker.spec import RLJob
 from stoker.trajectory import Episode
 
@@ -38,8 +45,6 @@ def environment_factory(settings: ActorSettings) -> EnvironmentFactory:
     """One fresh environment per episode, in the sandbox kind the spec asks for, with its reward plugins."""
     factory = _sandbox_factory(settings)
     if settings.reward_terms or settings.environment_reward_weight != 1.0:
-        from stoker.actor.rewards import RewardedFactory
-
         return RewardedFactory(factory, list(settings.reward_terms), settings.environment_reward_weight)
     return factory
 
@@ -48,8 +53,6 @@ def _sandbox_factory(settings: ActorSettings) -> EnvironmentFactory:
     if settings.sandbox_kind == "inline":
         return inline_factory(settings.sandbox)
     if settings.sandbox_kind == "pod":
-        from stoker.actor.pods import pod_factory
-
         assert settings.pod is not None
         return pod_factory(settings.sandbox, settings.pod)
     return process_factory(settings.sandbox)
@@ -58,6 +61,12 @@ def _sandbox_factory(settings: ActorSettings) -> EnvironmentFactory:
 def make_sampler(settings: ActorSettings, dtype: str = "float32", mesh: Any = None) -> Any:
     """The JAX sampler with the job's initial weights (checkpoint, or the learner's version-0 init),
     over ``mesh`` when given (a colocated learner's chips: rollout/mesh.py)."""
+    try:
+        chips.check_free("stoker actor's sampler")  # a TPU the learner holds: say so, not libtpu's lockfile
+    except chips.ChipHeld as exc:
+        raise ActorSetupError(str(exc)) from None
+    # Here, not at the top: the model and the sampler import JAX, which an actor sampling from a
+    # rollout server never loads (the actor stays import-light until a sampler is built).
     from stoker.model.hf import CheckpointError, dtype_from_name, read_config, read_weights
     from stoker.rollout.sampling import Sampler
 
@@ -94,6 +103,7 @@ def conversation_rows(settings: ActorSettings, config: Any, dtype: str) -> int:
     """Rows of the sampler's conversation cache: one per concurrent episode, as many as
     ``conversationCacheMiB`` holds (fewer rows only means some turns prefill their whole
     conversation again)."""
+    # Here, not at the top: JAX, as in make_sampler.
     from stoker.model.hf import dtype_from_name
     from stoker.rollout.sampling import session_row_bytes
 
@@ -111,14 +121,6 @@ def conversation_rows(settings: ActorSettings, config: Any, dtype: str) -> int:
 
 def make_policy(settings: ActorSettings, dtype: str = "float32", mesh: Any = None) -> BatchedSampler:
     return BatchedSampler(make_sampler(settings, dtype, mesh))
-
-
-def make_weight_source(target: str, token: str | None = None) -> Any:
-    from stoker.model.weights import WeightSubscriber
-
-    if Path(target).is_dir() or target.startswith(("/", ".", "~")):
-        return WeightSubscriber(directory=Path(target).expanduser())
-    return WeightSubscriber(address=target, auth_token=token)
 
 
 class GrpcBuffer:
@@ -139,10 +141,6 @@ class GrpcBuffer:
         return Grant(int(credit.granted), float(credit.retry_after_seconds))
 
     async def put(self, episodes: list[Episode]) -> None:
-        from stoker.buffer.client import InvalidTrajectoryError
-
-        from stoker.buffer.client import BufferUnavailableError
-
         # On the client's PutStream: the group's episodes go out without a round trip each, and
         # the Put is answered once every one of them is durable.
         if self._stream is None:
@@ -168,8 +166,6 @@ class GrpcBuffer:
         await self._call(self.client.release, groups)
 
     async def report_eval(self, outcome: EvalOutcome, report_id: str) -> None:
-        import grpc
-
         try:
             await self._call(
                 lambda: self.client.report_eval(
@@ -181,8 +177,6 @@ class GrpcBuffer:
             log.error("buffer refused evaluation report %s: %s: %s", report_id, exc.code().name, exc.details())
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        from stoker.buffer.client import BufferUnavailableError
-
         try:
             return await asyncio.to_thread(fn, *args)
         except BufferUnavailableError as exc:
@@ -202,8 +196,6 @@ async def build_and_run(
     rollout_address: str | None = None,
     stats_path: Path | None = None,
 ) -> ActorStats:
-    from stoker.buffer.client import BufferClient
-
     spec = job.spec
     try:
         settings = ActorSettings.from_spec(
@@ -220,6 +212,10 @@ async def build_and_run(
         )
         source, loader = None, None
     else:
+        # Here, not at the top: the weight channel imports Flax, which an actor using a rollout
+        # server never needs.
+        from stoker.weights.channel import make_weight_source
+
         policy = await asyncio.to_thread(make_policy, settings, spec.model.dtype)
         source, loader = (make_weight_source(weights, token) if weights else None), policy
     buffer = GrpcBuffer(BufferClient(buffer_address, token=token, client_id=actor_id))

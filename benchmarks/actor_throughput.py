@@ -35,7 +35,8 @@ from stoker.actor.environments import StepLatency, options_json
 from stoker.actor.frozenlake import FrozenLake
 from stoker.actor.episode import EpisodeLimits, run_group
 from stoker.actor.frozenlake import expert_move
-from stoker.actor.policy import BatchedSampler, Policy, ScriptedPolicy
+from stoker.conversation.policy import Policy
+from stoker.actor.policy import BatchedSampler, ScriptedPolicy
 from stoker.actor.sandbox import (
     EnvironmentFactory,
     EpisodeEnvironment,
@@ -43,9 +44,9 @@ from stoker.actor.sandbox import (
     SandboxEnvironment,
     InlineEnvironment,
     inline_factory,
-    process_factory,
 )
-from stoker.actor.tokenization import text_interface
+from stoker.actor.process_sandbox import process_factory
+from stoker.conversation.tokenization import text_interface
 from stoker.spec import RLJobSpec
 
 SPEC = RLJobSpec()

@@ -101,7 +101,7 @@ def run_echo_server(ready_file: Path, capacity: int, max_message_bytes: int, log
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    from stoker.buffer.server import write_ready_file
+    from stoker.endpoints import write_ready_file
     from stoker.buffer.wire import encode_varint, split_put_request
     from stoker.v1 import buffer_pb2
 
@@ -365,7 +365,8 @@ def disk_baseline(directory: Path, batch_bytes: int, seconds: float) -> dict[str
     """What the log's disk gives one writer: append one Put's worth, fdatasync, repeat -- the way the
     log writes that size (through the page cache, or copied to an aligned buffer and written with
     O_DIRECT from ``DIRECT_MIN`` up)."""
-    from stoker.buffer.wal import ALIGN, DIRECT_MIN
+    from stoker.buffer.wal_direct import DIRECT_MIN
+    from stoker.buffer.wal_format import ALIGN
 
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "disk-baseline"

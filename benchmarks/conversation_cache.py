@@ -36,11 +36,11 @@ from stoker.actor.episode import run_group
 from stoker.actor.policy import BatchedSampler
 from stoker.actor.sandbox import inline_factory
 from stoker.actor.settings import ActorSettings
-from stoker.actor.tokenization import TextInterface, text_interface
+from stoker.conversation.tokenization import TextInterface, text_interface
 from stoker.actor.wiring import make_policy
 from stoker.model.model import init_model
 from stoker.rollout.sampling import chunk_buckets
-from stoker.model.weights import flatten_params
+from stoker.weights.channel import flatten_params
 from stoker.manifest import load_job
 
 REPO = Path(__file__).resolve().parent.parent

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import multiprocessing
 import subprocess
@@ -107,19 +106,20 @@ def main() -> int:
     args = parser.parse_args()
 
     from stoker.buffer.client import BufferClient
-    from stoker.learner.loop import Learner, LearnerSettings
-    from stoker.model.weights import WeightPublisher
+    from stoker.learner.loop import Learner
+    from stoker.learner.settings import LearnerSettings
+    from stoker.weights.channel import WeightPublisher
     from stoker.manifest import load_job
 
     spec = load_job(args.manifest).spec
+    if args.batch_groups:
+        spec = spec.model_copy(update={"learner": spec.learner.model_copy(update={"batch_groups": args.batch_groups})})
     work = Path(tempfile.mkdtemp(prefix="stoker-learner-duty-"))
-    settings = dataclasses.replace(
-        LearnerSettings.from_spec(spec, run_dir=work),
+    settings = LearnerSettings.from_spec(
+        spec, run_dir=work, checkpoint_dir=None,
         allowed_token_ids=None,  # the filler's random ids are not constrained to the move words
-        checkpoint_dir=None,
-        batch_groups=args.batch_groups or spec.learner.batch_groups,
     )
-    with filled_buffer(args.manifest, work, settings.group_size, settings.architecture.vocab_size) as address:
+    with filled_buffer(args.manifest, work, spec.buffer.group_size, settings.architecture.vocab_size) as address:
         learner = Learner(settings, resume=False)
         steps: list[tuple[float, float]] = []  # (end time, train-step seconds)
 

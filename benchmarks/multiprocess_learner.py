@@ -17,7 +17,6 @@ seconds, updates per second, mean seconds per step spent sharing the batch, and 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import socket
@@ -42,17 +41,18 @@ def worker(args: argparse.Namespace) -> int:
     distributed.initialize()
     from stoker.buffer.client import BufferClient
     from stoker.learner import driver, multihost
-    from stoker.learner.loop import Learner, LearnerSettings
-    from stoker.model.weights import WeightPublisher
+    from stoker.learner.loop import Learner
+    from stoker.learner.settings import LearnerSettings
+    from stoker.weights.channel import WeightPublisher
     from stoker.manifest import load_job
 
     spec = load_job(args.manifest).spec
     work = Path(args.worker)
-    settings = dataclasses.replace(
-        LearnerSettings.from_spec(spec, run_dir=work),
+    settings = LearnerSettings.from_spec(
+        spec, run_dir=work,
         allowed_token_ids=None, checkpoint_dir=None, compilation_cache_dir=None,  # random ids; no checkpoints
     )
-    processes = multihost.Processes.current()
+    processes = distributed.Processes.current()
     shares: list[tuple[float, int]] = []  # (seconds, bytes) of every step's share_step
     real_share = multihost.share_step
 

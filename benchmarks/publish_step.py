@@ -26,8 +26,10 @@ import numpy as np
 from learner_duty import episodes_for
 from stoker.buffer.client import SampledBatch, SampledGroup
 from stoker.distributed import Processes
-from stoker.learner.loop import Learner, LearnerSettings
-from stoker.learner.publish import ShardedPublisher
+from stoker.learner.loop import Learner
+from stoker.learner.settings import LearnerSettings
+from stoker.learner.testing import tiny_spec
+from stoker.weights.publish import ShardedPublisher
 from stoker.spec import TransformerConfig
 
 CONFIG = TransformerConfig(vocab_size=8192, hidden_size=512, num_layers=3, num_heads=8, num_kv_heads=4, intermediate_size=1408)
@@ -73,11 +75,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    settings = LearnerSettings(
-        architecture=CONFIG, buckets=(160,), microbatch_tokens=640, batch_groups=GROUPS, group_size=GROUP_SIZE,
-        learning_rate=1e-4, publish_interval=1,
+    spec = tiny_spec(
+        model={"architecture": CONFIG}, algorithm={"learningRate": 1e-4}, buffer={"groupSize": GROUP_SIZE},
+        learner={"sequenceBuckets": [160], "microbatchTokens": 640, "batchGroups": GROUPS, "publishIntervalSteps": 1},
     )
-    learner = Learner(settings)
+    learner = Learner(LearnerSettings.from_spec(spec, checkpoint_dir=None))
     mb = sum(np.asarray(v).nbytes for v in learner.flat_weights().values()) / 1e6
     never, every, published = [], [], []
     with tempfile.TemporaryDirectory() as tmp:

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from weights_shards import SETS, cpu_seconds, read_all  # noqa: E402
 
-from stoker.model.shard_relay import WeightRelay  # noqa: E402
-from stoker.model.weights import WeightSubscriber  # noqa: E402
+from stoker.weights.shard_relay import WeightRelay  # noqa: E402
+from stoker.weights.channel import WeightSubscriber  # noqa: E402
 
 LABEL = "~200 MB bf16"
 

@@ -33,9 +33,10 @@ import time
 from typing import Any
 
 from stoker.rollout.client import RemotePolicy
-from stoker.rollout.engine import PREFILL_APART_ABOVE, Engine, TurnResult
+from stoker.rollout.engine import PREFILL_APART_ABOVE, Engine
 from stoker.rollout.sampling import Sampler
 from stoker.rollout.server import RolloutServer
+from stoker.rollout.turns import TurnResult
 from stoker.spec import SamplingSpec, TransformerConfig
 
 

@@ -84,7 +84,7 @@ def act(args: argparse.Namespace, actor_id: str, address: str | None, conn: Conn
 async def _act(args: argparse.Namespace, actor_id: str, address: str | None, conn: Connection) -> None:
     from stoker.actor.episode import run_group
     from stoker.actor.settings import ActorSettings
-    from stoker.actor.tokenization import text_interface
+    from stoker.conversation.tokenization import text_interface
     from stoker.actor.wiring import environment_factory, make_policy
     from stoker.rollout.client import RemotePolicy
 

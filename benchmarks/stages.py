@@ -72,7 +72,7 @@ def score(checkpoint: Path) -> dict[str, float]:
     laid out as the actors lay them out (the plain layout SFT trains on)."""
     import jax.numpy as jnp
 
-    from stoker.actor.tokenization import allowed_token_ids, text_interface
+    from stoker.conversation.tokenization import allowed_token_ids, text_interface
     from stoker.learner.sft import render_conversation
     from stoker.manifest import load_job
     from stoker.model.hf import load_checkpoint

@@ -19,7 +19,10 @@ import uuid
 
 import numpy as np
 
-from stoker.learner.loop import Group, Learner, LearnerSettings
+from stoker.learner.batches import Group
+from stoker.learner.loop import Learner
+from stoker.learner.settings import LearnerSettings
+from stoker.learner.testing import tiny_spec
 from stoker.spec import TransformerConfig
 from stoker.trajectory import Episode
 
@@ -46,10 +49,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    settings = LearnerSettings(
-        architecture=TransformerConfig(vocab_size=args.vocab), buckets=(args.tokens,), max_staleness=1 << 30,
+    spec = tiny_spec(
+        model={"architecture": TransformerConfig(vocab_size=args.vocab)},
+        learner={"sequenceBuckets": [args.tokens], "microbatchTokens": 4096},
+        buffer={"maxStaleness": 1_000_000},  # the same version-0 episodes train at every step
     )
-    learner = Learner(settings, resume=False)
+    learner = Learner(LearnerSettings.from_spec(spec, checkpoint_dir=None), resume=False)
     spread = [0.0, 1.0] * 4
 
     def batch(stuck: bool) -> list[Group]:

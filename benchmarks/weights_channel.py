@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from stoker.model.model import count_params, init_model
-from stoker.model.weights import WeightPublisher, WeightSubscriber, flatten_params
+from stoker.weights.channel import WeightPublisher, WeightSubscriber, flatten_params
 from stoker.spec import TransformerConfig
 
 SETS = {

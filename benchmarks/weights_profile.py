@@ -9,7 +9,7 @@ shard (serially, so the sums add up to a one-thread cost; the real publish runs 
 * gRPC read (``PeerShards`` over loopback): the server's per-chunk ``bytes`` copy and message
   build, protobuf (de)serialization of a chunk, the whole ``ReadShard`` stream alone, the
   client's join, crc32, assembly (concatenate + copy into the tensor), ``jax.device_put``;
-* the same raw bytes over the plain-TCP stream (``stoker.model.shard_stream``), for comparison.
+* the same raw bytes over the plain-TCP stream (``stoker.weights.shard_stream``), for comparison.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from stoker.distributed import Processes
-from stoker.learner.publish import ShardedPublisher, plan
+from stoker.weights.publish import ShardedPublisher, plan
 from stoker.model.model import init_model
-from stoker.model.shard_service import PeerShards
-from stoker.model.shards import BLOCK_BYTES, ShardedWeights, as_bytes, block_rows, checksums, fsync_file
+from stoker.weights.shard_service import PeerShards
+from stoker.weights.shards import BLOCK_BYTES, ShardedWeights, as_bytes, block_rows, checksums, fsync_file
 from stoker.spec import TransformerConfig
 from stoker.v1 import weights_pb2
 
@@ -130,7 +130,7 @@ def main() -> int:
             stages["read: jax.device_put of every tensor"] = best(
                 lambda: [jax.device_put(h, device).block_until_ready() for h in hosts], r)
             try:
-                from stoker.model.shard_stream import StreamShards
+                from stoker.weights.shard_stream import StreamShards
 
                 streams = StreamShards(token=None)
                 stages["read: plain-TCP stream (1 thread, crc checked)"] = best(

@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from weights_shards import SETS, read_all, timed  # noqa: E402
 
 from stoker.distributed import Processes  # noqa: E402
-from stoker.learner.publish import ShardedPublisher  # noqa: E402
+from stoker.weights.publish import ShardedPublisher  # noqa: E402
 from stoker.model.model import init_model  # noqa: E402
-from stoker.model.shard_relay import WeightRelay  # noqa: E402
-from stoker.model.weights import WeightSubscriber  # noqa: E402
+from stoker.weights.shard_relay import WeightRelay  # noqa: E402
+from stoker.weights.channel import WeightSubscriber  # noqa: E402
 
 
 def main() -> int:

@@ -11,7 +11,7 @@ alike, every tensor is read whole by slice (crc32 per block, assembly) from:
 
 * blob gRPC: ``WeightSubscriber.fetch`` from a ``WeightPublisher`` (transfer, sha256, decode);
 * shards gRPC: the process's ``ShardServer`` (``WeightSubscriber(stream=False)``);
-* shards stream: the same shards over its plain-TCP stream (``stoker.model.shard_stream``, the
+* shards stream: the same shards over its plain-TCP stream (``stoker.weights.shard_stream``, the
   subscriber's default);
 * shards directory: the shared directory (page cache: a reader's own ceiling).
 
@@ -42,10 +42,10 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from stoker.distributed import Processes
-from stoker.learner.publish import ShardedPublisher
+from stoker.weights.publish import ShardedPublisher
 from stoker.model.model import count_params, init_model
-from stoker.model.shards import BLOCK_BYTES, RUN_BYTES, ShardedWeights, crc32
-from stoker.model.weights import WeightPublisher, WeightSubscriber, flatten_params
+from stoker.weights.shards import BLOCK_BYTES, RUN_BYTES, ShardedWeights, crc32
+from stoker.weights.channel import WeightPublisher, WeightSubscriber, flatten_params
 from stoker.spec import TransformerConfig
 
 SETS = {

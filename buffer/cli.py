@@ -6,6 +6,7 @@
 Settings come from the RLJob manifest (``spec.buffer`` and ``spec.learner.batchGroups``) or the
 spec defaults. ``--port 0`` binds a free port; the bound port is logged and, with
 ``--ready-file``, written to that file once the server is serving (the local runner waits on it).
+``--listen unix:///PATH`` serves on a unix socket instead (no port; hosts without inet sockets).
 SIGTERM/SIGINT stop it gracefully: health goes NOT_SERVING, in-flight calls finish, the log is
 flushed.
 """
@@ -20,6 +21,11 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
+
+from stoker.buffer.settings import BufferSettings
+from stoker.endpoints import Address, AddressError, parse, parse_listen, prepare_unix_socket, write_ready_file
+from stoker.manifest import load_job
+from stoker.spec import RLJobSpec
 
 
 class JsonFormatter(logging.Formatter):
@@ -53,11 +59,18 @@ def configure_logging(fmt: str, level: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=None, help="gRPC port (0 = any free port; default: spec.buffer.port)")
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
+    parser.add_argument(
+        "--listen", metavar="ADDRESS", help="serve on HOST:PORT or a unix socket unix:///PATH (instead of --host/--port)"
+    )
     parser.add_argument("--data-dir", required=True, type=Path, help="directory of the write-ahead log")
     parser.add_argument("--manifest", type=Path, help="RLJob manifest to take the buffer settings from")
     parser.add_argument("--token-file", type=Path, help="file holding the bearer token every call must carry")
-    parser.add_argument("--ready-file", type=Path, help="write the bound port here once serving")
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0 = any)")
+    parser.add_argument(
+        "--ready-file", type=Path, help="write the bound port (a unix socket: its unix:// address) here once serving"
+    )
+    parser.add_argument(
+        "--metrics-port", metavar="PORT|ADDRESS", help="serve Prometheus metrics on this port (0 = any), HOST:PORT or unix:///PATH"
+    )
     parser.add_argument("--metrics-host", default="0.0.0.0", help="address for the metrics endpoint")
     parser.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve TLS (with --tls-key)")
     parser.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
@@ -72,10 +85,9 @@ def _fail(message: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from stoker.buffer.server import BufferServer, TlsFiles, write_ready_file
-    from stoker.buffer.settings import BufferSettings
-    from stoker.manifest import load_job
-    from stoker.spec import RLJobSpec
+    # Here, not at the top: the gRPC server takes ~0.5 s to import, which `stoker buffer --help` and
+    # the operator (it imports this module for configure_logging) should not pay.
+    from stoker.buffer.server import BufferServer, TlsFiles
 
     configure_logging(args.log_format, args.log_level)
     log = logging.getLogger("stoker.buffer")
@@ -100,18 +112,20 @@ def main(args: argparse.Namespace) -> int:
         tls = TlsFiles(args.tls_cert, args.tls_key)
     port = spec.buffer.port if args.port is None else args.port
     try:
-        server = BufferServer(
-            settings,
-            args.data_dir,
-            host=args.host,
-            port=port,
-            token=token,
-            tls=tls,
-            metrics_port=args.metrics_port,
-            metrics_host=args.metrics_host,
+        address = parse(args.listen, where="--listen") if args.listen else Address(host=args.host, port=port)
+        metrics = (
+            parse_listen(args.metrics_port, where="--metrics-port", default_host=args.metrics_host)
+            if args.metrics_port is not None else None
         )
+        prepare_unix_socket(address, where="--listen")
+    except AddressError as exc:
+        return _fail(str(exc))
+    try:
+        server = BufferServer(settings, args.data_dir, address=address, token=token, tls=tls, metrics_address=metrics)
+    except AddressError as exc:
+        return _fail(str(exc))
     except OSError as exc:
-        return _fail(f"cannot start: {exc}")
+        return _fail(f"cannot start on {address}: {exc}")
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -123,11 +137,11 @@ def main(args: argparse.Namespace) -> int:
     server.start()
     log.info(
         "buffer ready",
-        extra={"port": server.port, "data_dir": str(args.data_dir), "auth": token is not None, "tls": tls is not None},
+        extra={"address": str(server.address), "data_dir": str(args.data_dir), "auth": token is not None, "tls": tls is not None},
     )
     if args.ready_file:
         try:
-            write_ready_file(args.ready_file, server.port)
+            write_ready_file(args.ready_file, server.address)
         except OSError as exc:
             server.stop(grace=0)
             return _fail(f"--ready-file {args.ready_file}: cannot write ({exc.strerror or exc})")

@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -53,16 +53,12 @@ from stoker.buffer.client_types import (
     encode_sample,
     episode_id_of,
 )
-from stoker.buffer.wire import encode_put_request
+from stoker.buffer.put_stream import PutStream
+from stoker.buffer.wire import PUT_RESPONSE_KEY, RETRY_AFTER_KEY, encode_put_request
 from stoker.channels import channel_options
 from stoker.v1 import buffer_pb2
 
-if TYPE_CHECKING:
-    from stoker.buffer.put_stream import PutStream
-
 SERVICE = "/stoker.v1.Buffer/"
-PUT_RESPONSE_KEY = "stoker-put-response-bin"
-RETRY_AFTER_KEY = "stoker-retry-after-ms"
 # How long a channel being watched may take to report its current state.
 CONNECTED_NOW_SECONDS = 0.05
 # CANCELLED too: a buffer stopping cancels the calls it has in flight (gRPC's GOAWAY "Cancelling
@@ -245,8 +241,6 @@ class BufferClient:
         """A ``PutStream``: ``put`` one trajectory at a time without waiting for it; each returns a
         future that completes once the buffer has it durably. Close it (or use ``with``) to wait
         for the last acknowledgements."""
-        from stoker.buffer.put_stream import PutStream
-
         return PutStream(self, window=window, max_batch_trajectories=self.max_batch_trajectories, max_batch_bytes=self.max_batch_bytes)
 
     def acquire(self, groups: int, *, actor_id: str = "", wait: float = 0.0) -> Credit:

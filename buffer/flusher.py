@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from stoker.buffer.wal import Position, Wal, WalError
+from stoker.buffer.wal import Wal
+from stoker.buffer.wal_files import WalError
+from stoker.buffer.wal_format import Position
 
 
 class Flusher:

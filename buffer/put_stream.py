@@ -26,10 +26,18 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from stoker.buffer.client_types import (
+    AuthError,
+    BufferUnavailableError,
+    InvalidTrajectoryError,
+    Rejection,
+    encode_item,
+    episode_id_of,
+)
 from stoker.buffer.wire import encode_put_stream_request
 from stoker.v1 import buffer_pb2
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # only for the type: stoker.buffer.client imports this module
     from stoker.buffer.client import BufferClient
 
 log = logging.getLogger("stoker.buffer.client")
@@ -82,8 +90,6 @@ class PutStream:
     def put(self, item: Any) -> Future[None]:
         """Queue one trajectory (an Episode, a wire Trajectory or its bytes); the future completes
         once it is durable (or was already stored), or raises ``InvalidTrajectoryError``."""
-        from stoker.buffer.client_types import encode_item, episode_id_of
-
         queued = _Item(encode_item(item), episode_id_of(item))
         with self._cond:
             while self._in_flight >= self.window and self._failed is None:
@@ -150,8 +156,6 @@ class PutStream:
             yield encode_put_stream_request(sequence, self.client.client_id, [item.raw for item in items])
 
     def _run(self) -> None:
-        from stoker.buffer.client import AuthError, BufferUnavailableError
-
         attempt = 0
         broken_since: float | None = None
         while True:
@@ -203,8 +207,6 @@ class PutStream:
             self._cond.notify_all()
 
     def _acknowledge(self, response: buffer_pb2.PutStreamResponse) -> None:
-        from stoker.buffer.client import InvalidTrajectoryError, Rejection
-
         done: list[tuple[_Item, BaseException | None]] = []
         with self._cond:
             for ack in response.acks:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent import futures
@@ -26,11 +25,13 @@ from prometheus_client import Histogram
 from stoker.buffer.core import BufferCore
 from stoker.buffer.flusher import Flusher
 from stoker.buffer.metrics import build_registry
-from stoker.buffer.service import PUT_RESPONSE_KEY, RETRY_AFTER_KEY, SERVICE, BufferService
+from stoker.buffer.service import SERVICE, BufferService
 from stoker.buffer.settings import BufferSettings
 from stoker.buffer.stream import PutStreamHandler
+from stoker.endpoints import Address, add_grpc_port
+from stoker.metrics_http import MetricsEndpoint, serve_metrics
 
-__all__ = ["PUT_RESPONSE_KEY", "RETRY_AFTER_KEY", "SERVICE", "BearerAuth", "BufferServer", "TlsFiles", "write_ready_file"]
+__all__ = ["BearerAuth", "BufferServer", "TlsFiles"]
 
 log = logging.getLogger("stoker.buffer.server")
 
@@ -95,7 +96,14 @@ class BufferServer:
         tls: TlsFiles | None = None,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        address: Address | None = None,
+        metrics_address: Address | None = None,
     ):
+        """Serve on ``address`` (a unix socket or host:port; else ``host``:``port``), metrics on
+        ``metrics_address`` (else ``metrics_host``:``metrics_port``; neither: none)."""
+        address = address or Address(host=host, port=port)
+        if metrics_address is None and metrics_port is not None:
+            metrics_address = Address(host=metrics_host, port=metrics_port)
         self.settings = settings
         self.core = BufferCore(settings, data_dir)
         self.core.open()
@@ -107,23 +115,24 @@ class BufferServer:
         self._loop_thread.start()
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_loop, name="buffer-tick", daemon=True)
-        self.metrics_port: int | None = None
-        self._metrics_http: Any = None
+        self._metrics: MetricsEndpoint | None = None
         try:
-            self.port = self._on_loop(self._bind(f"{host}:{port}", token, tls, put_latency))
-            if metrics_port is not None:
-                from prometheus_client import start_http_server
-
-                self._metrics_http, _ = start_http_server(metrics_port, addr=metrics_host, registry=registry)
-                self.metrics_port = int(self._metrics_http.server_port)
+            self.address = self._on_loop(self._bind(address, token, tls, put_latency))  # where clients dial
+            self.port = self.address.port  # 0 on a unix socket
+            if metrics_address is not None:
+                self._metrics = serve_metrics(metrics_address, registry, where="buffer metrics")
         except BaseException:
             self._close(grace=0)
             raise
 
+    @property
+    def metrics_port(self) -> int | None:
+        return None if self._metrics is None else self._metrics.port
+
     def _on_loop(self, coroutine: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    async def _bind(self, address: str, token: str | None, tls: TlsFiles | None, put_latency: Histogram) -> int:
+    async def _bind(self, address: Address, token: str | None, tls: TlsFiles | None, put_latency: Histogram) -> Address:
         self._flusher = Flusher(self.core.wal, self._loop)
         self.service = BufferService(self.core, self._flusher, self._io_pool, put_latency)
         options = [
@@ -138,13 +147,7 @@ class BufferServer:
         )
         self.health = health.aio.HealthServicer()
         self.grpc_server.add_generic_rpc_handlers((self._health_handler(),))
-        if tls is None:
-            port = self.grpc_server.add_insecure_port(address)
-        else:
-            port = self.grpc_server.add_secure_port(address, tls.credentials())
-        if port == 0:
-            raise OSError(f"could not bind {address}")
-        return port
+        return add_grpc_port(self.grpc_server, address, where="buffer", credentials=None if tls is None else tls.credentials())
 
     def _health_handler(self) -> grpc.GenericRpcHandler:
         """grpc.health.v1.Health, its requests parsed as the Buffer's are: a malformed one is
@@ -164,7 +167,7 @@ class BufferServer:
     def start(self) -> BufferServer:
         self._on_loop(self._start())
         self._ticker.start()
-        log.info("buffer serving on port %d", self.port, extra={"port": self.port, "metrics_port": self.metrics_port})
+        log.info("buffer serving on %s", self.address, extra={"address": str(self.address), "metrics_port": self.metrics_port})
         return self
 
     async def _start(self) -> None:
@@ -196,9 +199,8 @@ class BufferServer:
         self._loop.close()
         self._io_pool.shutdown()
         self.core.close()
-        if self._metrics_http is not None:
-            self._metrics_http.shutdown()
-            self._metrics_http.server_close()
+        if self._metrics is not None:
+            self._metrics.close()
 
     async def _shut_down(self, grace: float) -> None:
         await self.health.enter_graceful_shutdown()
@@ -209,15 +211,3 @@ class BufferServer:
     def wait(self) -> None:
         """Block until ``stop``."""
         self._stop.wait()
-
-
-def write_ready_file(path: str | Path, port: int) -> None:
-    """Write the bound port atomically: readers never see a half-written file."""
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(f"{port}\n")
-        os.replace(tmp, target)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise

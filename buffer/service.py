@@ -27,99 +27,50 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent import futures
-from typing import Any, NoReturn, TypeAlias
+from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 from prometheus_client import Histogram
 
+from stoker.buffer.core import BufferCore
 from stoker.buffer.evaluation import EvalBook, InvalidReport
-from stoker.buffer.core import BatchTooLarge, BufferCore, BufferFull, DiskFull, PendingPut, PutOutcome, Unavailable, UnknownBatch
 from stoker.buffer.flusher import Flusher
-from stoker.buffer.wal import DIRECT_MIN, WalError
-from stoker.buffer.wire import WireError, encode_sample_response, split_put_request
+from stoker.buffer.replies import (
+    Context,
+    LogLimiter,
+    Refused,
+    abort,
+    bounded,
+    check_id,
+    invalid,
+    parse_request,
+    put_response,
+    refusal,
+    rejection_summary,
+    trailing_put_response,
+)
+from stoker.buffer.state import BatchTooLarge, BufferFull, DiskFull, PendingPut, PutOutcome, Unavailable, UnknownBatch
+from stoker.buffer.wal_direct import DIRECT_MIN
+from stoker.buffer.wal_files import WalError
+from stoker.buffer.wire import PUT_RESPONSE_KEY, WireError, encode_sample_response, split_put_request
 from stoker.v1 import buffer_pb2
 
 log = logging.getLogger("stoker.buffer.server")
 
 SERVICE = "stoker.v1.Buffer"
-PUT_RESPONSE_KEY = "stoker-put-response-bin"
-RETRY_AFTER_KEY = "stoker-retry-after-ms"
 # Puts at least this big validate and append in a worker thread: their log write goes direct and
 # waits for the device, which would stall every other call on the loop.
 OFF_LOOP_PUT_BYTES = DIRECT_MIN
-MAX_DETAIL = 300  # characters of any status message; a client's bytes never make it longer
-MAX_TRAILING_BYTES = 4096
 MAX_SAMPLE_GROUPS = 1 << 16
 MAX_CREDIT_GROUPS = 1 << 20
 MAX_TIMEOUT_SECONDS = 3600.0
 MAX_CAPACITY = 1 << 40  # trajectories; far past any disk
 BATCH_ID_LENGTH = 32  # uuid4().hex
-
-Metadata = Sequence[tuple[str, str | bytes]]
-Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
-
-
-def bounded(text: str, limit: int = MAX_DETAIL) -> str:
-    """``text`` cut to ``limit`` characters, saying how much was left out."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
-
-
-class Refused(Exception):
-    """A request the service answers with ``code`` and ``message`` (logged once, no traceback)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, trailing: Metadata = ()):
-        super().__init__(message)
-        self.code = code
-        self.message = bounded(message)
-        self.trailing = trailing
-
-
-def invalid(message: str, trailing: Metadata = ()) -> Refused:
-    return Refused(grpc.StatusCode.INVALID_ARGUMENT, message, trailing)
-
-
-class LogLimiter:
-    """At most ``per_second`` log lines a second for refused requests; the rest are counted and
-    reported with the next line let through, so a flood of bad requests cannot flood the log."""
-
-    def __init__(self, per_second: float = 10.0, clock: Callable[[], float] = time.monotonic):
-        self.per_second = per_second
-        self.clock = clock
-        self._allowance = per_second
-        self._last = clock()
-        self._suppressed = 0
-        self._lock = threading.Lock()
-
-    def warning(self, message: str, *args: object) -> None:
-        with self._lock:
-            now = self.clock()
-            self._allowance = min(self.per_second, self._allowance + (now - self._last) * self.per_second)
-            self._last = now
-            if self._allowance < 1.0:
-                self._suppressed += 1
-                return
-            self._allowance -= 1.0
-            suppressed, self._suppressed = self._suppressed, 0
-        if suppressed:
-            log.warning(message + " (and %d similar lines suppressed)", *args, suppressed)
-        else:
-            log.warning(message, *args)
-
-
-async def _abort(context: Context, code: grpc.StatusCode, message: str, trailing: Metadata = ()) -> NoReturn:
-    await context.abort(code, message, trailing_metadata=trailing)
-    raise AssertionError("unreachable: context.abort raises")
-
-
-def check_id(name: str, value: str, limit: int = 256) -> None:
-    if len(value) > limit:
-        raise invalid(f"{name}: {len(value)} characters; expected at most {limit}")
 
 
 class BufferService:
@@ -421,66 +372,17 @@ class BufferService:
                 return await fn(request, context)
             except Refused as refused:
                 self.refusals.warning("%s from %s: %s: %s", name, context.peer(), refused.code.name, refused.message)
-                await _abort(context, refused.code, refused.message, refused.trailing)
+                await abort(context, refused.code, refused.message, refused.trailing)
             except (grpc.aio.AbortError, asyncio.CancelledError):
                 raise
             except Exception as exc:  # noqa: BLE001 - one line, not a traceback per request
                 log.error("%s failed: %s: %s", name, type(exc).__name__, bounded(str(exc)))
-                await _abort(context, grpc.StatusCode.INTERNAL, f"{name}: internal error ({type(exc).__name__})")
+                await abort(context, grpc.StatusCode.INTERNAL, f"{name}: internal error ({type(exc).__name__})")
 
         return handle
-
-
-def refusal(exc: Exception) -> Exception:
-    """A Put's failure as the status it is answered with (anything unexpected stays as it is)."""
-    if isinstance(exc, (BufferFull, DiskFull)):
-        retry = ((RETRY_AFTER_KEY, str(int(exc.retry_after * 1000))),)
-        return Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), retry)
-    if isinstance(exc, BatchTooLarge):
-        return invalid(str(exc))
-    if isinstance(exc, Unavailable):
-        return Refused(grpc.StatusCode.UNAVAILABLE, str(exc))
-    return exc
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
     """Mark a future's exception as seen: a batch whose stream went away must not log it at exit."""
     if not future.cancelled():
         future.exception()
-
-
-def parse_request(request_type: type[Message], data: bytes) -> Any:
-    try:
-        request = request_type.FromString(data)
-    except DecodeError as exc:
-        raise invalid(f"request: malformed {request_type.DESCRIPTOR.name} ({bounded(str(exc), 100)})") from None
-    for field, value in request.ListFields():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise invalid(f"{field.name}: got {value}; expected a finite number")
-    return request
-
-
-def put_response(outcome: PutOutcome) -> buffer_pb2.PutResponse:
-    return buffer_pb2.PutResponse(
-        results=[buffer_pb2.PutResult(code=c, field=f, message=bounded(m, 200)) for c, f, m in outcome.results],
-        stored=outcome.stored,
-        duplicates=outcome.duplicates,
-    )
-
-
-def trailing_put_response(response: buffer_pb2.PutResponse) -> bytes:
-    """The PutResponse for trailing metadata, which gRPC clients accept up to 8 KiB by default:
-    past ``MAX_TRAILING_BYTES`` the per-trajectory messages go (codes and fields stay)."""
-    encoded = response.SerializeToString()
-    if len(encoded) <= MAX_TRAILING_BYTES:
-        return encoded
-    for result in response.results:
-        result.message = ""
-    return response.SerializeToString()
-
-
-def rejection_summary(outcome: PutOutcome) -> str:
-    rejected = outcome.rejected
-    index, name, message = rejected[0]
-    more = f" (and {len(rejected) - 1} more invalid)" if len(rejected) > 1 else ""
-    return f"trajectories[{index}]: {name}: {bounded(message, 200)}{more}; {outcome.stored} stored"

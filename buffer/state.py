@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from stoker.buffer.validate import TrajectoryMeta
-from stoker.buffer.wal import HEADER, Position
+from stoker.buffer.wal_format import HEADER, Position
 
 # google.rpc.Code values used in PutResult.code
 CODE_OK, CODE_INVALID_ARGUMENT = 0, 3

@@ -1,7 +1,7 @@
 """``PutStream``: Puts on one bidirectional stream, acknowledged per durable flush.
 
 A reader task takes each ``PutStreamRequest`` as it arrives, validates, admits and appends it
-(``BufferService.begin``) and queues it with the future of the flush that makes it durable; it
+(``BufferService.submit``) and queues it with the future of the flush that makes it durable; it
 never waits for the disk. The writer answers in order: once the oldest queued batch is durable it
 acknowledges that one and every later one already durable (one flush settles them all at once)
 in a single ``PutStreamResponse``. Refused batches are acknowledged in the same order with their
@@ -20,21 +20,13 @@ import collections
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+
 import grpc
 
-from stoker.buffer.service import (
-    RETRY_AFTER_KEY,
-    BufferService,
-    Context,
-    Refused,
-    bounded,
-    check_id,
-    invalid,
-    put_response,
-    rejection_summary,
-)
+from stoker.buffer.replies import Context, Refused, bounded, check_id, invalid, put_response, rejection_summary
+from stoker.buffer.service import BufferService
 from stoker.buffer.state import PutOutcome
-from stoker.buffer.wire import WireError, split_put_stream_request
+from stoker.buffer.wire import RETRY_AFTER_KEY, WireError, split_put_stream_request
 from stoker.v1 import buffer_pb2
 
 log = logging.getLogger("stoker.buffer.server")

@@ -1,22 +1,15 @@
 """The write-ahead log: append-only segment files of checksummed records, with group commit.
 
-The format of segments and records, and reading them back, is ``stoker.buffer.wal_format``.
-Segments are preallocated (``posix_fallocate``) ahead of the appends and
-written at explicit offsets: appending to a preallocated file costs a fraction of growing it block
-by block (about 10x less CPU for a 32k-token trajectory on ext4), so a clean segment ends in zeros.
-Each step doubles what the segment has, from 1 MiB up to the segment size: a busy log preallocates
-a few times per segment, and a small one (a local job, a test) holds megabytes of disk rather than
-a whole segment's worth when it is not closed cleanly. Writers append under a lock; ``sync``
-makes a position durable with one ``fdatasync`` shared by every writer waiting at that moment
-(group commit), so concurrent Puts pay for one flush between them.
-
-Large appends (``DIRECT_MIN`` bytes and up, with fsync on) bypass the page cache: their records
-are copied into a page-aligned buffer and written with ``O_DIRECT`` at a 4 KiB-aligned offset,
-outside the log's lock, while other appends go on. A buffered 3.4 MB append + ``fdatasync`` cost
-2-3 ms of CPU once the page cache was under pressure; direct, ~0.3 ms (benchmarks/README.md, buffer
-section). The gaps alignment leaves are filled with padding records (type ``PAD``, zero payload) that
-readers skip, so a segment stays one unbroken run of records. A position becomes durable only once
-every append before it has been written, so an acknowledged record never sits behind a hole.
+The format of segments and records, and reading them back, is ``stoker.buffer.wal_format``; the
+file-system calls are ``wal_files``. Segments are preallocated (``posix_fallocate``) ahead of the
+appends and written at explicit offsets: appending to a preallocated file costs a fraction of
+growing it block by block (about 10x less CPU for a 32k-token trajectory on ext4), so a clean
+segment ends in zeros. Each step doubles what the segment has, from 1 MiB up to the segment size:
+a busy log preallocates a few times per segment, and a small one (a local job, a test) holds
+megabytes of disk rather than a whole segment's worth when it is not closed cleanly. Writers
+append under a lock; ``sync`` makes a position durable with one ``fdatasync`` shared by every
+writer waiting at that moment (group commit, ``wal_commit``), so concurrent Puts pay for one flush
+between them. Large appends go to disk with ``O_DIRECT``, outside the lock (``wal_direct``).
 
 What the records mean is the caller's business (see ``stoker.buffer.core_state``); this module knows
 files, offsets, checksums and which segments still hold live records ("pins").
@@ -25,60 +18,28 @@ files, offsets, checksums and which segments still hold live records ("pins").
 from __future__ import annotations
 
 import errno
-import logging
-import mmap
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-from stoker.buffer import wal_files
-from stoker.buffer.wal_files import NO_SPACE, StagingBuffers, WalError, WalFull, create_segment_file, preallocate, write_all
+from stoker.buffer.wal_commit import GroupCommit
+from stoker.buffer.wal_direct import DirectAppends, DirectWrite
+from stoker.buffer.wal_files import NO_SPACE, WalError, WalFull, create_segment_file, preallocate, write_all
 from stoker.buffer.wal_format import (
-    ALIGN,
-    HEADER,
     MAGIC,
-    PAD,
     Position,
     ReplayRecord,
     ReplayReport,
     Segment,
-    checksum,
     padding_after,
     padding_record,
-    read_records,
     record_chunks,
     replay_segments,
     segment_name,
 )
 
-# What the buffer, its tests and benchmarks use; the format and file calls live in wal_format and wal_files.
-__all__ = [
-    "ALIGN", "DIRECT_MIN", "HEADER", "MAGIC", "PAD", "PREALLOCATE_FIRST", "Position", "ReplayRecord", "ReplayReport",
-    "Segment", "Wal", "WalError", "WalFull", "checksum", "read_records",
-]
-
-log = logging.getLogger("stoker.buffer.wal")
-
-# Appends from this size up go through O_DIRECT. Below it the two cost the same CPU (measured from
-# 53 KB to 256 KB); above it the page cache's copy and writeback cost up to 7x more.
-DIRECT_MIN = 256 << 10
-DIRECT_MAX = 64 << 20  # larger appends stay buffered rather than hold a staging buffer this big
 PREALLOCATE_FIRST = 1 << 20  # a new segment's first preallocation; each later one doubles it
-STAGING_KEPT = 4  # staging buffers kept for reuse (about one per concurrent writer)...
-STAGING_KEPT_MAX = 16 << 20  # ...if at most this big: a rare huge append does not pin its buffer
-
-
-@dataclass(eq=False)
-class _DirectWrite:
-    """An aligned stretch of the active segment claimed by one direct append."""
-
-    segment: int
-    start: int  # where the stretch begins: a padding record up to ``offset`` when unaligned
-    offset: int  # aligned: where the records (then a padding record up to alignment) go
-    length: int  # aligned
-    staging: mmap.mmap  # page-aligned, at least ``length`` bytes
 
 
 class Wal:
@@ -107,21 +68,13 @@ class Wal:
         self.full: str | None = None  # why the last ordinary append found no space; None once one fits
         self.segments: dict[int, Segment] = {}
         self._lock = threading.Lock()  # file appends, segment table
-        self._landed = threading.Condition(self._lock)  # a direct write finished
-        self._sync_cond = threading.Condition()  # group commit
-        self._syncing = False
+        self._commit = GroupCommit()
+        self.direct = DirectAppends(self._lock, enabled=fsync)  # the O_DIRECT path; guarded by _lock
         self._fd = -1
-        self._direct_fd = -1  # the active segment opened with O_DIRECT; -1 when unused or unsupported
-        self._direct_ok = fsync  # cleared for good when the file system refuses O_DIRECT
-        self._draining = False  # rotation or close waits for direct writes: new ones go buffered
-        self._in_flight: dict[int, int] = {}  # direct writes under way: id -> start offset
-        self._staging = StagingBuffers(STAGING_KEPT, STAGING_KEPT_MAX)
         self._active: Segment | None = None
         self._written: Position = (0, 0)  # the end of the last append (earlier ones may be in flight)
-        self._synced: Position = (0, 0)
         self._broken: str | None = None
         self.bytes_written = 0
-        self.direct_appends = 0
         self.syncs = 0
 
     # ------------------------------------------------------------------ reading (at startup)
@@ -154,17 +107,8 @@ class Wal:
         segment = Segment(number, path, size=len(data), allocated=allocated)
         self.segments[number] = segment
         self._active, self._fd = segment, fd
-        self._direct_fd = self._open_direct(path)
-        self._written = self._synced = (number, len(data))
-
-    def _open_direct(self, path: Path) -> int:
-        if not self._direct_ok:
-            return -1
-        try:
-            return os.open(path, os.O_WRONLY | os.O_DIRECT)
-        except (OSError, AttributeError):  # e.g. tmpfs refuses O_DIRECT: buffered appends only
-            self._direct_ok = False
-            return -1
+        self.direct.open(path)
+        self._written = self._commit.synced = (number, len(data))
 
     def append(self, kind: int, payloads: Sequence[bytes | memoryview], *, pin: bool = False, reserved: bool = False) -> Position:
         """Append one record per payload in a single write; return the end position (not yet durable).
@@ -185,7 +129,7 @@ class Wal:
             assert segment is not None, "Wal.start() not called"
             pins = len(payloads) if pin else 0
             keep = 0 if reserved else self.reserve
-            direct = self._reserve_direct(segment, total, keep) if DIRECT_MIN <= total <= DIRECT_MAX else None
+            direct = self._reserve_direct(segment, total, keep) if self.direct.usable(total) else None
             if direct is None:
                 self._write_buffered(segment, chunks, total, keep)
                 self._count(segment, total, pins)
@@ -223,15 +167,13 @@ class Wal:
         segment.size += total
         self._written = (segment.number, segment.size)
 
-    def _reserve_direct(self, segment: Segment, total: int, keep: int) -> _DirectWrite | None:
+    def _reserve_direct(self, segment: Segment, total: int, keep: int) -> DirectWrite | None:
         """Claim an aligned stretch at the end of the active segment for a direct write of ``total``
         bytes of records (caller holds the lock); None when this append should go buffered.
 
         The stretch is: a padding record up to an aligned offset (written here, buffered), the
         records, and a padding record up to the next aligned offset.
         """
-        if self._direct_fd < 0 or not self._direct_ok or self._draining:
-            return None
         start = segment.size
         lead = padding_after(start)
         offset = start + lead
@@ -242,39 +184,19 @@ class Wal:
                 write_all(self._fd, [padding_record(lead)], start)
             except OSError:
                 return None  # the buffered append reports the failure and keeps the log readable
-        write = _DirectWrite(segment.number, start, offset, length, self._staging.take(length))
-        self._in_flight[id(write)] = start
+        write = self.direct.claim(segment.number, start, offset, length)
         segment.size = offset + length
         self._written = (segment.number, segment.size)
         return write
 
     def _write_direct(
-        self, write: _DirectWrite, segment: Segment, chunks: Sequence[bytes | memoryview], total: int, pins: int
+        self, write: DirectWrite, segment: Segment, chunks: Sequence[bytes | memoryview], total: int, pins: int
     ) -> Position:
-        """Copy the records into the aligned staging buffer and write it with O_DIRECT, outside the
-        lock. If anything fails the stretch becomes one padding record, so the records after it stay
-        readable."""
+        """Write a claimed stretch with O_DIRECT, outside the lock, then book it. If anything fails
+        the stretch becomes one padding record, so the records after it stay readable."""
         landed = direct = False
         try:
-            view = memoryview(write.staging)[: write.length]
-            try:
-                position = 0
-                for chunk in chunks:
-                    view[position : position + len(chunk)] = chunk
-                    position += len(chunk)
-                if write.length > total:
-                    view[total:] = padding_record(write.length - total)
-                try:
-                    wal_files.write_aligned(self._direct_fd, view, write.offset)
-                    direct = True
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    # The file system opened the file for O_DIRECT but refuses the write itself.
-                    self._direct_ok = False
-                    write_all(self._fd, [view], write.offset)
-            finally:
-                view.release()
+            direct = self.direct.write(write, chunks, total, self._fd)
             landed = True
         except OSError as exc:
             raise WalError(f"write-ahead log append failed: {exc.strerror or exc}") from exc
@@ -284,10 +206,7 @@ class Wal:
                     self._count(segment, total, pins)
                 else:
                     self._fill_hole(write.start, write.offset + write.length)
-                del self._in_flight[id(write)]
-                self.direct_appends += direct
-                self._staging.give_back(write.staging)
-                self._landed.notify_all()
+                self.direct.finish(write, direct)
         return (write.segment, write.offset + write.length)
 
     def _grow(self, segment: Segment, end: int, keep: int) -> None:
@@ -353,53 +272,33 @@ class Wal:
         except OSError as exc:
             self._broken = f"a failed append could not be padded over ({exc})"
 
-    def _written_through(self) -> Position:
-        """The end of the unbroken run of written records: appends after a direct write that is
-        still under way are not readable yet (caller holds the lock)."""
-        if self._in_flight:
-            return (self._written[0], min(self._in_flight.values()))
-        return self._written
-
     def sync(self, position: Position) -> None:
         """Return once everything up to ``position`` is on disk (no-op with ``fsync`` off)."""
-        if not self.fsync:
-            return
-        while True:
-            with self._sync_cond:
-                while self._synced < position and self._syncing:
-                    self._sync_cond.wait()
-                if self._synced >= position:
-                    return
-                self._syncing = True
-            # This thread leads: one flush covers everything written so far, for every waiter.
-            flushed: Position | None = None
-            try:
-                with self._lock:
-                    while self._written_through() < position and not self._broken:
-                        self._landed.wait()  # an earlier direct write is still under way
-                    if self._broken:
-                        raise WalError(f"write-ahead log unusable: {self._broken}")
-                    target, fd = self._written_through(), self._fd
-                try:
-                    os.fdatasync(fd)
-                except OSError as exc:
-                    # After a failed fsync the page cache state is unknown: never acknowledge again.
-                    with self._lock:
-                        self._broken = f"fdatasync failed: {exc}"
-                    raise WalError(f"write-ahead log flush failed: {exc.strerror or exc}") from exc
-                self.syncs += 1
-                flushed = target
-            finally:
-                with self._sync_cond:
-                    if flushed is not None and flushed > self._synced:
-                        self._synced = flushed
-                    self._syncing = False
-                    self._sync_cond.notify_all()
+        if self.fsync:
+            self._commit.sync(position, self._flush)
+
+    def _flush(self, position: Position) -> Position:
+        """One group commit's flush: everything written so far, at least up to ``position``
+        (once the direct writes before it have landed). Returns how far is now durable."""
+        with self._lock:
+            while self.direct.written_through(self._written) < position and not self._broken:
+                self.direct.landed.wait()  # an earlier direct write is still under way
+            if self._broken:
+                raise WalError(f"write-ahead log unusable: {self._broken}")
+            target, fd = self.direct.written_through(self._written), self._fd
+        try:
+            os.fdatasync(fd)
+        except OSError as exc:
+            # After a failed fsync the page cache state is unknown: never acknowledge again.
+            with self._lock:
+                self._broken = f"fdatasync failed: {exc}"
+            raise WalError(f"write-ahead log flush failed: {exc.strerror or exc}") from exc
+        self.syncs += 1
+        return target
 
     def flush_all(self) -> None:
-        with self._lock:
-            position = self._written
-        self.sync(position)
+        """Make everything appended so far durable."""
+        self.sync(self.written)
 
     @property
     def written(self) -> Position:
@@ -421,44 +320,35 @@ class Wal:
 
     def rotate(self, first_record: tuple[int, bytes] | None = None) -> int:
         """Close the active segment (flushed) and open the next; return the new segment number."""
-        with self._sync_cond:
-            while self._syncing:
-                self._sync_cond.wait()
-            self._syncing = True  # keep group-commit leaders off the fd while it changes
-        try:
-            with self._lock:
-                self._drain()
-                if self._broken:
-                    raise WalError(f"write-ahead log unusable: {self._broken}")
-                old_fd, old_direct_fd, old = self._fd, self._direct_fd, self._active
-                assert old is not None
+        with self._commit.exclusive(), self._lock:
+            self.direct.drain()
+            if self._broken:
+                raise WalError(f"write-ahead log unusable: {self._broken}")
+            old_fd, old_direct_fd, old = self._fd, self.direct.fd, self._active
+            assert old is not None
+            try:
+                if self.fsync:
+                    os.fdatasync(old_fd)
                 try:
-                    if self.fsync:
-                        os.fdatasync(old_fd)
-                    try:
-                        self._open_segment(old.number + 1, first_record)
-                    except WalFull:
-                        # A full volume: give back the old segment's unused preallocated space
-                        # first, then try again; if that fails too the old segment stays active.
-                        os.ftruncate(old_fd, old.size)
-                        old.allocated = old.size
-                        self._open_segment(old.number + 1, first_record)
-                    os.ftruncate(old_fd, old.size)  # give back the unused preallocated space
+                    self._open_segment(old.number + 1, first_record)
                 except WalFull:
-                    self.full = "no space left on the log's volume for a new segment"
-                    raise
-                except OSError as exc:
-                    self._broken = f"segment rotation failed: {exc}"
-                    raise WalError(f"write-ahead log rotation failed: {exc.strerror or exc}") from exc
-                old.allocated = old.size
-                os.close(old_fd)
-                if old_direct_fd >= 0:
-                    os.close(old_direct_fd)
-                return self._active.number if self._active else 0
-        finally:
-            with self._sync_cond:
-                self._syncing = False
-                self._sync_cond.notify_all()
+                    # A full volume: give back the old segment's unused preallocated space
+                    # first, then try again; if that fails too the old segment stays active.
+                    os.ftruncate(old_fd, old.size)
+                    old.allocated = old.size
+                    self._open_segment(old.number + 1, first_record)
+                os.ftruncate(old_fd, old.size)  # give back the unused preallocated space
+            except WalFull:
+                self.full = "no space left on the log's volume for a new segment"
+                raise
+            except OSError as exc:
+                self._broken = f"segment rotation failed: {exc}"
+                raise WalError(f"write-ahead log rotation failed: {exc.strerror or exc}") from exc
+            old.allocated = old.size
+            os.close(old_fd)
+            if old_direct_fd >= 0:
+                os.close(old_direct_fd)
+            return self._active.number if self._active else 0
 
     # ------------------------------------------------------------------ live records, compaction
 
@@ -493,19 +383,9 @@ class Wal:
         with self._lock:
             return sum(s.size for s in self.segments.values())
 
-    def _drain(self) -> None:
-        """Wait until no direct write is under way (caller holds the lock). Appends arriving
-        meanwhile go buffered, so this ends."""
-        self._draining = True
-        try:
-            while self._in_flight:
-                self._landed.wait()
-        finally:
-            self._draining = False
-
     def close(self) -> None:
         with self._lock:
-            self._drain()
+            self.direct.drain()
             if self._fd >= 0:
                 try:
                     if not self._broken and self._active is not None:
@@ -514,9 +394,9 @@ class Wal:
                         os.fdatasync(self._fd)
                 finally:
                     os.close(self._fd)
-                    if self._direct_fd >= 0:
-                        os.close(self._direct_fd)
-                    self._fd = self._direct_fd = -1
+                    if self.direct.fd >= 0:
+                        os.close(self.direct.fd)
+                    self._fd = self.direct.fd = -1
                     self._active = None
-            self._staging.close()
+            self.direct.staging.close()
 

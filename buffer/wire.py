@@ -19,6 +19,11 @@ from stoker.trajectory import TOKEN_ARRAYS, Episode, to_proto
 
 VARINT, I64, LEN, I32 = 0, 1, 2, 5
 
+# Trailing-metadata keys of the buffer's answers, read by the client: the full PutResponse of a Put
+# refused for invalid trajectories, and how long to wait before retrying a full buffer.
+PUT_RESPONSE_KEY = "stoker-put-response-bin"
+RETRY_AFTER_KEY = "stoker-retry-after-ms"
+
 _EMPTY = {name: np.zeros(0, dtype) for name, dtype in TOKEN_ARRAYS}
 
 

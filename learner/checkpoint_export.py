@@ -17,9 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+from pydantic import ValidationError
 
-from stoker.spec import RLJobSpec
+from stoker.hfconfig import read_config
+from stoker.learner import lora
+from stoker.learner.checkpoint import flatten
+from stoker.model.hf import dtype_from_name, load_checkpoint
+from stoker.model.model import Transformer, init_model
+from stoker.spec import RLJobSpec, TransformerConfig
 
 PARAMS_ITEM = "params"
 
@@ -45,10 +55,6 @@ def is_checkpoint_dir(path: Path) -> bool:
 def read_checkpoint(directory: Path, spec: RLJobSpec | None = None) -> CheckpointPolicy:
     """The newest checkpoint of ``directory`` as a model; ``spec`` (a manifest's) overrides the
     one the checkpoint recorded (needed for checkpoints written before it was recorded)."""
-    import jax
-    import orbax.checkpoint as ocp
-    from pydantic import ValidationError
-
     manager = ocp.CheckpointManager(directory.absolute(), options=ocp.CheckpointManagerOptions(read_only=True))
     step = manager.latest_step()
     if step is None:
@@ -72,8 +78,6 @@ def read_checkpoint(directory: Path, spec: RLJobSpec | None = None) -> Checkpoin
     abstract = {name: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=host) for name, m in stored.items()}
     flat = {name: np.asarray(a) for name, a in checkpointer.restore(path, abstract).items()}
     checkpointer.close()
-    from stoker.spec import TransformerConfig
-
     architecture = TransformerConfig.model_validate(meta["architecture"]) if "architecture" in meta else None
     model, adapters = _policy(spec, architecture, flat, directory, step)
     return CheckpointPolicy(model, spec, int(meta["version"]), int(step), adapters)
@@ -84,14 +88,6 @@ def _policy(
 ) -> tuple[Any, Any]:
     """``architecture``: the learner's model config as recorded (that of ``model.checkpoint`` when
     it started from one), so a full fine-tune exports without the base checkpoint at hand."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from stoker.learner.checkpoint import flatten
-    from stoker.model.hf import dtype_from_name, load_checkpoint
-    from stoker.model.model import Transformer, init_model
-
     dtype = dtype_from_name(spec.model.dtype)
     where = f"{directory} checkpoint {step}"
     if spec.model.lora is None:
@@ -99,8 +95,6 @@ def _policy(
         if config is None and not base_dir:
             config = spec.model.architecture
         elif config is None and base_dir and Path(base_dir).is_dir():
-            from stoker.hfconfig import read_config
-
             config = read_config(base_dir)
         if config is None:  # the architecture is the base checkpoint's; it must be readable here
             raise CheckpointExportError(f"{where}: model.checkpoint {spec.model.checkpoint} is not a directory here")
@@ -109,8 +103,6 @@ def _policy(
         _check(names, flat, where, "policy.")
         leaves = [jnp.asarray(flat[name]).astype(names[name].dtype) for name in names]
         return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves)["policy"]), None
-    from stoker.learner import lora
-
     if spec.model.checkpoint:  # the learner's frozen base: the very weights it started from
         if not Path(spec.model.checkpoint).is_dir():
             raise CheckpointExportError(f"{where}: LoRA base model.checkpoint {spec.model.checkpoint} is not a directory here")

@@ -28,7 +28,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
-from stoker.distributed import EXIT_PEER_FAILED
+from stoker import chips, distributed
+from stoker.distributed import EXIT_PEER_FAILED, PeerFailure
+from stoker.endpoints import Address, AddressError, parse, parse_listen
+from stoker.manifest import ManifestError, load_job
+from stoker.remote_checkpoint import LEARNER
 
 log = logging.getLogger("stoker.learner")
 
@@ -36,25 +40,44 @@ log = logging.getLogger("stoker.learner")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--manifest", required=True, metavar="FILE", help="RLJob manifest")
-    parser.add_argument("--buffer", metavar="ADDR", help="buffer gRPC address HOST:PORT (not needed for SFT or DPO on a dataset)")
+    parser.add_argument(
+        "--buffer", metavar="ADDR", help="buffer gRPC address HOST:PORT or unix:///PATH (not needed for SFT or DPO on a dataset)"
+    )
     parser.add_argument("--token-file", metavar="F", help="file holding the buffer's bearer token (also guards the weights)")
     parser.add_argument("--run-dir", required=True, metavar="DIR", help="checkpoints, metrics and caches go here")
     # Both at once: readers may take either (the operator's pods serve, and write a weights volume).
     parser.add_argument("--weights-dir", metavar="DIR", help="publish weights into this shared directory")
-    parser.add_argument("--weights-port", type=int, metavar="P", help="serve weights over gRPC on this port")
+    parser.add_argument(
+        "--weights-port", metavar="P|ADDRESS",
+        help="serve weights over gRPC on this port, HOST:PORT, or a unix socket unix:///PATH (process i > 0 of a "
+        "multi-process learner adds -i to the socket's name)",
+    )
     parser.add_argument(
         "--weights-format", choices=["auto", "blob", "shards"], default="auto",
-        help="shards: every process publishes only its own shards (stoker.learner.publish); blob: the primary "
+        help="shards: every process publishes only its own shards (stoker.weights.publish); blob: the primary "
         "publishes one safetensors file; auto (default): shards when the learner spans several processes",
     )
     parser.add_argument(
         "--weights-stream-port", type=int, default=0, metavar="P",
         help="sharded weights: each process also streams its shards' bytes over plain TCP on this port "
-        "(default 0: a free one, named in the manifest; readers fall back to gRPC); -1: off",
+        "(default 0: a free one, named in the manifest; beside a unix --weights-port, the socket NAME.stream.sock; "
+        "readers fall back to gRPC); -1: off",
     )
     parser.add_argument("--max-steps", type=int, metavar="N", help="stop after N total steps (default: spec)")
-    parser.add_argument("--metrics-port", type=int, default=0, metavar="P", help="serve Prometheus metrics here")
+    parser.add_argument(
+        "--metrics-port", default="0", metavar="P|ADDRESS",
+        help="serve Prometheus metrics on this port (0: off), HOST:PORT or unix:///PATH",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def process_address(address: Address, process: int) -> Address:
+    """Where learner process ``process`` serves its weights: the address itself, or beside a unix
+    socket ``NAME.sock`` (which only one process can bind) ``NAME-<process>.sock``."""
+    if address.path is None or process == 0:
+        return address
+    stem = address.path.removesuffix(".sock")
+    return Address(path=f"{stem}-{process}.sock")
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -64,9 +87,6 @@ def _fail(message: str, code: int = 2) -> int:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from stoker.remote_checkpoint import LEARNER
-    from stoker.manifest import ManifestError, load_job
-
     try:
         job = load_job(args.manifest, fetch=LEARNER)
     except ManifestError as exc:
@@ -79,6 +99,19 @@ def main(args: argparse.Namespace) -> int:
             return _fail(f"--token-file {args.token_file}: {exc.strerror or exc}")
     if args.max_steps is not None and args.max_steps < 1:
         return _fail(f"--max-steps {args.max_steps}; expected >= 1")
+    try:
+        if args.buffer is not None:
+            parse(args.buffer, where="--buffer")
+        weights_listen = (
+            parse_listen(args.weights_port, where="--weights-port", default_host="0.0.0.0")
+            if args.weights_port is not None else None
+        )
+        metrics_listen = (
+            None if args.metrics_port in ("0", "") else parse_listen(args.metrics_port, where="--metrics-port", default_host="0.0.0.0")
+        )
+        chips.check_free("stoker learner")  # a held TPU: say who holds it, not libtpu's lockfile error
+    except (AddressError, chips.ChipHeld) as exc:
+        return _fail(str(exc))
     spec = job.spec
     dataset_only = spec.algorithm.trains_on_dataset
     colocated = spec.mode == "colocated" and args.buffer is None and not dataset_only
@@ -87,9 +120,6 @@ def main(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    # Multi-host TPU pods: must happen before anything touches a JAX backend.
-    from stoker import distributed
-
     if colocated:  # the learner plays its own episodes, on its own chips (runner/sync.py)
         try:
             several = distributed.from_environment() is not None
@@ -97,20 +127,27 @@ def main(args: argparse.Namespace) -> int:
             return _fail(f"TPU environment: {exc}")
         if several:
             return _fail("mode: colocated runs on one host; a learner slice of several hosts needs mode: disaggregated")
+        # Here, not at the top: the sync loop brings the actors, and JAX, which --help never needs.
         from stoker.runner.sync import run_colocated
 
         return run_colocated(job, Path(args.manifest), run_dir, args.max_steps)
 
-    try:
+    try:  # multi-host TPU pods: before anything touches a JAX backend
         topology = distributed.initialize()
     except distributed.DistributedEnvError as exc:
         return _fail(f"TPU environment: {exc}")
     primary = topology is None or topology.process_id == 0
 
-    from stoker.learner.loop import DatasetError, Learner, LearnerSettings
+    # Here, not at the top: stoker.cli loads this module to parse the command line, and JAX, Flax
+    # and gRPC would slow every `stoker learner` start (--help, a bad manifest) by seconds.
+    from stoker.buffer.client import BufferClient, BufferClientError, BufferUnavailableError
+    from stoker.learner.batches import DatasetError
+    from stoker.learner.loop import Learner
     from stoker.learner.metrics import MetricsSink
     from stoker.learner.samples import attach_samples
-    from stoker.model.weights import WeightPublisher
+    from stoker.learner.settings import LearnerSettings
+    from stoker.weights.channel import WeightPublisher
+    from stoker.weights.publish import ShardedPublisher
 
     overrides = {"max_steps": args.max_steps} if args.max_steps is not None else {}
     settings = LearnerSettings.from_spec(spec, run_dir=run_dir, **overrides)
@@ -118,7 +155,6 @@ def main(args: argparse.Namespace) -> int:
         learner = Learner(settings)
     except ValueError as exc:  # a mesh that does not fit the devices, a bad model checkpoint
         return _fail(str(exc))
-    from stoker.buffer.client import BufferClient, BufferClientError, BufferUnavailableError
 
     source = None
     if args.buffer is not None and primary:
@@ -129,11 +165,11 @@ def main(args: argparse.Namespace) -> int:
             learner.close()
             return _fail(f"buffer {args.buffer}: {exc}", 1)
     publisher: Any = None
-    weights_address = f"0.0.0.0:{args.weights_port}" if args.weights_port is not None else None
+    weights_address = None
+    if weights_listen is not None:
+        weights_address = process_address(weights_listen, 0 if topology is None else topology.process_id).target
     sharded = args.weights_format == "shards" or (args.weights_format == "auto" and topology is not None)
     if (args.weights_dir or weights_address) and sharded:  # every process serves/writes its own shards
-        from stoker.learner.publish import ShardedPublisher
-
         publisher = ShardedPublisher(directory=args.weights_dir, address=weights_address, auth_token=token,
                                      stream=args.weights_stream_port >= 0, stream_port=max(0, args.weights_stream_port))
     elif (args.weights_dir or weights_address) and primary:
@@ -145,11 +181,9 @@ def main(args: argparse.Namespace) -> int:
         stop.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    from stoker.learner.multihost import PeerFailure
-
     try:
         if primary:
-            with MetricsSink(run_dir / "learner_metrics.jsonl", port=args.metrics_port) as sink:
+            with MetricsSink(run_dir / "learner_metrics.jsonl", serve=metrics_listen) as sink:
                 attach_samples(sink, spec, run_dir)
                 made = learner.run(source, publisher, sink=sink, stop=stop)
         else:

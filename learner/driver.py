@@ -23,16 +23,20 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from stoker.buffer.client_types import BufferClientError, LeaseLostError, SampledBatch
+from stoker.distributed import Processes, broadcast_int, collective, share
 from stoker.learner import multihost
-from stoker.learner.multihost import Processes
+from stoker.learner.batches import load_dpo_pairs
+from stoker.learner.metrics import DutyCycle
 from stoker.learner.outbox import Outbox
 from stoker.learner.packing import TrainSequence
 from stoker.learner.prefetch import Prefetcher
 
-if TYPE_CHECKING:  # the client pulls in grpc; the loop only needs the batch's shape
-    from stoker.buffer.client import SampledBatch
+if TYPE_CHECKING:  # the Learner runs this loop (stoker.learner.loop imports this module)
     from stoker.learner.loop import Learner
 
 log = logging.getLogger(__name__)
@@ -72,7 +76,7 @@ class RunLoop:
         # Side effects belong to the primary; the others never see the buffer or the publisher.
         primary = processes.primary
         self.source = source if primary else None
-        # A sharded publisher (``stoker.learner.publish``) publishes from every process.
+        # A sharded publisher (``stoker.weights.publish``) publishes from every process.
         self.publisher = publisher if primary or getattr(publisher, "every_process", False) else None
         self.sink = sink if primary else None
         self.stop = stop
@@ -87,8 +91,8 @@ class RunLoop:
         self._written_eval: dict[str, float] | None = None
         # Whether weights are gathered for publishing: the primary's choice, made on every process
         # (the gather is a collective).
-        self.publishing = bool(multihost.broadcast_int(processes, int(self.publisher is not None)))
-        self.sharded = bool(multihost.broadcast_int(processes, int(getattr(self.publisher, "every_process", False))))
+        self.publishing = bool(broadcast_int(processes, int(self.publisher is not None)))
+        self.sharded = bool(broadcast_int(processes, int(getattr(self.publisher, "every_process", False))))
         if self.sharded and self.publisher is None:
             raise ValueError(f"process {processes.index} has no sharded weights publisher, but the primary has one")
         self._shards_idle = threading.Event()  # no sharded publish of this process queued or running
@@ -97,8 +101,6 @@ class RunLoop:
     def run(self, limit: int) -> int:
         learner, s = self.learner, self.learner.settings
         started_at_step = learner.steps
-        from stoker.learner.metrics import DutyCycle
-
         duty = DutyCycle()
         learner.busy_seconds = 0.0
         self._skip_reported_versions()
@@ -121,7 +123,7 @@ class RunLoop:
                         self.source, max_groups=s.batch_groups, min_groups=s.batch_groups, timeout=s.sample_timeout_s
                     )
                 )
-            with multihost.collective("training") if self.processes.multi else contextlib.nullcontext():
+            with collective("training") if self.processes.multi else contextlib.nullcontext():
                 made = self._run_steps(dataset, prefetcher, outbox, limit, duty)
             if made:
                 duty.busy_seconds = learner.busy_seconds
@@ -183,8 +185,8 @@ class RunLoop:
                     self.sink.record(metrics)  # its episodes still count toward the success rate
                 continue
             made += 1
-            if learner.sft_data is not None and learner.sft_data.eval and (
-                learner.version % s.eval_interval == 0 or learner.steps >= limit
+            if learner.sft_data is not None and learner.sft_data.eval and s.sft is not None and (
+                learner.version % s.sft.eval_interval_steps == 0 or learner.steps >= limit
             ):
                 metrics.update(learner.evaluate_sequences([c.sequence() for c in learner.sft_data.eval]))
             duty.busy_seconds = learner.busy_seconds
@@ -213,8 +215,6 @@ class RunLoop:
     def _dataset_batches(self) -> Iterator[list[list[TrainSequence]]]:
         """Endless shuffled epochs over the DPO dataset, batch_groups pairs at a time. Every process
         reads the file and draws the same order from the shared seed."""
-        from stoker.learner.batches import load_dpo_pairs
-
         assert self.learner.settings.dpo_dataset is not None
         pairs = load_dpo_pairs(self.learner.settings.dpo_dataset)
         for batch in self._shuffled_batches(len(pairs)):
@@ -230,9 +230,6 @@ class RunLoop:
             yield [sequences[i] for i in batch]
 
     def _shuffled_batches(self, count: int) -> Iterator[list[int]]:
-        import jax
-        import jax.numpy as jnp
-
         learner = self.learner
         while True:
             key = jax.random.wrap_key_data(jnp.asarray(learner.rng))
@@ -252,7 +249,7 @@ class RunLoop:
         learner = self.learner
         stats = getattr(self.source, "stats", None)
         reported = int(stats().policy_version) if stats is not None else -1
-        reported = multihost.broadcast_int(self.processes, reported)
+        reported = broadcast_int(self.processes, reported)
         if reported > learner.version:
             if self.processes.primary:
                 log.warning(
@@ -263,8 +260,6 @@ class RunLoop:
 
     @staticmethod
     def _commit(source: BatchSource, batch_id: str) -> None:
-        from stoker.buffer.client import LeaseLostError
-
         try:
             source.commit(batch_id)
         except LeaseLostError as exc:
@@ -280,8 +275,6 @@ class RunLoop:
 
     def _read_eval(self, source: BatchSource) -> None:
         """The newest held-out evaluation round from the buffer's Stats, for the metrics."""
-        from stoker.buffer.client import BufferClientError
-
         stats = getattr(source, "stats", None)
         if stats is None:
             return
@@ -355,8 +348,6 @@ class RunLoop:
         A version is published on every process or on none, and no process holds a second copy
         waiting: while any process is still publishing the previous version, this one is skipped
         (decided together, one all-gather); the last one of a run waits its turn instead."""
-        from stoker.distributed import share
-
         learner, publisher, version = self.learner, self.publisher, self.learner.version
         assert publisher is not None
         if self._copied_version >= version:

@@ -24,9 +24,14 @@ from pydantic import ValidationError
 
 from stoker.checkpoint_files import checkpoint_tensors, stored_dtype
 from stoker.hfconfig import CONFIG_FILE, CheckpointError
+from stoker.learner.checkpoint_export import CheckpointExportError, is_checkpoint_dir, read_checkpoint
+from stoker.learner.lora import LoraConfig
+from stoker.learner.peft import ADAPTER_DIR, copy_run_adapter, write_adapter
+from stoker.manifest import load_job
 from stoker.model.hf import dtype_from_name, load_checkpoint, load_hf, save_checkpoint
 from stoker.model.model import Transformer
 from stoker.spec import RLJobSpec
+from stoker.weights.channel import WeightsError, WeightSubscriber
 
 RUN_RECORD = "runs.jsonl"
 RUN_WEIGHTS = "weights"
@@ -55,8 +60,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _from_run(run_dir: Path) -> tuple[Transformer, Path | None, int]:
     """The newest published policy of a run, the directory its tokenizer files are in, its version."""
-    from stoker.model.weights import WeightsError, WeightSubscriber
-
     lines = [line for line in (run_dir / RUN_RECORD).read_text().splitlines() if line.strip()]
     try:
         spec = RLJobSpec.model_validate(json.loads(lines[-1])["spec"])
@@ -103,8 +106,6 @@ def _tokenizer_dir(spec: RLJobSpec) -> Path | None:
 
 def _learner_checkpoints(source: Path) -> Path | None:
     """The Orbax checkpoint directory ``source`` is, or holds under the default ``checkpoints``."""
-    from stoker.learner.checkpoint_export import is_checkpoint_dir
-
     for candidate in (source, source / "checkpoints"):
         if is_checkpoint_dir(candidate):
             return candidate
@@ -127,12 +128,8 @@ def export(source: str | Path, target: str | Path, manifest: str | Path | None =
     elif (source / RUN_RECORD).exists() and (_has_published_weights(source) or checkpoints is None):
         model, tokenizer_dir, version = _from_run(source)
     elif checkpoints is not None:  # a cluster learner's: no published weights, its checkpoints
-        from stoker.learner.checkpoint_export import CheckpointExportError, read_checkpoint
-
         spec = None
         if manifest is not None:  # a bad one raises ManifestError: the CLI prints its problems
-            from stoker.manifest import load_job
-
             spec = load_job(manifest).spec
         try:
             policy = read_checkpoint(checkpoints, spec)
@@ -159,16 +156,11 @@ def export(source: str | Path, target: str | Path, manifest: str | Path | None =
             shutil.copyfile(tokenizer_dir / name, target / name)
             copied.append(name)
     if adapters is not None:  # LoRA from checkpoints: the adapters of that very step as a PEFT directory
-        from stoker.learner.lora import LoraConfig
-        from stoker.learner.peft import ADAPTER_DIR, write_adapter
-
         assert lora_spec is not None
         config = LoraConfig(lora_spec.rank, lora_spec.alpha, tuple(lora_spec.targets), lora_spec.dropout)
         write_adapter(target / ADAPTER_DIR, adapters, config, base_model=policy.spec.model.checkpoint, version=policy.version)
         copied.append(ADAPTER_DIR + "/")
     elif version is not None:  # a LoRA run: its PEFT adapter directory too (stoker.learner.peft)
-        from stoker.learner.peft import copy_run_adapter
-
         adapter = copy_run_adapter(source, target, version)
         if adapter is not None:
             copied.append(adapter)

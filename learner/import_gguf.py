@@ -23,6 +23,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from stoker.checkpoint_files import WEIGHTS_FILE
 from stoker.hfconfig import CONFIG_FILE, CheckpointError, config_to_hf
 from stoker.spec import RopeScaling, TransformerConfig
 
@@ -285,7 +286,8 @@ def import_gguf(path: str | Path, target: str | Path, *, dtype: str = "float32",
         from gguf import GGUFReader
     except ModuleNotFoundError:
         raise GGUFImportError("reading GGUF needs the gguf package: pip install 'stoker[gguf]'") from None
-    from stoker.model.hf import WEIGHTS_FILE, encode_safetensors
+    # Here, not at the top: stoker.model.hf brings JAX, which `stoker import --help` never needs.
+    from stoker.model.hf import encode_safetensors
 
     path, target = Path(path), Path(target)
     if (target / CONFIG_FILE).exists():

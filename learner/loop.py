@@ -12,8 +12,9 @@ commit the batch, bump the policy version, publish weights every k steps and rep
 the buffer, checkpoint every n steps; on start it resumes from the latest checkpoint, so the version
 continues monotonically after a kill.
 
-Host-side preparation of one update (advantages, which flat groups train) is in
-``stoker.learner.batches``; the buffer loop (prefetch, commits, publishing, and the one logical
+The settings (the spec, read the learner's way) are in ``stoker.learner.settings``; host-side
+preparation of one update (advantages, which flat groups train) in ``stoker.learner.batches``
+(``Group``); the buffer loop (prefetch, commits, publishing, and the one logical
 learner over several JAX processes) in ``stoker.learner.driver``.
 
 A batch without any update still counts as a step (``steps`` counts batches consumed, ``version``
@@ -22,33 +23,33 @@ counts updates), so ``maxSteps`` ends a run whose policy has nothing left to lea
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import jax
 import numpy as np
 
-from stoker.learner import algorithms, packing
-from stoker.learner.algorithms import LossConfig
-from stoker.learner.lora import LoraConfig
-from stoker.learner.optimizer import OptimizerConfig, learning_rate_schedule
-from stoker.learner.batches import (  # noqa: F401 - Group, DatasetError, load_dpo_pairs: the loop's API
-    DatasetError,
-    Group,
-    GroupLike,
-    Prepared,
-    load_dpo_pairs,
-    prepare_groups,
-)
+from stoker.distributed import Processes
+from stoker.learner import algorithms, metrics, multihost, packing, sharding, step, train, value_network
+from stoker.learner.batches import GroupLike, Prepared, prepare_groups
+from stoker.learner.checkpoint import Checkpointer
+from stoker.learner.driver import BatchSource, Publisher, RunLoop
+from stoker.learner.optimizer import learning_rate_schedule
 from stoker.learner.packing import TrainSequence
-from stoker.spec import RLJobSpec, TransformerConfig
-
-if TYPE_CHECKING:
-    from stoker.learner.driver import BatchSource, Publisher
+from stoker.learner.peft import ADAPTER_DIR, write_adapter
+from stoker.learner.settings import LearnerSettings
+from stoker.learner.sft import job_sft_data
+from stoker.learner.teacher import TeacherError, load_teacher
+from stoker.model import hf
+from stoker.model.attention_kernels import detect_backend, select_attention
+from stoker.model.layers import head_dim
+from stoker.model.model import init_model
+from stoker.weights.channel import flatten_params
+from stoker.weights.shards import DeviceWeights
 
 log = logging.getLogger(__name__)
 
@@ -58,152 +59,6 @@ log = logging.getLogger(__name__)
 SAMPLE_LAG_VERSIONS = 2
 
 
-# ------------------------------------------------------------------------------------ settings
-
-
-@dataclass(frozen=True)
-class LearnerSettings:
-    """Everything the learner reads from the RLJob, resolved (paths against ``run_dir``)."""
-
-    architecture: TransformerConfig = field(default_factory=TransformerConfig)
-    dtype: str = "float32"  # spec.model.dtype: the compute dtype
-    weight_dtype: str = "float32"  # spec.learner.weightDtype: the trained (master) weights
-    model_checkpoint: str | None = None  # Hugging Face-format directory; random init when None
-    remat: str = "full"  # spec.model.remat
-    attention: str = "auto"  # spec.model.attention, resolved against the backend by the Learner
-    seed: int = 0
-    algorithm: str = "grpo"
-    loss: LossConfig = LossConfig()
-    loss_aggregation: str = "token-mean"
-    learning_rate: float = 3e-3
-    max_grad_norm: float = 1.0
-    optimizer: OptimizerConfig = OptimizerConfig()  # schedule and weight decay
-    advantage_normalization: algorithms.AdvantageNormalization = "population-std"  # group_advantages
-    temperature: float = 1.0
-    top_k: int = 0  # spec.actors.sampling.topK: trained under the distribution the actors sample
-    min_p: float = 0.0
-    dpo_dataset: str | None = None
-    buckets: tuple[int, ...] = (128, 256, 512, 1024)
-    microbatch_tokens: int = 4096
-    mesh_fsdp: int = -1
-    mesh_tp: int = 1
-    sequence_sharding: bool = False  # spec.learner.mesh.sequenceSharding
-    batch_groups: int = 4
-    group_size: int = 8
-    max_staleness: int = 4
-    checkpoint_dir: str | None = None  # None disables checkpointing
-    checkpoint_interval: int = 50
-    checkpoint_keep: int = 3
-    publish_interval: int = 1
-    max_steps: int = 500
-    compilation_cache_dir: str | None = None
-    run_dir: str | None = None
-    sample_timeout_s: float = 5.0
-    allowed_token_ids: tuple[int, ...] | None = None  # constrained decoding, as the actors sample
-    # SFT (spec.algorithm.sft): the dataset paths as written (relative ones against the working
-    # directory, like environment.tasks), and the job for its tokenizer and chat template.
-    sft_dataset: str | None = None
-    sft_eval_dataset: str | None = None
-    sft_eval_fraction: float = 0.0
-    sft_loss_on: str = "assistant"
-    eval_interval: int = 10
-    spec: RLJobSpec | None = None
-    lora: LoraConfig | None = None  # spec.model.lora: adapters on a frozen base
-    teacher_checkpoint: str | None = None  # spec.algorithm.teacher.checkpoint (distill)
-
-    @classmethod
-    def from_spec(cls, spec: RLJobSpec, *, run_dir: str | Path | None = None, **overrides: Any) -> LearnerSettings:
-        """Settings for ``spec``; relative paths resolve against ``run_dir`` (the cwd when None)."""
-        base = Path(run_dir) if run_dir is not None else Path.cwd()
-
-        def resolve(path: str | None) -> str | None:
-            if path is None or "://" in path:
-                return path
-            return str(base / path)
-
-        learner, algorithm = spec.learner, spec.algorithm
-        settings = cls(
-            architecture=spec.model.architecture,
-            dtype=spec.model.dtype,
-            weight_dtype=learner.weight_dtype,
-            model_checkpoint=spec.model.checkpoint,
-            remat=spec.model.remat,
-            attention=spec.model.attention,
-            seed=spec.seed,
-            algorithm=str(algorithm.name),
-            loss=LossConfig(
-                clip_low=algorithm.clip_epsilon,
-                clip_high=algorithm.clip_epsilon_high or algorithm.clip_epsilon,
-                off_policy=algorithm.off_policy_correction,
-                importance_cap=algorithm.importance_cap,
-                dual_clip=algorithm.dual_clip,
-                kl_coef=algorithm.kl_coef,
-                entropy_coef=algorithm.entropy_coef,
-                value_coef=algorithm.value_coef,
-                gamma=algorithm.gamma,
-                gae_lambda=algorithm.gae_lambda,
-                dpo_beta=algorithm.dpo_beta,
-                divergence="reverse_kl" if algorithm.teacher is None else algorithm.teacher.divergence,
-                jsd_beta=0.5 if algorithm.teacher is None else algorithm.teacher.beta,
-            ),
-            loss_aggregation=algorithm.loss_aggregation,
-            learning_rate=algorithm.learning_rate,
-            max_grad_norm=algorithm.max_grad_norm,
-            optimizer=OptimizerConfig.from_spec(algorithm, learner.max_steps, learner.optimizer_state_dtype),
-            advantage_normalization=algorithm.advantage_normalization,
-            temperature=spec.actors.sampling.temperature,
-            top_k=spec.actors.sampling.top_k,
-            min_p=spec.actors.sampling.min_p,
-            dpo_dataset=resolve(algorithm.dpo_dataset),
-            buckets=tuple(learner.sequence_buckets),
-            microbatch_tokens=learner.microbatch_tokens or 4 * max(learner.sequence_buckets),
-            mesh_fsdp=learner.mesh.fsdp,
-            mesh_tp=learner.mesh.tp,
-            sequence_sharding=learner.mesh.sequence_sharding,
-            batch_groups=learner.batch_groups,
-            group_size=spec.buffer.group_size,
-            max_staleness=spec.buffer.max_staleness,
-            checkpoint_dir=resolve(learner.checkpoint.dir),
-            checkpoint_interval=learner.checkpoint.interval_steps,
-            checkpoint_keep=learner.checkpoint.keep,
-            publish_interval=learner.publish_interval_steps,
-            max_steps=learner.max_steps,
-            compilation_cache_dir=resolve(learner.compilation_cache_dir),
-            run_dir=str(base),
-            allowed_token_ids=_allowed_token_ids(spec),
-            spec=spec,
-            teacher_checkpoint=algorithm.teacher.checkpoint if algorithm.teacher is not None else None,
-            lora=None if spec.model.lora is None else LoraConfig(
-                spec.model.lora.rank, spec.model.lora.alpha, tuple(spec.model.lora.targets), spec.model.lora.dropout,
-                seed=spec.seed,
-            ),
-        )
-        if algorithm.sft is not None and algorithm.name == "sft":
-            sft = algorithm.sft
-            settings = settings.replace(
-                sft_dataset=sft.dataset, sft_eval_dataset=sft.eval_dataset, sft_eval_fraction=sft.eval_fraction,
-                sft_loss_on=sft.loss_on, eval_interval=sft.eval_interval_steps,
-                # The data's own tokens, unrestricted and untempered: no sampler to match.
-                temperature=1.0, allowed_token_ids=None,
-            )
-        return settings.replace(**overrides) if overrides else settings
-
-    def replace(self, **changes: Any) -> LearnerSettings:
-        import dataclasses
-
-        return dataclasses.replace(self, **changes)
-
-
-def _allowed_token_ids(spec: RLJobSpec) -> tuple[int, ...] | None:
-    """The constrained-decoding token ids, resolved with the job's tokenizer as the actors do."""
-    if spec.actors.sampling.allowed_tokens is None:
-        return None
-    # The tokenizer is the environment's (the actor owns it); only this one function is shared.
-    from stoker.actor.tokenization import allowed_token_ids
-
-    return allowed_token_ids(spec)
-
-
 # ------------------------------------------------------------------------------------ learner
 
 
@@ -211,16 +66,6 @@ class Learner:
     """The trainer plus policy version, checkpoints, compile and duty-cycle accounting."""
 
     def __init__(self, settings: LearnerSettings, *, mesh: Any = None, resume: bool = True):
-        import functools
-
-        import jax
-
-        from stoker.learner import metrics, sharding, step, train, value_network
-        from stoker.model import hf
-        from stoker.learner.checkpoint import Checkpointer
-        from stoker.model.attention_kernels import detect_backend, select_attention
-        from stoker.model.model import head_dim, init_model
-
         self.settings = settings
         metrics.enable_compilation_cache(settings.compilation_cache_dir)
         self.compiles = metrics.CompileCounter.install()
@@ -240,8 +85,7 @@ class Learner:
         log.info("attention: %s (%s)", kernel.implementation, kernel.reason)
         options = step.StepOptions(
             settings.algorithm, settings.loss, settings.temperature, allowed_token_ids=settings.allowed_token_ids,
-            top_k=settings.top_k, min_p=settings.min_p,
-            remat=settings.remat,  # type: ignore[arg-type]  # a RematPolicy, checked by the spec
+            top_k=settings.top_k, min_p=settings.min_p, remat=settings.remat,
             attention=kernel.implementation, lora=settings.lora, sequence_sharding=settings.sequence_sharding,
         )
         value_model = None
@@ -249,9 +93,7 @@ class Learner:
             value_model = value_network.init_value_network(model.config, settings.seed + 1, dtype, placement=placement)
         teacher = None
         if options.needs_teacher:
-            from stoker.learner.teacher import TeacherError, load_teacher
-
-            if settings.teacher_checkpoint is None or settings.spec is None:
+            if settings.teacher_checkpoint is None:
                 raise TeacherError("algorithm.teacher.checkpoint: missing (distill needs a teacher)")
             teacher = load_teacher(settings.spec, settings.teacher_checkpoint, dtype, model.config.vocab_size)
         optimizer = train.make_optimizer(settings.learning_rate, settings.max_grad_norm, settings.optimizer)
@@ -278,9 +120,7 @@ class Learner:
         self._saved_step = -1
         self.sft_data = None
         if settings.algorithm == "sft":
-            from stoker.learner.sft import settings_sft_data
-
-            self.sft_data = settings_sft_data(settings, model.config.vocab_size)
+            self.sft_data = job_sft_data(settings.spec, model.config.vocab_size)
             log.info("SFT: %d conversations to train on, %d held out", len(self.sft_data.train), len(self.sft_data.eval))
         self.resumed = bool(resume and self.restore())
 
@@ -321,12 +161,10 @@ class Learner:
     def evaluate_sequences(self, sequences: Sequence[TrainSequence]) -> dict[str, float]:
         """The mean loss per trained token over ``sequences``, without an update (a held-out split):
         ``eval_loss`` (the NLL per token) and ``eval_tokens``."""
-        from stoker.learner.step import assign_weights
-
         longest = max(self.settings.buckets)
         items = [[packing.truncate(seq, longest)] for seq in sequences]
         micros = packing.pack(items, self.settings.buckets, self.rows)
-        assign_weights(micros, [m.arrays["mask"] for m in micros], "token-mean")
+        step.assign_weights(micros, [m.arrays["mask"] for m in micros], "token-mean")
         sums = self.trainer.evaluate(micros, self.version)
         tokens = sums.get("nll_tokens", 0.0)
         return {"eval_loss": sums.get("nll_sum", 0.0) / max(tokens, 1.0), "eval_tokens": tokens}
@@ -380,9 +218,7 @@ class Learner:
             log.warning("batch skipped: all %d model tokens are past maxStaleness=%d", stale, stale_limit)
             self.steps += 1
             return {**base, "policy_version": self.version, "step": self.steps, "trained": 0.0, "stale_tokens": stale}
-        from stoker.learner.step import assign_weights
-
-        assign_weights(micros, trainable, s.loss_aggregation)
+        step.assign_weights(micros, trainable, s.loss_aggregation)
         sums = self.trainer.step(micros, self.version, num_pairs=prepared.num_pairs)
         applied = not sums["nonfinite_grads"]  # a non-finite gradient: no update (Trainer.step)
         if not applied:
@@ -420,16 +256,12 @@ class Learner:
     def device_weights(self) -> Any:
         """A copy of the current policy for a sampler in this process (colocated mode): loaded
         with ``load_hf``/``Sampler.load_weights``, it is resharded device to device into the
-        sampler's layout, never gathered on the host (``stoker.model.shards.DeviceWeights``)."""
-        from stoker.model.shards import DeviceWeights
-
+        sampler's layout, never gathered on the host (``stoker.weights.shards.DeviceWeights``)."""
         return DeviceWeights(self.trainer.policy_model(self.trainer.policy_copy()))
 
     def flat_weights(self, params: Any = None) -> dict[str, np.ndarray]:
         """The policy's parameters -- the current ones, or a ``Trainer.policy_copy`` -- as Hugging
         Face-named host arrays (what actors load)."""
-        from stoker.model.weights import flatten_params
-
         return flatten_params(self.trainer.policy_model(params))
 
     # ---------------------------------------------------------------------------- checkpoints
@@ -439,13 +271,14 @@ class Learner:
         if self.checkpointer is None or self._saved_step == self.steps:
             return
         self._saved_step = self.steps
-        job = {"architecture": self.model_config.model_dump(by_alias=True, mode="json")}
-        if self.settings.spec is not None:  # what `stoker export` of the checkpoint directory reads
-            job["spec"] = self.settings.spec.model_dump(by_alias=True, mode="json")
+        job = {  # what `stoker export` of the checkpoint directory reads
+            "architecture": self.model_config.model_dump(by_alias=True, mode="json"),
+            "spec": self.settings.spec.model_dump(by_alias=True, mode="json"),
+        }
         self.checkpointer.save(
             self.steps, self.trainer.params, self.trainer.opt_state, version=self.version, rng=self.rng, job=job
         )
-        if self.settings.lora is not None and self.settings.run_dir:
+        if self.settings.lora is not None:
             self._write_adapter()
         if wait:
             self.checkpointer.wait()
@@ -453,19 +286,14 @@ class Learner:
     def _write_adapter(self) -> None:
         """The LoRA adapters as a PEFT directory, ``RUN_DIR/adapter`` (``stoker.learner.peft``),
         beside each checkpoint: ``stoker export`` copies it. Every process gathers; the primary writes."""
-        import jax
-
-        from stoker.learner import multihost
-        from stoker.learner.peft import ADAPTER_DIR, write_adapter
-
-        assert self.settings.lora is not None and self.settings.run_dir is not None
-        processes = multihost.Processes.current()
+        assert self.settings.lora is not None
+        processes = Processes.current()
         adapters = self.trainer.params["lora"]
         if processes.multi:
             adapters = multihost.replicate(processes, adapters, self.mesh)
         if processes.primary:
             write_adapter(
-                Path(self.settings.run_dir) / ADAPTER_DIR, jax.device_get(adapters), self.settings.lora,
+                self.settings.run_dir / ADAPTER_DIR, jax.device_get(adapters), self.settings.lora,
                 base_model=self.settings.model_checkpoint, version=self.version,
             )
 
@@ -505,9 +333,6 @@ class Learner:
         primary's ``source``, ``publisher`` and ``sink`` are used.
 
         Returns the number of updates made by this call."""
-        from stoker.learner.driver import RunLoop
-        from stoker.learner.multihost import Processes
-
         limit = self.settings.max_steps if max_steps is None else max_steps
         loop = RunLoop(self, source, publisher, sink, stop or threading.Event(), Processes.current())
         return loop.run(limit)

@@ -19,7 +19,9 @@ from typing import IO, Any
 
 import prometheus_client as prom
 
+from stoker.endpoints import Address
 from stoker.jsonl import json_line
+from stoker.metrics_http import serve_metrics
 
 log = logging.getLogger(__name__)
 
@@ -213,11 +215,12 @@ class MetricsSink:
     """Writes each step's metrics as one JSON line, as TensorBoard scalars beside it (and to W&B,
     see ``WandbLogger``), and keeps Prometheus gauges current.
 
-    ``port``: serve ``/metrics`` on it (0 = do not serve; the gauges still live in ``registry``).
+    ``serve``: serve ``/metrics`` there, a port or a unix socket (None = do not serve; the gauges
+    still live in ``registry``; one that cannot listen is logged and off).
     The TensorBoard and W&B step is the record's ``step`` (batches consumed), else a count of records.
     """
 
-    def __init__(self, jsonl_path: str | Path | None, *, port: int = 0, prefix: str = "stoker_learner"):
+    def __init__(self, jsonl_path: str | Path | None, *, serve: Address | None = None, prefix: str = "stoker_learner"):
         self.registry = prom.CollectorRegistry()
         self.gauges = {
             key: prom.Gauge(f"{prefix}_{key}", help_text, registry=self.registry)
@@ -237,8 +240,7 @@ class MetricsSink:
 
             self._tensorboard = SummaryWriter(str(path.parent / TENSORBOARD_DIR / path.stem))
             self._wandb = WandbLogger.create(path.parent, path.stem)
-        if port:
-            prom.start_http_server(port, registry=self.registry)
+        self._endpoint = serve_metrics(serve, self.registry, where="learner metrics") if serve is not None else None
 
     def record(self, metrics: dict[str, float]) -> None:
         self.steps.inc()
@@ -275,6 +277,9 @@ class MetricsSink:
             self._tensorboard.flush()
 
     def close(self) -> None:
+        if self._endpoint is not None:
+            self._endpoint.close()
+            self._endpoint = None
         if self._samples is not None:
             self._samples.close()
             self._samples = None

@@ -18,16 +18,15 @@ that chose otherwise. With one process every function here is a pass-through.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
+import jax
+from jax.sharding import Mesh
 
-from stoker.distributed import PeerFailure, Processes, collective, padded_size, share
-
-if TYPE_CHECKING:
-    from jax.sharding import Mesh
-
-    from stoker.buffer.client import SampledBatch
+from stoker.buffer.client_types import SampledBatch, decode_sample, encode_sample
+from stoker.distributed import Processes, collective, share
+from stoker.learner.sharding import replicated
+from stoker.v1 import buffer_pb2
 
 
 def share_step(processes: Processes, batch: SampledBatch | None, stop: bool) -> tuple[bool, SampledBatch | None]:
@@ -36,9 +35,6 @@ def share_step(processes: Processes, batch: SampledBatch | None, stop: bool) -> 
     but not trained is not committed, so the buffer delivers it again after its lease)."""
     if not processes.multi:
         return stop, batch
-    from stoker.buffer.client_types import decode_sample, encode_sample
-    from stoker.v1 import buffer_pb2
-
     payload = encode_sample(batch).SerializeToString() if processes.primary and batch is not None else b""
     flags, data = share(processes, int(stop), payload, doing="agreeing on the next step", skip=lambda f: bool(f.any()))
     if flags.any() or not data:
@@ -48,22 +44,8 @@ def share_step(processes: Processes, batch: SampledBatch | None, stop: bool) -> 
     return False, decode_sample(buffer_pb2.SampleResponse.FromString(data))
 
 
-def broadcast_int(processes: Processes, value: int) -> int:
-    """The primary's ``value`` on every process."""
-    if not processes.multi:
-        return value
-    from jax.experimental import multihost_utils
-
-    with collective("sharing a value"):
-        return int(multihost_utils.broadcast_one_to_all(np.asarray(value, np.int64)))
-
-
 @functools.lru_cache(maxsize=4)
 def _replicate_fn(mesh: Mesh) -> Any:
-    import jax
-
-    from stoker.learner.sharding import replicated
-
     return jax.jit(lambda tree: tree, out_shardings=replicated(mesh))
 
 
@@ -74,6 +56,3 @@ def replicate(processes: Processes, tree: Any, mesh: Mesh) -> Any:
         return tree
     with collective("gathering the weights"):
         return _replicate_fn(mesh)(tree)
-
-
-__all__ = ["PeerFailure", "Processes", "broadcast_int", "collective", "padded_size", "replicate", "share_step"]

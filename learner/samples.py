@@ -16,6 +16,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from stoker.conversation.tokenization import environment_tokenizer
 from stoker.jsonl import json_line
 from stoker.trajectory import Episode
 
@@ -140,8 +141,6 @@ class SampleLog:
 
 def job_decoder(spec: Any) -> Decode:
     """The job's tokenizer's decode, special tokens kept (the actors' tokenizer: same ids)."""
-    from stoker.actor.tokenization import environment_tokenizer
-
     tokenizer = environment_tokenizer(spec)
 
     def decode(ids: Sequence[int]) -> str:

@@ -18,15 +18,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from stoker.conversation.chat_template import render
+from stoker.conversation.tokenization import TextInterface, TokenizerProblem, text_interface
 from stoker.learner.batches import DatasetError, dataset_records
 from stoker.learner.packing import TrainSequence
-
-if TYPE_CHECKING:
-    from stoker.actor.tokenization import TextInterface
+from stoker.spec import RLJobSpec
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -71,8 +70,6 @@ def read_conversations(path: str | Path) -> list[list[dict[str, str]]]:
 
 def _templated(interface: TextInterface, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
     """Ids of the template's rendering and the 0/1 assistant mask, from the tokens' offsets."""
-    from stoker.actor.chat_template import render
-
     chat = interface.chat
     assert chat is not None
 
@@ -175,18 +172,16 @@ def load_sft_data(
     return SftData([c for c, h in zip(train, held, strict=True) if not h], [c for c, h in zip(train, held, strict=True) if h])
 
 
-def settings_sft_data(settings: Any, vocab_size: int) -> SftData:
-    """``load_sft_data`` for a learner (``LearnerSettings``: the job's tokenizer and template, its
-    ``algorithm.sft``)."""
-    from stoker.actor.tokenization import TokenizerProblem, text_interface
-
-    if settings.spec is None or settings.sft_dataset is None:
+def job_sft_data(spec: RLJobSpec, vocab_size: int) -> SftData:
+    """``load_sft_data`` for a job: its ``algorithm.sft``, its tokenizer and chat template."""
+    sft = spec.algorithm.sft
+    if sft is None:
         raise DatasetError("algorithm.sft.dataset: missing (SFT needs a dataset)")
     try:
-        interface = text_interface(settings.spec)
+        interface = text_interface(spec)
     except TokenizerProblem as exc:
         raise DatasetError(str(exc)) from None
     return load_sft_data(
-        interface, settings.sft_dataset, eval_dataset=settings.sft_eval_dataset, eval_fraction=settings.sft_eval_fraction,
-        loss_on=settings.sft_loss_on, seed=settings.seed, vocab_size=vocab_size,
+        interface, sft.dataset, eval_dataset=sft.eval_dataset, eval_fraction=sft.eval_fraction,
+        loss_on=sft.loss_on, seed=spec.seed, vocab_size=vocab_size,
     )

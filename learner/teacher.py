@@ -5,6 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from stoker.conversation.tokenization import TokenizerProblem, environment_tokenizer
+from stoker.hfconfig import CheckpointError
+from stoker.model.hf import load_checkpoint
+from stoker.model.tokenizer import TokenizerError, load_tokenizer
 from stoker.spec import RLJobSpec
 
 
@@ -15,9 +19,6 @@ class TeacherError(ValueError):
 def tokenizer_problem(spec: RLJobSpec, teacher_dir: str, teacher_vocab_size: int, student_vocab_size: int) -> str | None:
     """Why the teacher's token ids are not the student's, or None. Distillation compares the two
     models' log-probs of the same ids, so the vocabularies must be the same mapping."""
-    from stoker.actor.tokenization import TokenizerProblem, environment_tokenizer
-    from stoker.model.tokenizer import TokenizerError, load_tokenizer
-
     where = f"algorithm.teacher.checkpoint {teacher_dir}"
     path = Path(teacher_dir) / "tokenizer.json"
     if path.is_file():
@@ -43,9 +44,6 @@ def tokenizer_problem(spec: RLJobSpec, teacher_dir: str, teacher_vocab_size: int
 def load_teacher(spec: RLJobSpec, checkpoint: str, dtype: Any, student_vocab_size: int) -> Any:
     """The teacher model (``stoker.model.hf.load_checkpoint``), refused with one line when its
     tokenizer is not the student's."""
-    from stoker.hfconfig import CheckpointError
-    from stoker.model.hf import load_checkpoint
-
     try:
         teacher = load_checkpoint(checkpoint, dtype=dtype)
     except (CheckpointError, OSError) as exc:

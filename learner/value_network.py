@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from stoker.model.model import Block, RMSNorm, init_module, packed_visibility
+from stoker.model.layers import Block, RMSNorm
+from stoker.model.model import init_module, packed_visibility
 from stoker.spec import TransformerConfig
 
 

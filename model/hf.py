@@ -41,7 +41,7 @@ from stoker.model.model import Transformer
 __all__ = [
     "CheckpointError", "config_from_hf", "config_to_hf", "read_config", "load_checkpoint", "save_checkpoint",
     "read_weights", "load_hf", "to_hf", "dtype_from_name", "encode_safetensors", "decode_safetensors",
-    "WEIGHTS_FILE", "INDEX_FILE",
+    "WEIGHTS_FILE", "INDEX_FILE", "hf_name", "param_items",
 ]
 
 _SAFETENSORS_DTYPES: dict[str, Any] = {
@@ -124,13 +124,15 @@ def hf_name(path: tuple[Any, ...]) -> tuple[str, bool]:
     return f"{prefix}{'.'.join(module)}.{suffix}", leaf == "kernel"
 
 
-def _param_items(model: nnx.Module) -> list[tuple[tuple[Any, ...], nnx.Variable[Any]]]:
+def param_items(model: nnx.Module) -> list[tuple[tuple[Any, ...], nnx.Variable[Any]]]:
+    """The model's parameters as (NNX path, variable) pairs, in the order every mapping uses
+    (``hf_name(path)`` names each)."""
     return list(nnx.to_flat_state(nnx.state(model, nnx.Param)))
 
 
 def to_hf(model: nnx.Module) -> dict[str, np.ndarray]:
     """Every parameter as a host numpy array under its HF name, in the model's dtype."""
-    items = _param_items(model)
+    items = param_items(model)
     values = jax.device_get([var.get_value() for _, var in items])
     out: dict[str, np.ndarray] = {}
     for (path, _), value in zip(items, values, strict=True):
@@ -145,12 +147,12 @@ def load_hf(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
 
     Every parameter must be present with the right shape; extra tensors are an error too, except
     a tied model's redundant ``lm_head.weight`` and stale rotary tables. Sharded weights
-    (``stoker.model.shards.ShardedWeights``) load by slice instead, each parameter in its sharding."""
+    (``stoker.weights.shards.ShardedWeights``) load by slice instead, each parameter in its sharding."""
     load_into = getattr(flat, "load_into", None)
     if callable(load_into):
         load_into(model)
         return
-    items = _param_items(model)
+    items = param_items(model)
     expected = {hf_name(path)[0] for path, _ in items}
     tied = getattr(model, "lm_head", "absent") is None
     unexpected = sorted(

@@ -3,7 +3,8 @@
 One implementation serves the learner (packed training forward) and the actors' sampler (prefill
 plus KV-cached decode, see ``stoker.rollout.sampling``). Submodules carry Hugging Face's names
 (``embed_tokens``, ``layers.N.self_attn.q_proj`` ...) so the checkpoint mapping in
-``stoker.model.hf`` is a rename plus a transpose, nothing more.
+``stoker.model.hf`` is a rename plus a transpose, nothing more. The layers (norm, attention, MLP,
+block) are in ``stoker.model.layers``; this module stacks them and runs them.
 
 Llama/Qwen blocks are the pre-norm residual pair
 
@@ -40,11 +41,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from stoker.model.attention import Visibility
-from stoker.model.attention_kernels import Implementation, attend
-from stoker.model.logprobs import (  # noqa: F401 - re-exported: callers import them from here
-    OutputHead, restrict_logits, sequence_logprobs, token_log_not_taken, token_logprobs,
-)
-from stoker.model.rope import inverse_frequencies, rotary
+from stoker.model.attention_kernels import Implementation
+from stoker.model.layers import Block, LayerCache, norm_layer
+from stoker.model.logprobs import OutputHead
 from stoker.model.training_layout import place_residual, place_stacked
 from stoker.spec import TransformerConfig
 
@@ -60,146 +59,12 @@ _REMAT_POLICIES: dict[str, Callable[..., Any] | None] = {
 }
 
 
-def head_dim(config: TransformerConfig) -> int:
-    """Per-head width: ``config.head_dim`` or ``hidden_size / num_heads``."""
-    return config.head_dim if config.head_dim is not None else config.hidden_size // config.num_heads
-
-
-class RMSNorm(nnx.Module):
-    """Root-mean-square norm, computed in float32:
-
-    y = w * (x / sqrt(mean(x^2) + eps))        (Llama: the normed x is cast back first)
-    y = (1 + w) * (x / sqrt(mean(x^2) + eps))  (Gemma, ``unit_offset``: w starts at 0).
-    """
-
-    def __init__(self, size: int, eps: float, *, dtype: jnp.dtype, unit_offset: bool = False):
-        self.eps = eps
-        self.unit_offset = unit_offset
-        self.weight = nnx.Param((jnp.zeros if unit_offset else jnp.ones)((size,), dtype=dtype))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        if self.unit_offset:
-            return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
-        return self.weight[...] * normed.astype(x.dtype)
-
-
-def _linear(n_in: int, n_out: int, *, dtype: jnp.dtype, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
-    return nnx.Linear(n_in, n_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
-
-
-def _norm(config: TransformerConfig, size: int, dtype: jnp.dtype) -> RMSNorm:
-    return RMSNorm(size, config.rms_norm_eps, dtype=dtype, unit_offset=config.norm_unit_offset)
-
-
-class LayerCache(NamedTuple):
-    """One layer's keys and values for every cache slot: [B, S, num_kv_heads, head_dim]."""
-
-    keys: jax.Array
-    values: jax.Array
-
-
 class KVCache(NamedTuple):
     """The sampler's cache. Slot s of row b holds the token at position s of that row's sequence;
     ``segment_ids[b, s]`` is nonzero once the slot holds a real token."""
 
     layers: tuple[LayerCache, ...]
     segment_ids: jax.Array  # [B, S] int32
-
-
-class Attention(nnx.Module):
-    def __init__(self, config: TransformerConfig, layer: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = head_dim(config)
-        local = config.is_local_layer(layer)
-        self.window = config.sliding_window if local else None
-        if local:  # Gemma 3's local layers: their own base, never rescaled
-            theta = config.rope_local_theta if config.rope_local_theta is not None else config.rope_theta
-            self.inv_freq = tuple(inverse_frequencies(self.head_dim, theta, None).tolist())
-        else:
-            freq = inverse_frequencies(self.head_dim, config.rope_theta, config.rope_scaling)
-            self.inv_freq = tuple(freq.tolist())
-        scalar = config.query_pre_attn_scalar if config.query_pre_attn_scalar is not None else self.head_dim
-        self.scale = 1.0 / math.sqrt(scalar)
-        self.softcap = config.attn_logit_softcap
-        hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = _linear(hidden, self.num_heads * self.head_dim, dtype=dtype, rngs=rngs, bias=bias)
-        self.k_proj = _linear(hidden, self.num_kv_heads * self.head_dim, dtype=dtype, rngs=rngs, bias=bias)
-        self.v_proj = _linear(hidden, self.num_kv_heads * self.head_dim, dtype=dtype, rngs=rngs, bias=bias)
-        self.o_proj = _linear(self.num_heads * self.head_dim, hidden, dtype=dtype, rngs=rngs)
-        # Qwen3 and Gemma 3 normalise each query/key head before the rotation.
-        self.q_norm: RMSNorm | None = _norm(config, self.head_dim, dtype) if config.qk_norm else None
-        self.k_norm: RMSNorm | None = _norm(config, self.head_dim, dtype) if config.qk_norm else None
-
-    def project_kv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Rotated keys and values for tokens ``x`` [B, T, hidden] at ``positions`` [B, T]."""
-        b, t, _ = x.shape
-        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        return rotary(k, positions, self.inv_freq), v
-
-    def __call__(
-        self, x: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array, vis: Visibility,
-        kernel: Implementation = "blockwise",
-    ) -> jax.Array:
-        """Attend from ``x`` [B, T, hidden] to ``keys``/``values`` [B, S, kv_heads, D] that ``vis``
-        makes visible (a local layer only the last ``window`` of them). A ``kernel`` other than
-        blockwise needs packed self-attention (``stoker.model.attention_kernels``)."""
-        b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        q = rotary(q, positions, self.inv_freq)
-        out = attend(kernel, q, keys, values, vis, scale=self.scale, softcap=self.softcap, window=self.window)
-        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
-
-
-class MLP(nnx.Module):
-    def __init__(self, config: TransformerConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.gelu = config.mlp_activation == "gelu-tanh"
-        self.gate_proj = _linear(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs)
-        self.up_proj = _linear(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs)
-        self.down_proj = _linear(config.intermediate_size, config.hidden_size, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate = self.gate_proj(x)
-        act = jax.nn.gelu(gate, approximate=True) if self.gelu else jax.nn.silu(gate)
-        return self.down_proj(act * self.up_proj(x))
-
-
-class Block(nnx.Module):
-    """One layer. Hugging Face's names: in a Llama block ``post_attention_layernorm`` is the norm
-    before the MLP; in a Gemma block it normalises the attention output, and the MLP has its own
-    ``pre_feedforward_layernorm`` and ``post_feedforward_layernorm``."""
-
-    def __init__(self, config: TransformerConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, layer: int = 0):
-        hidden = config.hidden_size
-        self.input_layernorm = _norm(config, hidden, dtype)
-        self.self_attn = Attention(config, layer, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = _norm(config, hidden, dtype)
-        self.pre_feedforward_layernorm: RMSNorm | None = _norm(config, hidden, dtype) if config.sandwich_norms else None
-        self.post_feedforward_layernorm: RMSNorm | None = _norm(config, hidden, dtype) if config.sandwich_norms else None
-        self.mlp = MLP(config, dtype=dtype, rngs=rngs)
-
-    def finish(self, h: jax.Array, attended: jax.Array) -> jax.Array:
-        """The residual stream after this layer, given its attention output."""
-        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
-            h = h + attended
-            return h + self.mlp(self.post_attention_layernorm(h))
-        h = h + self.post_attention_layernorm(attended)
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-
-    def __call__(
-        self, h: jax.Array, positions: jax.Array, vis: Visibility, kernel: Implementation = "blockwise"
-    ) -> tuple[jax.Array, LayerCache]:
-        """Self-attention over the tokens themselves (training, prefill): new h and their k/v."""
-        x = self.input_layernorm(h)
-        k, v = self.self_attn.project_kv(x, positions)
-        return self.finish(h, self.self_attn(x, positions, k, v, vis, kernel)), LayerCache(k, v)
 
 
 def packed_visibility(segment_ids: jax.Array) -> Visibility:
@@ -270,7 +135,7 @@ class Transformer(nnx.Module):
             rngs=rngs,
         )
         self.layers = nnx.List([Block(config, dtype=dtype, rngs=rngs, layer=i) for i in range(config.num_layers)])
-        self.norm = _norm(config, config.hidden_size, dtype)
+        self.norm = norm_layer(config, config.hidden_size, dtype)
         self.lm_head: nnx.Linear | None = (
             None
             if config.tie_embeddings

@@ -10,6 +10,8 @@ Pure parts (unit-tested without a cluster):
 * ``rbac`` — the permissions the operator needs, as data (the Helm chart's source).
 
 API-facing parts: ``kube`` (a thin dict client), ``bufferstats`` (Stats over gRPC),
-``reconcile`` (apply/observe children), ``handlers`` (thin kopf handlers), ``metrics``,
+``reconcile`` (apply/observe children), ``job_targets`` (a look's actor target and builder
+context), ``handlers`` (thin kopf handlers), ``kopf_setup`` (kopf's settings and login),
+``kopf_errors`` (API failures as kopf's retries), ``metrics``,
 ``settings`` (``OperatorSettings``) and ``cli`` (``stoker operator``). Never imports JAX.
 """

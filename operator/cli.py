@@ -9,6 +9,7 @@ import os
 import sys
 import threading
 
+from stoker.buffer.cli import configure_logging  # the project's one JSON log format
 from stoker.operator.settings import DEFAULT_IMAGE, DEFAULT_LEARNER_IMAGE, OperatorSettings
 
 
@@ -61,7 +62,9 @@ async def run_operator(
     liveness_endpoint: str | None = None,
 ) -> None:
     """Run the operator until ``stop_flag`` is set (or forever)."""
-    import kopf  # imported here so `stoker --help` stays fast
+    # Here, not at the top: kopf, the Kubernetes client and gRPC (which these modules load) take
+    # over half a second that `stoker operator --help` does not need.
+    import kopf
 
     from stoker.operator.bufferstats import StatsReader
     from stoker.operator.handlers import register
@@ -105,8 +108,6 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"stoker operator: {exc}", file=sys.stderr)
         return 2
-    from stoker.buffer.cli import configure_logging  # the project's one JSON log format
-
     configure_logging(args.log_format, "debug" if args.verbose else "info")
     from kubernetes.config import ConfigException
 

@@ -1,6 +1,7 @@
 """kopf handlers: thin glue between events/timers and the pure builders and status logic.
 
-``register(registry, settings)`` wires everything into a kopf registry, so intervals come from
+The per-job handlers live here; kopf's own setup (its settings and login) in ``kopf_setup``.
+``register(registry, settings)`` wires them all into a kopf registry, so intervals come from
 ``OperatorSettings`` and tests run the real handlers against an emulated API server.
 """
 
@@ -16,14 +17,16 @@ from typing import Any
 
 import kopf
 
-from stoker.actor.labels import JOB_LABEL, ROLE_LABEL, ROLE_SANDBOX
+from stoker.labels import JOB_LABEL, ROLE_LABEL, ROLE_SANDBOX
 from stoker.operator import kube as kubeapi
 from stoker.operator.bufferstats import StatsUnavailable
-from stoker.operator.control import Action, clamp_replicas, decide
+from stoker.operator.control import Action, decide
+from stoker.operator.job_targets import actor_target, job_context
 from stoker.operator.jobstatus import Observed, build_status, failed_status
+from stoker.operator.kopf_errors import kopf_error, refused_child_error
+from stoker.operator.kopf_setup import configure, login
 from stoker.operator.learner_workload import ephemeral_checkpoints
-from stoker.operator.lifecycle import children_created, field_values, resumed, resuming, rollout_changed, suspending
-from stoker.operator.manifests import JobContext
+from stoker.operator.lifecycle import children_created, resumed, resuming, rollout_changed, suspending
 from stoker.operator.reconcile import (
     POD,
     InvalidJob,
@@ -55,9 +58,6 @@ from stoker.spec import GROUP, PLURAL, VERSION, RLJobSpec
 
 Logger = logging.Logger | logging.LoggerAdapter[Any]
 
-FINALIZER = "stoker.dev/operator"
-ANNOTATION_PREFIX = "stoker.dev"
-EXITING_LOOK_POLL_SECONDS = 1.0  # how often a deletion checks whether the job's status look has ended
 POD_INDEX = "stoker_pods"
 
 
@@ -77,82 +77,9 @@ def _runtime(memo: Any) -> Runtime:
     return runtime
 
 
-def _kopf_error(exc: kubeapi.ApiError) -> Exception:
-    """Map API failures to kopf's retry semantics."""
-    if exc.retriable or exc.status in (401, 403):  # 403: RBAC may be fixed while we wait
-        return kopf.TemporaryError(str(exc), delay=30)
-    return kopf.PermanentError(str(exc))
-
-
-def _refused(
-    exc: kubeapi.ApiError, body: kopf.Body, status: kopf.Status, patch: kopf.Patch, generation: int | None,
-    retry: int, settings: OperatorSettings,
-) -> Exception:
-    """The API server refused a child: the job shows Failed with why, at once.
-
-    Server-side and connectivity errors heal by themselves and are retried quietly. A 401/403
-    may be fixed by an admin granting RBAC, so it is retried ``forbidden_retries`` times (the job
-    Failed meanwhile, saying so), then given up; anything else (422 from a webhook, 400) is final
-    until the spec changes.
-    """
-    if exc.retriable:
-        patch.status["message"] = f"applying children: {exc}"
-        return kopf.TemporaryError(str(exc), delay=30)
-    forbidden = exc.status in (401, 403)
-    retrying = forbidden and retry < settings.forbidden_retries
-    message = f"the API server refused {exc}"
-    if retrying:
-        message += f"; retrying in {settings.forbidden_retry_seconds:g}s ({retry + 1}/{settings.forbidden_retries})"
-    elif forbidden:
-        message += f"; gave up after {retry + 1} attempts (fix the operator's RBAC, then edit or re-apply the RLJob)"
-    reason = "Forbidden" if forbidden else "CreateRejected"
-    patch.status.update(failed_status(message, reason, dict(status), _now(), generation))
-    kopf.warn(body, reason=reason, message=message)
-    if retrying:
-        return kopf.TemporaryError(message, delay=settings.forbidden_retry_seconds)
-    return kopf.PermanentError(message)
-
-
-REPLICAS_PATH = ("spec", "actors", "replicas")
-
-
-def replicas_changed(diff: Any) -> bool:
-    """Whether a kopf diff changes ``spec.actors.replicas``, however it is reported: the field
-    itself, or a whole ``spec.actors`` block added or replaced (kopf reports the block's path)."""
-    return any(True for _ in field_values(diff, REPLICAS_PATH))
-
-
 def _post(body: kopf.Body, action: Action | None) -> None:
     if action is not None:
         kopf.event(body, type=action.type, reason=action.reason, message=action.message)
-
-
-def _actor_target(spec: RLJobSpec, status: dict[str, Any], diff: Any) -> int:
-    """The operator's actor replica target: spec.actors.replicas unless enforcement moved it.
-
-    A spec change of ``actors.replicas`` resets the target; min/max changes clamp it.
-    """
-    actors = spec.actors
-    changed = replicas_changed(diff)
-    previous = (status.get("actors") or {}).get("desired")
-    if changed or previous is None:
-        return clamp_replicas(actors.replicas, actors.min_replicas, actors.max_replicas)
-    return clamp_replicas(int(previous), actors.min_replicas, actors.max_replicas)
-
-
-def _context(runtime: Runtime, name: str, namespace: str, uid: str, spec: RLJobSpec, target: int, scale: float,
-             rollout: int = 0) -> JobContext:
-    return JobContext(
-        name=name,
-        namespace=namespace,
-        uid=uid,
-        spec=spec,
-        settings=runtime.settings,
-        actor_replicas=0 if spec.suspend else target,
-        jobset_api=runtime.jobset_api(),
-        admission_scale=scale,
-        rollout_replicas=0 if spec.suspend else rollout,
-    )
 
 
 def one_writer(handler: Callable[..., None]) -> Callable[..., None]:
@@ -175,47 +102,6 @@ def one_writer(handler: Callable[..., None]) -> Callable[..., None]:
 
 
 # ---------------------------------------------------------------------------------- handlers
-
-
-def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
-    ours: OperatorSettings = _runtime(memo).settings
-    settings.watching.server_timeout = ours.watch_server_timeout_seconds
-    settings.watching.client_timeout = ours.watch_server_timeout_seconds + 30
-    # Only pods of Stoker jobs, filtered by the API server: without it every pod event in the
-    # cluster (or watched namespaces) would stream into the operator to be dropped client-side.
-    settings.watching.label_selectors["", "v1", "pods"] = JOB_LABEL
-    settings.persistence.finalizer = FINALIZER
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
-    )
-    # Events are posted explicitly (lifecycle, scaling, reaping, errors; stoker.operator.lifecycle):
-    # at INFO, every handler log line of every look would become an Event.
-    settings.posting.level = logging.WARNING
-    settings.execution.max_workers = 16
-    # A status look still running when its job is deleted holds the finalizer until its thread
-    # ends; kopf then re-checks only on the job's next watch event or after this poll (60 s by
-    # default), and a look that writes nothing makes no event: the deletion would wait a minute.
-    settings.background.cancellation_polling = EXITING_LOOK_POLL_SECONDS
-
-
-def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
-    """kopf connects with the same credentials as the operator's own API client."""
-    config = _runtime(memo).kube.api.configuration
-    # Through the prefix getter: in-cluster, it re-reads the rotated service account token.
-    header = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix("authorization")
-    scheme, token = (header.split(" ", 1) if " " in header else (None, header)) if header else (None, None)
-    return kopf.ConnectionInfo(
-        server=config.host,
-        ca_path=config.ssl_ca_cert,
-        insecure=not config.verify_ssl,
-        scheme=scheme or ("Bearer" if token else None),
-        token=token or None,
-        certificate_path=config.cert_file,
-        private_key_path=config.key_file,
-        username=config.username or None,
-        password=config.password or None,
-    )
 
 
 def reconcile(
@@ -248,11 +134,11 @@ def reconcile(
         else:
             patch.status.update(failed_status(str(exc), exc.reason, dict(status), _now(), generation))
         raise kopf.PermanentError(str(exc)) from None
-    target = _actor_target(parsed, dict(status), diff)
+    target = actor_target(parsed, dict(status), diff)
     servers = rollout_target(parsed, dict(status))
     scale = float(status.get("admissionScale") or 1.0)
     try:
-        ctx = _context(runtime, name, namespace, uid, parsed, target, scale, servers)
+        ctx = job_context(runtime, name, namespace, uid, parsed, target, scale, servers)
         created = apply_children(runtime.kube, ctx, patch_existing=True, logger=logger)
         _post(body, children_created(created))
         if any(c.startswith(("JobSet/", "Job/")) for c in created) and ephemeral_checkpoints(ctx):
@@ -264,7 +150,7 @@ def reconcile(
         elif resumed(diff):
             _post(body, resuming(parsed))
     except kubeapi.ApiError as exc:
-        raise _refused(exc, body, status, patch, generation, retry, runtime.settings) from None
+        raise refused_child_error(exc, body, status, patch, generation, retry, runtime.settings) from None
     memo["reconciled"] = True
     patch.status["actors"] = {"desired": target, "ready": (status.get("actors") or {}).get("ready", 0),
                               "summary": f"{(status.get('actors') or {}).get('ready', 0)}/{target}"}
@@ -312,11 +198,11 @@ def monitor(
         parsed, spec_problem = applied, (exc.reason, str(exc))
     now = _now()
     previous = dict(status)
-    target = _actor_target(parsed, previous, None)
+    target = actor_target(parsed, previous, None)
     servers = rollout_target(parsed, previous)
     scale = float(previous.get("admissionScale") or 1.0)
     try:
-        ctx = _context(runtime, name, namespace, uid, parsed, target, scale, servers)
+        ctx = job_context(runtime, name, namespace, uid, parsed, target, scale, servers)
         children = observe_children(runtime.kube, ctx, jobset_api=ctx.jobset_api)
         _post(body, children_created(heal_children(runtime.kube, ctx, children, logger), missing=True))
         reading = read_buffer(runtime, ctx, memo.get("last_stats"))
@@ -369,7 +255,7 @@ def monitor(
                 runtime.metrics.action(namespace, name, action.reason)
         reaped = reap_zombies(runtime, body, namespace, name, kwargs.get(POD_INDEX), parsed, now, logger)
     except kubeapi.ApiError as exc:
-        raise _kopf_error(exc) from None
+        raise kopf_error(exc) from None
 
     observed = Observed(
         spec=parsed,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from stoker.bottleneck import Bottleneck, diagnose, figures_from
 from stoker.operator.control import StalenessWindow
 from stoker.operator.observe import DeploymentObservation, LearnerObservation, StatsSnapshot
 from stoker.operator.rollout_control import RolloutReading
@@ -198,6 +199,13 @@ def _staleness_condition(o: Observed) -> Cond:
     return Cond("StalenessExceeded", "False", "WithinLimit", detail)
 
 
+def _bottleneck(o: Observed) -> Bottleneck | None:
+    """What caps the learner now (stoker.bottleneck); None while balanced, unknown or colocated."""
+    if o.stats is None or o.actors is None:
+        return None
+    return diagnose(figures_from(o.stats, o.spec, o.stats.learner_duty_cycle))
+
+
 def _starved_condition(o: Observed) -> Cond:
     if o.stats is None:
         return Cond("LearnerStarved", "Unknown", "NoStats", "no Stats from the buffer")
@@ -205,6 +213,9 @@ def _starved_condition(o: Observed) -> Cond:
         return Cond("LearnerStarved", "Unknown", "DutyCycleUnknown", "the learner has not reported its duty cycle")
     duty = o.stats.learner_duty_cycle or 0.0
     detail = f"{o.stats.complete_groups} complete groups buffered, learner busy {duty:.0%} of the time"
+    found = _bottleneck(o)
+    if found is not None and found.limit == "actors":
+        detail += f": {found}"
     if o.starved:
         return Cond("LearnerStarved", "True", "BufferEmpty", detail)
     return Cond("LearnerStarved", "False", "Fed", detail)
@@ -280,6 +291,10 @@ def build_status(o: Observed, previous: Mapping[str, Any], now: datetime) -> dic
             "zombiesReaped": o.zombies_reaped,
             "evaluation": _evaluation(o.stats) if o.stats is not None and o.stats.evaluation else previous.get("evaluation"),
             "admissionScale": o.admission_scale,
+            "bottleneck": (
+                (str(found) if (found := _bottleneck(o)) is not None else "") if o.stats is not None
+                else previous.get("bottleneck")
+            ),
             "message": _spec_condition(o).message if o.spec_problem else (ready.message if ready.status != "True" else ""),
             "conditions": merge_conditions(
                 previous.get("conditions") or [],

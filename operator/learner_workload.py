@@ -28,7 +28,7 @@ from stoker.operator.manifests import (
     metadata,
 )
 from stoker.jobname import REPLICATED_JOB
-from stoker.actor.labels import JOB_LABEL, ROLE_LABEL
+from stoker.labels import JOB_LABEL, ROLE_LABEL
 from stoker.operator.naming import ROLE_LEARNER, labels, selector
 from stoker.remote_checkpoint import LEARNER
 from stoker.operator.tpu import (

@@ -2,7 +2,7 @@
 for ``kubectl describe rljob``: children created or recreated, suspending, resumed, the rollout
 tier's servers added or removed.
 
-kopf's own posting level stays WARNING (``handlers.configure``): at INFO every handler log line
+kopf's own posting level stays WARNING (``kopf_setup.configure``): at INFO every handler log line
 of every look would become an Event. These are posted explicitly instead, one per change, as the
 scaling Events are (``stoker.operator.control.Action``).
 """

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from stoker.actor.labels import JOB_LABEL, ROLE_LABEL, ROLE_SANDBOX, SANDBOX_POD_PORT
+from stoker.labels import JOB_LABEL, ROLE_LABEL, ROLE_SANDBOX, SANDBOX_POD_PORT
 from stoker.operator.naming import ROLE_ACTOR, ROLE_BUFFER, ROLE_LEARNER, Names, labels, selector
 from stoker.operator.rbac import SANDBOX_MANAGER_POD_VERBS
 from stoker.operator.rollout import ACTOR_CONFIG_FIELDS, ACTOR_HASH_IGNORES, BUFFER_CONFIG_FIELDS, LIVE_BUFFER_FIELDS, config_hash
@@ -36,7 +36,7 @@ TOKEN_DIR = "/var/run/stoker/buffer-token"
 CONTROL_DIR = "/etc/stoker/control"
 METRICS_PORT = 9090
 WEIGHTS_PORT = 50052
-# The learner processes' plain-TCP shard stream (stoker.model.shard_stream): pinned, so a
+# The learner processes' plain-TCP shard stream (stoker.weights.shard_stream): pinned, so a
 # NetworkPolicy can name it (the CLI's default is a free port, advertised in the manifest).
 WEIGHTS_STREAM_PORT = 50055
 ADMISSION_FILE = f"{CONTROL_DIR}/admission.json"

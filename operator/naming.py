@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stoker.actor.labels import JOB_LABEL, ROLE_LABEL
+from stoker.labels import JOB_LABEL, ROLE_LABEL
 from stoker.jobname import LEARNER_SUFFIX, ROLLOUT_SUFFIX
 
 MANAGED_BY = "stoker-operator"

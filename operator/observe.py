@@ -46,6 +46,11 @@ class StatsSnapshot:
     max_staleness: int | None = None
     # The newest held-out evaluation round: (policy version, success rate, mean reward, episodes).
     evaluation: tuple[int, float, float, int] | None = None
+    # Trajectories/s put by actors and sampled by the learner (last minute), groups delivered in all:
+    # what stoker.bottleneck reads to name the loop's bottleneck.
+    put_rate: float = 0.0
+    sample_rate: float = 0.0
+    committed_groups_total: int = 0
 
 
 def _conditions(obj: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
@@ -135,6 +140,9 @@ def snapshot_from_proto(stats: Any) -> StatsSnapshot:
         capacity=int(stats.capacity) or None,
         max_staleness=max_staleness,
         evaluation=_newest_eval(stats),
+        put_rate=float(stats.put_rate),
+        sample_rate=float(stats.sample_rate),
+        committed_groups_total=int(stats.committed_groups_total),
     )
 
 

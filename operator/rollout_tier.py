@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
-from stoker.actor.labels import JOB_LABEL, ROLE_LABEL
+from stoker.labels import JOB_LABEL, ROLE_LABEL
 from stoker.operator.control import Action, clamp_replicas
 from stoker.operator.kube import RESOURCES, ApiError, Conflict, Kube, Manifest, NotFound
 from stoker.operator.learner_workload import COMPLETION_INDEX_LABEL, JOBSET_API_VERSION

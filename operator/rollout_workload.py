@@ -184,7 +184,7 @@ def relay_stream_port(rollout: RolloutSpec) -> int:
 
 def relay_args(ctx: JobContext) -> list[str]:
     """Each server (each host of a multi-host one) relays what it reads and registers with the
-    learner's weights server, which names its upstream per version (stoker.model.relay_registry):
+    learner's weights server, which names its upstream per version (stoker.weights.relay_registry):
     no stable pod names needed, so a Deployment's servers and scaling stay as they are. POD_IP
     comes from the downward API (``container_env``); Kubernetes expands ``$(POD_IP)``."""
     if not relays(ctx):

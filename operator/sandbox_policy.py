@@ -15,7 +15,7 @@ operator, which holds no cluster-scoped write access, never creates it.
 
 from __future__ import annotations
 
-from stoker.actor.labels import HEARTBEAT_ANNOTATION, JOB_LABEL, ROLE_LABEL, ROLE_SANDBOX
+from stoker.labels import HEARTBEAT_ANNOTATION, JOB_LABEL, ROLE_LABEL, ROLE_SANDBOX
 
 SANDBOX_POLICY_NAME = "stoker-sandbox-pods"
 _MANAGER = "request.userInfo.username"

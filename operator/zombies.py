@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from stoker.actor.labels import ACTOR_LABEL, HEARTBEAT_ANNOTATION, JOB_LABEL, ROLE_LABEL, ROLE_SANDBOX, parse_rfc3339
+from stoker.labels import ACTOR_LABEL, HEARTBEAT_ANNOTATION, JOB_LABEL, ROLE_LABEL, ROLE_SANDBOX, parse_rfc3339
 from stoker.operator.naming import ROLE_ACTOR, ROLE_LEARNER
 
 # Pods that may own sandboxes: actors, and the learner in colocated mode.

@@ -18,8 +18,8 @@ from collections.abc import Hashable, Sequence
 
 import grpc
 
-from stoker.actor.policy import PolicyError, Sampled
 from stoker.channels import channel_options
+from stoker.conversation.policy import PolicyError, Sampled
 from stoker.v1 import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger("stoker.actor")

@@ -38,14 +38,11 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from stoker.distributed import PeerFailure
-from stoker.model.weights import WeightsError
 from stoker.rollout.sampling import Sampler
 from stoker.rollout.turns import EngineBusy, EngineStats, EngineStopped, LoadWindow, Turn, TurnResult, check_turn
+from stoker.weights.errors import WeightsError
 
-__all__ = [
-    "PREFILL_APART_ABOVE", "PREFILL_ROWS", "SEGMENT_TOKENS", "Engine", "EngineBusy", "EngineStats", "EngineStopped",
-    "TurnResult",
-]
+__all__ = ["PREFILL_APART_ABOVE", "PREFILL_ROWS", "SEGMENT_TOKENS", "Engine"]
 
 log = logging.getLogger("stoker.rollout")
 ANNOUNCE_SECONDS = 60.0  # weight version changes are logged at most this often

@@ -25,8 +25,9 @@ from typing import Any
 import numpy as np
 
 from stoker.distributed import PeerFailure, Processes, collective, share
-from stoker.model.weights import WeightsNotFound
+from stoker.hfconfig import CheckpointError
 from stoker.rollout.sampling import Generation, Sampler
+from stoker.weights.errors import WeightsCorrupt, WeightsError, WeightsNotFound
 
 log = logging.getLogger("stoker.rollout")
 
@@ -191,9 +192,6 @@ class WeightPrefetcher:
 
     def _stage(self, version: int) -> Mapping[str, np.ndarray]:
         """Fetch ``version`` and, when sharded, read its slices (call with ``_reading`` held)."""
-        from stoker.hfconfig import CheckpointError
-        from stoker.model.weights import WeightsCorrupt
-
         with self._lock:
             self._newest = None  # bound host memory to one version: drop the old before reading
         try:
@@ -212,8 +210,6 @@ class WeightPrefetcher:
         return flat
 
     def _follow(self) -> None:
-        from stoker.model.weights import WeightsError
-
         while not self._stop.wait(self.poll_seconds):
             try:
                 latest = self.subscriber.latest_version()

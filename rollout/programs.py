@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from stoker.model.logprobs import truncation_mask
-from stoker.model.model import KVCache, LayerCache, Transformer
+from stoker.model.layers import LayerCache
+from stoker.model.model import KVCache, Transformer
 
 
 def sample_token(

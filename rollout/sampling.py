@@ -34,7 +34,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from stoker.model.hf import load_hf
-from stoker.model.model import LayerCache, Transformer, head_dim, init_model
+from stoker.model.layers import LayerCache, head_dim
+from stoker.model.model import Transformer, init_model
 from stoker.rollout.mesh import cache_sharding, param_shardings
 
 # Imported under the names the Sampler's constructor has always used for them.
@@ -47,6 +48,7 @@ from stoker.rollout.sessions import (
     CacheStats, SessionRows, cached_prefix, chunk_buckets, session_length, session_row_bytes,
 )
 from stoker.spec import SamplingSpec, TransformerConfig
+from stoker.weights.shard_layout import layout_of
 
 __all__ = [
     "CacheStats", "Generation", "PromptTooLong", "Sampler", "chunk_buckets", "padded_batch", "pick_bucket",
@@ -222,10 +224,8 @@ class Sampler(SessionRows):
         self._drop_unpinned_states()
 
     def weight_layout(self) -> Any:
-        """Where each parameter lives on this host's devices (``stoker.model.shards.layout_of``),
+        """Where each parameter lives on this host's devices (``stoker.weights.shard_layout.layout_of``),
         so a follower can read and verify its slices of a version before the swap."""
-        from stoker.model.shards import layout_of
-
         return layout_of(self._model)
 
     def _placed(self, state: nnx.State) -> nnx.State:

@@ -17,8 +17,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry, Gauge
 
-from stoker.rollout.engine import Engine, EngineBusy, EngineStats, EngineStopped
+from stoker.endpoints import Address, add_grpc_port
+from stoker.metrics_http import MetricsEndpoint, serve_metrics
+from stoker.rollout.engine import Engine
+from stoker.rollout.turns import EngineBusy, EngineStats, EngineStopped
 from stoker.v1 import rollout_pb2, rollout_pb2_grpc
+from stoker.weights.errors import WeightsError
 
 log = logging.getLogger("stoker.rollout")
 
@@ -105,7 +109,14 @@ class RolloutServer:
         weight_poll_seconds: float = 1.0,
         metrics_port: int | None = None,
         metrics_host: str = "0.0.0.0",
+        address: Address | None = None,
+        metrics_address: Address | None = None,
     ):
+        """Serve on ``address`` (a unix socket or host:port; else ``host``:``port``), metrics on
+        ``metrics_address`` (else ``metrics_host``:``metrics_port``; neither: none)."""
+        address = address or Address(host=host, port=port)
+        if metrics_address is None and metrics_port is not None:
+            metrics_address = Address(host=metrics_host, port=metrics_port)
         self.engine = engine
         self.weights = weights
         self.weight_poll_seconds = weight_poll_seconds
@@ -114,31 +125,30 @@ class RolloutServer:
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="rollout-rpc", daemon=True)
         self._loop_thread.start()
-        self.port = self._on_loop(self._bind(f"{host}:{port}"))
-        self.metrics_port: int | None = None
-        self._metrics_http: Any = None
-        if metrics_port is not None:
-            from prometheus_client import start_http_server
-
-            self._metrics_http, _ = start_http_server(metrics_port, addr=metrics_host, registry=build_registry(engine))
-            self.metrics_port = int(self._metrics_http.server_port)
+        self.address = self._on_loop(self._bind(address))  # where clients dial
+        self.port = self.address.port  # 0 on a unix socket
+        self._metrics: MetricsEndpoint | None = None
+        if metrics_address is not None:
+            self._metrics = serve_metrics(metrics_address, build_registry(engine), where="rollout metrics")
         self._follower = threading.Thread(target=self._follow_weights, name="rollout-weights", daemon=True)
+
+    @property
+    def metrics_port(self) -> int | None:
+        return None if self._metrics is None else self._metrics.port
 
     def _on_loop(self, coroutine: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
-    async def _bind(self, address: str) -> int:
+    async def _bind(self, address: Address) -> Address:
         self.grpc_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         rollout_pb2_grpc.add_RolloutServicer_to_server(RolloutServicer(self.engine, self.ready), self.grpc_server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         for service in ("", SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        port = self.grpc_server.add_insecure_port(address)
-        if port == 0:
-            raise OSError(f"could not bind {address}")
+        bound = add_grpc_port(self.grpc_server, address, where="rollout server")
         await self.grpc_server.start()
-        return port
+        return bound
 
     def start(self) -> RolloutServer:
         """Load the newest published weights (if the channel has any), then serve."""
@@ -148,7 +158,7 @@ class RolloutServer:
             self._follower.start()
         self.ready.set()
         self._on_loop(self._serving())
-        log.info("rollout server on port %d serving policy version %d", self.port, self.engine.version)
+        log.info("rollout server on %s serving policy version %d", self.address, self.engine.version)
         return self
 
     async def _serving(self) -> None:
@@ -156,8 +166,6 @@ class RolloutServer:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
 
     def _poll_once(self) -> None:
-        from stoker.model.weights import WeightsError
-
         try:
             latest = self.weights.latest_version()
             if latest > self.engine.version:
@@ -184,9 +192,8 @@ class RolloutServer:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._loop_thread.join()
         self._loop.close()
-        if self._metrics_http is not None:
-            self._metrics_http.shutdown()
-            self._metrics_http.server_close()
+        if self._metrics is not None:
+            self._metrics.close()
 
     async def _shut_down(self, grace: float) -> None:
         await self.health.enter_graceful_shutdown()

@@ -13,7 +13,7 @@ from typing import Any, cast
 import numpy as np
 from flax import nnx
 
-from stoker.model.model import head_dim
+from stoker.model.layers import head_dim
 from stoker.spec import TransformerConfig
 
 

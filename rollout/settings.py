@@ -1,16 +1,21 @@
-"""The rollout server's one settings dataclass, from the RLJob spec and its command line."""
+"""The rollout server's one settings dataclass, from the RLJob spec and its command line, and the
+sampler and engine built from it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import jax
+
+from stoker.conversation.tokenization import allowed_token_ids
 from stoker.distributed import Processes
+from stoker.model.hf import dtype_from_name, read_config, read_weights
+from stoker.rollout.engine import SEGMENT_TOKENS, Engine
+from stoker.rollout.hosts import LeaderSampler
+from stoker.rollout.mesh import rollout_mesh
+from stoker.rollout.sampling import Sampler
 from stoker.spec import RLJobSpec, SamplingSpec, TransformerConfig
-
-if TYPE_CHECKING:
-    from stoker.rollout.engine import Engine
-    from stoker.rollout.sampling import Sampler
 
 
 @dataclass(frozen=True)
@@ -34,9 +39,6 @@ class RolloutSettings:
     @classmethod
     def from_spec(cls, spec: RLJobSpec, **overrides: Any) -> RolloutSettings:
         """``overrides``: command-line values (None: the spec's)."""
-        from stoker.actor.tokenization import allowed_token_ids
-        from stoker.rollout.engine import SEGMENT_TOKENS
-
         rollout = spec.rollout
         arch = spec.model.architecture
         # The actors' buckets: a conversation fits the model and the learner's longest row.
@@ -70,15 +72,8 @@ def make_sampler(settings: RolloutSettings, processes: Processes | None = None) 
     ``LeaderSampler`` and the others replay its calls (rollout/hosts.py). Raises
     ``CheckpointError`` for a checkpoint that cannot be read, ``MeshError`` for a mesh the devices
     or the model cannot take."""
-    from stoker.model.hf import dtype_from_name, read_config, read_weights
-    from stoker.rollout.hosts import LeaderSampler
-    from stoker.rollout.mesh import rollout_mesh
-    from stoker.rollout.sampling import Sampler
-
     processes = processes or Processes()
     if settings.compilation_cache_dir:
-        import jax
-
         jax.config.update("jax_compilation_cache_dir", settings.compilation_cache_dir)
     config, params = settings.model, None
     if settings.checkpoint:
@@ -109,8 +104,6 @@ def make_sampler(settings: RolloutSettings, processes: Processes | None = None) 
 
 def make_engine(settings: RolloutSettings, sampler: Sampler | None = None) -> Engine:
     """The continuous-batching engine over ``sampler`` (None: ``make_sampler(settings)``)."""
-    from stoker.rollout.engine import Engine
-
     return Engine(
         sampler or make_sampler(settings), max_batch=settings.max_batch, max_queue=settings.max_queue,
         segment_tokens=settings.segment_tokens,

@@ -24,10 +24,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stoker.manifest import ManifestError, add_manifest_directory, environment_problems, load_job
-from stoker.remote_checkpoint import LEARNER
+from stoker.actor.job_checks import environment_problems
+from stoker.endpoints import ready_address
+from stoker.manifest import ManifestError, add_manifest_directory, load_job
 from stoker.parent import PARENT_ENV
+from stoker.remote_checkpoint import LEARNER
+from stoker.runner.placement import TRANSPORTS, UNIX, Placement, PlacementError, jax_process_envs, plan
 from stoker.runner.children import STOP_GRACE_SECONDS, Child, terminate_on_signals, wait_for_ready_file
+from stoker.runner.progress import Progress
 from stoker.spec import RLJob
 
 
@@ -68,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="run the rollout server (spec.rollout) as N JAX processes on loopback, one mesh over all, as on a multi-host slice",
     )
+    parser.add_argument(
+        "--transport", choices=TRANSPORTS, default=UNIX,
+        help="how the local processes talk: unix sockets in the run directory (default; no ports, works where "
+        "inet sockets are refused) or tcp on loopback ports",
+    )
     parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of the live display")
 
 
@@ -86,6 +95,7 @@ class RunOptions:
     learner_processes: int = 1
     learner_devices: int = 1
     rollout_processes: int = 1
+    transport: str = UNIX
 
     @property
     def metrics_path(self) -> Path:
@@ -140,6 +150,7 @@ def resolve_options(args: argparse.Namespace) -> RunOptions:
         learner_processes=processes,
         learner_devices=devices,
         rollout_processes=rollout_processes,
+        transport=getattr(args, "transport", UNIX),
     )
 
 
@@ -153,11 +164,14 @@ def main(args: argparse.Namespace) -> int:
     options.logs_dir.mkdir(exist_ok=True)
     _write_run_record(options)
     if options.mode == "sync":
+        # The sync loop trains in this process: JAX. An async run's parent only supervises its
+        # children and never imports it.
         from stoker.runner.sync import run_sync
 
         outcome = run_sync(options)
     else:
         outcome = run_async(options)
+    # matplotlib takes ~0.4 s to import: not for `stoker run --help` or a bad flag.
     from stoker.runner.report import write_report
 
     failed = outcome.exit_code not in (0, 130)  # 130: interrupted, its report is what it did so far
@@ -191,32 +205,6 @@ def _stoker(*args: str) -> list[str]:
     return [sys.executable, "-m", "stoker.cli", *args]
 
 
-def jax_process_envs(env: dict[str, str], processes: int, devices: int) -> list[dict[str, str]]:
-    """The environment of each of ``processes`` processes of one JAX group (the learner's, or a
-    rollout server's): one JAX process each on the CPU,
-    ``devices`` devices apiece, meeting at a coordinator on a free loopback port
-    (``stoker.distributed``). One process gets ``env`` unchanged."""
-    if processes == 1:
-        return [env]
-    import socket
-
-    with socket.socket() as probe:  # a free port now; the coordinator binds it a moment later
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-    shared = {
-        **env,
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]),
-        "STOKER_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
-        "STOKER_NUM_PROCESSES": str(processes),
-        # A local peer that dies closes its sockets and is seen at once; the heartbeat covers a
-        # hung one, and a short one keeps a broken local run from lingering.
-        "STOKER_HEARTBEAT_TIMEOUT_SECONDS": env.get("STOKER_HEARTBEAT_TIMEOUT_SECONDS", "20"),
-    }
-    return [{**shared, "STOKER_PROCESS_ID": str(index)} for index in range(processes)]
-
-
 @dataclass
 class AsyncRun:
     options: RunOptions
@@ -225,6 +213,7 @@ class AsyncRun:
     actors: list[Child] = field(default_factory=list)
     rollout: Child | None = None  # with spec.rollout: one generation server the actors call
     rollout_followers: list[Child] = field(default_factory=list)  # its other processes (--rollout-processes)
+    placement: Placement = field(default_factory=lambda: Placement(UNIX, None))  # set by start
 
     @property
     def learner(self) -> Child | None:
@@ -239,9 +228,12 @@ class AsyncRun:
         """Start the children; the buffer's address, or None for a job that trains on a dataset
         file (SFT, DPO on pairs): then the learner runs alone, with no buffer or actors."""
         o = self.options
+        self.placement = plan(o.run_dir, transport=o.transport)
+        print(self.placement.describe(), file=sys.stderr)
+        cpu_env = {**env, **self.placement.cpu_only_env}  # every child but the learner
         manifest = str(o.manifest)
         dataset_only = o.job.spec.algorithm.trains_on_dataset
-        address = None if dataset_only else self._serve("buffer", env, "--data-dir", str(o.run_dir / "buffer"))
+        address = None if dataset_only else self._serve("buffer", cpu_env, "--data-dir", str(o.run_dir / "buffer"))
         learner_argv = _stoker(
             "learner",
             "--manifest", manifest,
@@ -260,7 +252,7 @@ class AsyncRun:
             return None
         sampling = ["--weights", str(o.weights_dir)]
         if o.job.spec.rollout is not None:
-            sampling = ["--rollout", self._start_rollout(env)]
+            sampling = ["--rollout", self._start_rollout(cpu_env)]
         for index in range(o.job.spec.actors.replicas):
             actor = Child(
                 f"actor-{index}",
@@ -274,7 +266,7 @@ class AsyncRun:
                 ),
                 o.logs_dir / f"actor-{index}.log",
             )
-            actor.start(env)
+            actor.start(cpu_env)
             self.actors.append(actor)
         return address
 
@@ -287,7 +279,7 @@ class AsyncRun:
         for index, follower_env in enumerate(envs[1:], start=1):
             follower = Child(
                 f"rollout-{index}",
-                _stoker("rollout", "--manifest", str(o.manifest), *weights, "--host", "127.0.0.1", "--port", "0"),
+                _stoker("rollout", "--manifest", str(o.manifest), *weights, *self.placement.listen(f"rollout-{index}")),
                 o.logs_dir / f"rollout-{index}.log",
             )
             follower.start(follower_env)
@@ -295,8 +287,9 @@ class AsyncRun:
         return self._serve("rollout", envs[0], *weights)
 
     def _serve(self, command: str, env: dict[str, str], *args: str) -> str:
-        """Start a ``stoker COMMAND`` server on a free loopback port as ``self.<command>`` (set
-        before it is ready, so a failed start is still stopped); its address once ready."""
+        """Start a ``stoker COMMAND`` server where the placement says (a unix socket, or a free
+        loopback port) as ``self.<command>`` (set before it is ready, so a failed start is still
+        stopped); its address once ready."""
         o = self.options
         ready = o.run_dir / f"{command}.ready"
         ready.unlink(missing_ok=True)
@@ -304,13 +297,13 @@ class AsyncRun:
             command,
             _stoker(
                 command, "--manifest", str(o.manifest), *args,
-                "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready),
+                *self.placement.listen(command), "--ready-file", str(ready),
             ),
             o.logs_dir / f"{command}.log",
         )
         setattr(self, command, child)
         child.start(env)
-        return f"127.0.0.1:{wait_for_ready_file(ready, child)}"  # the file holds the bound port
+        return ready_address(wait_for_ready_file(ready, child))  # the file holds the port or the socket
 
     def stop(self) -> None:
         # Learner first (final checkpoint), then actors (and their sandboxes), the buffer last so
@@ -369,8 +362,6 @@ def child_env(options: RunOptions) -> dict[str, str]:
 
 
 def run_async(options: RunOptions) -> Outcome:
-    from stoker.runner.progress import Progress
-
     run = AsyncRun(options)
     deadline = time.monotonic() + options.max_minutes * 60 if options.max_minutes else None
     with terminate_on_signals(), Progress(options) as progress:
@@ -397,6 +388,8 @@ def run_async(options: RunOptions) -> Outcome:
                 run.learner.wait(0.5)
         except KeyboardInterrupt:
             return Outcome(130, f"interrupted; checkpoint and buffer kept in {options.run_dir} ({progress.summary()})")
+        except (UsageError, PlacementError) as exc:
+            return Outcome(2, f"stoker run: {exc}")
         except RuntimeError as exc:
             return Outcome(1, str(exc))
         finally:

@@ -17,10 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import grpc
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from stoker.actor.diagnostics import combine, read_snapshots
+from stoker.bottleneck import Bottleneck, diagnose, figures_from
+from stoker.buffer.client import BufferClient, BufferClientError, RetryPolicy
 from stoker.jsonl import json_line
 
 if TYPE_CHECKING:
@@ -30,6 +34,8 @@ if TYPE_CHECKING:
 SUCCESS_WINDOW_STEPS = 10
 PLAIN_LINE_SECONDS = 10.0
 BUFFER_POLL_SECONDS = 1.0
+# Steps before the duty cycle says something about the loop rather than the first compile.
+WARM_STEPS = 3
 
 
 @dataclass
@@ -73,6 +79,7 @@ class RunState:
     first_step: int | None = None
     first_step_time: float | None = None
     eval_loss: float | None = None  # SFT's newest held-out loss
+    bottleneck: Bottleneck | None = None  # what caps the learner now (stoker.bottleneck)
 
     def fold(self, record: dict[str, Any]) -> None:
         self.last = record
@@ -179,8 +186,6 @@ class Progress:
             self._live = None
 
     def attach_buffer(self, address: str) -> None:
-        from stoker.buffer.client import BufferClient, RetryPolicy
-
         # One try, briefly: this runs on the loop that watches the children, and a buffer that has
         # died must not hold it in the client's minutes of retries before it notices.
         self._buffer_client = BufferClient(address, token=None, retry=RetryPolicy(deadline=0.0), timeout=2.0)
@@ -207,23 +212,20 @@ class Progress:
             print(self.summary(), file=sys.stderr, flush=True)
 
     def _poll_actors(self) -> None:
-        from stoker.actor.diagnostics import combine, read_snapshots
-
         snapshots = read_snapshots(sorted(self.options.actor_stats_dir.glob("*.json")))
         if snapshots:
             self.state.generation = combine(snapshots)
 
     def _poll_buffer(self) -> None:
-        import grpc
-
-        from stoker.buffer.client import BufferClientError
-
         try:
             stats = self._buffer_client.stats()
         except (grpc.RpcError, BufferClientError):
             return  # the buffer is starting or stopping; the next poll will tell
+        self.state.bottleneck = self._diagnose(stats)
+        found = self.state.bottleneck
         sample = {
             "time": time.time(),
+            "bottleneck": None if found is None else {"limit": found.limit, "why": found.why, "fix": found.fix},
             "fill": stats.fill,
             "stored": stats.stored_trajectories,
             "complete_groups": stats.complete_groups,
@@ -244,6 +246,15 @@ class Progress:
         self._buffer_log.write(json_line(sample))
         self._buffer_log.flush()
 
+    def _diagnose(self, stats: Any) -> Bottleneck | None:
+        """The loop's bottleneck, once the learner has stepped past its compile (before that its
+        duty cycle measures the compiler, not the actors)."""
+        step = self.state.last.get("step")
+        if not isinstance(step, int) or step < WARM_STEPS:
+            return None
+        duty = self.state.last.get("duty_cycle")
+        return diagnose(figures_from(stats, self.options.job.spec, None if duty is None else float(duty)))
+
     def summary(self) -> str:
         last, buf, gen = self.state.last, self.state.buffer, self.state.generation
         if self.options.job.spec.algorithm.trains_on_dataset:  # SFT, DPO on pairs: the learner alone
@@ -263,6 +274,7 @@ class Progress:
             f"failed {_fmt(gen.get('failed_episodes'))}  "
             f"elapsed {_duration(time.monotonic() - self.state.started)}"
             + _tampering_text(last)
+            + (f"\n  bottleneck: {self.state.bottleneck}" if self.state.bottleneck is not None else "")
         )
 
     def render(self) -> Table:
@@ -292,6 +304,7 @@ class Progress:
             ("failed episodes", _failures_text(gen)),
             ("elapsed", _duration(time.monotonic() - self.state.started)),
             ("ETA", _duration(self.state.eta_seconds(self.max_steps))),
+            ("bottleneck", str(self.state.bottleneck) if self.state.bottleneck is not None else "none seen"),
         ]
         for name, value in rows:
             table.add_row(name, value)

@@ -14,6 +14,9 @@ from typing import Any
 
 import matplotlib
 
+from stoker.actor.diagnostics import combine, read_snapshots
+from stoker.learner.samples import SAMPLES_FILE, as_markdown
+
 matplotlib.use("Agg")  # headless: the report is files, never a window
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -159,8 +162,6 @@ def _run_started(run_dir: Path) -> float | None:
 
 
 def _generation(run_dir: Path, metrics: list[dict[str, Any]]) -> list[str]:
-    from stoker.actor.diagnostics import combine, read_snapshots
-
     snapshots = read_snapshots(sorted((run_dir / "actors").glob("*.json")))
     sampled = sum(float(r.get("sampled_tokens") or 0.0) for r in metrics)
     trained = sum(float(r.get("trained_tokens") or 0.0) for r in metrics)
@@ -197,8 +198,6 @@ def _generation(run_dir: Path, metrics: list[dict[str, Any]]) -> list[str]:
 
 
 def _samples(run_dir: Path) -> list[str]:
-    from stoker.learner.samples import SAMPLES_FILE, as_markdown
-
     records = read_jsonl(run_dir / SAMPLES_FILE)
     if not records:
         return []
@@ -208,6 +207,24 @@ def _samples(run_dir: Path) -> list[str]:
             lines += [as_markdown(record), ""]
         except (KeyError, TypeError, ValueError):
             continue  # a record from another version of Stoker
+    return lines
+
+
+def _bottlenecks(buffer: list[dict[str, Any]]) -> list[str]:
+    """What capped the learner, sample by sample (``stoker.bottleneck``, as the live progress said)."""
+    judged = [s for s in buffer if "bottleneck" in s]
+    if not judged:
+        return []
+    limits = [(s["bottleneck"] or {}).get("limit", "none") for s in judged]
+    counts = {limit: limits.count(limit) for limit in ("actors", "learner", "none")}
+    share = {limit: 100 * n / len(limits) for limit, n in counts.items()}
+    lines = [
+        f"- what capped the learner ({len(limits)} buffer samples): actors {share['actors']:.0f} %, "
+        f"the learner itself {share['learner']:.0f} %, balanced or warming up {share['none']:.0f} %",
+    ]
+    last = next((s["bottleneck"] for s in reversed(judged) if s["bottleneck"]), None)
+    if last is not None:
+        lines.append(f"- last bottleneck seen: {last['why']}; {last['fix']}")
     return lines
 
 
@@ -273,6 +290,7 @@ def write_report(run_dir: Path, failure: str | None = None) -> Path | None:
         figure.savefig(plots / "staleness.png", dpi=100)
         plt.close(figure)
         dropped = buffer[-1].get("dropped") or {}
+        lines += _bottlenecks(buffer)
         lines += [
             f"- trajectories accepted: {buffer[-1].get('accepted_total')}",
             f"- dropped: {dropped or 'none'}",

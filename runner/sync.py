@@ -18,22 +18,30 @@ import logging
 import random
 import signal
 import time
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
-if TYPE_CHECKING:
-    from pathlib import Path
-
-    from stoker.actor.settings import ActorSettings
-    from stoker.learner.loop import Learner
-    from stoker.runner.local import Outcome, RunOptions
-    from stoker.spec import RLJob, RLJobSpec
+from stoker.actor.diagnostics import ActorDiagnostics, write_snapshot
+from stoker.actor.episode import run_group
+from stoker.actor.runner import task_cycle
+from stoker.actor.sandbox import close_factory
+from stoker.actor.settings import ActorSettings
+from stoker.actor.wiring import environment_factory, make_policy
+from stoker.conversation.tokenization import text_interface
+from stoker.learner.batches import Group
+from stoker.learner.loop import Learner
+from stoker.learner.metrics import DutyCycle, MetricsSink
+from stoker.learner.samples import attach_samples
+from stoker.learner.settings import LearnerSettings
+from stoker.rollout.mesh import rollout_mesh
+from stoker.runner.local import Outcome, RunOptions, compilation_cache_dir
+from stoker.runner.progress import Progress
+from stoker.spec import RLJob, RLJobSpec
 
 log = logging.getLogger("stoker.runner.sync")
 
 
 def run_sync(options: RunOptions) -> Outcome:
-    from stoker.runner.local import Outcome
-
     try:
         return asyncio.run(_run(options))
     except KeyboardInterrupt:
@@ -43,8 +51,6 @@ def run_sync(options: RunOptions) -> Outcome:
 def run_colocated(job: RLJob, manifest: Path, run_dir: Path, max_steps: int | None) -> int:
     """``stoker learner`` in ``mode: colocated`` (the operator's colocated learner pod): this
     loop, on the learner's chips, with plain log lines; its exit status."""
-    from stoker.runner.local import RunOptions
-
     options = RunOptions(manifest=manifest, job=job, mode="sync", run_dir=run_dir, max_steps=max_steps, live=False)
     outcome = run_sync(options)
     log.info("%s", outcome.message)
@@ -55,8 +61,6 @@ def episode_settings(spec: RLJobSpec, job: str) -> ActorSettings:
     """The actor settings the loop plays episodes with. It runs a whole batch at once --
     ``learner.batchGroups`` x ``buffer.groupSize`` episodes, not one actor's ``concurrency`` -- so
     the sampler's conversation cache gets a row for each of them (within conversationCacheMiB)."""
-    from stoker.actor.settings import ActorSettings
-
     actor = ActorSettings.from_spec(spec, actor_id="sync", job=job)
     return dataclasses.replace(actor, concurrency=spec.learner.batch_groups * spec.buffer.group_size)
 
@@ -64,26 +68,12 @@ def episode_settings(spec: RLJobSpec, job: str) -> ActorSettings:
 def generation_mesh(learner: Learner) -> Any:
     """Where the loop samples: the learner's own chips, tensor parallel (rollout/mesh.py), so
     generation uses the mesh training does; None (one device) on the CPU or a one-chip mesh."""
-    from stoker.rollout.mesh import rollout_mesh
-
     devices = list(learner.mesh.devices.flat)
     mesh = rollout_mesh(learner.model_config, devices=devices)
     return mesh if mesh.size > 1 else None
 
 
 async def _run(options: RunOptions) -> Outcome:
-    from stoker.actor.episode import run_group
-    from stoker.actor.runner import task_cycle
-    from stoker.actor.sandbox import close_factory
-    from stoker.actor.tokenization import text_interface
-    from stoker.actor.wiring import environment_factory, make_policy
-    from stoker.learner.loop import Group, Learner, LearnerSettings
-    from stoker.actor.diagnostics import ActorDiagnostics, write_snapshot
-    from stoker.learner.metrics import DutyCycle, MetricsSink
-    from stoker.learner.samples import attach_samples
-    from stoker.runner.local import Outcome, compilation_cache_dir
-    from stoker.runner.progress import Progress
-
     spec = options.job.spec
     overrides: dict[str, object] = {"compilation_cache_dir": compilation_cache_dir(options)}
     if options.max_steps is not None:

@@ -29,9 +29,13 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from stoker.sizing.audit_rollout import render_rollout
+import grpc
+
+from stoker.conversation.tokenization import text_interface
 from stoker.manifest import load_job
+from stoker.sizing.audit_rollout import render_rollout
 from stoker.spec import RLJobSpec
+from stoker.v1 import rollout_pb2, rollout_pb2_grpc
 
 # Supply above demand so a slow episode or a compile does not starve the learner.
 HEADROOM = 1.25
@@ -123,10 +127,11 @@ class TimedEnvironment:
 
 
 async def _episodes(spec: RLJobSpec, groups: int) -> tuple[list[Any], list[float], float, int]:
+    # The actor's episode machinery, sampler and sandboxes: loaded for a measurement only, not
+    # when stoker.cli imports this module to build `stoker audit --help`.
     from stoker.actor.episode import run_group
     from stoker.actor.sandbox import close_factory
     from stoker.actor.settings import ActorSettings
-    from stoker.actor.tokenization import text_interface
     from stoker.actor.wiring import environment_factory, make_policy
 
     actor = ActorSettings.from_spec(spec, actor_id="audit")
@@ -186,25 +191,28 @@ async def _episodes(spec: RLJobSpec, groups: int) -> tuple[list[Any], list[float
 
 
 def measure(spec: RLJobSpec, groups: int, train_steps: int) -> Audit:
-    from stoker.learner.loop import Group, Learner, LearnerSettings
+    # The learner (JAX): loaded for a measurement only, as the actor's code above.
+    from stoker.learner.batches import Group
+    from stoker.learner.loop import Learner
+    from stoker.learner.settings import LearnerSettings
 
     episodes, step_seconds, sample_turn, batch = asyncio.run(_episodes(spec, groups))
     # The audit times an update's compute, which depends only on the episodes' shapes: spread the
     # rewards so that no group is left out for lack of signal, and let the same episodes be
     # trained on again as versions pass.
-    settings = LearnerSettings.from_spec(spec).replace(checkpoint_dir=None, max_staleness=1 << 30)
+    settings = LearnerSettings.from_spec(spec, checkpoint_dir=None)
     learner = Learner(settings, resume=False)
     size = spec.buffer.group_size
     for index, episode in enumerate(episodes):
         episode.reward = float(index % size)
     groups_of = [episodes[i : i + size] for i in range(0, len(episodes), size)]
     batch_groups = [Group(groups_of[i % len(groups_of)]) for i in range(spec.learner.batch_groups)]
-    learner.train_on(batch_groups)  # compiles
+    learner.train_on(batch_groups, max_staleness=1 << 30)  # compiles
     compile_seconds = learner.compiles.seconds
     times = []
     for _ in range(train_steps):
         started = time.perf_counter()
-        learner.train_on(batch_groups)
+        learner.train_on(batch_groups, max_staleness=1 << 30)
         times.append(time.perf_counter() - started)
     learner.close()
     return Audit(
@@ -325,10 +333,6 @@ def admission_warnings(sizing: dict[str, float], spec: RLJobSpec) -> list[str]:
 
 def server_tokens_per_second(address: str, timeout: float = 5.0) -> float:
     """A running rollout server's sampled tokens/s, from its Stats; ``ValueError`` saying why not."""
-    import grpc
-
-    from stoker.v1 import rollout_pb2, rollout_pb2_grpc
-
     with grpc.insecure_channel(address) as channel:
         try:
             stats = rollout_pb2_grpc.RolloutStub(channel).Stats(rollout_pb2.RolloutStatsRequest(), timeout=timeout)

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from stoker.sizing.chips import Chip
-from stoker.sizing.programs import Program
+
+if TYPE_CHECKING:  # programs.py builds the programs with JAX; a bound only reads their figures
+    from stoker.sizing.programs import Program
 
 
 @dataclass(frozen=True)

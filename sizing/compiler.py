@@ -51,6 +51,7 @@ def load_slice(name: str, chips: int, num_slices: int = 1) -> Slice:
         import libtpu  # noqa: F401
     except ImportError:
         raise CompilerMissing(INSTALL_HINT) from None
+    # JAX once libtpu is found: `stoker plan` imports this module before it parses its flags.
     from jax.experimental import topologies
 
     options: dict[str, Any] = {"num_slices": num_slices} if num_slices > 1 else {}
@@ -77,6 +78,9 @@ class Compiled:
     # The compiler's own refusal (out of HBM), when it refused.
     error: str | None = None
     required_temp_bytes: int | None = None  # from the refusal's message
+    # The runnable program, kept only when asked (``stoker bench`` runs what it compiled for real
+    # devices; a plan's programs for abstract devices cannot run).
+    executable: Any = None
 
 
 # "Ran out of memory in memory space hbm ... HLO temporaries (57.07G) exceeds available HBM (31.25G)"
@@ -84,10 +88,12 @@ _OOM_TEMPS = re.compile(r"temporaries \((\d+(?:\.\d+)?)([KMGT])\)")
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
-def compile_program(jitted: Any, args: Sequence[Any], devices: Sequence[Any], slice_of: Callable[[int], int]) -> Compiled:
+def compile_program(jitted: Any, args: Sequence[Any], devices: Sequence[Any], slice_of: Callable[[int], int],
+                    *, keep: bool = False) -> Compiled:
     """Lower ``jitted`` on abstract ``args`` and compile it; a refusal for memory is returned as
     ``Compiled.error``, any other compiler error raised. ``devices`` are the program's, in mesh
-    order (the ids its collectives name); ``slice_of(id)`` is a device's slice."""
+    order (the ids its collectives name); ``slice_of(id)`` is a device's slice. ``keep``: hold the
+    compiled program in ``Compiled.executable``."""
     started = time.perf_counter()
     lowered = jitted.lower(*args)
     try:
@@ -112,6 +118,7 @@ def compile_program(jitted: Any, args: Sequence[Any], devices: Sequence[Any], sl
         temp_bytes=int(memory.temp_size_in_bytes),
         flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        executable=compiled if keep else None,
     )
     out.collective_bytes, out.collectives = collective_traffic(compiled.as_text(), len(devices), slice_of)
     return out

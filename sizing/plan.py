@@ -21,8 +21,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 from stoker.manifest import load_job  # noqa: E402
+from stoker.sizing.bound import decode_tokens_per_second, program_bound, step_bound  # noqa: E402
 from stoker.sizing.chips import GIB, Chip, chip, parse_topology, topology_name  # noqa: E402
-from stoker.sizing.compiler import CompilerMissing, Slice  # noqa: E402
+from stoker.sizing.compiler import CompilerMissing, Slice, load_slice  # noqa: E402
 from stoker.spec import MIN_BF16_WEIGHTS_LEARNING_RATE, RLJobSpec  # noqa: E402
 from stoker.tpu import ACCELERATORS, TopologyError, slice_shape  # noqa: E402
 
@@ -151,7 +152,7 @@ def _stored_dtype_knobs(program: Program, spec: RLJobSpec, devices_per_chip: int
 
 
 def build(spec: RLJobSpec, plan_targets: list[Target], progress: Any) -> None:
-    from stoker.sizing.compiler import load_slice
+    # JAX, the learner and the model build the programs: not loaded for --help or a bad manifest.
     from stoker.sizing.programs import learner_programs
     from stoker.sizing.programs_rollout import rollout_programs
 
@@ -166,8 +167,6 @@ def build(spec: RLJobSpec, plan_targets: list[Target], progress: Any) -> None:
 
 
 def report(spec: RLJobSpec, plan_targets: list[Target], notes: list[str]) -> dict[str, Any]:
-    from stoker.sizing.bound import decode_tokens_per_second, program_bound, step_bound
-
     programs, summary = [], {}
     for target in plan_targets:
         dpc = target.slice_.devices_per_chip if target.slice_ else 1

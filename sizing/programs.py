@@ -4,16 +4,33 @@ optimizer apply and weight publish, and each rollout server's prefill and decode
 
 Each program's memory on one device is split into terms: what lives beside it (parameters,
 optimizer state, the KV cache) and what it holds itself (gradients, its batch, temporaries).
+
+Built on real devices instead (``stoker bench``), each program also says how to make concrete
+arguments for one run (``Program.inputs``) and which of its outputs the next run takes in place
+of the arguments it donates (``Program.carry``), as the learner and the sampler chain them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from stoker.hfconfig import read_config
+from stoker.learner import packing, sharding, step, train, trees, value_network
+from stoker.learner.optimizer import learning_rate_schedule
+from stoker.learner.settings import LearnerSettings
+from stoker.model.attention_kernels import Backend, select_attention
+from stoker.model.hf import dtype_from_name
+from stoker.model.layers import head_dim
+from stoker.model.model import Transformer
 from stoker.sizing.compiler import Compiled, Slice, compile_program
 from stoker.spec import RLJobSpec, TransformerConfig
 
@@ -30,6 +47,10 @@ class Program:
     tokens: int = 0  # tokens one run of the program processes (all devices)
     model_flops: float = 0.0  # useful flops of one run (all devices), for MFU
     notes: list[str] = field(default_factory=list)
+    # (input shardings of the compiled program, seed) -> concrete arguments of one run.
+    inputs: Callable[[Any, int], tuple[Any, ...]] | None = None
+    # (argument index, output index): the output a next run takes for a donated argument.
+    carry: tuple[tuple[int, int], ...] = ()
 
     @property
     def total(self) -> int:
@@ -42,9 +63,6 @@ class Program:
 
 def shard_bytes(tree: Any) -> int:
     """Bytes one device holds of an abstract tree whose leaves carry their shardings."""
-    import jax
-    import numpy as np
-
     total = 0
     for leaf in jax.tree.leaves(tree):
         shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
@@ -52,13 +70,49 @@ def shard_bytes(tree: Any) -> int:
     return total
 
 
+def random_like(abstract: Any, shardings: Any, seed: int, scale: float = 0.02) -> Any:
+    """Arrays of ``abstract``'s shapes and dtypes laid out as ``shardings`` (a tree over the same
+    structure): floats normal with std ``scale`` (0: zeros), integers 0, booleans true. One
+    program makes them all, each device its own shard, so no device holds a whole tree."""
+    leaves, treedef = jax.tree.flatten(abstract)
+    where = treedef.flatten_up_to(shardings)
+
+    def fill(key: jax.Array, leaf: Any) -> jax.Array:
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            return (scale * jax.random.normal(key, leaf.shape, jnp.float32)).astype(leaf.dtype)
+        if leaf.dtype == jnp.bool_:
+            return jnp.ones(leaf.shape, jnp.bool_)
+        return jnp.zeros(leaf.shape, leaf.dtype)
+
+    def make(key: jax.Array) -> list[jax.Array]:
+        keys = jax.random.split(key, max(len(leaves), 1))
+        return [fill(k, leaf) for k, leaf in zip(keys, leaves, strict=False)]
+
+    return jax.tree.unflatten(treedef, jax.jit(make, out_shardings=where)(jax.random.key(seed)))
+
+
+def full_batch(rows: int, length: int, vocab: int, seed: int) -> dict[str, np.ndarray]:
+    """The learner's device arrays of one micro-batch of ``rows`` episodes, each a full row of
+    ``length`` random tokens, every one sampled (packed and weighted as the learner does)."""
+    rng = np.random.default_rng(seed)
+    episodes = [[packing.TrainSequence(rng.integers(0, vocab, length, dtype=np.int32), np.ones(length, np.uint8),
+                                       np.full(length, -1.0, np.float32), np.zeros(length, np.int32),
+                                       advantage=float(rng.choice([-1.0, 1.0])))] for _ in range(rows)]
+    (micro,) = packing.pack(episodes, [length], {length: rows})
+    step.assign_weights([micro], [micro.arrays["mask"]], "token-mean")
+    return {name: micro.arrays[name] for name in train.DEVICE_FIELDS}
+
+
+def placed(values: Any, shardings: Any) -> Any:
+    """Host arrays (a tree) on the devices, laid out as ``shardings`` (the same tree)."""
+    return jax.tree.map(jax.device_put, values, shardings)
+
+
 def model_config(spec: RLJobSpec) -> tuple[TransformerConfig, str | None]:
     """The architecture the programs are built for: the checkpoint's config.json when it is on
     this machine, else the manifest's (with a note saying so)."""
     checkpoint = spec.model.checkpoint
     if checkpoint and (Path(checkpoint) / "config.json").is_file():
-        from stoker.hfconfig import read_config
-
         return read_config(checkpoint), None
     if checkpoint:
         return spec.model.architecture, f"checkpoint {checkpoint} is not on this machine: sized from spec.model.architecture"
@@ -67,8 +121,6 @@ def model_config(spec: RLJobSpec) -> tuple[TransformerConfig, str | None]:
 
 def matmul_params(config: TransformerConfig) -> int:
     """Parameters that take part in a matmul per token: every layer's projections and the head."""
-    from stoker.model.model import head_dim
-
     hd = head_dim(config)
     attention = config.hidden_size * hd * (2 * config.num_heads + 2 * config.num_kv_heads)
     mlp = 3 * config.hidden_size * config.intermediate_size
@@ -79,34 +131,25 @@ def train_flops(config: TransformerConfig, rows: int, length: int) -> float:
     """Useful flops of a forward and backward over [rows, length] tokens: 6 per matmul parameter
     per token, plus causal attention's 6 x layers x query width x length per token (half of the
     12 a full square of scores costs); remat's recomputation is not useful work."""
-    from stoker.model.model import head_dim
-
     tokens = rows * length
     attention = 6 * config.num_layers * config.num_heads * head_dim(config) * length
     return float(tokens * (6 * matmul_params(config) + attention))
 
 
 def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | None = None,
-                     progress: Callable[[str], None] = lambda line: None) -> list[Program]:
-    """The learner's programs on ``slice_``: grad per bucket (at its micro-batch rows), apply, publish."""
-    import jax
-    from flax import nnx
-
-    from stoker.learner import packing, sharding, step, train, trees, value_network
-    from stoker.learner.loop import LearnerSettings
-    from stoker.learner.optimizer import learning_rate_schedule
-    from stoker.model.attention_kernels import Backend, select_attention
-    from stoker.model.hf import dtype_from_name
-    from stoker.model.model import Transformer, head_dim
-
+                     progress: Callable[[str], None] = lambda line: None, backend: Backend | None = None,
+                     kinds: Collection[str] | None = None, keep: bool = False) -> list[Program]:
+    """The learner's programs on ``slice_``: grad per bucket (at its micro-batch rows), apply, publish
+    (``kinds``: only those). ``backend`` picks the attention kernel (a TPU's when None); ``keep``
+    holds each compiled program, to run it on ``slice_``'s devices when they are real."""
     config, note = model_config(spec)
     settings = LearnerSettings.from_spec(spec)
     dtype = dtype_from_name(settings.dtype)
-    kernel = select_attention(settings.attention, Backend("tpu", "", None), dtype=dtype, head_dim=head_dim(config),
-                              softcap=config.attn_logit_softcap)
+    kernel = select_attention(settings.attention, backend or Backend("tpu", "", None), dtype=dtype,
+                              head_dim=head_dim(config), softcap=config.attn_logit_softcap)
     options = step.StepOptions(
         settings.algorithm, settings.loss, settings.temperature, allowed_token_ids=settings.allowed_token_ids,
-        remat=settings.remat,  # type: ignore[arg-type]  # a RematPolicy, checked by the spec
+        remat=settings.remat,
         attention=kernel.implementation, sequence_sharding=settings.sequence_sharding,
     )
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype))
@@ -136,10 +179,27 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
               f"attention {kernel.implementation}{', sequence sharding' if settings.sequence_sharding else ''}")
     notes = [layout] + ([note] if note else [])
     out: list[Program] = []
-    for length in buckets or list(settings.buckets):
+    wanted = set(kinds) if kinds is not None else {"grad", "apply", "publish"}
+
+    def grad_inputs(rows: int, length: int) -> Callable[[Any, int], tuple[Any, ...]]:
+        def inputs(shardings: Any, seed: int) -> tuple[Any, ...]:
+            where_params, where_frozen, where_batch, where_scalars = shardings
+            scalars = {"version": trees.host_scalar(0, np.int32), "num_pairs": trees.host_scalar(1, np.float32),
+                       "micro": trees.host_scalar(0, np.int32)}
+            return (random_like(trainer.params, where_params, seed), random_like(trainer.frozen, where_frozen, seed + 1),
+                    placed(full_batch(rows, length, config.vocab_size, seed), where_batch), placed(scalars, where_scalars))
+        return inputs
+
+    def apply_inputs(shardings: Any, seed: int) -> tuple[Any, ...]:
+        where_params, where_opt, where_grads = shardings
+        # Adam's state before its first update (zeros): random second moments could be negative.
+        return (random_like(trainer.params, where_params, seed), random_like(trainer.opt_state, where_opt, seed, 0.0),
+                random_like(trainer.params, where_grads, seed + 1))
+
+    for length in (buckets or list(settings.buckets)) if "grad" in wanted else []:
         grad, args = trainer.programs(rows[length], length)["grad"]
         progress(f"  grad {length} ({rows[length]} x {length} tokens)")
-        compiled = compile_program(grad, args, devices, slice_of)
+        compiled = compile_program(grad, args, devices, slice_of, keep=keep)
         terms = {"parameters": params, "optimizer": opt_state}
         if reference:
             terms["reference"] = reference
@@ -151,24 +211,28 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
         terms["temporaries"] = compiled.required_temp_bytes or compiled.temp_bytes
         out.append(Program("learner", f"grad {length}", f"{rows[length]} x {length} tokens", terms, compiled,
                            tokens=rows[length] * length, model_flops=train_flops(config, rows[length], length),
-                           notes=list(notes)))
-    apply, args = trainer.programs(rows[settings.buckets[-1]], settings.buckets[-1])["apply"]
-    progress("  apply, publish")
-    compiled = compile_program(apply, args, devices, slice_of)
-    terms = {"parameters": params, "optimizer": opt_state, "gradients": params,
-             "temporaries": compiled.required_temp_bytes or compiled.temp_bytes}
-    if compiled.output_bytes - compiled.alias_bytes > 2**20:  # outputs not written in place of donated inputs
-        terms["not donated"] = compiled.output_bytes - compiled.alias_bytes
-    out.append(Program("learner", "apply", "one Adam update", terms, compiled, notes=list(notes)))
-    out.append(_publish(trainer, params, opt_state, devices, slice_of, notes))
+                           notes=list(notes), inputs=grad_inputs(rows[length], length)))
+    if "apply" in wanted:
+        apply, args = trainer.programs(rows[settings.buckets[-1]], settings.buckets[-1])["apply"]
+        progress("  apply")
+        compiled = compile_program(apply, args, devices, slice_of, keep=keep)
+        terms = {"parameters": params, "optimizer": opt_state, "gradients": params,
+                 "temporaries": compiled.required_temp_bytes or compiled.temp_bytes}
+        if compiled.output_bytes - compiled.alias_bytes > 2**20:  # outputs not written in place of donated inputs
+            terms["not donated"] = compiled.output_bytes - compiled.alias_bytes
+        # The update donates the parameters and the optimizer state: the next takes its outputs.
+        out.append(Program("learner", "apply", "one Adam update", terms, compiled, notes=list(notes),
+                           inputs=apply_inputs, carry=((0, 0), (1, 1))))
+    if "publish" in wanted:
+        progress("  publish")
+        out.append(_publish(trainer, params, opt_state, devices, slice_of, notes, keep=keep))
     return out
 
 
-def _publish(trainer: Any, params: int, opt_state: int, devices: list[Any], slice_of: Any, notes: list[str]) -> Program:
+def _publish(trainer: Any, params: int, opt_state: int, devices: list[Any], slice_of: Any, notes: list[str],
+             *, keep: bool = False) -> Program:
     """``Trainer.policy_copy`` as one program over the training layout: the device side of the
     weight publish (the copy in the compute dtype the publisher reads while training goes on)."""
-    import jax
-
     def copy(live: Any) -> Any:
         saved = trainer.params
         trainer.params = live  # policy_copy reads the trainer's parameters: here the traced ones
@@ -180,9 +244,15 @@ def _publish(trainer: Any, params: int, opt_state: int, devices: list[Any], slic
     args = (jax.eval_shape(lambda: trainer.params),)
     try:  # the copy keeps the parameters' own layout: nothing gathered onto one chip
         jitted = jax.jit(copy, in_shardings=(trainer.param_shardings,), out_shardings=trainer.param_shardings["policy"])
-        compiled = compile_program(jitted, args, devices, slice_of)
+        compiled = compile_program(jitted, args, devices, slice_of, keep=keep)
     except ValueError:  # a policy_copy returning another tree than the policy's: its own layout
-        compiled = compile_program(jax.jit(copy, in_shardings=(trainer.param_shardings,)), args, devices, slice_of)
+        compiled = compile_program(jax.jit(copy, in_shardings=(trainer.param_shardings,)), args, devices, slice_of,
+                                   keep=keep)
     terms = {"parameters": params, "optimizer": opt_state, "publish copy": compiled.output_bytes,
              "temporaries": compiled.required_temp_bytes or compiled.temp_bytes}
-    return Program("learner", "publish", "policy copy, training layout", terms, compiled, notes=list(notes))
+
+    def inputs(shardings: Any, seed: int) -> tuple[Any, ...]:
+        return (random_like(trainer.params, shardings[0], seed),)
+
+    return Program("learner", "publish", "policy copy, training layout", terms, compiled, notes=list(notes),
+                   inputs=inputs)

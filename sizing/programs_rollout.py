@@ -5,33 +5,36 @@ beside the conversation cache (``session rows x longest bucket`` slots per layer
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from stoker.model.hf import dtype_from_name
+from stoker.model.layers import LayerCache, head_dim
+from stoker.model.model import KVCache, Transformer
+from stoker.rollout.mesh import cache_sharding, param_shardings, rollout_mesh
+from stoker.rollout.sessions import session_length
+from stoker.rollout.settings import RolloutSettings
 from stoker.sizing.compiler import Slice, compile_program
-from stoker.sizing.programs import Program, matmul_params, model_config, shard_bytes
+from stoker.sizing.programs import Program, matmul_params, model_config, placed, random_like, shard_bytes
 from stoker.spec import RLJobSpec, TransformerConfig
 
 
 def decode_flops(config: TransformerConfig, rows: int, context: int) -> float:
     """Useful flops of one decode step: 2 per matmul parameter per row, plus attention over
     ``context`` cached slots (scores and values: 4 x layers x query width x context)."""
-    from stoker.model.model import head_dim
-
     attention = 4 * config.num_layers * config.num_heads * head_dim(config) * context
     return float(rows * (2 * matmul_params(config) + attention))
 
 
-def rollout_programs(spec: RLJobSpec, slice_: Slice) -> list[Program]:
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from stoker.model.hf import dtype_from_name
-    from stoker.model.model import KVCache, LayerCache, Transformer, head_dim
-    from stoker.rollout.mesh import cache_sharding, param_shardings, rollout_mesh
-    from stoker.rollout.sessions import session_length
-    from stoker.rollout.settings import RolloutSettings
-
+def rollout_programs(spec: RLJobSpec, slice_: Slice, *, kinds: Collection[str] | None = None,
+                     keep: bool = False) -> list[Program]:
+    """A server's prefill and decode programs on ``slice_`` (``kinds``: only those); ``keep`` holds
+    each compiled program, to run it on ``slice_``'s devices when they are real."""
     config, note = model_config(spec)
     settings = RolloutSettings.from_spec(spec)
     dtype = dtype_from_name(settings.dtype)
@@ -75,15 +78,41 @@ def rollout_programs(spec: RLJobSpec, slice_: Slice) -> list[Program]:
     notes = [f"tp {mesh.shape['tp']}, {settings.session_rows} session rows x {slots} slots, {settings.dtype}"]
     if note:
         notes.append(note)
+    def prefill_inputs(shardings: Any, seed: int) -> tuple[Any, ...]:
+        # The longest chunk into an empty cache: every row a whole conversation prefilled again.
+        rng = np.random.default_rng(seed)
+        host = (rng.integers(0, config.vocab_size, (rows, slots), dtype=np.int32),
+                np.broadcast_to(np.arange(slots, dtype=np.int32), (rows, slots)), np.ones((rows, slots), np.bool_),
+                np.full(rows, slots - 1, np.int32))
+        return (random_like(state, shardings[0], seed), random_like(cache(rows), shardings[1], seed, 0.0),
+                *placed(host, tuple(shardings[2:])))
+
+    def decode_inputs(shardings: Any, seed: int) -> tuple[Any, ...]:
+        # A step at the last slot of full rows: attention over the whole context, as decode_flops counts.
+        rng = np.random.default_rng(seed)
+        full = random_like(cache(rows), shardings[1], seed + 1)
+        filled = np.ones((rows, slots), np.int32)
+        filled[:, -1] = 0
+        host = (rng.integers(0, config.vocab_size, rows, dtype=np.int32), np.full(rows, slots - 1, np.int32))
+        return (random_like(state, shardings[0], seed),
+                full._replace(segment_ids=jax.device_put(filled, shardings[1].segment_ids)),
+                *placed(host, tuple(shardings[2:])))
+
     out = []
-    for name, fn, args, tokens, flops in (
+    programs: tuple[tuple[str, Callable[..., Any], tuple[Any, ...], int, float, Callable[[Any, int], tuple[Any, ...]]], ...] = (
         ("prefill", prefill, (state, cache(rows), ints(rows, slots), ints(rows, slots), ints(rows, slots, dtype=jnp.bool_),
-                              ints(rows)), rows * slots, decode_flops(config, rows * slots, slots // 2)),
-        ("decode", decode, (state, cache(rows), ints(rows), ints(rows)), rows, decode_flops(config, rows, slots)),
-    ):
-        compiled = compile_program(jax.jit(fn, donate_argnums=(1,)), args, devices, slice_of)
+                              ints(rows)), rows * slots, decode_flops(config, rows * slots, slots // 2), prefill_inputs),
+        ("decode", decode, (state, cache(rows), ints(rows), ints(rows)), rows, decode_flops(config, rows, slots),
+         decode_inputs),
+    )
+    for name, fn, args, tokens, flops, inputs in programs:
+        if kinds is not None and name not in kinds:
+            continue
+        compiled = compile_program(jax.jit(fn, donate_argnums=(1,)), args, devices, slice_of, keep=keep)
         terms = {"parameters": params, "KV cache": store, "batch KV": batch_cache,
                  "temporaries": compiled.required_temp_bytes or compiled.temp_bytes}
         shape = f"{rows} x {slots} tokens" if name == "prefill" else f"{rows} rows, {slots} slots"
-        out.append(Program("rollout", name, shape, terms, compiled, tokens=tokens, model_flops=flops, notes=list(notes)))
+        # The cache is donated: the next run writes into the one this run returned, as the sampler does.
+        out.append(Program("rollout", name, shape, terms, compiled, tokens=tokens, model_flops=flops, notes=list(notes),
+                           inputs=inputs, carry=((1, 1),)))
     return out

@@ -206,3 +206,13 @@ class collective:  # noqa: N801 - used as a context manager, reads as a phrase
 
         if exc is not None and isinstance(exc, jax.errors.JaxRuntimeError):
             raise PeerFailure(f"another process failed while {self.doing}: {exc}") from exc
+
+
+def broadcast_int(processes: Processes, value: int) -> int:
+    """The primary's ``value`` on every process."""
+    if not processes.multi:
+        return value
+    from jax.experimental import multihost_utils
+
+    with collective("sharing a value"):
+        return int(multihost_utils.broadcast_one_to_all(np.asarray(value, np.int64)))

@@ -124,25 +124,6 @@ def validate_document(doc: Any, source: str, *, fetch: FetchPlan | None = None) 
     return (None if problems else job), problems
 
 
-def environment_problems(job: RLJob, source: str, *, local: bool | None = None) -> list[Problem]:
-    """The environment's own checks: task files load, plugins (environment, rewards) import, and
-    the model files exist (``model_path_problems``; ``local`` None: a cpu learner runs here).
-
-    Kept out of ``validate_document`` because it imports user code: ``stoker validate`` and
-    ``stoker run`` call it, the buffer and the learner (which never run environments) do not.
-    """
-    if job.spec.algorithm.trains_on_dataset:
-        return []  # no episodes are played: the environment only names the built-in tokenizer
-    from stoker.actor.plugins import environment_problems as found
-    from stoker.actor.rewards import reward_problems
-    from stoker.actor.datasets import eval_problems
-
-    env = job.spec.environment
-    problems = [*found(env.name, env.options, env.tasks), *eval_problems(env), *reward_problems(env.reward.terms)]
-    problems += model_path_problems(job.spec, local=local if local is not None else job.spec.learner.accelerator == "cpu")
-    return [Problem(source, f"spec.{path}", message) for path, message in problems]
-
-
 def _is_uri(path: str) -> bool:
     return "://" in path
 

@@ -22,6 +22,8 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from stoker.spec import RLJob
+
 REFERENCE_PATH = Path(__file__).resolve().parent.parent / "docs" / "rljob-reference.md"
 
 
@@ -150,8 +152,6 @@ def walk(model: type[BaseModel], prefix: str = "") -> list[FieldDoc]:
 
 
 def all_fields() -> list[FieldDoc]:
-    from stoker.spec import RLJob
-
     return walk(RLJob)
 
 

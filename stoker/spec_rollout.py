@@ -15,7 +15,7 @@ from stoker.spec_base import DNS_LABEL_PATTERN, TPU_ACCELERATORS, ResourceList, 
 from stoker.spec_cel import cel
 from stoker.tpu import TopologyError, hosts_per_slice, slice_shape
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # for annotations only: stoker.spec imports this module
     from stoker.spec import RLJobSpec
 
 

@@ -20,7 +20,7 @@ from stoker.spec_model import TransformerConfig
 from stoker.spec_rollout import ROLLOUT_CEL_RULES, ROLLOUT_NAME_CEL_RULE, rollout_hosts, rollout_problems
 from stoker.tpu import TopologyError, hosts_per_slice
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # for annotations only: stoker.spec imports this module
     from stoker.spec import RLJobSpec
 
 

@@ -97,5 +97,8 @@ class RLJobStatus(StatusModel):
     admission_scale: float | None = Field(
         None, description="Fraction of the buffer's own admission credit the operator allows (1 = no limit)."
     )
+    bottleneck: str | None = Field(
+        None, description="What caps the learner's duty cycle, with its numbers and the knob that lifts it (empty: none)."
+    )
     message: str | None = None
     conditions: list[Condition] = Field(default_factory=list)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from stoker.manifest import add_manifest_directory, environment_problems, load_file
+from stoker.manifest import add_manifest_directory, load_file
+from stoker.actor.job_checks import environment_problems
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,7 @@ from stoker.actor.environments import options_json
 from stoker.actor.frozenlake import expert_move
 from stoker.actor.sandbox import SandboxConfig
 from stoker.actor.swe import solution_commands
-from stoker.actor.tokenization import TextInterface, text_interface
+from stoker.conversation.tokenization import TextInterface, text_interface
 from stoker.spec import EnvironmentSpec, ModelSpec, RLJobSpec, TransformerConfig
 
 

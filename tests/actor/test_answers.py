@@ -168,7 +168,7 @@ async def test_a_multi_turn_answers_episode_trains_on_every_attempt(task_file: P
     from stoker.actor.episode import OK, EpisodeLimits, run_episode
     from stoker.actor.policy import ScriptedPolicy
     from stoker.actor.sandbox import InlineEnvironment
-    from stoker.actor.tokenization import EOT, TextInterface, byte_tokenizer
+    from stoker.conversation.tokenization import EOT, TextInterface, byte_tokenizer
 
     tokenizer = byte_tokenizer()
     interface = TextInterface(tokenizer, (), (), (tokenizer.token_to_id(EOT),))

@@ -14,8 +14,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 from stoker.actor.environments import Observation, StepResult
 from stoker.actor.episode import EpisodeLimits, run_episode
-from stoker.actor.policy import Sampled
-from stoker.actor.tokenization import TextInterface, TokenizerProblem, text_interface
+from stoker.conversation.policy import Sampled
+from stoker.conversation.tokenization import TextInterface, TokenizerProblem, text_interface
 from stoker.model.hf import save_checkpoint
 from stoker.learner.batches import _sequence
 from stoker.model.model import init_model
@@ -180,7 +180,7 @@ async def test_trained_ids_are_sampled_ids_through_the_chat_template(tmp_path: P
     # The context between the turns is the template's own layout: with each model turn's text as
     # the assistant message, the trajectory reads as the template renders the conversation -- the
     # cut-off turn closed by the template's end-of-turn token, which the model did not sample.
-    from stoker.actor.chat_template import render
+    from stoker.conversation.chat_template import render
 
     assert interface.chat is not None
     messages = [{"role": "user", "content": env.texts[0]}]

@@ -9,7 +9,8 @@ import pytest
 from stoker.actor.settings import ActorSettings
 from stoker.actor.wiring import ActorSetupError, make_sampler
 from stoker.model.hf import CheckpointError, WEIGHTS_FILE, decode_safetensors, encode_safetensors, save_checkpoint
-from stoker.learner.loop import Learner, LearnerSettings
+from stoker.learner.loop import Learner
+from stoker.learner.settings import LearnerSettings
 from stoker.model.model import init_model
 from stoker.spec import RLJobSpec, TransformerConfig
 
@@ -24,13 +25,13 @@ def test_a_missing_tensor_is_the_same_clean_error_in_actor_and_learner(tmp_path:
     weights = decode_safetensors((tmp_path / WEIGHTS_FILE).read_bytes())
     del weights[DROPPED]
     (tmp_path / WEIGHTS_FILE).write_bytes(encode_safetensors(weights))
-    with pytest.raises(CheckpointError) as learner_error:
-        Learner(LearnerSettings(architecture=TINY, model_checkpoint=str(tmp_path), buckets=(16,), microbatch_tokens=64))
     spec = RLJobSpec.model_validate({
         "model": {"checkpoint": str(tmp_path), "architecture": TINY.model_dump(by_alias=True)},
         "environment": {"sandbox": {"kind": "inline"}},
         "learner": {"sequenceBuckets": [16]},
     })
+    with pytest.raises(CheckpointError) as learner_error:
+        Learner(LearnerSettings.from_spec(spec, checkpoint_dir=None))
     with pytest.raises(ActorSetupError) as actor_error:
         make_sampler(ActorSettings.from_spec(spec, actor_id="a0"))
     assert DROPPED in str(learner_error.value)

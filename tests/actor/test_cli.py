@@ -69,7 +69,7 @@ def test_vocabulary_too_small_for_the_tokenizer_is_explained(tmp_path: Path) -> 
 def test_actor_process_fills_the_buffer_with_whole_groups(tmp_path: Path, server: BufferServer) -> None:
     from stoker.model.hf import to_hf
     from stoker.model.model import init_model
-    from stoker.model.weights import WeightPublisher
+    from stoker.weights.channel import WeightPublisher
     from stoker.manifest import load_job
 
     manifest = tmp_path / "job.yaml"

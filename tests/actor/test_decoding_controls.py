@@ -10,7 +10,7 @@ import pytest
 from stoker.actor.environments import Observation, StepResult
 from stoker.actor.episode import OK, TRUNCATED, EpisodeLimits, run_episode
 from stoker.actor.policy import ScriptedPolicy
-from stoker.actor.tokenization import EOT, TextInterface, TokenizerProblem, allowed_token_ids, byte_tokenizer
+from stoker.conversation.tokenization import EOT, TextInterface, TokenizerProblem, allowed_token_ids, byte_tokenizer
 from stoker.model.tokenizer import save_tokenizer, train_word_tokenizer
 from stoker.spec import RLJobSpec
 

@@ -18,7 +18,7 @@ from stoker.actor.policy import ScriptedPolicy
 from stoker.actor.runner import Actor, Grant
 from stoker.actor.sandbox import SandboxFailed
 from stoker.actor.settings import ActorSettings
-from stoker.actor.tokenization import TextInterface
+from stoker.conversation.tokenization import TextInterface
 from stoker.spec import BufferSpec, RLJobSpec
 from stoker.trajectory import Episode
 

@@ -11,9 +11,10 @@ import pytest
 from stoker.actor.environments import Observation, StepResult
 from stoker.actor.episode import FAILED, OK, TIMEOUT, TRUNCATED, EpisodeLimits, run_episode, run_group
 from stoker.actor.frozenlake import FrozenLake, FrozenLakeConfig
-from stoker.actor.policy import BatchedSampler, Sampled, ScriptedPolicy
+from stoker.conversation.policy import Sampled
+from stoker.actor.policy import BatchedSampler, ScriptedPolicy
 from stoker.actor.sandbox import InlineEnvironment, inline_factory
-from stoker.actor.tokenization import TextInterface
+from stoker.conversation.tokenization import TextInterface
 from stoker.trajectory import array_problem, from_proto, to_proto
 
 LIMITS = EpisodeLimits(max_turns=10, max_new_tokens=4, max_tokens=512, episode_seconds=30)

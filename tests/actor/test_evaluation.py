@@ -14,16 +14,18 @@ import pytest
 
 from stoker.actor.environments import Observation, StepResult
 from stoker.actor.evaluation import EvalPlan, round_due
-from stoker.actor.policy import Sampled, ScriptedPolicy
+from stoker.conversation.policy import Sampled
+from stoker.actor.policy import ScriptedPolicy
 from stoker.actor.runner import Actor
 from stoker.actor.sandbox import EnvironmentFactory, inline_factory
 from stoker.actor.settings import ActorSettings
-from stoker.actor.tokenization import TextInterface
+from stoker.conversation.tokenization import TextInterface
 from stoker.actor.wiring import GrpcBuffer
 from stoker.buffer.client import BufferClient
 from stoker.buffer.server import BufferServer
 from stoker.buffer.settings import BufferSettings
-from stoker.manifest import environment_problems, validate_document
+from stoker.manifest import validate_document
+from stoker.actor.job_checks import environment_problems
 from stoker.spec import BufferSpec, RLJobSpec
 
 pytestmark = pytest.mark.asyncio

@@ -7,9 +7,6 @@ import itertools
 import pytest
 
 from stoker.actor.frozenlake import (
-    ACTIONS,
-    INSTRUCTION,
-    WORDS,
     FrozenLake,
     FrozenLakeConfig,
     goal_distances,
@@ -17,7 +14,8 @@ from stoker.actor.frozenlake import (
     parse_action,
     potentials,
 )
-from stoker.actor.tokenization import frozenlake_tokenizer
+from stoker.conversation.frozenlake_words import ACTIONS, INSTRUCTION, WORDS
+from stoker.conversation.tokenization import frozenlake_tokenizer
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -17,8 +17,9 @@ from stoker.actor.environments import EnvironmentProblem, make_environment
 from stoker.actor.episode import FAILED, OK, EpisodeLimits, run_group
 from stoker.actor.plugins import environment_problems, resolve
 from stoker.actor.policy import ScriptedPolicy
-from stoker.actor.sandbox import ProcessSandboxFactory, SandboxConfig, Zygote
-from stoker.actor.tokenization import TextInterface
+from stoker.actor.process_sandbox import ProcessSandboxFactory, Zygote
+from stoker.actor.sandbox import SandboxConfig
+from stoker.conversation.tokenization import TextInterface
 
 PLUGIN = '''
 """A throwaway environment: say the letter the prompt asks for."""

@@ -16,14 +16,14 @@ from typing import Any
 
 import pytest
 
-from stoker.actor import labels
+from stoker import labels
 from stoker.actor.environments import StepLatency
 from stoker.actor.episode import FAILED, OK, EpisodeLimits, run_group
 from stoker.actor.pods import WORKDIR, pod_factory
 from stoker.actor.policy import ScriptedPolicy
 from stoker.actor.sandbox import SandboxConfig
 from stoker.actor.settings import PodSandboxSettings
-from stoker.actor.tokenization import TextInterface
+from stoker.conversation.tokenization import TextInterface
 
 pytestmark = pytest.mark.asyncio
 

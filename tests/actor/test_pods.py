@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 import kubernetes_validate
 import pytest
 
-from stoker.actor import labels
+from stoker import labels
 from stoker.actor.pods import sandbox_pod_manifest, sandbox_pod_name
 
 

@@ -11,9 +11,10 @@ import pytest
 from stoker.actor.episode import EpisodeLimits, run_group
 from stoker.actor.policy import BatchedSampler
 from stoker.actor.sandbox import inline_factory
-from stoker.actor.tokenization import TextInterface
+from stoker.conversation.tokenization import TextInterface
 from stoker.model.hf import to_hf
-from stoker.model.model import init_model, token_logprobs
+from stoker.model.logprobs import token_logprobs
+from stoker.model.model import init_model
 from stoker.rollout.sampling import Sampler
 from stoker.spec import SamplingSpec, TransformerConfig
 from stoker.trajectory import array_problem, to_proto

@@ -16,7 +16,7 @@ from stoker.actor.policy import ScriptedPolicy
 from stoker.actor.rewards import RewardedFactory, RewardTerm
 from stoker.actor.sandbox import SandboxConfig, inline_factory
 from stoker.actor.settings import ActorSettings
-from stoker.actor.tokenization import TextInterface
+from stoker.conversation.tokenization import TextInterface
 from stoker.actor.wiring import environment_factory
 from stoker.buffer.settings import BufferSettings
 from stoker.buffer.validate import validate

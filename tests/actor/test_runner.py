@@ -17,9 +17,10 @@ from stoker.actor.environments import Observation, StepResult
 from stoker.actor.episode import FAILED
 from stoker.actor.policy import BatchedSampler, ScriptedPolicy
 from stoker.actor.runner import Actor, Grant
-from stoker.actor.sandbox import inline_factory, process_factory
+from stoker.actor.process_sandbox import process_factory
+from stoker.actor.sandbox import inline_factory
 from stoker.actor.settings import ActorSettings
-from stoker.actor.tokenization import TextInterface
+from stoker.conversation.tokenization import TextInterface
 from stoker.actor.wiring import GrpcBuffer
 from stoker.buffer.client import BufferClient
 from stoker.buffer.server import BufferServer
@@ -217,7 +218,7 @@ async def test_between_episodes_keeps_each_episode_on_its_first_weights(
     caplog.set_level(logging.INFO, logger="stoker.actor")
     from stoker.actor.wiring import make_policy
     from stoker.model.model import init_model
-    from stoker.model.weights import flatten_params
+    from stoker.weights.channel import flatten_params
     from stoker.spec import ActorsSpec, EnvironmentSpec, SamplingSpec, StepLatency
 
     # The real sampler, allowed only "up" (which never reaches the goal: every episode plays all

@@ -18,19 +18,12 @@ import pytest_asyncio
 
 from stoker.actor.episode import FAILED, OK, TIMEOUT, TRUNCATED, EpisodeLimits, run_group
 from stoker.actor.environments import Observation, StepLatency, StepResult
-from stoker.actor.policy import Sampled, ScriptedPolicy
-from stoker.actor.sandbox import (
-    InlineEnvironment,
-    ProcessSandbox,
-    ProcessSandboxFactory,
-    SandboxConfig,
-    SandboxEnvironment,
-    SandboxFailed,
-    Zygote,
-    inline_factory,
-)
+from stoker.conversation.policy import Sampled
+from stoker.actor.policy import ScriptedPolicy
+from stoker.actor.process_sandbox import ProcessSandbox, ProcessSandboxFactory, Zygote
+from stoker.actor.sandbox import InlineEnvironment, SandboxConfig, SandboxEnvironment, SandboxFailed, inline_factory
 from stoker.actor.swe import bundled_tasks
-from stoker.actor.tokenization import TextInterface
+from stoker.conversation.tokenization import TextInterface
 from stoker.trajectory import array_problem, to_proto
 
 pytestmark = pytest.mark.asyncio
@@ -232,7 +225,8 @@ def _gone(pid: int) -> bool:
 
 PARENT = """
 import asyncio, sys
-from stoker.actor.sandbox import SandboxConfig, Zygote
+from stoker.actor.process_sandbox import Zygote
+from stoker.actor.sandbox import SandboxConfig
 async def main():
     zygote = Zygote()
     sandbox = await zygote.spawn(SandboxConfig("frozenlake"))

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from stoker.actor.policy import BatchedSampler
-from stoker.actor.wiring import make_weight_source
+from stoker.weights.channel import make_weight_source
 from stoker.distributed import Processes
-from stoker.learner.publish import ShardedPublisher
+from stoker.weights.publish import ShardedPublisher
 from stoker.model.hf import to_hf
 from stoker.model.model import init_model
-from stoker.model.shards import ShardedWeights
+from stoker.weights.shards import ShardedWeights
 from stoker.rollout.sampling import Sampler
 from stoker.spec import SamplingSpec, TransformerConfig
 

@@ -21,6 +21,8 @@ from stoker.buffer.client import (
 from stoker.buffer.server import BufferServer
 from stoker.buffer.settings import BufferSettings
 from stoker.buffer.wire import encode_sample_response
+from stoker.crd import build_crd
+from stoker.spec_learner import MAX_STALENESS
 from stoker.trajectory import Episode
 from stoker.v1 import buffer_pb2
 
@@ -135,9 +137,6 @@ def test_configure_needs_the_token(server_factory: ServerFactory, settings: Buff
 
 
 def test_the_crd_and_the_buffer_share_the_staleness_bound() -> None:
-    from stoker.crd import build_crd
-    from stoker.spec_learner import MAX_STALENESS
-
     schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     assert schema["properties"]["buffer"]["properties"]["maxStaleness"]["maximum"] == MAX_STALENESS
     with pytest.raises(ValueError, match="max_staleness"):

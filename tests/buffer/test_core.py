@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from stoker.buffer.core import CODE_INVALID_ARGUMENT, CODE_OK, BufferCore, BufferFull, UnknownBatch
+import stoker.buffer.wal as wal_module
+from stoker.buffer.core import BufferCore
+from stoker.buffer.core_state import CONSUME
 from stoker.buffer.settings import BufferSettings
+from stoker.buffer.state import CODE_INVALID_ARGUMENT, CODE_OK, BufferFull, Unavailable, UnknownBatch
 from stoker.buffer.wire import encode_trajectory
 from stoker.trajectory import Episode, from_proto
 from stoker.v1 import trajectory_pb2
@@ -388,8 +391,6 @@ def test_a_sampled_batch_stays_under_the_message_size_limit(
 def test_a_record_that_does_not_parse_is_skipped_at_startup(
     tmp_path: Path, settings: BufferSettings, make_group: Groups, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from stoker.buffer.core import CONSUME
-
     core = open_core(tmp_path, settings)
     group = make_group(2)
     put(core, group)
@@ -435,9 +436,6 @@ def test_concurrent_overlapping_puts_store_each_episode_once(
 def test_a_put_whose_flush_fails_is_refused_and_leaves_nothing_behind(
     tmp_path: Path, settings: BufferSettings, make_group: Groups, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import stoker.buffer.wal as wal_module
-    from stoker.buffer.core import Unavailable
-
     core = open_core(tmp_path, settings)
     group = make_group(2)
 
@@ -453,7 +451,7 @@ def test_a_put_whose_flush_fails_is_refused_and_leaves_nothing_behind(
     assert stats.stored_trajectories == 0 and stats.complete_groups == 0
     with pytest.raises(Unavailable, match="unusable"):
         put(core, group)
-    assert not core._pending_ids and not core._pending_groups and core._puts_running == 0
+    assert not core.state.pending_ids and not core.state.pending_groups and core.state.puts_running == 0
     core.close()  # returns: no Put is left running
 
 

@@ -15,9 +15,10 @@ import grpc
 import pytest
 
 from stoker.buffer.client import BufferClient
-from stoker.buffer.core import BufferCore, DiskFull
+from stoker.buffer.core import BufferCore
 from stoker.buffer.server import BufferServer
 from stoker.buffer.settings import BufferSettings
+from stoker.buffer.state import DiskFull
 from stoker.buffer.wire import encode_put_request, encode_trajectory
 from stoker.trajectory import Episode
 from stoker.v1 import buffer_pb2

@@ -171,7 +171,7 @@ def test_a_missing_file_is_scale_one_and_is_picked_up_once_it_appears(
         assert core.stats().admission_scale == 1.0 and core.stats().admission_credit == 6
         scale_file.parent.mkdir()
         write_scale(scale_file, '{"admissionScale": 0.5}', 1_000_000_000)
-        assert core.admission.reload() == 0.5  # the reload the timer does, called directly
+        assert core.state.admission.reload() == 0.5  # the reload the timer does, called directly
         assert core.stats().admission_credit == 3
     finally:
         core.close()

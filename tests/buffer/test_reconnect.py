@@ -22,6 +22,7 @@ import grpc
 import numpy as np
 import pytest
 
+from stoker.buffer import service
 from stoker.buffer.client import BufferClient, BufferClientError, LeaseLostError, RetryPolicy
 from stoker.buffer.server import BufferServer
 from stoker.buffer.settings import BufferSettings
@@ -231,8 +232,6 @@ def test_a_call_the_stopping_buffer_cancels_is_retried(
 ) -> None:
     """A buffer that stops with calls in flight may answer them CANCELLED (its GOAWAY cancels every
     call), not UNAVAILABLE: the caller's Stats must come back, not raise."""
-    from stoker.buffer import service
-
     answered = service.BufferService.stats
     calls = itertools.count()
 

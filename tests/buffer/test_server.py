@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import stoker.buffer.wal as wal_module
 from stoker.buffer.client import (
     AuthError,
     BufferClient,
@@ -265,8 +266,6 @@ def test_a_put_whose_caller_gives_up_during_its_flush_is_stored_once(
 ) -> None:
     """Once admitted, a Put is finished whatever its caller does: the caller's retry finds it
     stored (a duplicate), so nothing is lost and nothing is stored twice."""
-    import stoker.buffer.wal as wal_module
-
     server = server_factory(settings)
     disk_free = threading.Event()
     real_fdatasync = wal_module.os.fdatasync
@@ -292,8 +291,6 @@ def test_a_put_whose_caller_gives_up_during_its_flush_is_stored_once(
 def test_a_failed_flush_is_unavailable_and_the_server_still_stops(
     server_factory: ServerFactory, settings: BufferSettings, make_group: Groups, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import stoker.buffer.wal as wal_module
-
     server = server_factory(settings)
 
     def failing_disk(fd: int) -> None:
@@ -305,15 +302,13 @@ def test_a_failed_flush_is_unavailable_and_the_server_still_stops(
             with pytest.raises(BufferUnavailableError, match="UNAVAILABLE"):
                 client.put(make_group(2))
         assert client.stats().stored_trajectories == 0
-    assert server.core._puts_running == 0
+    assert server.core.state.puts_running == 0
     server.stop(grace=0)  # returns: nothing is left waiting for the disk
 
 
 def test_stopping_with_a_put_mid_flush_finishes_it_and_restart_finds_it_once(
     tmp_path: Path, settings: BufferSettings, make_group: Groups, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import stoker.buffer.wal as wal_module
-
     server = BufferServer(settings, tmp_path / "data").start()
     flushing, disk_free = threading.Event(), threading.Event()
     real_fdatasync = wal_module.os.fdatasync

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import stoker.buffer.validate as validate_module
 from stoker.buffer.settings import BufferSettings
 from stoker.buffer.validate import Invalid, TrajectoryMeta, validate, validate_batch
 from stoker.buffer.wire import encode_trajectory
@@ -150,10 +151,8 @@ def test_batch_validation_agrees_under_roomy_limits_too(items: list[tuple[int, i
 @settings(max_examples=60, deadline=None)
 @given(BATCHES)
 def test_zero_copy_validation_of_long_trajectories_agrees_too(items: list[tuple[int, int, int]]) -> None:
-    import stoker.buffer.validate as module
-
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(module, "LONG_TOKENS", 1)  # every trajectory takes the long path
+        patch.setattr(validate_module, "LONG_TOKENS", 1)  # every trajectory takes the long path
         check_agreement(items)
 
 

@@ -11,7 +11,8 @@ import grpc
 import pytest
 
 from stoker.buffer.client import BufferClient
-from stoker.buffer.core import VERSION, BufferCore
+from stoker.buffer.core import BufferCore
+from stoker.buffer.core_state import VERSION
 from stoker.buffer.server import BufferServer
 from stoker.buffer.settings import BufferSettings
 from stoker.v1 import buffer_pb2

@@ -13,7 +13,10 @@ import pytest
 
 import stoker.buffer.wal as wal_module
 import stoker.buffer.wal_files as wal_files
-from stoker.buffer.wal import DIRECT_MIN, HEADER, MAGIC, Wal, WalError
+from stoker.buffer.wal import Wal
+from stoker.buffer.wal_direct import DIRECT_MIN
+from stoker.buffer.wal_files import WalError, WalFull
+from stoker.buffer.wal_format import HEADER, MAGIC, checksum
 
 
 def write_segments(directory: Path, payloads: list[bytes], segment_bytes: int = 1 << 20) -> Wal:
@@ -67,7 +70,7 @@ def test_preallocation_doubles_ahead_of_buffered_and_direct_appends(tmp_path: Pa
     small = [bytes([i]) * 100_000 for i in range(12)]  # 1.2 MB through the page cache
     large = [bytes([100 + i]) * (DIRECT_MIN + 5) for i in range(6)]  # then 1.6 MB direct
     wal = write_segments(tmp_path, small + large, segment_bytes=256 << 20)
-    assert wal.direct_appends == len(large)
+    assert wal.direct.appends == len(large)
     # 2.8 MB of records: preallocated 1, then 2, then 4 MiB, ahead of the direct writes too
     assert sorted(tmp_path.glob("*.wal"))[0].stat().st_size == 4 << 20
     assert replayed(tmp_path) == (small + large, [])
@@ -150,8 +153,6 @@ def test_concurrent_writers_all_become_durable(tmp_path: Path) -> None:
 
 
 def test_one_flush_covers_every_append_made_while_another_flush_ran(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import stoker.buffer.wal as wal_module
-
     real = wal_module.os.fdatasync
     entered, release = threading.Event(), threading.Event()
     flushes: list[int] = []
@@ -198,7 +199,7 @@ def open_wal(directory: Path) -> Wal:
     wal = Wal(directory, fsync=True)
     wal.replay()
     wal.start()
-    if wal._direct_fd < 0:
+    if wal.direct.fd < 0:
         pytest.skip("this file system refuses O_DIRECT")
     return wal
 
@@ -212,7 +213,7 @@ def test_large_appends_go_direct_and_replay_in_order_with_small_ones(tmp_path: P
     payloads = [b"small-1", blob(1, BIG), b"small-2", blob(2, 3 * BIG), b"small-3", blob(3, BIG)]
     for payload in payloads:
         wal.sync(wal.append(1, [payload]))
-    assert wal.direct_appends == 3
+    assert wal.direct.appends == 3
     assert replayed(tmp_path) == (payloads, [])  # after a crash: the preallocated tail is still there
     wal.close()
     assert replayed(tmp_path) == (payloads, [])
@@ -300,7 +301,7 @@ def test_a_file_system_that_refuses_direct_writes_gets_buffered_ones(
     monkeypatch.setattr(wal_files, "write_aligned", refuses)
     for tag in (1, 2):
         wal.sync(wal.append(1, [blob(tag, BIG)]))
-    assert len(calls) == 1 and wal.direct_appends == 0  # tried once, then buffered for good
+    assert len(calls) == 1 and wal.direct.appends == 0  # tried once, then buffered for good
     wal.close()
     assert replayed(tmp_path) == ([blob(1, BIG), blob(2, BIG)], [])
 
@@ -319,14 +320,14 @@ def test_a_failed_direct_write_pins_nothing(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.undo()
     position = wal.append(1, [blob(4, BIG)], pin=True)
     wal.sync(position)
-    assert wal.segments[segment].pins == 2 and wal.direct_appends == 1
+    assert wal.segments[segment].pins == 2 and wal.direct.appends == 1
     wal.close()
 
 
 @pytest.mark.parametrize("size", [0, 100, 4096, 5000, 70_000, BIG])
 def test_checksums_are_zlib_crc32_so_logs_of_earlier_versions_still_replay(size: int) -> None:
     payload = bytes(range(256)) * (size // 256) + bytes(size % 256)
-    assert wal_module.checksum(3, payload) == zlib.crc32(bytes([3]) + payload)
+    assert checksum(3, payload) == zlib.crc32(bytes([3]) + payload)
 
 
 def test_concurrent_direct_and_buffered_appends_across_rotations_all_replay_once(tmp_path: Path) -> None:
@@ -353,7 +354,7 @@ def test_concurrent_direct_and_buffered_appends_across_rotations_all_replay_once
         worker.join()
     wal.close()
     payloads, corrupt = replayed(tmp_path)
-    assert corrupt == [] and wal.direct_appends > 0
+    assert corrupt == [] and wal.direct.appends > 0
     tags = [p.split(b"|", 1)[0].decode() for p in payloads]
     assert sorted(tags) == sorted(f"{i}-{j}" for i in range(threads) for j in range(per_thread))
     for index in range(threads):  # each writer's records in the order it wrote them
@@ -377,7 +378,7 @@ def test_a_failed_preallocation_is_not_booked_and_the_log_stays_usable(tmp_path:
 
     monkeypatch.setattr(wal_module.os, "posix_fallocate", full_volume)
     big = bytes(range(256)) * (size // 256)
-    with pytest.raises(wal_module.WalFull):
+    with pytest.raises(WalFull):
         wal.append(1, [big])
     assert (segment.allocated, segment.size) == (allocated, size_before) and wal.broken is None and wal.full
     wal.sync(wal.append(2, [b"commit"], reserved=True))  # consumption records still fit in the reserve

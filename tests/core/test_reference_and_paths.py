@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from stoker import cli
-from stoker.actor.tokenization import TokenizerProblem, environment_tokenizer
+from stoker.conversation.tokenization import TokenizerProblem, environment_tokenizer
 from stoker.spec import RLJob, RLJobSpec
 from stoker.spec_reference import REFERENCE_PATH, all_fields, explain, render_reference
 

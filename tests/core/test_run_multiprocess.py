@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from stoker.runner.local import UsageError, jax_process_envs, resolve_options
+from stoker.runner.local import UsageError, resolve_options
+from stoker.runner.placement import jax_process_envs
 
 pytestmark = pytest.mark.slow
 

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from stoker.actor.diagnostics import ActorDiagnostics, write_snapshot
-from stoker.actor.tokenization import byte_tokenizer
+from stoker.conversation.tokenization import byte_tokenizer
 from stoker.learner.samples import SAMPLES_FILE, SampleLog
 from stoker.runner.local import RunOptions
 from stoker.runner.progress import Progress
 from stoker.runner.report import windowed_duty, write_report
 from stoker.spec import RLJob
 from stoker.trajectory import Episode
-from stoker.v1 import trajectory_pb2
+from stoker.v1 import buffer_pb2, trajectory_pb2
 
 
 def _episode(status: int, reason: str = "", text: str = "8 8 8", reward: float = 0.0) -> Episode:
@@ -114,3 +114,35 @@ def test_stoker_run_that_fails_before_training_says_so_and_writes_no_report(
     assert local.main(args) == 1
     assert not (tmp_path / "run" / "report.md").exists()
     assert "no report: nothing was trained; logs in" in capsys.readouterr().err
+
+
+class _StarvedBuffer:
+    """A buffer whose Stats say what the FrozenLake example with 0.5 s steps showed."""
+
+    def stats(self) -> buffer_pb2.BufferStats:
+        return buffer_pb2.BufferStats(put_rate=4.75, sample_rate=4.75, fill=0.02, committed_groups_total=60)
+
+    def close(self) -> None:
+        pass
+
+
+def test_progress_and_report_name_the_bottleneck_and_the_knob(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    options = RunOptions(manifest=tmp_path / "job.yaml", job=RLJob(), mode="async", run_dir=run, live=False)
+    with Progress(options) as progress:
+        progress._buffer_client = _StarvedBuffer()
+        progress.state.fold({"step": 1, "duty_cycle": 0.02})
+        progress._poll_buffer()
+        assert "bottleneck" not in progress.summary()  # the first steps measure the compile
+        progress.state.fold({"step": 5, "duty_cycle": 0.049, "time": 1.0, "success_rate": 0.1})
+        progress._poll_buffer()
+        line = progress.summary()
+    assert "bottleneck: actors deliver 4.75 trajectories/s and a step needs 32, so the learner waits 95 %" in line
+    assert "actors.concurrency from 8 to about 156" in line
+    (run / "learner_metrics.jsonl").write_text('{"time": 1.0, "step": 5, "duty_cycle": 0.049, "success_rate": 0.1}\n')
+    report = write_report(run)
+    assert report is not None
+    text = report.read_text()
+    assert "what capped the learner (2 buffer samples): actors 50 %" in text
+    assert "last bottleneck seen: actors deliver 4.75 trajectories/s" in text and "actors.replicas from 2 to about 39" in text

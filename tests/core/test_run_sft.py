@@ -51,7 +51,7 @@ def test_sft_example_runs_the_learner_alone_and_exports(sft_stage: Path) -> None
     assert sorted(evals) == [10, 12]  # every evalIntervalSteps updates, and after the last
     assert records[-1]["loss"] < records[0]["loss"]
     from stoker.model.hf import load_checkpoint
-    from stoker.model.weights import WeightSubscriber, flatten_params
+    from stoker.weights.channel import WeightSubscriber, flatten_params
 
     version, published = WeightSubscriber(directory=run_dir / "weights").fetch_latest()
     assert version == 12
@@ -69,7 +69,7 @@ def example(tmp_path: Path, name: str, edit: Any) -> Path:
 
 
 def weights(run_dir: Path) -> dict[int, dict[str, np.ndarray]]:
-    from stoker.model.weights import WeightSubscriber
+    from stoker.weights.channel import WeightSubscriber
 
     subscriber = WeightSubscriber(directory=run_dir / "weights")
     latest = subscriber.fetch_latest()
@@ -79,7 +79,7 @@ def weights(run_dir: Path) -> dict[int, dict[str, np.ndarray]]:
 
 def exported(directory: Path) -> dict[str, np.ndarray]:
     from stoker.model.hf import load_checkpoint
-    from stoker.model.weights import flatten_params
+    from stoker.weights.channel import flatten_params
 
     return {k: np.asarray(v) for k, v in flatten_params(load_checkpoint(directory)).items()}
 

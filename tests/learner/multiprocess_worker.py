@@ -39,13 +39,16 @@ def main() -> int:
     import numpy as np
 
     from stoker.buffer.client import SampledBatch, SampledGroup
+    from stoker.distributed import Processes
     from stoker.learner import multihost
-    from stoker.learner.loop import Learner, LearnerSettings
-    from stoker.model.weights import flatten_params
+    from stoker.learner.loop import Learner
+    from stoker.learner.settings import LearnerSettings
+    from stoker.learner.testing import tiny_spec
+    from stoker.weights.channel import flatten_params
     from stoker.spec import TransformerConfig
     from stoker.trajectory import Episode
 
-    processes = multihost.Processes.current()
+    processes = Processes.current()
     # Big enough that parameters really are split (sharding.MIN_SHARDED_SIZE), small enough for CPU.
     arch = TransformerConfig(
         vocab_size=64, hidden_size=256, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=512,
@@ -105,7 +108,7 @@ def main() -> int:
             assert version not in self.published, f"version {version} published twice"
             self.published[version] = flat
 
-    from stoker.learner.publish import ShardedPublisher
+    from stoker.weights.publish import ShardedPublisher
 
     class ShardedRecorder(ShardedPublisher):
         def __init__(self, directory: Path) -> None:
@@ -126,11 +129,12 @@ def main() -> int:
     out = Path(args.out)
     for mesh in args.mesh:
         fsdp, tp = (int(x) for x in mesh.split("x"))
-        settings = LearnerSettings(
-            architecture=arch, buckets=(16, 32), microbatch_tokens=128, learning_rate=0.01, batch_groups=2,
-            group_size=4, mesh_fsdp=fsdp, mesh_tp=tp, checkpoint_dir=str(out / f"ckpt-{mesh}"),
-            checkpoint_interval=2, publish_interval=1, max_steps=args.steps,
+        spec = tiny_spec(
+            model={"architecture": arch}, algorithm={"learningRate": 0.01}, buffer={"groupSize": 4},
+            learner={"sequenceBuckets": [16, 32], "microbatchTokens": 128, "batchGroups": 2, "mesh": {"fsdp": fsdp, "tp": tp},
+                     "checkpoint": {"intervalSteps": 2}, "publishIntervalSteps": 1, "maxSteps": args.steps},
         )
+        settings = LearnerSettings.from_spec(spec, checkpoint_dir=str(out / f"ckpt-{mesh}"))
         learner = Learner(settings)
         # Every process is handed a source, publisher and sink, as every pod gets --buffer; each
         # source holds other batches (as a second buffer client would sample other groups), so a
@@ -139,7 +143,7 @@ def main() -> int:
         publisher, sink = (ShardedRecorder(out / f"weights-{mesh}") if args.sharded else Publisher()), Sink()
         made = learner.run(source, publisher, sink=sink)
         if args.sharded:  # what was committed, as a reader fetches it
-            from stoker.model.weights import WeightSubscriber
+            from stoker.weights.channel import WeightSubscriber
 
             with WeightSubscriber(directory=out / f"weights-{mesh}") as subscriber:
                 publisher.published[learner.version] = dict(subscriber.fetch(learner.version))

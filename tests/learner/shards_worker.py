@@ -50,11 +50,11 @@ def learn(args: argparse.Namespace) -> int:
     import numpy as np
     import optax
 
-    from stoker.model.hf import _param_items, hf_name, load_checkpoint
+    from stoker.model.hf import hf_name, load_checkpoint, param_items
     from stoker.learner import sharding, train
-    from stoker.learner.publish import ShardedPublisher
+    from stoker.weights.publish import ShardedPublisher
     from stoker.model.model import init_model
-    from stoker.model.shards import ShardDirectory
+    from stoker.weights.shards import ShardDirectory
     from stoker.spec import TransformerConfig
 
     out = Path(args.out)
@@ -68,7 +68,7 @@ def learn(args: argparse.Namespace) -> int:
     want = reference(1)
     for label, placed in (("init", model), ("checkpoint", load_checkpoint(out / "checkpoint", dtype=jnp.bfloat16, placement=placement))):
         in_place = True
-        for path, var in _param_items(placed):
+        for path, var in param_items(placed):
             name, transpose = hf_name(path)
             value, full = var.get_value(), (want[name].T if transpose else want[name])
             in_place &= value.sharding.is_equivalent_to(placement(tuple(value.shape)), value.ndim)
@@ -123,8 +123,8 @@ def read(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from stoker.model.hf import _param_items, hf_name
-    from stoker.model.weights import WeightSubscriber
+    from stoker.model.hf import hf_name, param_items
+    from stoker.weights.channel import WeightSubscriber
     from stoker.rollout.mesh import rollout_mesh
     from stoker.rollout.sampling import Sampler
     from stoker.spec import SamplingSpec, TransformerConfig
@@ -142,7 +142,7 @@ def read(args: argparse.Namespace) -> int:
     sampler.load_weights(weights, args.version)
     want = reference(args.version)
     equal, needed, shards = True, 0, 0
-    for path, var in _param_items(sampler._model):
+    for path, var in param_items(sampler._model):
         name, transpose = hf_name(path)
         value = var.get_value()
         full = want[name].T if transpose else want[name]
@@ -156,7 +156,7 @@ def read(args: argparse.Namespace) -> int:
     result = {
         "process": jax.process_index(), "equal": bool(equal), "shards_checked": shards, "bytes_read": weights.stats.bytes_read,
         "bytes_needed": needed, "bytes_total": sum(a.nbytes for a in want.values()), "version": sampler.version,
-        # bytes over the learners' plain-TCP streams (stoker.model.shard_stream), and reads they could not finish
+        # bytes over the learners' plain-TCP streams (stoker.weights.shard_stream), and reads they could not finish
         "streamed_bytes": getattr(weights.source, "streamed_bytes", 0), "stream_fallbacks": getattr(weights.source, "fallbacks", 0),
     }
     (out / f"read-{jax.process_index()}.json").write_text(json.dumps(result))

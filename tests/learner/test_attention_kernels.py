@@ -30,7 +30,7 @@ from stoker.model import attention as attention_module
 from stoker.model import attention_kernels as ak
 from stoker.model.attention import attention
 from stoker.model.model import Transformer, packed_visibility
-from stoker.spec import RLJobSpec, TransformerConfig
+from stoker.spec import TransformerConfig
 
 B, T, H, K, D = 2, 136, 4, 2, 16  # T: not a multiple of splash's 128-token tile
 SCALE = 0.3
@@ -213,14 +213,19 @@ def test_the_train_step_uses_the_chosen_kernel(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_the_learner_resolves_the_spec_choice_on_its_backend() -> None:
-    from stoker.learner.loop import Learner, LearnerSettings
+    from stoker.learner.loop import Learner
+    from stoker.learner.settings import LearnerSettings
+    from stoker.learner.testing import tiny_spec
 
-    spec = RLJobSpec.model_validate({"model": {"attention": "xla", "architecture": TINY.model_dump()}})
-    settings = LearnerSettings.from_spec(spec).replace(buckets=(16,), microbatch_tokens=32)
-    assert settings.attention == "xla"
-    assert Learner(settings, resume=False).trainer.options.attention == "xla"
+    def settings(attention: str) -> LearnerSettings:
+        spec = tiny_spec(model={"attention": attention, "architecture": TINY},
+                         learner={"sequenceBuckets": [16], "microbatchTokens": 32})
+        return LearnerSettings.from_spec(spec, checkpoint_dir=None)
+
+    assert settings("xla").attention == "xla"
+    assert Learner(settings("xla"), resume=False).trainer.options.attention == "xla"
     with pytest.raises(ValueError, match="attention 'cudnn' needs an NVIDIA GPU; this backend is cpu"):
-        Learner(settings.replace(attention="cudnn"), resume=False)
+        Learner(settings("cudnn"), resume=False)
 
 
 SPLIT_ROWS = textwrap.dedent(

@@ -17,7 +17,7 @@ from stoker.buffer.client import BufferClient
 from stoker.buffer.server import BufferServer
 from stoker.buffer.settings import BufferSettings
 from stoker.cli import main as stoker_main
-from stoker.model.weights import WeightSubscriber
+from stoker.weights.channel import WeightSubscriber
 from stoker.manifest import load_job
 from stoker.trajectory import Episode
 

@@ -17,11 +17,12 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from stoker.learner import sharding, train
 from stoker.learner.algorithms import LossConfig, distill_loss
-from stoker.learner.loop import LearnerSettings
+from stoker.learner.settings import LearnerSettings
 from stoker.learner.packing import TrainSequence, pack, rows_for_buckets
 from stoker.learner.teacher import TeacherError, load_teacher
 from stoker.model.hf import save_checkpoint
-from stoker.model.model import init_model, token_logprobs
+from stoker.model.logprobs import token_logprobs
+from stoker.model.model import init_model
 from stoker.spec import RLJobSpec, TransformerConfig
 
 pytestmark = pytest.mark.usefixtures("xla_cache")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from stoker.distributed import DistributedConfig, DistributedEnvError, from_environment
+from stoker.distributed import (
+    DistributedConfig, DistributedEnvError, Processes, broadcast_int, from_environment, padded_size,
+)
 
 
 def test_single_host_needs_no_distributed_init() -> None:
@@ -78,11 +80,11 @@ def test_bad_explicit_topologies_are_explained(env: dict[str, str], message: str
 def test_one_process_shares_nothing() -> None:
     from stoker.learner import multihost
 
-    one = multihost.Processes()
+    one = Processes()
     assert one.primary and not one.multi
     batch = object()
     assert multihost.share_step(one, batch, False) == (False, batch)  # type: ignore[arg-type]
     assert multihost.share_step(one, None, True) == (True, None)
-    assert multihost.broadcast_int(one, 7) == 7
+    assert broadcast_int(one, 7) == 7
     # Payloads pad to powers of two: a handful of broadcast programs per run, not one per batch.
-    assert [multihost.padded_size(n) for n in (0, 1, 4096, 4097, 100_000)] == [4096, 4096, 4096, 8192, 131072]
+    assert [padded_size(n) for n in (0, 1, 4096, 4097, 100_000)] == [4096, 4096, 4096, 8192, 131072]

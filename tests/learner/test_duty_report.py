@@ -15,13 +15,12 @@ import pytest
 from stoker.buffer.client import BufferClient, SampledBatch
 from stoker.buffer.server import BufferServer
 from stoker.buffer.settings import BufferSettings
-from stoker.learner.loop import Group, Learner, LearnerSettings
-from stoker.spec import TransformerConfig
+from stoker.learner.batches import Group
+from stoker.learner.loop import Learner
+from stoker.learner.settings import LearnerSettings
+from stoker.learner.testing import tiny_spec
 from stoker.trajectory import Episode
 
-TINY = TransformerConfig(
-    vocab_size=8, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32, max_seq_len=64
-)
 GROUP_SIZE = 4
 BATCH_GROUPS = 2
 
@@ -31,12 +30,11 @@ pytestmark = pytest.mark.usefixtures("xla_cache")  # programs shared with the ot
 @pytest.fixture(scope="module")
 def learner() -> Learner:
     """One learner for the module; each test runs it a few steps further."""
-    return Learner(
-        LearnerSettings(
-            architecture=TINY, buckets=(8, 16), microbatch_tokens=128, learning_rate=0.05,
-            batch_groups=BATCH_GROUPS, group_size=GROUP_SIZE,
-        )
+    spec = tiny_spec(
+        learner={"sequenceBuckets": [8, 16], "microbatchTokens": 128, "batchGroups": BATCH_GROUPS},
+        algorithm={"learningRate": 0.05}, buffer={"groupSize": GROUP_SIZE},
     )
+    return Learner(LearnerSettings.from_spec(spec, checkpoint_dir=None))
 
 
 def bandit_group(rng: np.random.Generator, version: int) -> list[Episode]:

@@ -17,7 +17,7 @@ from stoker.cli import main as stoker_main
 from stoker.hfconfig import config_from_hf
 from stoker.model.hf import load_checkpoint, save_checkpoint, to_hf
 from stoker.model.model import Transformer, init_model
-from stoker.model.weights import WeightPublisher
+from stoker.weights.channel import WeightPublisher
 from stoker.spec import RLJobSpec, RopeScaling, TransformerConfig
 
 GEMMA3_LIKE = TransformerConfig(

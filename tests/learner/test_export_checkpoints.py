@@ -11,11 +11,12 @@ import pytest
 
 from stoker.cli import main as stoker_main
 from stoker.learner.checkpoint import Checkpointer
-from stoker.learner.loop import Learner, LearnerSettings
+from stoker.learner.loop import Learner
 from stoker.learner.peft import ADAPTER_DIR, merge_into, read_adapter
+from stoker.learner.settings import LearnerSettings
 from stoker.model.hf import load_checkpoint, save_checkpoint
 from stoker.model.model import init_model
-from stoker.model.weights import flatten_params
+from stoker.weights.channel import flatten_params
 from stoker.spec import RLJobSpec, TransformerConfig
 
 pytestmark = pytest.mark.usefixtures("xla_cache")

@@ -8,6 +8,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,34 +16,34 @@ import numpy as np
 import pytest
 
 from stoker.buffer.client import SampledBatch
-from stoker.learner.algorithms import LossConfig
-from stoker.learner.loop import SAMPLE_LAG_VERSIONS, Group, Learner, LearnerSettings, load_dpo_pairs, prepare_groups
-from stoker.model.model import token_logprobs
-from stoker.model.weights import WeightSubscriber
-from stoker.spec import RLJobSpec, TransformerConfig
+from stoker.learner.batches import Group, load_dpo_pairs, prepare_groups
+from stoker.learner.loop import SAMPLE_LAG_VERSIONS, Learner
+from stoker.learner.settings import LearnerSettings
+from stoker.learner.testing import TINY_ARCHITECTURE, tiny_spec
+from stoker.model.logprobs import token_logprobs
+from stoker.weights.channel import WeightSubscriber
+from stoker.spec import RLJobSpec
 from stoker.trajectory import Episode
 
-TINY = TransformerConfig(
-    vocab_size=8, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32, max_seq_len=64
-)
+# The bandit's job: two buckets, and a learning rate that moves the tiny policy in a few updates.
+BANDIT_JOB = {
+    "learner": {"sequenceBuckets": [8, 16], "microbatchTokens": 128, "batchGroups": 2, "checkpoint": {"intervalSteps": 2}},
+    "algorithm": {"learningRate": 0.05},
+    "buffer": {"groupSize": 8},
+}
 PROMPT = [1, 2]
 GOOD = 3  # the bandit pays 1 for this token
 
 pytestmark = pytest.mark.usefixtures("xla_cache")  # programs shared across learners
 
 
-def settings(tmp_path: Path | None = None, **changes: object) -> LearnerSettings:
-    base = LearnerSettings(
-        architecture=TINY,
-        buckets=(8, 16),
-        microbatch_tokens=128,
-        learning_rate=0.05,
-        batch_groups=2,
-        group_size=8,
-        checkpoint_dir=str(tmp_path / "ckpt") if tmp_path else None,
-        checkpoint_interval=2,
-    )
-    return base.replace(**changes)
+def settings(tmp_path: Path | None = None, *layers: dict[str, Any], **sections: Any) -> LearnerSettings:
+    """The bandit learner's settings with ``layers`` and ``sections`` of the spec merged in
+    (``tiny_spec``); checkpoints in ``tmp_path`` when given, none otherwise."""
+    spec = tiny_spec(BANDIT_JOB, *layers, **sections)
+    if tmp_path is None:
+        return LearnerSettings.from_spec(spec, checkpoint_dir=None)
+    return LearnerSettings.from_spec(spec, run_dir=tmp_path)
 
 
 def next_token_probs(learner: Learner) -> np.ndarray:
@@ -80,7 +81,7 @@ def bandit_groups(
 
 @pytest.mark.parametrize("algorithm", ["grpo", "gspo", "ppo", "dpo"])
 def test_training_moves_the_policy_toward_reward(algorithm: str) -> None:
-    learner = Learner(settings(algorithm=algorithm, loss=LossConfig(kl_coef=0.01 if algorithm == "grpo" else 0.0)))
+    learner = Learner(settings(algorithm={"name": algorithm, "klCoef": 0.01 if algorithm == "grpo" else 0.0}))
     rng = np.random.default_rng(0)
     before = next_token_probs(learner)[GOOD]
     updates = 0
@@ -101,7 +102,7 @@ def test_training_moves_the_policy_toward_reward(algorithm: str) -> None:
 @pytest.fixture(scope="module")
 def grpo_learner() -> Learner:
     """One GRPO learner shared by the tests that only look at a single update's metrics."""
-    return Learner(settings(max_staleness=1))
+    return Learner(settings(buffer={"maxStaleness": 1}))
 
 
 def with_reward_spread(groups: list[Group]) -> list[Group]:
@@ -196,7 +197,7 @@ def test_staleness_is_judged_at_the_version_the_buffer_sampled_at(grpo_learner: 
 
 def test_a_policy_copy_outlives_the_next_update(grpo_learner: Learner) -> None:
     """The outbox publishes from a copy while training goes on; the step donates the live arrays."""
-    from stoker.model.weights import flatten_params
+    from stoker.weights.channel import flatten_params
 
     learner = grpo_learner
     expected = learner.flat_weights()
@@ -302,10 +303,10 @@ def test_a_saturated_policy_is_pushed_off_a_lost_task() -> None:
     Measured on this bandit: with the earlier rule (advantage 0, entropy bonus only) or with a plain
     policy gradient at the stuck advantage, p stays > 0.9999 for 30 steps (Adam's momentum from the
     saturating steps still pushes it up); the unlikelihood push brings it under 0.05 by step 9."""
-    learner = Learner(settings(loss=LossConfig(entropy_coef=0.05)))
+    learner = Learner(settings(algorithm={"entropyCoef": 0.05}))
     rng = np.random.default_rng(3)
     bad = 5
-    forced = np.full(TINY.vocab_size, 0.5 / (TINY.vocab_size - 1))
+    forced = np.full(TINY_ARCHITECTURE.vocab_size, 0.5 / (TINY_ARCHITECTURE.vocab_size - 1))
     forced[bad] = 0.5
     for _ in range(60):  # saturate on `bad`, which pays for now; half the samples are forced to others
         probs = next_token_probs(learner)
@@ -338,7 +339,7 @@ def _sampler_was_less_sure(groups: list[Group]) -> list[Group]:
 
 
 def test_decoupled_importance_weights_report_off_policy_data() -> None:
-    learner = Learner(settings(loss=LossConfig(off_policy="decoupled")))
+    learner = Learner(settings(algorithm={"offPolicyCorrection": "decoupled"}))
     metrics = learner.train_on(_sampler_was_less_sure(with_reward_spread(bandit_groups(learner, np.random.default_rng(2)))))
     # rho = pi_old / mu = e^1 > cap 2: every token truncated.
     assert metrics["is_weight_mean"] == pytest.approx(np.e, rel=1e-3)
@@ -355,7 +356,7 @@ def test_clip_correction_takes_the_ratio_against_the_sampler(grpo_learner: Learn
 
 @pytest.mark.slow
 def test_200_random_batches_compile_once_per_bucket() -> None:
-    learner = Learner(settings(buckets=(8, 16, 32), microbatch_tokens=64, algorithm="grpo"))
+    learner = Learner(settings(learner={"sequenceBuckets": [8, 16, 32], "microbatchTokens": 64}, algorithm={"name": "grpo"}))
     rng = np.random.default_rng(3)
     for _ in range(200):
         episodes = []
@@ -421,7 +422,7 @@ class ScriptedBuffer:
     def sample(self, max_groups: int, min_groups: int, timeout: float) -> SampledBatch:
         # Called from the learner's prefetch thread while it trains, so it must not run the model
         # (a real buffer is another process): a fixed sampling policy stands in for the actors'.
-        uniform = np.full(TINY.vocab_size, 1.0 / TINY.vocab_size)
+        uniform = np.full(TINY_ARCHITECTURE.vocab_size, 1.0 / TINY_ARCHITECTURE.vocab_size)
         groups = bandit_groups(self.learner_ref[0], self.rng, groups=max_groups, probs=uniform)
         reported = self.versions[-1] if self.versions else 0  # the buffer's version: the last one reported
         return SampledBatch(uuid.uuid4().hex, with_reward_spread(groups), reported)  # Group stands in for SampledGroup
@@ -435,11 +436,11 @@ class ScriptedBuffer:
 
 def test_run_loop_commits_publishes_checkpoints_and_resumes(tmp_path: Path) -> None:
     from stoker.learner.metrics import MetricsSink
-    from stoker.model.weights import WeightPublisher
+    from stoker.weights.channel import WeightPublisher
 
     weights_dir = tmp_path / "weights"
     buffer = ScriptedBuffer()
-    learner = Learner(settings(tmp_path, publish_interval=2))
+    learner = Learner(settings(tmp_path, learner={"publishIntervalSteps": 2}))
     buffer.learner_ref.append(learner)
     with WeightPublisher(directory=weights_dir, keep=2) as publisher, MetricsSink(tmp_path / "m.jsonl") as sink:
         made = learner.run(buffer, publisher, max_steps=4, sink=sink)
@@ -463,7 +464,7 @@ def test_run_loop_commits_publishes_checkpoints_and_resumes(tmp_path: Path) -> N
     np.testing.assert_allclose(flat["model.norm.weight"], np.asarray(learner.trainer.params["policy"]["norm"]["weight"][...]))
 
     # A restarted learner picks up at step 4 and keeps counting.
-    resumed = Learner(settings(tmp_path, publish_interval=2))
+    resumed = Learner(settings(tmp_path, learner={"publishIntervalSteps": 2}))
     buffer.learner_ref[0] = resumed
     with WeightPublisher(directory=weights_dir, keep=2) as publisher:
         stop = threading.Event()
@@ -556,7 +557,7 @@ def test_a_stop_with_the_buffer_gone_checkpoints_and_returns(tmp_path: Path) -> 
             super().commit(batch_id)
 
     buffer = DyingBuffer()
-    learner = Learner(settings(tmp_path, checkpoint_interval=100))
+    learner = Learner(settings(tmp_path, learner={"checkpoint": {"intervalSteps": 100}}))
     buffer.learner_ref.append(learner)
     started = time.monotonic()
     learner.run(buffer, max_steps=50, stop=stop)
@@ -564,14 +565,14 @@ def test_a_stop_with_the_buffer_gone_checkpoints_and_returns(tmp_path: Path) -> 
     assert 2 <= learner.steps < 50
     steps = learner.steps
     learner.close()
-    resumed = Learner(settings(tmp_path, checkpoint_interval=100))
+    resumed = Learner(settings(tmp_path, learner={"checkpoint": {"intervalSteps": 100}}))
     assert resumed.resumed and resumed.steps == steps  # the final checkpoint was written
     resumed.close()
 
 
 @pytest.mark.slow
 def test_bfloat16_model_keeps_float32_master_weights() -> None:
-    learner = Learner(settings(dtype="bfloat16", learning_rate=1e-5))
+    learner = Learner(settings(model={"dtype": "bfloat16"}, algorithm={"learningRate": 1e-5}))
     leaves = jax.tree.leaves(learner.trainer.params)
     assert all(x.dtype == jnp.float32 for x in leaves)
     before = [np.asarray(x) for x in leaves]
@@ -597,13 +598,27 @@ def test_settings_from_spec_resolve_paths(tmp_path: Path) -> None:
     assert s.loss.clip_high == spec.algorithm.clip_epsilon
 
 
+def test_settings_hold_the_spec_and_only_what_it_cannot_say(tmp_path: Path) -> None:
+    """A value the spec holds is read from it, never overridden beside it; --max-steps stops the
+    run early but leaves the schedule decaying over learner.maxSteps."""
+    spec = tiny_spec(algorithm={"learningRateSchedule": {"kind": "cosine"}}, learner={"maxSteps": 40})
+    s = LearnerSettings.from_spec(spec, run_dir=tmp_path, max_steps=3, checkpoint_dir=None)
+    assert s.spec is spec and s.max_steps == 3 and s.checkpoint_dir is None
+    assert s.optimizer.decay_steps == 40 and s.buckets == (8, 16) and s.architecture == TINY_ARCHITECTURE
+    with pytest.raises(TypeError):
+        LearnerSettings.from_spec(spec, buckets=(8,))
+    sft = LearnerSettings.from_spec(tiny_spec(algorithm={"name": "sft", "sft": {"dataset": "d.jsonl"}},
+                                              actors={"sampling": {"temperature": 0.7}}))
+    assert sft.sft is not None and sft.sft.dataset == "d.jsonl" and sft.temperature == 1.0
+
+
 def test_dpo_dataset_pairs(tmp_path: Path) -> None:
     path = tmp_path / "pairs.jsonl"
     path.write_text(
         "\n".join(json.dumps({"prompt_ids": PROMPT, "chosen_ids": [GOOD], "rejected_ids": [t]}) for t in (0, 4, 5, 6))
     )
     pairs = load_dpo_pairs(path)
-    learner = Learner(settings(algorithm="dpo", dpo_dataset=str(path), batch_groups=4))
+    learner = Learner(settings(algorithm={"name": "dpo", "dpoDataset": str(path)}, learner={"batchGroups": 4}))
     before = next_token_probs(learner)[GOOD]
     assert learner.run(None, max_steps=8) == 8
     assert next_token_probs(learner)[GOOD] > max(before + 0.2, 0.5)

@@ -19,7 +19,7 @@ from stoker.learner.lora import LoraConfig, LoraLinear, init_adapters
 from stoker.learner.packing import TrainSequence, pack, rows_for_buckets
 from stoker.learner.peft import ADAPTER_DIR, CONFIG_FILE, WEIGHTS_FILE, merge_into, read_adapter, write_adapter
 from stoker.model.model import init_model
-from stoker.model.weights import flatten_params
+from stoker.weights.channel import flatten_params
 from stoker.spec import RLJobSpec, TransformerConfig
 
 pytestmark = pytest.mark.usefixtures("xla_cache")
@@ -157,7 +157,7 @@ def test_peft_directory_merges_into_the_samplers_weights(tmp_path: Path) -> None
 
 
 def test_spec_lora_reaches_the_learner() -> None:
-    from stoker.learner.loop import LearnerSettings
+    from stoker.learner.settings import LearnerSettings
 
     spec = RLJobSpec.model_validate({"model": {"lora": {"rank": 4, "alpha": 8, "targets": ["q_proj"], "dropout": 0.05}}})
     assert LearnerSettings.from_spec(spec).lora == LoraConfig(4, 8.0, ("q_proj",), 0.05, seed=0)
@@ -172,9 +172,10 @@ def test_lora_sft_run_exports_merged_weights_and_the_adapter(tmp_path: Path) -> 
     """A LoRA SFT learner run: its loss falls, `stoker export` writes the merged weights and the
     PEFT directory, and the base plus that adapter is exactly the exported model."""
     from stoker.learner.export import export
-    from stoker.learner.loop import Learner, LearnerSettings
+    from stoker.learner.loop import Learner
+    from stoker.learner.settings import LearnerSettings
     from stoker.model.hf import load_checkpoint
-    from stoker.model.weights import WeightPublisher
+    from stoker.weights.channel import WeightPublisher
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{i}+1="},

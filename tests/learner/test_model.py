@@ -19,14 +19,8 @@ import pytest
 from flax import nnx
 
 from stoker.model.hf import to_hf
-from stoker.model.model import (
-    Transformer,
-    count_params,
-    init_model,
-    sequence_logprobs,
-    token_log_not_taken,
-    token_logprobs,
-)
+from stoker.model.logprobs import sequence_logprobs, token_log_not_taken, token_logprobs
+from stoker.model.model import Transformer, count_params, init_model
 from stoker.spec import TransformerConfig
 
 QWEN3_LIKE = TransformerConfig(

@@ -14,13 +14,12 @@ import pytest
 
 from stoker.learner import algorithms as alg
 from stoker.learner.algorithms import LossConfig
-from stoker.learner.loop import Group, Learner, LearnerSettings
-from stoker.spec import TransformerConfig
+from stoker.learner.batches import Group
+from stoker.learner.loop import Learner
+from stoker.learner.settings import LearnerSettings
+from stoker.learner.testing import tiny_spec
 from stoker.trajectory import Episode
 
-TINY = TransformerConfig(
-    vocab_size=8, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32, max_seq_len=64
-)
 HUGE = 100.0  # log(pi / mu) far past 88.7, where exp overflows float32
 
 
@@ -131,9 +130,9 @@ def _episode(token: int, reward: float, version: int) -> Episode:
 
 @pytest.mark.usefixtures("xla_cache")
 def test_a_non_finite_gradient_skips_the_update_and_is_counted() -> None:
-    learner = Learner(
-        LearnerSettings(architecture=TINY, buckets=(8,), microbatch_tokens=64, learning_rate=0.05, group_size=4)
-    )
+    spec = tiny_spec(learner={"sequenceBuckets": [8], "microbatchTokens": 64}, algorithm={"learningRate": 0.05},
+                     buffer={"groupSize": 4})
+    learner = Learner(LearnerSettings.from_spec(spec, checkpoint_dir=None))
     before = jax.device_get(learner.trainer.params)
     opt_before = jax.device_get(learner.trainer.opt_state)
     # A sampler that recorded a NaN log-prob: the ratio, the loss and every gradient are NaN. (A NaN

@@ -92,19 +92,16 @@ def test_the_learner_reports_and_applies_the_scheduled_rate() -> None:
     metrics report each update's rate as the schedule gives it."""
     import uuid
 
-    from stoker.learner.loop import Group, Learner, LearnerSettings
-    from stoker.spec import TransformerConfig
+    from stoker.learner.batches import Group
+    from stoker.learner.loop import Learner
+    from stoker.learner.settings import LearnerSettings
+    from stoker.learner.testing import tiny_spec
     from stoker.trajectory import Episode
 
-    tiny = TransformerConfig(
-        vocab_size=8, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32, max_seq_len=64
-    )
-    learner = Learner(
-        LearnerSettings(
-            architecture=tiny, buckets=(8,), microbatch_tokens=64, learning_rate=0.05, group_size=4,
-            optimizer=OptimizerConfig("linear", 2, 10, 0.0, 0.0),
-        )
-    )
+    schedule = {"kind": "linear", "warmupSteps": 2, "decaySteps": 10, "minLearningRate": 0.0}
+    spec = tiny_spec(learner={"sequenceBuckets": [8], "microbatchTokens": 64}, buffer={"groupSize": 4},
+                     algorithm={"learningRate": 0.05, "learningRateSchedule": schedule})
+    learner = Learner(LearnerSettings.from_spec(spec, checkpoint_dir=None))
 
     def group() -> Group:
         return Group([

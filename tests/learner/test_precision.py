@@ -16,7 +16,6 @@ import numpy as np
 import optax
 import pytest
 
-from stoker.learner.algorithms import LossConfig
 from stoker.learner.checkpoint import flatten
 from stoker.learner.loop import Learner
 from stoker.learner.optimizer import B1, B2, EPS, OptimizerConfig, make_optimizer, scale_by_adam_stored
@@ -24,6 +23,10 @@ from tests.learner.test_learner import GOOD, bandit_groups, next_token_probs, se
 
 pytestmark = pytest.mark.usefixtures("xla_cache")
 BF16 = ml_dtypes.bfloat16
+# The stored precisions as a job writes them (spec layers for ``settings``).
+BF16_WEIGHTS = {"learner": {"weightDtype": "bfloat16"}}
+BF16_STATE = {"learner": {"optimizerStateDtype": "bfloat16"}}
+BF16_STORED = {"learner": {"weightDtype": "bfloat16", "optimizerStateDtype": "bfloat16"}}
 STEPS = 6
 
 
@@ -131,7 +134,7 @@ def test_bfloat16_state_keeps_the_float32_state_tree(config: OptimizerConfig) ->
 def test_bfloat16_weights_take_the_float32_update_rounded_once() -> None:
     """One apply on bfloat16 master weights: new w = bf16(float32(w) + u), u the float32 update of
     the same optimizer on the gradients upcast (here with bfloat16 Adam state too)."""
-    learner = Learner(settings(weight_dtype="bfloat16", optimizer=OptimizerConfig(state_dtype="bfloat16")))
+    learner = Learner(settings(None, BF16_STORED))
     trainer = learner.trainer
     params = trainer.params
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
@@ -154,11 +157,11 @@ def test_bfloat16_weights_take_the_float32_update_rounded_once() -> None:
     learner.close()
 
 
-def _run(steps: int, tmp_path: Path | None = None, **changes: Any) -> tuple[list[float], Learner]:
+def _run(steps: int, *layers: dict[str, Any], tmp_path: Path | None = None) -> tuple[list[float], Learner]:
     """GRPO on the bandit (reward 1 for GOOD), the same batches for every precision: groups drawn
     from one uniform policy, trained without off-policy correction (so the step does not stop at
     the clip around the uniform sampler). Returns -log pi(GOOD) before and after each update."""
-    learner = Learner(settings(tmp_path, loss=LossConfig(off_policy="none"), **changes))
+    learner = Learner(settings(tmp_path, {"algorithm": {"offPolicyCorrection": "none"}}, *layers))
     rng = np.random.default_rng(11)
     uniform = np.full(8, 1 / 8)
     regret = [-float(np.log(next_token_probs(learner)[GOOD]))]
@@ -171,8 +174,7 @@ def _run(steps: int, tmp_path: Path | None = None, **changes: Any) -> tuple[list
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "changes",
-    [{"weight_dtype": "bfloat16"}, {"optimizer": OptimizerConfig(state_dtype="bfloat16")},
-     {"weight_dtype": "bfloat16", "optimizer": OptimizerConfig(state_dtype="bfloat16"), "dtype": "bfloat16"}],
+    [BF16_WEIGHTS, BF16_STATE, {**BF16_STORED, "model": {"dtype": "bfloat16"}}],
     ids=["bf16-weights", "bf16-adam-state", "all-bf16"],
 )
 def test_stored_precisions_track_the_float32_run_and_still_learn(changes: dict[str, Any]) -> None:
@@ -180,8 +182,9 @@ def test_stored_precisions_track_the_float32_run_and_still_learn(changes: dict[s
     weights and Adam state (in the same compute dtype) after every update, and falls by more than
     1 nat: the stored precisions change the trajectory by rounding only (measured: at most 0.0066
     nats for bfloat16 weights, 1e-4 for bfloat16 Adam state, 0.0033 for both under bfloat16 compute)."""
-    reference, reference_learner = _run(6, learning_rate=0.01, dtype=changes.get("dtype", "float32"))
-    regret, learner = _run(6, learning_rate=0.01, **changes)
+    rate = {"algorithm": {"learningRate": 0.01}}
+    reference, reference_learner = _run(6, rate, {"model": changes.get("model", {"dtype": "float32"})})
+    regret, learner = _run(6, rate, changes)
     np.testing.assert_allclose(regret, reference, atol=0.02)
     assert regret[-1] < regret[0] - 1.0 and reference[-1] < reference[0] - 1.0
     assert all(b < a for a, b in zip(regret, regret[1:]))
@@ -192,11 +195,10 @@ def test_stored_precisions_track_the_float32_run_and_still_learn(changes: dict[s
 def test_bfloat16_checkpoints_restore_and_float32_ones_restore_rounded(tmp_path: Path) -> None:
     """A bfloat16 learner resumes its own checkpoint bit for bit (weights and Adam state), and a
     float32 checkpoint restores into it as the rounding of its arrays."""
-    bf16 = {"weight_dtype": "bfloat16", "optimizer": OptimizerConfig(state_dtype="bfloat16")}
-    _, first = _run(2, tmp_path, **bf16)
+    _, first = _run(2, BF16_STORED, tmp_path=tmp_path)
     first.save(wait=True)
     saved = flatten((first.trainer.params, first.trainer.opt_state))[0]
-    second = Learner(settings(tmp_path, **bf16))
+    second = Learner(settings(tmp_path, BF16_STORED))
     assert second.resumed and second.steps == 2
     for name, value in flatten((second.trainer.params, second.trainer.opt_state))[0].items():
         assert value.dtype == saved[name].dtype, name
@@ -205,10 +207,10 @@ def test_bfloat16_checkpoints_restore_and_float32_ones_restore_rounded(tmp_path:
     second.close()
 
     f32_dir = tmp_path / "f32"
-    _, full = _run(2, f32_dir)
+    _, full = _run(2, tmp_path=f32_dir)
     full.save(wait=True)
     saved = flatten((full.trainer.params, full.trainer.opt_state))[0]
-    cast = Learner(settings(f32_dir, **bf16))
+    cast = Learner(settings(f32_dir, BF16_STORED))
     assert cast.resumed
     for name, value in flatten((cast.trainer.params, cast.trainer.opt_state))[0].items():
         want = np.asarray(saved[name])
@@ -224,7 +226,7 @@ def test_bfloat16_checkpoints_restore_and_float32_ones_restore_rounded(tmp_path:
 def test_bfloat16_weights_publish_a_copy_and_train_ppos_critic() -> None:
     """PPO with bfloat16 master weights: the critic's weights are bfloat16 too and train; the
     published copy (model.dtype float32 here) is a float32 copy that outlives the next update."""
-    learner = Learner(settings(algorithm="ppo", weight_dtype="bfloat16"))
+    learner = Learner(settings(None, BF16_WEIGHTS, algorithm={"name": "ppo"}))
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(learner.trainer.params["value"]))
     critic_before = [np.asarray(x) for x in jax.tree.leaves(learner.trainer.params["value"])]
     copy = learner.trainer.policy_copy()
@@ -243,7 +245,5 @@ def test_bfloat16_weights_publish_a_copy_and_train_ppos_critic() -> None:
 
 
 def test_lora_with_bfloat16_weights_is_refused_in_one_line() -> None:
-    from stoker.learner.lora import LoraConfig
-
     with pytest.raises(ValueError, match="learner.weightDtype: LoRA trains float32 adapters"):
-        Learner(settings(weight_dtype="bfloat16", lora=LoraConfig(rank=2, alpha=4.0, targets=("q_proj",))))
+        Learner(settings(None, BF16_WEIGHTS, model={"lora": {"rank": 2, "alpha": 4.0, "targets": ["q_proj"]}}))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from stoker.actor.tokenization import byte_tokenizer
+from stoker.conversation.tokenization import byte_tokenizer
 from stoker.learner.batches import Group, prepare_groups
 from stoker.learner.metrics import MetricsSink
 from stoker.learner.samples import SAMPLES_FILE, SampleLog, attach_samples, decode_episode, turns

@@ -12,10 +12,11 @@ import pytest
 from flax import nnx
 
 from stoker.model.hf import load_checkpoint, read_weights, save_checkpoint
-from stoker.model.model import Transformer, init_model, token_logprobs
+from stoker.model.logprobs import token_logprobs
+from stoker.model.model import Transformer, init_model
 from stoker.rollout.sampling import PromptTooLong, Sampler, padded_batch, pick_bucket, sample_token
 from stoker.model.tokenizer import load_tokenizer, save_tokenizer, token_id, train_word_tokenizer
-from stoker.model.weights import flatten_params
+from stoker.weights.channel import flatten_params
 from stoker.spec import SamplingSpec, TransformerConfig
 
 CONFIG = TransformerConfig()

@@ -14,10 +14,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from stoker.learner.algorithms import sft_loss
 from stoker.learner.batches import DatasetError
-from stoker.learner.loop import Learner, LearnerSettings
+from stoker.learner.loop import Learner
 from stoker.learner.packing import pack
+from stoker.learner.settings import LearnerSettings
 from stoker.learner.sft import load_sft_data, read_conversations, render_conversation, split_held_out
-from stoker.actor.tokenization import text_interface
+from stoker.conversation.tokenization import text_interface
 from stoker.learner.train import assign_weights
 from stoker.spec import RLJobSpec, TransformerConfig
 

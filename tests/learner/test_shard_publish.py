@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from stoker.model.weights import WeightsNotFound, WeightSubscriber
-from stoker.learner.publish import WRITERS
+from stoker.weights.channel import WeightsNotFound, WeightSubscriber
+from stoker.weights.publish import WRITERS
 
 WORKER = Path(__file__).with_name("shards_worker.py")
 sys.path.insert(0, str(WORKER.parent))
@@ -155,7 +155,7 @@ def test_a_learner_killed_mid_publish_leaves_the_previous_version_served_and_the
     import jax.numpy as jnp
 
     from stoker.distributed import Processes
-    from stoker.learner.publish import ShardedPublisher
+    from stoker.weights.publish import ShardedPublisher
     from stoker.model.model import init_model
     from stoker.spec import TransformerConfig
     with ShardedPublisher(directory=str(weights), processes=Processes()) as restarted:

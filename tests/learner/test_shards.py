@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from stoker.distributed import Processes
-from stoker.learner.publish import ShardedPublisher
+from stoker.weights.publish import ShardedPublisher
 from stoker.model.hf import load_hf, to_hf
 from stoker.model.model import init_model
-from stoker.model.weights import WeightsCorrupt, WeightsError, WeightsNotFound, WeightSubscriber
+from stoker.weights.channel import WeightsCorrupt, WeightsError, WeightsNotFound, WeightSubscriber
 from stoker.spec import TransformerConfig
 
 CONFIG = TransformerConfig(vocab_size=64, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=128)
@@ -119,7 +119,7 @@ def test_the_learner_loop_publishes_sharded_versions_and_reports_each_after_its_
             super().set_policy_version(version, duty_cycle)
 
     buffer = Reporting()
-    learner = Learner(settings(tmp_path, publish_interval=2))
+    learner = Learner(settings(tmp_path, learner={"publishIntervalSteps": 2}))
     buffer.learner_ref.append(learner)
     with ShardedPublisher(directory=str(tmp_path / "weights"), processes=Processes()) as publisher:
         assert learner.run(buffer, publisher, max_steps=4) == 4
@@ -134,7 +134,7 @@ def test_the_learner_loop_publishes_sharded_versions_and_reports_each_after_its_
 
 
 def test_colocated_weights_move_device_to_device_into_the_samplers_model() -> None:
-    from stoker.model.shards import DeviceWeights
+    from stoker.weights.shards import DeviceWeights
 
     source = init_model(CONFIG, 3, jnp.float32)  # the learner's float32 copy; the sampler's model is bfloat16
     weights = DeviceWeights(source)
@@ -156,7 +156,7 @@ def test_a_publish_slower_than_many_steps_never_holds_up_training(tmp_path: Path
 
     from .test_learner import ScriptedBuffer, settings
 
-    learner = Learner(settings(tmp_path, publish_interval=1))
+    learner = Learner(settings(tmp_path, learner={"publishIntervalSteps": 1}))
     buffer = ScriptedBuffer()
     buffer.learner_ref.append(learner)
     during: dict[str, int] = {}

@@ -110,7 +110,7 @@ def test_the_trainer_scores_sampled_tokens_as_the_sampler_recorded_them() -> Non
 
 
 def test_the_spec_carries_top_k_and_min_p_to_both_sides() -> None:
-    from stoker.learner.loop import LearnerSettings
+    from stoker.learner.settings import LearnerSettings
 
     spec = RLJobSpec.model_validate({"actors": {"sampling": {"topK": 20, "minP": 0.05}}})
     settings = LearnerSettings.from_spec(spec)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from stoker.model.model import init_model
-from stoker.model.weights import (
+from stoker.weights.channel import (
     WeightPublisher,
     WeightsCorrupt,
     WeightsError,

@@ -610,7 +610,7 @@ def test_a_weights_volume_is_mounted_rw_in_the_learner_and_ro_in_the_rollout_ser
             assert args.command == "rollout" and args.weights == WEIGHTS_MOUNT
         else:
             assert args.command == "learner" and args.weights_dir == WEIGHTS_MOUNT and args.weights_format == "shards"
-            assert args.weights_port == 50052  # the peer transport stays: actors fetch from it
+            assert args.weights_port == "50052"  # the peer transport stays: actors fetch from it
 
 
 def test_without_a_weights_volume_nothing_is_mounted_and_servers_fetch_from_the_learner() -> None:

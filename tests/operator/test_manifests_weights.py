@@ -39,7 +39,7 @@ def test_servers_of_a_sharded_learner_relay_and_register_with_its_weights_server
         assert {"name": "relay-stream", "containerPort": 50056, "protocol": "TCP"} in container["ports"]
         args = build_parser(container["args"]).parse_args(_expanded(container["args"]))
         assert args.command == "rollout" and args.weights == "lake-weights:50052"  # registers with the learner
-        assert args.weights_relay_port == 50054 and args.weights_relay_advertise == "10.8.0.7:50054"
+        assert args.weights_relay_port == "50054" and args.weights_relay_advertise == "10.8.0.7:50054"
         assert args.weights_relay_stream_port == 50056  # the stream the servers below read first
         assert args.weights_relay_from == []  # upstreams come from the registry, per version
         assert relay_problem(args) is None
@@ -68,7 +68,7 @@ def test_the_relay_ports_step_aside_for_a_server_port_that_takes_one(port: int, 
     check_all(children)
     ((_, pod),) = _pods(children, "rollout")
     args = build_parser(pod["containers"][0]["args"]).parse_args(_expanded(pod["containers"][0]["args"]))
-    assert args.port == port and args.weights_relay_port == relay and args.weights_relay_advertise == f"10.8.0.7:{relay}"
+    assert args.port == port and args.weights_relay_port == str(relay) and args.weights_relay_advertise == f"10.8.0.7:{relay}"
     assert args.weights_relay_stream_port == stream
     assert sorted(p["containerPort"] for p in pod["containers"][0]["ports"]) == sorted([port, relay, stream, 9090])
 
@@ -82,7 +82,7 @@ def test_learner_pods_stream_shards_on_a_pinned_declared_port_a_network_policy_c
     for _, pod in pods:
         (container,) = pod["containers"]
         args = build_parser(container["args"]).parse_args(container["args"])
-        assert args.command == "learner" and args.weights_port == 50052 and args.weights_stream_port == 50055
+        assert args.command == "learner" and args.weights_port == "50052" and args.weights_stream_port == 50055
         assert {"name": "weights-stream", "containerPort": 50055, "protocol": "TCP"} in container["ports"]
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import kmock
 import pytest
 
-from stoker.actor.labels import ACTOR_LABEL, HEARTBEAT_ANNOTATION, JOB_LABEL, ROLE_LABEL, rfc3339
+from stoker.labels import ACTOR_LABEL, HEARTBEAT_ANNOTATION, JOB_LABEL, ROLE_LABEL, rfc3339
 from stoker.buffer.client import BufferClient
 from stoker.operator import rbac
 

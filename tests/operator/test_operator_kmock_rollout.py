@@ -17,7 +17,7 @@ import grpc
 import kmock
 import pytest
 
-from stoker.actor.labels import JOB_LABEL, ROLE_LABEL
+from stoker.labels import JOB_LABEL, ROLE_LABEL
 from stoker.operator.learner_workload import COMPLETION_INDEX_LABEL
 from stoker.operator.rollout_workload import SERVER_LABEL
 from stoker.v1 import buffer_pb2_grpc, rollout_pb2, rollout_pb2_grpc

@@ -8,7 +8,7 @@ import logging
 from datetime import datetime, timezone
 from typing import Any
 
-from stoker.actor.labels import JOB_LABEL, ROLE_LABEL
+from stoker.labels import JOB_LABEL, ROLE_LABEL
 from stoker.operator.kube import Conflict, NotFound, Resource, resource_of
 from stoker.operator.learner_workload import COMPLETION_INDEX_LABEL
 from stoker.operator.manifests import JobContext

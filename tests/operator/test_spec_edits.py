@@ -10,7 +10,7 @@ import pytest
 
 from stoker.actor.settings import ActorSettings
 from stoker.buffer.settings import BufferSettings
-from stoker.operator.handlers import replicas_changed
+from stoker.operator.job_targets import replicas_changed
 from stoker.operator.rollout import (
     ACTOR_CONFIG_FIELDS,
     ACTOR_HASH_IGNORES,

@@ -267,3 +267,27 @@ def test_a_dataset_job_is_ready_with_the_learner_alone() -> None:
     assert conds["ActorsAvailable"]["status"] == "True" and conds["ActorsAvailable"]["reason"] == "Dataset"
     assert conds["RolloutReady"]["status"] == "True"
     assert status["phase"] == "Running" and conds["Ready"]["status"] == "True"
+
+
+def test_the_status_names_what_caps_the_learner_with_its_numbers_and_knob() -> None:
+    starved_stats = StatsSnapshot(policy_version=12, fill=0.02, complete_groups=0, learner_duty_cycle=0.049,
+                                  put_rate=4.75, sample_rate=4.75, committed_groups_total=40)
+    status = build_status(observed(stats=starved_stats, starved=True), {}, T0)
+    RLJobStatus.model_validate(status)
+    assert "actors deliver 4.75 trajectories/s and a step needs 32" in status["bottleneck"]
+    assert "actors.concurrency from 8 to about" in status["bottleneck"]
+    starved = conditions(status)["LearnerStarved"]
+    assert starved["status"] == "True" and "learner waits 95 % of the time" in starved["message"]
+    behind = StatsSnapshot(policy_version=12, fill=0.97, complete_groups=30, learner_duty_cycle=0.99,
+                           put_rate=20.0, sample_rate=5.0, committed_groups_total=40)
+    assert "the buffer is 97 % full" in build_status(observed(stats=behind), {}, T0)["bottleneck"]
+    assert build_status(observed(), {}, T0)["bottleneck"] == ""  # balanced: nothing to name
+    kept = build_status(observed(stats=None, stats_error="down", window=None, exceeded=None, starved=None),
+                        {"bottleneck": "before"}, T0)
+    assert kept["bottleneck"] == "before"  # not read this time: the last figure stays
+
+
+def test_snapshot_carries_the_rates_the_bottleneck_needs() -> None:
+    proto = buffer_pb2.BufferStats(put_rate=4.75, sample_rate=4.5, committed_groups_total=7)
+    snapshot = snapshot_from_proto(proto)
+    assert (snapshot.put_rate, snapshot.sample_rate, snapshot.committed_groups_total) == (4.75, 4.5, 7)

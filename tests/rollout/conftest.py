@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from stoker.model.hf import to_hf
-from stoker.model.model import init_model, token_logprobs
+from stoker.model.logprobs import token_logprobs
+from stoker.model.model import init_model
 from stoker.rollout.engine import Engine
 from stoker.rollout.sampling import Sampler
 from stoker.rollout.server import RolloutServer

@@ -35,8 +35,8 @@ def main() -> int:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
-    from stoker.model.shard_relay import WeightRelay
-    from stoker.model.weights import WeightSubscriber
+    from stoker.weights.shard_relay import WeightRelay
+    from stoker.weights.channel import WeightSubscriber
 
     out = Path(args.out)
     upstream = [u.split("=", 1) for u in args.relay_from]

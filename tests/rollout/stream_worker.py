@@ -32,8 +32,8 @@ class HalfThenStall:
 
 def main() -> int:
     out, directory, stall_after = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
-    from stoker.model.shard_stream import StreamServer, directory_lookup
-    from stoker.model.shards import ShardDirectory
+    from stoker.weights.shard_stream import StreamServer, directory_lookup
+    from stoker.weights.shards import ShardDirectory
 
     files = directory_lookup(ShardDirectory(directory))
     server: StreamServer

@@ -54,7 +54,7 @@ def test_relay_discovery_flags_that_cannot_work_exit_2_with_the_reason(tmp_path:
     cases = [
         (["--weights", "learner:50052", "--weights-relay-advertise", "10.0.0.5:50053"], "needs --weights-relay-port"),
         (["--weights", str(tmp_path), "--weights-relay-port", "50053", "--weights-relay-advertise", "10.0.0.5:50053"],
-         "needs --weights HOST:PORT"),
+         "needs --weights ADDRESS"),
         (["--weights", "learner:50052", "--weights-relay-port", "50053", "--weights-relay-advertise", "10.0.0.5"],
          "--weights-relay-advertise 10.0.0.5: expected HOST:PORT"),
     ]

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stoker.rollout.engine import EngineBusy, TurnResult
 from stoker.rollout.sampling import Generation, Sampler
+from stoker.rollout.turns import EngineBusy, TurnResult
 
 from .conftest import MAX_BATCH, make_engine, teacher_forced, weights
 

@@ -110,7 +110,7 @@ def test_a_follower_that_cannot_fetch_withholds_its_agreement(monkeypatch: pytes
 def test_a_follower_prefetches_the_newest_weights_so_a_swap_waits_for_no_download(tmp_path: Any) -> None:
     import time
 
-    from stoker.model.weights import WeightPublisher, WeightsNotFound, WeightSubscriber
+    from stoker.weights.channel import WeightPublisher, WeightsNotFound, WeightSubscriber
 
     class Counting:
         def __init__(self, inner: WeightSubscriber):
@@ -167,10 +167,10 @@ def _agreeing(processes: Processes, flag: int, payload: bytes = b"", *, doing: s
 def test_a_follower_reads_its_shards_before_the_swap_and_the_swap_reads_nothing(
     transport: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, xla_cache: object
 ) -> None:
-    from stoker.learner.publish import ShardedPublisher
+    from stoker.weights.publish import ShardedPublisher
     from stoker.model.hf import to_hf
     from stoker.model.model import init_model
-    from stoker.model.weights import WeightSubscriber
+    from stoker.weights.channel import WeightSubscriber
 
     monkeypatch.setattr(hosts, "share", _agreeing)
     follower = Sampler(CONFIG, SamplingSpec(), **OPTIONS)
@@ -200,10 +200,10 @@ def test_a_follower_reads_its_shards_before_the_swap_and_the_swap_reads_nothing(
 def test_a_corrupt_shard_is_refused_at_prefetch_and_the_model_keeps_its_weights(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch, xla_cache: object
 ) -> None:
-    from stoker.learner.publish import ShardedPublisher
+    from stoker.weights.publish import ShardedPublisher
     from stoker.model.hf import to_hf
     from stoker.model.model import init_model
-    from stoker.model.weights import WeightsCorrupt, WeightSubscriber
+    from stoker.weights.channel import WeightsCorrupt, WeightSubscriber
 
     shared: list[int] = []
 
@@ -239,12 +239,12 @@ def test_the_server_reads_sharded_weights_before_handing_them_to_the_engines_swa
     serve: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from stoker.model.model import init_model
-    from stoker.model.weights import WeightSubscriber
+    from stoker.weights.channel import WeightSubscriber
 
     from .conftest import make_engine
 
     from stoker.distributed import Processes
-    from stoker.learner.publish import ShardedPublisher
+    from stoker.weights.publish import ShardedPublisher
     from stoker.model.hf import to_hf
 
     with ShardedPublisher(directory=str(tmp_path), processes=Processes(), block_bytes=256) as publisher:

@@ -24,7 +24,7 @@ import pytest
 
 from stoker.model.hf import to_hf
 from stoker.model.model import init_model
-from stoker.model.weights import WeightPublisher
+from stoker.weights.channel import WeightPublisher
 from stoker.spec import TransformerConfig
 from stoker.v1 import rollout_pb2, rollout_pb2_grpc
 

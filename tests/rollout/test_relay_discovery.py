@@ -1,5 +1,5 @@
 """Relaying rollout servers that find their upstream through the learner's weights server (the
-``Relays`` RPC, stoker.model.relay_registry), as real processes over loopback: what the operator
+``Relays`` RPC, stoker.weights.relay_registry), as real processes over loopback: what the operator
 wires on a cluster, where servers have no stable names (``--weights-relay-advertise``)."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from typing import Any
 import jax.numpy as jnp
 import pytest
 
-from stoker.learner.publish import ShardedPublisher
+from stoker.weights.publish import ShardedPublisher
 from stoker.model.hf import to_hf
 from stoker.model.model import init_model
-from stoker.model.relay_registry import RelayRegistry, upstream_positions
-from stoker.model.shard_relay import WeightRelay
-from stoker.model.weights import WeightSubscriber
+from stoker.weights.relay_registry import RelayRegistry, upstream_positions
+from stoker.weights.shard_relay import WeightRelay
+from stoker.weights.channel import WeightSubscriber
 
 from .test_weight_relay import CONFIG, WORKER, gate_learner_after_half, publish, read_version_into, wait_for
 

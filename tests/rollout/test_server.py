@@ -14,12 +14,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stoker.actor.episode import FAILED, EpisodeLimits, run_group
-from stoker.actor.policy import PolicyError
+from stoker.conversation.policy import PolicyError
 from stoker.actor.environments import options_json
 from stoker.actor.sandbox import SandboxConfig, inline_factory
-from stoker.actor.tokenization import text_interface
+from stoker.conversation.tokenization import text_interface
 from stoker.model.model import init_model
-from stoker.model.weights import WeightPublisher, WeightSubscriber
+from stoker.weights.channel import WeightPublisher, WeightSubscriber
 from stoker.rollout.client import RemotePolicy
 from stoker.rollout.server import SERVICE
 from stoker.spec import RLJobSpec

@@ -1,4 +1,4 @@
-"""Rollout servers relaying sharded weights to each other (stoker.model.shard_relay), as real
+"""Rollout servers relaying sharded weights to each other (stoker.weights.shard_relay), as real
 processes over loopback: a pipelined chain takes one copy of a version out of the learner, every
 server bit-exact, each hop over the relays' shard stream (or gRPC); a relay killed mid-transfer
 makes its reader take the rest from the learner; a relay lying over either transport is caught."""
@@ -23,13 +23,14 @@ import numpy as np
 import pytest
 
 from stoker.distributed import Processes
-from stoker.learner.publish import ShardedPublisher
-from stoker.model import shard_service
+from stoker.weights.publish import ShardedPublisher
+from stoker.weights import shard_service
 from stoker.model.hf import to_hf
 from stoker.model.model import init_model
-from stoker.model.shard_relay import WeightRelay, geometry
-from stoker.model.shards import ShardsCorrupt
-from stoker.model.weights import WeightSubscriber
+from stoker.weights.relay_source import RelayedSource
+from stoker.weights.shard_relay import WeightRelay
+from stoker.weights.shards import ShardsCorrupt, geometry
+from stoker.weights.channel import WeightSubscriber
 from stoker.spec import TransformerConfig
 
 CONFIG = TransformerConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
@@ -254,7 +255,7 @@ def test_a_relay_checks_each_block_from_a_primary_that_does_not_and_keeps_views_
                         data[-1] ^= 1
                         return data
 
-                lying = relay.source(Flipping())
+                lying = RelayedSource(relay, Flipping())
                 assert lying.verifies_blocks
                 lying.expect(manifest, [(shard.key, b) for b in range(blocks)])
                 with pytest.raises(ShardsCorrupt, match=f"block {blocks - 1} from primary"):
@@ -263,7 +264,7 @@ def test_a_relay_checks_each_block_from_a_primary_that_does_not_and_keeps_views_
                 assert relay.cache.block(1, shard.key, blocks - 2, now) is not None  # the good ones are kept
                 assert relay.cache.block(1, shard.key, blocks - 1, now) is None  # the bad one is not
 
-                out = relay.source(learner).read(manifest, shard, 0, shape.total_bytes)
+                out = RelayedSource(relay, learner).read(manifest, shard, 0, shape.total_bytes)
                 assert bytes(out) == bytes(learner.read(manifest, shard, 0, shape.total_bytes))
                 held = relay.cache.block(1, shard.key, 1, time.monotonic())
                 assert held is not None and bytes(held) == bytes(out[shape.block_bytes : 2 * shape.block_bytes])

@@ -1,4 +1,4 @@
-"""Sharded weights over the learner processes' plain-TCP streams (stoker.model.shard_stream), over
+"""Sharded weights over the learner processes' plain-TCP streams (stoker.weights.shard_stream), over
 loopback: bit-exact by default through the subscriber; a stream server killed mid-transfer and one
 sending a flipped byte both leave the reader bit-exact from its fallback; a wrong token refused;
 a tensor of many reads lands in one buffer."""
@@ -23,13 +23,13 @@ import numpy as np
 import pytest
 
 from stoker.distributed import Processes
-from stoker.learner.publish import ShardedPublisher
+from stoker.weights.publish import ShardedPublisher
 from stoker.model.hf import to_hf
 from stoker.model.model import init_model
-from stoker.model.shard_service import PeerShards
-from stoker.model.shard_stream import StreamRefused, StreamServer, StreamShards, staged_lookup
-from stoker.model.shards import ShardDirectory, ShardedWeights, ShardManifest, ShardsCorrupt, as_bytes, checksums, crc32
-from stoker.model.weights import WeightSubscriber
+from stoker.weights.shard_service import PeerShards
+from stoker.weights.shard_stream import StreamRefused, StreamServer, StreamShards, staged_lookup
+from stoker.weights.shards import ShardDirectory, ShardedWeights, ShardManifest, ShardsCorrupt, as_bytes, checksums, crc32
+from stoker.weights.channel import WeightSubscriber
 from stoker.spec import TransformerConfig
 
 CONFIG = TransformerConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
@@ -162,7 +162,7 @@ def test_a_stream_server_killed_mid_transfer_leaves_the_reader_to_finish_over_gr
 def test_any_box_reads_bit_exact_over_every_transport_however_the_reads_are_split(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_bytes: int
 ) -> None:
-    from stoker.model import shard_read, shards
+    from stoker.weights import shard_read, shards
 
     monkeypatch.setattr(shard_read, "RUN_BYTES", run_bytes)  # 512: a box's blocks come from several reads
     rng = np.random.default_rng(0)
@@ -227,7 +227,7 @@ def test_crc32_gives_zlibs_values_so_published_manifests_stay_valid() -> None:
 def test_a_tensor_of_many_reads_lands_in_one_buffer_with_no_assembly_copy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, transport: str
 ) -> None:
-    from stoker.model import shard_read
+    from stoker.weights import shard_read
 
     monkeypatch.setattr(shard_read, "RUN_BYTES", 512)  # two 256-byte blocks per read
     with publish(tmp_path / "weights") as (_, manifest, want):
@@ -273,3 +273,22 @@ def test_a_closed_stream_server_leaves_no_thread_behind_and_its_port_refuses() -
         assert acceptors() == before
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
+
+
+def test_sharded_weights_over_unix_sockets_gRPC_and_stream_bit_exact(tmp_path: Path) -> None:
+    """A host with no inet sockets: the learner process's gRPC server and its stream on unix
+    sockets side by side; the subscriber reads every byte over the stream."""
+    model = init_model(CONFIG, 7, jnp.bfloat16)
+    address = f"unix://{tmp_path}/weights.sock"
+    with ShardedPublisher(address=address, processes=Processes(), block_bytes=256) as publisher:
+        manifest = publisher.publish(1, model)
+        assert manifest is not None
+        assert publisher.address == address and publisher.port == 0
+        assert manifest.streams == (f"unix://{tmp_path}/weights.stream.sock",)
+        with WeightSubscriber(address=address) as subscriber:
+            weights = subscriber.fetch(subscriber.latest_version())
+            got = {name: weights[name] for name in manifest.tensors}
+            source = weights.source  # type: ignore[attr-defined]
+        assert_bit_exact(got, to_hf(model))
+        assert isinstance(source, StreamShards) and source.fallbacks == 0
+        assert publisher.stream is not None and publisher.stream.served_bytes == manifest.nbytes

@@ -21,11 +21,12 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from stoker.channels import channel_options
-from stoker.model.relay_registry import RelayRegistry
-from stoker.model.shards import ShardManifest, ShardRecord, ShardsMissing, as_bytes
-from stoker.model.weight_errors import WeightsCorrupt, WeightsError, WeightsUnavailable
-from stoker.model.weights import _GRPC_OPTIONS, DEFAULT_CHUNK_BYTES, _BearerAuth
+from stoker.endpoints import add_grpc_port, parse
 from stoker.v1 import weights_pb2, weights_pb2_grpc
+from stoker.weights.errors import WeightsCorrupt, WeightsError, WeightsUnavailable
+from stoker.weights.grpc_common import DEFAULT_CHUNK_BYTES, GRPC_OPTIONS, BearerAuth
+from stoker.weights.relay_registry import RelayRegistry
+from stoker.weights.shards import ShardManifest, ShardRecord, ShardsMissing, as_bytes
 
 
 class _ShardServicer(weights_pb2_grpc.WeightsServicer):
@@ -118,14 +119,13 @@ class ShardServer:
         self.servicer = _ShardServicer(keep, chunk_bytes)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="weight-shards"),
-            interceptors=[_BearerAuth(auth_token)] if auth_token else [], options=_GRPC_OPTIONS,
+            interceptors=[BearerAuth(auth_token)] if auth_token else [], options=GRPC_OPTIONS,
         )
         weights_pb2_grpc.add_WeightsServicer_to_server(self.servicer, self._server)
         checks = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(checks, self._server)
-        self.port = self._server.add_insecure_port(address)
-        if self.port == 0:
-            raise OSError(f"cannot bind the weights server to {address}")
+        # 0 on a unix socket
+        self.port = add_grpc_port(self._server, parse(address, where="weights server address"), where="weights server").port
         self._server.start()
         for service in ("", "stoker.v1.Weights"):
             checks.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -135,6 +135,7 @@ class ShardServer:
 
 
 def translate(err: grpc.RpcError) -> WeightsError:
+    """A failed shard read's gRPC error as the weight channel's error (NOT_FOUND: pruned)."""
     code = err.code() if isinstance(err, grpc.Call) else None
     detail = err.details() if isinstance(err, grpc.Call) else str(err)
     if code == grpc.StatusCode.NOT_FOUND:
@@ -157,7 +158,7 @@ class PeerShards:
     def _stub(self, address: str) -> Any:
         with self._lock:
             if address not in self._stubs:
-                channel = grpc.insecure_channel(address, options=channel_options(_GRPC_OPTIONS))
+                channel = grpc.insecure_channel(address, options=channel_options(GRPC_OPTIONS))
                 self._stubs[address] = (channel, weights_pb2_grpc.WeightsStub(channel))
             return self._stubs[address][1]
 

@@ -1,4 +1,9 @@
-"""Weights handed over device to device inside one process (colocated mode)."""
+"""Weights handed over device to device inside one process (colocated mode).
+
+JAX and ``stoker.model.hf`` (which imports Flax) are imported where they are used, as in
+``shard_layout``: ``stoker.weights.shards`` imports this module, and the shard format, its readers
+and transports load with numpy alone (a second or more sooner than with JAX).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
+
+from stoker.hfconfig import CheckpointError
 
 
 class DeviceWeights(Mapping[str, np.ndarray]):
@@ -15,10 +22,10 @@ class DeviceWeights(Mapping[str, np.ndarray]):
     through the host. As a Mapping it gives host copies (HF names and layout)."""
 
     def __init__(self, source: Any):
-        from stoker.model.hf import _param_items, hf_name
+        from stoker.model.hf import hf_name, param_items  # on use: see the module doc
 
         self._values: dict[str, tuple[Any, bool]] = {}
-        for path, var in _param_items(source):
+        for path, var in param_items(source):
             name, transpose = hf_name(path)
             self._values[name] = (var.get_value(), transpose)
 
@@ -34,11 +41,11 @@ class DeviceWeights(Mapping[str, np.ndarray]):
         return len(self._values)
 
     def load_into(self, model: Any) -> None:
-        import jax
+        import jax  # on use, as the model below: see the module doc
 
-        from stoker.model.hf import CheckpointError, _param_items, hf_name
+        from stoker.model.hf import hf_name, param_items
 
-        items = _param_items(model)
+        items = param_items(model)
         missing = sorted({hf_name(path)[0] for path, _ in items} - set(self._values))
         if missing:
             raise CheckpointError(f"the weights do not match the model: missing {missing[:5]}")

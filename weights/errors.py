@@ -1,5 +1,5 @@
-"""The weight channel's errors, shared by the single-blob (``stoker.model.weights``) and the
-sharded (``stoker.model.shards``) formats."""
+"""The weight channel's errors, shared by the single-blob (``stoker.weights.channel``) and the
+sharded (``stoker.weights.shards``) formats."""
 
 from __future__ import annotations
 

@@ -4,24 +4,23 @@ read it (a chain or tree of relays). Each relay is a pipeline stage: a block is 
 as it has arrived and matched its crc32, while the rest of the version is still coming.
 
 ``WeightRelay`` (one per rollout server): ``serve(address)`` runs ``ReadShard`` over the blocks
-this server has read, waiting (up to ``wait_s``) for blocks it is still reading; ``source(primary)``
-is the ``ShardSource`` its own reads go through: the relays it reads from (``upstream``) first,
-then ``primary`` (the learner's servers or the shared directory) for whatever they cannot give: a
-block that relay is not reading (another layout), or a relay that dies, stalls or sends a bad
-block mid-transfer. The reader keeps the verified blocks it has and asks the next source for the
+this server has read, waiting (up to ``wait_s``) for blocks it is still reading;
+``RelayedSource(relay, primary)`` (``stoker.weights.relay_source``) is the ``ShardSource`` its own
+reads go through: the relays it reads from (``upstream``) first, then ``primary`` (the learner's
+servers or the shared directory) for whatever they cannot give: a block that relay is not reading
+(another layout), or a relay that dies, stalls or sends a bad block mid-transfer. The reader keeps the verified blocks it has and asks the next source for the
 rest. Every block is checked against the manifest's crc32 before it is used or passed on.
 
 Upstream relays are either fixed (``upstream``) or, with ``registry`` (the learner's primary
 weights server) and ``advertise`` (where this relay is reached), asked for per version: the
 first time a reader of a version says which blocks it will read, it registers them and its
-address and is told whom to read from (``Relays`` RPC, stoker.model.relay_registry).
+address and is told whom to read from (``Relays`` RPC, stoker.weights.relay_registry).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import threading
 import time
 from collections import OrderedDict
@@ -31,33 +30,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import numpy as np
 
-from stoker.model.shards import ShardManifest, ShardRecord, ShardSource, ShardsCorrupt, dtype_of
+from stoker.channels import channel_options
 from stoker.v1 import weights_pb2, weights_pb2_grpc
+from stoker.weights.grpc_common import GRPC_OPTIONS, BearerAuth
+from stoker import endpoints
+from stoker.weights.shard_stream import Progressive, StreamServer, StreamShards, stream_address
+from stoker.weights.shards import BlockGeometry, ShardManifest, ShardRecord, ShardsCorrupt, geometry
 
 log = logging.getLogger(__name__)
 
 WAIT_SECONDS = 60.0  # how long a relay holds a request for a block it is still reading
-
-
-@dataclass(frozen=True)
-class BlockGeometry:
-    block_bytes: int  # bytes per checksum block (the last one may be shorter)
-    total_bytes: int  # the shard's bytes
-
-    def span(self, block: int) -> tuple[int, int]:
-        start = block * self.block_bytes
-        return start, min(start + self.block_bytes, self.total_bytes)
-
-
-def geometry(manifest: ShardManifest, shard: ShardRecord) -> BlockGeometry:
-    tensor = next(t for t in manifest.tensors.values() if any(s.key == shard.key for s in t.shards))
-    itemsize = np.dtype(dtype_of(tensor.dtype)).itemsize
-    shape = shard.shape
-    row = (math.prod(shape[1:]) if len(shape) > 1 else 1) * itemsize
-    total = math.prod(shape) * itemsize
-    return BlockGeometry(max(shard.block_rows * row, 1) if shape else total, total)
 
 
 @dataclass
@@ -205,8 +188,8 @@ class WeightRelay:
         # source, if the stream fails). Filled from the registry's answers too.
         self.streams_of: dict[str, str] = dict(upstream_streams or {})
         self.stream_port = stream_port  # serve() also serves the blocks over the stream here (0: free; None: off)
-        self.stream_server: Any = None
-        self.stream_client: Any = None
+        self.stream_server: StreamServer | None = None
+        self.stream_client: StreamShards | None = None
         self.cache = RelayCache(keep)
         self.wait_s = wait_s
         self.timeout_s = timeout_s
@@ -220,28 +203,21 @@ class WeightRelay:
 
     def serve(self, address: str, max_workers: int = 32) -> int:
         """Serve ``ReadShard`` from this server's blocks at ``address`` (port 0 picks one)."""
-        from stoker.model.weights import _GRPC_OPTIONS, _BearerAuth
-
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="weight-relay"),
-            interceptors=[_BearerAuth(self.auth_token)] if self.auth_token else [], options=_GRPC_OPTIONS,
+            interceptors=[BearerAuth(self.auth_token)] if self.auth_token else [], options=GRPC_OPTIONS,
         )
         weights_pb2_grpc.add_WeightsServicer_to_server(
             _RelayServicer(self.cache, self.wait_s, self.stats.served, self._lock), self._server
         )
-        self.port = int(self._server.add_insecure_port(address))
-        if self.port == 0:
-            raise OSError(f"cannot bind the weight relay to {address}")
+        wanted = endpoints.parse(address, where="weight relay address")
+        self.port = endpoints.add_grpc_port(self._server, wanted, where="weight relay").port  # 0 on a unix socket
         self._server.start()
         if self.stream_port is not None:
-            from stoker.model.shard_stream import StreamServer, stream_address
-
             self.stream_server = StreamServer(stream_address(address, self.stream_port), self._stream_lookup, token=self.auth_token)
         return self.port
 
     def _stream_lookup(self, version: int, process: int, key: str) -> Any:
-        from stoker.model.shard_stream import Progressive
-
         found = self.cache.shard(version, key, time.monotonic() + self.wait_s)
         if found is None:
             return None
@@ -252,32 +228,23 @@ class WeightRelay:
         """Where readers reach this relay's stream: the advertised host, the stream's port."""
         if self.stream_server is None or self.advertise is None:
             return ""
+        if self.stream_server.address.is_unix:
+            return self.stream_server.address.target  # beside the relay's socket, on this host
         return f"{self.advertise.rsplit(':', 1)[0]}:{self.stream_server.port}"
 
     def receive(self, address: str, manifest: ShardManifest, shard: ShardRecord, offset: int, out: memoryview,
                 landed: Any) -> None:
         """Read from the relay stream at ``address`` into ``out``, each verified block to ``landed``."""
-        from stoker.model.shard_stream import StreamShards
-
         with self._lock:
             if self.stream_client is None:
                 self.stream_client = StreamShards(self.auth_token, timeout_s=self.timeout_s)
             client = self.stream_client
         client.receive(address, manifest, shard, offset, out, landed)
 
-    def source(self, primary: ShardSource) -> Any:
-        """The ``ShardSource`` this server's reads go through (``relay_source.RelayedSource``)."""
-        from stoker.model.relay_source import RelayedSource
-
-        return RelayedSource(self, primary)
-
     def _stub(self, address: str) -> Any:
-        from stoker.channels import channel_options
-        from stoker.model.weights import _GRPC_OPTIONS
-
         with self._lock:
             if address not in self._channels:
-                channel = grpc.insecure_channel(address, options=channel_options(_GRPC_OPTIONS))
+                channel = grpc.insecure_channel(address, options=channel_options(GRPC_OPTIONS))
                 self._channels[address] = (channel, weights_pb2_grpc.WeightsStub(channel))
             return self._channels[address][1]
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import math
 import socket
 import struct
 import threading
@@ -37,8 +36,11 @@ from typing import Any
 
 import numpy as np
 
-from stoker.model.shards import ShardDirectory, ShardManifest, ShardRecord, ShardsCorrupt, ShardsMissing, ShardSource, crc32, dtype_of
-from stoker.model.weight_errors import WeightsError, WeightsUnavailable
+from stoker import endpoints
+from stoker.weights.errors import WeightsError, WeightsUnavailable
+from stoker.weights.shards import (
+    ShardDirectory, ShardManifest, ShardRecord, ShardsCorrupt, ShardsMissing, ShardSource, as_bytes, crc32, geometry,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +89,13 @@ class StreamServer:
     connection. ``lookup`` finds what to send; ``token``: the bearer token readers must send."""
 
     def __init__(self, address: str, lookup: Lookup, *, token: str | None = None, idle_s: float = IDLE_S):
-        host, port = address.rsplit(":", 1)
         self.lookup = lookup
         self.idle_s = idle_s
         self._token = token
-        self._listener = socket.create_server((host.strip("[]") or "0.0.0.0", int(port)), backlog=128)
-        self.port = int(self._listener.getsockname()[1])
+        wanted = endpoints.parse(address, where="weight stream address")
+        self._listener = endpoints.listen(wanted, where="weight stream address", backlog=128)
+        self.address = endpoints.bound(self._listener, wanted)
+        self.port = self.address.port  # 0 on a unix socket
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._closed = False
@@ -106,7 +109,7 @@ class StreamServer:
                 conn, _ = self._listener.accept()
             except OSError:
                 return  # closed
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _no_delay(conn)
             conn.settimeout(self.idle_s)  # also bounds a send to a reader that stopped reading
             with self._lock:
                 if self._closed:
@@ -208,16 +211,6 @@ def directory_lookup(directory: ShardDirectory) -> Lookup:
     return lookup
 
 
-def _geometry(manifest: ShardManifest, shard: ShardRecord) -> tuple[int, int]:
-    """(bytes per checksum block, the shard's bytes)."""
-    tensor = next(t for t in manifest.tensors.values() if any(s.key == shard.key for s in t.shards))
-    itemsize = np.dtype(dtype_of(tensor.dtype)).itemsize
-    total = math.prod(shard.shape) * itemsize
-    if not shard.shape:
-        return total, total
-    return max(1, shard.block_rows * math.prod(shard.shape[1:]) * itemsize), total
-
-
 class StreamShards:
     """``ShardSource`` over the learner processes' stream servers (``manifest.streams``), with
     ``fallback`` for whatever a stream cannot give. Every block it returns was checked against
@@ -244,7 +237,8 @@ class StreamShards:
 
     def read_into(self, manifest: ShardManifest, shard: ShardRecord, offset: int, out: memoryview) -> None:
         """``read`` into the caller's buffer (``len(out)`` bytes at ``offset``)."""
-        step, total = _geometry(manifest, shard)
+        shape = geometry(manifest, shard)
+        step, total = shape.block_bytes, shape.total_bytes
         size = len(out)
         if offset % step or (size % step and offset + size != total):
             raise ValueError(f"{shard.key}: stream reads cover whole checksum blocks (offset {offset}, size {size})")
@@ -287,7 +281,7 @@ class StreamShards:
         (a relay) into ``out`` (the caller's buffer, 1-D bytes), no fallback: each block's view of
         ``out`` goes to ``landed`` as soon as it matched its crc32, so a failure (raised) leaves the
         caller holding every verified block before it."""
-        step, _ = _geometry(manifest, shard)
+        step = geometry(manifest, shard).block_bytes
         with self._lock:
             if self._dead.get(address, 0.0) > time.monotonic():
                 raise WeightsUnavailable(f"weights stream {address}: not answering (skipped for {DEAD_FOR_S:.0f} s)")
@@ -350,15 +344,15 @@ class StreamShards:
             idle = self._idle.get(address)
             if idle and not fresh:
                 return idle.pop(), True
-        host, port = address.rsplit(":", 1)
         try:
-            conn = socket.create_connection((host.strip("[]"), int(port)), timeout=min(CONNECT_TIMEOUT_S, self.timeout_s))
-        except OSError:
+            target = endpoints.parse(address, where="weight stream address")
+            conn = endpoints.connect(target, timeout=min(CONNECT_TIMEOUT_S, self.timeout_s))
+        except (OSError, endpoints.AddressError):
             with self._lock:
                 self._dead[address] = time.monotonic() + DEAD_FOR_S
             raise
         conn.settimeout(self.timeout_s)
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _no_delay(conn)
         return conn, False
 
     def close(self) -> None:
@@ -379,8 +373,6 @@ def _verify(shard: ShardRecord, out: memoryview, first: int, step: int, start: i
 
 def staged_lookup(arrays: Callable[[int, str], np.ndarray | None]) -> Lookup:
     """Serve the arrays a learner process staged (``_ShardServicer.array``), from their memory."""
-    from stoker.model.shards import as_bytes
-
     def lookup(version: int, process: int, key: str) -> Served | None:
         array = arrays(version, key)
         return None if array is None else as_bytes(array)
@@ -390,6 +382,17 @@ def staged_lookup(arrays: Callable[[int, str], np.ndarray | None]) -> Lookup:
 
 def stream_address(address: str, port: int = 0) -> str:
     """Where a learner process's stream server binds beside its gRPC server at ``address``: the
-    same host, ``port`` (0: a free one; the manifest advertises it either way)."""
+    same host, ``port`` (0: a free one; the manifest advertises it either way); beside a unix
+    socket ``NAME.sock``, the socket ``NAME.stream.sock`` (``port`` does not apply)."""
+    if address.startswith(endpoints.UNIX_SCHEME):
+        path = endpoints.parse(address, where="weights address").path
+        assert path is not None
+        return f"{endpoints.UNIX_SCHEME}//{path.removesuffix('.sock')}.stream.sock"
     return f"{address.rsplit(':', 1)[0]}:{port}"
+
+
+def _no_delay(conn: socket.socket) -> None:
+    """Send small frames at once (a TCP connection; a unix socket never delays)."""
+    if conn.family != socket.AF_UNIX:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 

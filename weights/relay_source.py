@@ -1,6 +1,6 @@
-"""The read side of a relaying rollout server (``WeightRelay.source``): upstream relays first
-(each relay's shard stream, then its gRPC), then the primary source (the learner's servers or the
-shared directory), each verified block put in the relay's cache for the servers below.
+"""The read side of a relaying rollout server (``RelayedSource(relay, primary)``): upstream relays
+first (each relay's shard stream, then its gRPC), then the primary source (the learner's servers or
+the shared directory), each verified block put in the relay's cache for the servers below.
 
 Per byte, one copy and one crc32: a read lands in one buffer (``recv_into`` from a relay's
 stream, or the gRPC chunks copied in), the cache keeps views of that buffer's blocks, and the
@@ -19,9 +19,10 @@ from typing import Any
 import grpc
 import numpy as np
 
-from stoker.model.shard_relay import WeightRelay, geometry
-from stoker.model.shards import ShardManifest, ShardRecord, ShardSource, ShardsCorrupt, crc32
-from stoker.model.weight_errors import WeightsError
+from stoker.weights.errors import WeightsError
+from stoker.weights.shard_relay import WeightRelay
+from stoker.weights.shard_service import translate
+from stoker.weights.shards import ShardManifest, ShardRecord, ShardSource, ShardsCorrupt, crc32, geometry
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,5 @@ class RelayedSource:
             self.relay.cache.give_up(manifest.version, shard.key, range(first + got // step, last + 1))
             if isinstance(failure, WeightsError):
                 raise failure
-            from stoker.model.shard_service import translate
-
             raise translate(failure) if isinstance(failure, grpc.RpcError) else ShardsCorrupt(str(failure))
         return out

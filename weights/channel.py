@@ -1,19 +1,18 @@
 """The weight channel: the learner publishes versioned weights, actors pull the newest.
 
 A version's payload is one safetensors blob of Hugging Face-named arrays (``flatten_params``), with
-its sha256. Two transports, usable together:
+its sha256 (``stoker.weights.blob_format``). Two transports, usable together:
 
 * gRPC (``stoker.v1.Weights``): ``Latest`` answers version/size/sha256; ``Fetch`` streams the
   blob in chunks (each gRPC message stays far below the 4 MiB default limit).
-* a shared directory (a PersistentVolume, or a local path): each version is written to a temporary
-  name, fsynced and renamed, then its manifest and the ``LATEST.json`` pointer are renamed in the
-  same way, so a reader never sees a half-written version under a final name.
+* a shared directory (a PersistentVolume, or a local path; ``stoker.weights.blob_directory``):
+  written atomically, so a reader never sees a half-written version under a final name.
 
 Either way the subscriber checks size and sha256 before decoding, so truncated or corrupted
 weights raise ``WeightsCorrupt`` instead of loading silently wrong.
 
-A learner of several processes publishes sharded instead (``stoker.model.shards``,
-``stoker.learner.publish``): ``Latest`` says so, and ``fetch`` returns ``ShardedWeights``, read by
+A learner of several processes publishes sharded instead (``stoker.weights.shards``,
+``stoker.weights.publish``): ``Latest`` says so, and ``fetch`` returns ``ShardedWeights``, read by
 slice (crc32 per block) from the directory or from every learner process's server.
 
 Only the newest ``keep`` versions are retained; fetching a pruned one raises ``WeightsNotFound``
@@ -22,19 +21,13 @@ Only the newest ``keep`` versions are retained; fetching a pruned one raises ``W
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from concurrent import futures
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 import grpc
 import numpy as np
@@ -42,18 +35,20 @@ from flax import nnx
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from stoker.channels import channel_options
-from stoker.model.hf import CheckpointError, decode_safetensors, encode_safetensors, load_hf, to_hf
-from stoker.model.shards import FORMAT as SHARDS_FORMAT
-from stoker.model.shards import ShardDirectory, ShardedWeights
-from stoker.model.weight_errors import WeightsCorrupt, WeightsError, WeightsNotFound, WeightsUnavailable
+from stoker.endpoints import add_grpc_port, parse
+from stoker.model.hf import load_hf, to_hf
 from stoker.v1 import weights_pb2, weights_pb2_grpc
+from stoker.weights.blob_directory import BlobDirectory, blob_file_name, blob_manifest_name, read_info
+from stoker.weights.blob_format import Blob, WeightsInfo, decode_weights, encode_weights
+from stoker.weights.errors import WeightsCorrupt, WeightsError, WeightsNotFound, WeightsUnavailable
+from stoker.weights.grpc_common import DEFAULT_CHUNK_BYTES, GRPC_OPTIONS, BearerAuth
+from stoker.weights.relay_source import RelayedSource
+from stoker.weights.shard_relay import WeightRelay
+from stoker.weights.shard_service import PeerShards
+from stoker.weights.shard_stream import StreamShards
+from stoker.weights.shards import LATEST_FILE, ShardDirectory, ShardedWeights, ShardSource
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CHUNK_BYTES = 1 << 20
-LATEST_FILE = "LATEST.json"
-# Room for one chunk plus framing, and for large subscribers' Latest calls.
-_GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
 
 def flatten_params(model: nnx.Module) -> dict[str, np.ndarray]:
@@ -66,144 +61,13 @@ def load_flat(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
     load_hf(model, flat)
 
 
-@dataclass(frozen=True)
-class WeightsInfo:
-    version: int
-    sha256: str
-    size_bytes: int
-    sharded: bool = False  # a ``stoker.model.shards`` manifest rather than one blob
-
-
-@dataclass(frozen=True)
-class _Blob:
-    info: WeightsInfo
-    data: bytes
-
-
-def encode_weights(version: int, flat: Mapping[str, np.ndarray]) -> _Blob:
-    data = encode_safetensors(flat, metadata={"policy_version": str(version)})
-    return _Blob(WeightsInfo(version, hashlib.sha256(data).hexdigest(), len(data)), data)
-
-
-def decode_weights(info: WeightsInfo, data: bytes) -> dict[str, np.ndarray]:
-    """Check ``data`` against ``info`` and decode it."""
-    if len(data) != info.size_bytes:
-        raise WeightsCorrupt(f"version {info.version}: got {len(data)} bytes, expected {info.size_bytes}")
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != info.sha256:
-        raise WeightsCorrupt(f"version {info.version}: sha256 {digest[:12]}... != published {info.sha256[:12]}...")
-    try:
-        return decode_safetensors(data)
-    except CheckpointError as err:
-        raise WeightsCorrupt(f"version {info.version}: {err}") from err
-
-
-# ------------------------------------------------------------------------------- directory
-
-
-def _weights_name(version: int) -> str:
-    return f"weights-{version:012d}.safetensors"
-
-
-def _manifest_name(version: int) -> str:
-    return f"weights-{version:012d}.json"
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write to a temporary file in the same directory, fsync, then rename over ``path``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _info_json(info: WeightsInfo) -> bytes:
-    return json.dumps(
-        {"policy_version": info.version, "sha256": info.sha256, "size_bytes": info.size_bytes,
-         "file": _weights_name(info.version)}
-    ).encode()
-
-
-def _read_info(path: Path) -> WeightsInfo | None:
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except json.JSONDecodeError as err:
-        raise WeightsCorrupt(f"{path} is not valid JSON: {err}") from err
-    try:
-        return WeightsInfo(
-            int(raw["policy_version"]), str(raw["sha256"]), int(raw["size_bytes"]), raw.get("format") == SHARDS_FORMAT
-        )
-    except (KeyError, TypeError, ValueError) as err:
-        raise WeightsCorrupt(f"{path} is not a weights manifest: {err}") from err
-
-
-class _DirectoryStore:
-    def __init__(self, directory: Path, keep: int):
-        self.directory = directory
-        self.keep = keep
-        directory.mkdir(parents=True, exist_ok=True)
-
-    def write(self, blob: _Blob) -> None:
-        version = blob.info.version
-        _atomic_write(self.directory / _weights_name(version), blob.data)
-        manifest = _info_json(blob.info)
-        _atomic_write(self.directory / _manifest_name(version), manifest)
-        _atomic_write(self.directory / LATEST_FILE, manifest)
-        self._prune(version)
-
-    def _prune(self, newest: int) -> None:
-        """Keep the newest ``keep`` versions up to ``newest``. Versions above it are left over
-        from an earlier run that got further before it was rolled back to a checkpoint: they are
-        no longer this run's history, so they go too."""
-        versions = sorted(
-            int(p.name[len("weights-") : -len(".json")]) for p in self.directory.glob("weights-*.json")
-        )
-        retained = [v for v in versions if v <= newest][-self.keep :]
-        for version in versions:
-            if version not in retained:
-                # Manifest first: a reader that finds no manifest never opens the blob.
-                (self.directory / _manifest_name(version)).unlink(missing_ok=True)
-                (self.directory / _weights_name(version)).unlink(missing_ok=True)
-
-
-# ------------------------------------------------------------------------------------ gRPC
-
-
-class _BearerAuth(grpc.ServerInterceptor):
-    """Rejects calls whose ``authorization`` metadata is not ``Bearer <token>``."""
-
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}"
-
-        def deny(request: Any, context: grpc.ServicerContext) -> None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-
-    def intercept_service(self, continuation: Any, handler_call_details: grpc.HandlerCallDetails) -> Any:
-        if handler_call_details.method.startswith("/grpc.health."):
-            return continuation(handler_call_details)
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        if metadata.get("authorization") != self._expected:
-            return self._deny
-        return continuation(handler_call_details)
-
-
 class _WeightsServicer(weights_pb2_grpc.WeightsServicer):
     def __init__(self, chunk_bytes: int):
         self._chunk_bytes = chunk_bytes
         self._lock = threading.Lock()
-        self._blobs: OrderedDict[int, _Blob] = OrderedDict()
+        self._blobs: OrderedDict[int, Blob] = OrderedDict()
 
-    def put(self, blob: _Blob, keep: int) -> None:
+    def put(self, blob: Blob, keep: int) -> None:
         with self._lock:
             self._blobs[blob.info.version] = blob
             while len(self._blobs) > keep:
@@ -261,24 +125,23 @@ class WeightPublisher:
         self.keep = keep
         self._latest = -1
         self._publish_lock = threading.Lock()
-        self._store = _DirectoryStore(Path(directory), keep) if directory is not None else None
+        self._store = BlobDirectory(Path(directory), keep) if directory is not None else None
         self._servicer: _WeightsServicer | None = None
         self._server: grpc.Server | None = None
         self.port: int | None = None
         if address is not None:
-            interceptors = [_BearerAuth(auth_token)] if auth_token else []
+            interceptors = [BearerAuth(auth_token)] if auth_token else []
             self._server = grpc.server(
                 futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="weights"),
                 interceptors=interceptors,
-                options=_GRPC_OPTIONS,
+                options=GRPC_OPTIONS,
             )
             self._servicer = _WeightsServicer(chunk_bytes)
             weights_pb2_grpc.add_WeightsServicer_to_server(self._servicer, self._server)
             self._health = health.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-            self.port = self._server.add_insecure_port(address)
-            if self.port == 0:
-                raise OSError(f"cannot bind the weights server to {address}")
+            # 0 on a unix socket
+            self.port = add_grpc_port(self._server, parse(address, where="weights server address"), where="weights server").port
             self._server.start()
             self._health.set("stoker.v1.Weights", health_pb2.HealthCheckResponse.SERVING)
             self._health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -326,19 +189,18 @@ class WeightSubscriber:
         directory: str | Path | None = None,
         auth_token: str | None = None,
         timeout_s: float = 120.0,
-        relay: Any = None,
+        relay: WeightRelay | None = None,
         stream: bool = True,
     ):
         if (address is None) == (directory is None):
             raise ValueError("WeightSubscriber needs exactly one of address and directory")
-        # A ``stoker.model.shard_relay.WeightRelay``: sharded reads go through it (other rollout
-        # servers first, what is read is served on).
+        # Sharded reads go through this relay (other rollout servers first; what is read is served on).
         self.relay = relay
         # Sharded bytes over the learner processes' plain-TCP streams where the manifest names
-        # them (stoker.model.shard_stream), gRPC ReadShard as their fallback.
+        # them (stoker.weights.shard_stream), gRPC ReadShard as their fallback.
         self.stream = stream
         self._token = auth_token
-        self._streams: Any = None
+        self._streams: StreamShards | None = None
         self.timeout_s = timeout_s
         self._directory = Path(directory) if directory is not None else None
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
@@ -346,15 +208,15 @@ class WeightSubscriber:
         self._channel: grpc.Channel | None = None
         self._stub: weights_pb2_grpc.WeightsStub | None = None
         self._sharded = False  # what the server's last Latest said
-        self._peers: Any = None  # a PeerShards, once a sharded version was fetched over gRPC
+        self._peers: PeerShards | None = None  # once a sharded version was fetched over gRPC
         if address is not None:
-            self._channel = grpc.insecure_channel(address, options=channel_options(_GRPC_OPTIONS))
+            self._channel = grpc.insecure_channel(address, options=channel_options(GRPC_OPTIONS))
             self._stub = weights_pb2_grpc.WeightsStub(self._channel)
 
     def latest(self) -> WeightsInfo | None:
         """The newest published version's info, or None before the first publish."""
         if self._directory is not None:
-            return _read_info(self._directory / LATEST_FILE)
+            return read_info(self._directory / LATEST_FILE)
         assert self._stub is not None
         try:
             reply = self._stub.Latest(weights_pb2.LatestRequest(), timeout=self.timeout_s, metadata=self._metadata)
@@ -380,23 +242,19 @@ class WeightSubscriber:
         return self._fetch_grpc(version)
 
     def _fetch_sharded(self, version: int) -> ShardedWeights:
-        from stoker.model.shard_service import PeerShards
-
         assert self._address is not None
         if self._peers is None:
             self._peers = PeerShards(self._metadata, self.timeout_s)
         manifest = self._peers.manifest(self._address, version)
-        source: Any = self._peers
+        source: ShardSource = self._peers
         if self.stream and manifest.streams:
-            from stoker.model.shard_stream import StreamShards
-
             if self._streams is None:
                 self._streams = StreamShards(self._token, self._peers, timeout_s=self.timeout_s)
             source = self._streams
         return ShardedWeights(manifest, self._relayed(source))
 
-    def _relayed(self, source: Any) -> Any:
-        return source if self.relay is None else self.relay.source(source)
+    def _relayed(self, source: ShardSource) -> ShardSource:
+        return source if self.relay is None else RelayedSource(self.relay, source)
 
     def fetch_latest(self) -> tuple[int, Mapping[str, np.ndarray]] | None:
         """(version, arrays) of the newest version, or None before the first publish. Retries
@@ -413,7 +271,7 @@ class WeightSubscriber:
 
     def _fetch_directory(self, version: int) -> Mapping[str, np.ndarray]:
         assert self._directory is not None
-        info = _read_info(self._directory / _manifest_name(version))
+        info = read_info(self._directory / blob_manifest_name(version))
         if info is None:
             shards = ShardDirectory(self._directory)
             manifest = shards.manifest(version)
@@ -421,7 +279,7 @@ class WeightSubscriber:
                 return ShardedWeights(manifest, self._relayed(shards))
             raise WeightsNotFound(f"policy version {version} is not in {self._directory}")
         try:
-            data = (self._directory / _weights_name(version)).read_bytes()
+            data = (self._directory / blob_file_name(version)).read_bytes()
         except FileNotFoundError as err:
             raise WeightsNotFound(f"policy version {version} was pruned from {self._directory}") from err
         return decode_weights(info, data)
@@ -481,3 +339,11 @@ class WeightSubscriber:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def make_weight_source(target: str, token: str | None = None) -> WeightSubscriber:
+    """A subscriber for ``target``: a shared directory (a path) or the learner's weights server
+    (an address), as ``--weights`` names it on actors and rollout servers."""
+    if Path(target).is_dir() or target.startswith(("/", ".", "~")):
+        return WeightSubscriber(directory=Path(target).expanduser())
+    return WeightSubscriber(address=target, auth_token=token)

@@ -8,7 +8,7 @@ decoded only to give the environment its action text, never re-encoded.
 With a pretrained checkpoint, everything comes from its Hugging Face files instead (or from the
 directory ``spec.model.tokenizer`` names): tokenizer.json; the stop tokens from
 generation_config.json's ``eos_token_id`` and tokenizer_config.json's ``eos_token``; and the chat
-template (``stoker.actor.chat_template``), which lays out the opening and the turn wrapper, BOS
+template (``stoker.conversation.chat_template``), which lays out the opening and the turn wrapper, BOS
 included. Without a template, the BOS is tokenizer_config.json's ``add_bos_token`` rule.
 
 Built-in tokenizers (used when neither is set, or with ``model.tokenizer: builtin``; the learner
@@ -21,14 +21,18 @@ must build the same one, so it calls ``environment_tokenizer(spec)`` too):
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from stoker.actor.chat_template import ChatTurns
+from stoker.conversation.chat_template import ChatTemplateError, ChatTurns, build_chat_turns
+from stoker.conversation.frozenlake_words import ACTIONS, WORDS
+from stoker.model.tokenizer import TokenizerError, leading_special_ids, load_tokenizer, read_tokenizer_files
 from stoker.spec import RLJobSpec
 
 _log = logging.getLogger(__name__)
@@ -46,8 +50,6 @@ class TokenizerProblem(Exception):
 @lru_cache(maxsize=1)
 def frozenlake_tokenizer() -> Tokenizer:
     """The word-level FrozenLake tokenizer: ids 0-4 are the specials, then the environment's words."""
-    from stoker.actor.frozenlake import WORDS
-
     vocab = {token: i for i, token in enumerate([*SPECIALS, *WORDS])}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -74,8 +76,6 @@ BUILTIN = "builtin"  # spec.model.tokenizer: the environment's built-in tokenize
 def tokenizer_directory(spec: RLJobSpec) -> str | None:
     """Where the job's Hugging Face tokenizer files are: ``spec.model.tokenizer`` (a directory, or a
     tokenizer.json in one), else the checkpoint directory; None for a built-in tokenizer."""
-    from pathlib import Path
-
     chosen = spec.model.tokenizer
     if chosen == BUILTIN:
         return None
@@ -90,16 +90,12 @@ def environment_tokenizer(spec: RLJobSpec) -> Tokenizer:
     with ``spec.model.checkpoint``, else the environment's built-in (also with ``tokenizer: builtin``).
 
     A pretrained checkpoint is never paired with the built-in tokenizer unless the manifest asks."""
-    from stoker.model.tokenizer import TokenizerError, load_tokenizer
-
     if spec.model.tokenizer and spec.model.tokenizer != BUILTIN:
         try:
             return load_tokenizer(spec.model.tokenizer)
         except TokenizerError as exc:
             raise TokenizerProblem(f"spec.model.tokenizer: {exc}") from None
     if spec.model.checkpoint and spec.model.tokenizer != BUILTIN:
-        from pathlib import Path
-
         if not Path(spec.model.checkpoint).expanduser().is_dir():  # a wrong path, not a tokenizer to pick
             raise TokenizerProblem(
                 f"spec.model.checkpoint: {spec.model.checkpoint!r} is not a directory; expected a Hugging Face "
@@ -121,7 +117,7 @@ class TextInterface:
 
     Without a chat template: ``bos_ids`` once, then per turn the observation's ids and
     ``prompt_ids``. With one (``chat``): the template's opening for the first observation, then
-    ``close + observation + generation`` fixed ids per later turn (``stoker.actor.chat_template``).
+    ``close + observation + generation`` fixed ids per later turn (``stoker.conversation.chat_template``).
     """
 
     tokenizer: Tokenizer
@@ -174,8 +170,6 @@ def _builtin_interface(spec: RLJobSpec, tokenizer: Tokenizer) -> TextInterface:
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     stops = [vocab[t] for t in STOP_CANDIDATES if t in vocab]
     if spec.environment.name == "frozenlake" and spec.model.tokenizer in (None, BUILTIN):
-        from stoker.actor.frozenlake import ACTIONS
-
         stops += [vocab[a] for a in ACTIONS]
     bos = (vocab[BOS],) if BOS in vocab else ()
     prompt = (vocab[ACT],) if ACT in vocab else tuple(tokenizer.encode("\n> ", add_special_tokens=False).ids)
@@ -184,9 +178,6 @@ def _builtin_interface(spec: RLJobSpec, tokenizer: Tokenizer) -> TextInterface:
 
 def _pretrained_interface(spec: RLJobSpec, tokenizer: Tokenizer, directory: str) -> TextInterface:
     """A Hugging Face tokenizer directory: BOS, stop tokens and chat template from its files."""
-    from stoker.actor.chat_template import ChatTemplateError, build_chat_turns
-    from stoker.model.tokenizer import TokenizerError, leading_special_ids, read_tokenizer_files
-
     field = "spec.model.tokenizer" if spec.model.tokenizer else "spec.model.checkpoint"
     try:
         files = read_tokenizer_files(directory, spec.model.checkpoint)
@@ -197,8 +188,6 @@ def _pretrained_interface(spec: RLJobSpec, tokenizer: Tokenizer, directory: str)
     if spec.model.chat_template == "none":
         source = None
     elif spec.model.chat_template:
-        from pathlib import Path
-
         try:
             source = Path(spec.model.chat_template).read_text(encoding="utf-8")
         except OSError as exc:
@@ -240,9 +229,6 @@ def _pretrained_interface(spec: RLJobSpec, tokenizer: Tokenizer, directory: str)
 
 def _model_vocab_size(spec: RLJobSpec) -> tuple[int, str]:
     """The policy's vocabulary: the checkpoint's config.json, else the spec's architecture."""
-    import json
-    from pathlib import Path
-
     if spec.model.checkpoint:
         path = Path(spec.model.checkpoint) / "config.json"
         try:

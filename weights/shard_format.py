@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from isal import isal_zlib
 
-from stoker.model.weight_errors import WeightsCorrupt, WeightsNotFound
+from stoker.weights.errors import WeightsCorrupt, WeightsNotFound
 
 
 FORMAT = "stoker-shards/1"
@@ -67,7 +67,7 @@ class ShardManifest:
     processes: int
     tensors: dict[str, TensorRecord]
     peers: tuple[str, ...] = ()  # each process's weights server, peer transport (by process index)
-    streams: tuple[str, ...] = ()  # each process's plain-TCP shard stream (stoker.model.shard_stream)
+    streams: tuple[str, ...] = ()  # each process's plain-TCP shard stream (stoker.weights.shard_stream)
 
     @property
     def nbytes(self) -> int:
@@ -113,6 +113,26 @@ def dtype_of(name: str) -> Any:
 def block_rows(shape: Sequence[int], itemsize: int, block_bytes: int = BLOCK_BYTES) -> int:
     row = math.prod(shape[1:]) * itemsize if len(shape) > 1 else itemsize
     return max(1, block_bytes // max(row, 1))
+
+
+@dataclass(frozen=True)
+class BlockGeometry:
+    block_bytes: int  # bytes per checksum block (the last one may be shorter)
+    total_bytes: int  # the shard's bytes
+
+    def span(self, block: int) -> tuple[int, int]:
+        start = block * self.block_bytes
+        return start, min(start + self.block_bytes, self.total_bytes)
+
+
+def geometry(manifest: ShardManifest, shard: ShardRecord) -> BlockGeometry:
+    """How ``shard``'s bytes divide into checksum blocks (what a relay or a stream reads by)."""
+    tensor = next(t for t in manifest.tensors.values() if any(s.key == shard.key for s in t.shards))
+    itemsize = np.dtype(dtype_of(tensor.dtype)).itemsize
+    shape = shard.shape
+    row = (math.prod(shape[1:]) if len(shape) > 1 else 1) * itemsize
+    total = math.prod(shape) * itemsize
+    return BlockGeometry(max(shard.block_rows * row, 1) if shape else total, total)
 
 
 def rows_of(shape: Sequence[int]) -> int:

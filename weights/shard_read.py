@@ -7,10 +7,12 @@ own devices hold, from several shards in parallel, and assembling each parameter
 own sharding. Every byte is checked against its block's crc32 before it is used. The bytes come
 from a ``ShardSource``: the learners' streams (``shard_stream``), their gRPC servers
 (``shard_service``), a shared directory (``shard_directory``) or a relay (``relay_source``).
+``StagedWeights``: a version's boxes for one layout, read ahead into host memory.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -20,10 +22,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from stoker.model.shard_format import (
+from stoker.hfconfig import CheckpointError
+from stoker.weights.shard_format import (
     READ_THREADS, RUN_BYTES, Box, ShardManifest, ShardRecord, ShardsCorrupt, TensorRecord, crc32, dtype_of, intersect, rows_of,
 )
-from stoker.model.shard_layout import ParamSlot, StagedWeights, layout_of
+from stoker.weights.shard_layout import ParamSlot, layout_of
+
+log = logging.getLogger(__name__)
+
 
 class ShardSource(Protocol):
     """Where a version's shard bytes come from: ``read`` returns ``size`` bytes of one shard's
@@ -205,8 +211,6 @@ class ShardedWeights(Mapping[str, np.ndarray]):
     def stage(self, layout: Sequence[ParamSlot]) -> StagedWeights:
         """Read and verify (into host memory) every box ``layout``'s devices hold; placing them
         on the devices is ``StagedWeights.load_into``, which reads nothing more."""
-        from stoker.model.hf import CheckpointError
-
         names = {slot.name for slot in layout}
         tied = any(slot.tied for slot in layout)
         extra = sorted(set(self.manifest.tensors) - names - ({"lm_head.weight"} if tied else set()))
@@ -220,6 +224,53 @@ class ShardedWeights(Mapping[str, np.ndarray]):
         host = iter(self.read_boxes([read for slot in layout for read in slot.reads]))
         return StagedWeights(self, tuple(layout), tuple(tuple(next(host) for _ in slot.reads) for slot in layout))
 
+
+
+class StagedWeights(Mapping[str, np.ndarray]):
+    """A version's boxes for one model layout, read and verified, in host memory (a rollout
+    follower's prefetch). ``load_into`` only places them; a model laid out otherwise than
+    ``layout`` is loaded by slice from the source instead."""
+
+    def __init__(self, weights: ShardedWeights, layout: tuple[ParamSlot, ...], pieces: tuple[tuple[np.ndarray, ...], ...]):
+        self.weights, self.layout, self.pieces = weights, layout, pieces
+
+    @property
+    def version(self) -> int:
+        return self.weights.version
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for parts in self.pieces for p in parts)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.weights[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+    def load_into(self, model: Any) -> None:
+        # On use: this module loads with numpy alone, as stoker.weights.shard_layout's doc says why.
+        import jax
+        import jax.numpy as jnp
+
+        from stoker.model.hf import param_items
+
+        now = layout_of(model)
+        if [(s.name, s.shape, s.sharding, s.devices) for s in now] != [(s.name, s.shape, s.sharding, s.devices) for s in self.layout]:
+            log.warning("the model's layout changed since version %d was staged; reading its slices again", self.version)
+            self.weights.load_into(model)
+            return
+        for (_, var), slot, parts in zip(param_items(model), self.layout, self.pieces, strict=True):
+            current = var.get_value()
+            arrays = [np.asarray(p.T if slot.transpose else p).astype(current.dtype, copy=False) for p in parts]
+            if slot.sharding is None:
+                var.set_value(jnp.asarray(arrays[0], dtype=current.dtype))
+            else:
+                shards = [jax.device_put(a, d) for a, d in zip(arrays, slot.devices, strict=True)]
+                var.set_value(jax.make_array_from_single_device_arrays(slot.shape, slot.sharding, shards))
 
 
 def _groups(blocks: dict[tuple[str, int], tuple[np.ndarray, int]], key: str, first: int,
@@ -251,4 +302,3 @@ def _runs(blocks: list[int], longest: int) -> Iterator[tuple[int, int]]:
             start = b
         prev = b
     yield start, prev
-

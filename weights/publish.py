@@ -15,6 +15,7 @@ Format and commit: docs/architecture.md, "Sharded weights".
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -26,12 +27,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
+from jax._src.distributed import global_state
 
-from stoker.distributed import Processes
-from stoker.model.shards import (
-    BLOCK_BYTES, Box, ShardDirectory, ShardManifest, ShardRecord, TensorRecord, block_rows, checksums, folder_name,
-    fsync_file,
+from stoker.endpoints import UNIX_SCHEME
+from stoker.distributed import Processes, broadcast_int
+from stoker.model.hf import hf_name, param_items
+from stoker.weights.shard_service import ShardServer
+from stoker.weights.shard_stream import StreamServer, staged_lookup, stream_address
+from stoker.weights.shards import (
+    BLOCK_BYTES, LATEST_FILE, Box, ShardDirectory, ShardManifest, ShardRecord, TensorRecord, block_rows, checksums,
+    folder_name, fsync_file,
 )
 
 log = logging.getLogger(__name__)
@@ -39,7 +46,6 @@ log = logging.getLogger(__name__)
 KV_PREFIX = "stoker/weights"
 WRITERS = 4  # shards staged at once per process (the host's staging bound is this many shards)
 COMMIT_TIMEOUT_SECONDS = 600.0  # how long the primary waits for every process's part of a version
-LATEST_FILE = "LATEST.json"  # the single-blob channel's pointer name: subscribers look here for either
 
 
 @dataclass(frozen=True)
@@ -70,11 +76,9 @@ def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
 def plan(model: Any) -> tuple[list[PlannedShard], dict[str, tuple[tuple[int, ...], str]]]:
     """Every distinct shard of ``model``'s parameters and who publishes it, the same on every
     process (computed from the shardings alone), and each tensor's HF shape and dtype."""
-    from stoker.model.hf import _param_items, hf_name
-
     shards: list[PlannedShard] = []
     tensors: dict[str, tuple[tuple[int, ...], str]] = {}
-    for t, (path, var) in enumerate(_param_items(model)):
+    for t, (path, var) in enumerate(param_items(model)):
         name, transpose = hf_name(path)
         array = var.get_value()
         shape = tuple(array.shape)
@@ -91,14 +95,14 @@ def plan(model: Any) -> tuple[list[PlannedShard], dict[str, tuple[tuple[int, ...
 
 
 def _device_transpose(data: Any) -> Any:
-    import jax.numpy as jnp
-
     return jnp.transpose(data)
 
 
 def advertised(address: str, port: int) -> str:
     """The address other pods reach this process's server at: the bound host, or the pod's IP
     (``POD_IP``, from the downward API; else the host name's address) for a wildcard bind."""
+    if address.startswith(UNIX_SCHEME):
+        return address  # a unix socket is reached by its path, on this host
     host = address.rsplit(":", 1)[0].strip("[]")
     if host in ("", "0.0.0.0", "::"):
         host = os.environ.get("POD_IP") or socket.gethostbyname(socket.gethostname())
@@ -137,20 +141,18 @@ class ShardedPublisher:
         self.directory = ShardDirectory(directory, keep) if directory is not None else None
         if self.directory is not None:
             self.directory.directory.mkdir(parents=True, exist_ok=True)
-        self.server: Any = None
+        self.server: ShardServer | None = None
         self.address: str | None = None
+        self.stream: StreamServer | None = None  # the plain-TCP stream of the same staged shards (bulk bytes)
+        self.stream_address: str | None = None
         if address is not None:
-            from stoker.model.shard_service import ShardServer
-
             self.server = ShardServer(address, keep=keep, auth_token=auth_token)
             self.address = advertised(address, self.server.port)
-        self.stream: Any = None  # the plain-TCP stream of the same staged shards (bulk bytes)
-        self.stream_address: str | None = None
-        if address is not None and stream:
-            from stoker.model.shard_stream import StreamServer, staged_lookup, stream_address
-
-            self.stream = StreamServer(stream_address(address, stream_port), staged_lookup(self.server.servicer.array), token=auth_token)
-            self.stream_address = advertised(address, self.stream.port)
+            if stream:
+                lookup = staged_lookup(self.server.servicer.array)
+                self.stream = StreamServer(stream_address(address, stream_port), lookup, token=auth_token)
+                bound = self.stream.address
+                self.stream_address = bound.target if bound.is_unix else advertised(address, bound.port)
         self.run = self._agree_run_id()
         self.stats = PublishStats()
         self._latest = -1
@@ -169,10 +171,8 @@ class ShardedPublisher:
         return 0 if self.server is None else int(self.server.servicer.held_bytes())
 
     def _agree_run_id(self) -> str:
-        from stoker.learner import multihost
-
         mine = secrets.randbits(62)
-        return f"{multihost.broadcast_int(self.processes, mine):016x}"
+        return f"{broadcast_int(self.processes, mine):016x}"
 
     def publish(self, version: int, model: Any) -> ShardManifest | None:
         """Stage this process's shards of ``model`` (an nnx module over a ``policy_copy``) as
@@ -252,13 +252,9 @@ class ShardedPublisher:
 
     def _exchange(self, version: int, part: dict[str, tuple[int, tuple[int, ...]]]) -> list[dict[str, Any]] | None:
         """Post this process's part; the primary gets every process's (the barrier), others None."""
-        import json
-
         mine = {"address": self.address, "stream": self.stream_address, "shards": {k: [rows, list(crc)] for k, (rows, crc) in part.items()}}
         if not self.processes.multi:
             return [mine]
-        from jax._src.distributed import global_state
-
         client = global_state.client
         assert client is not None, "jax.distributed is not initialized"
         prefix = f"{KV_PREFIX}/{self.run}/{version:012d}"

@@ -3,6 +3,7 @@ committed by its manifest (RWX volume, or GCS through the Cloud Storage FUSE CSI
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -11,9 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from stoker.model.shard_format import (
+from stoker.weights.shard_format import (
     FORMAT, MANIFEST_PREFIX, ShardManifest, ShardRecord, ShardsCorrupt, ShardsMissing, as_bytes, manifest_name,
 )
+
+# A shared directory's pointer to its newest committed version, of either format (the single
+# blob's ``stoker.weights.blob_directory`` writes it too): subscribers look here first.
+LATEST_FILE = "LATEST.json"
 
 
 def _write(path: Path, data: bytes | memoryview, *, atomic: bool, sync: bool = True) -> None:
@@ -58,8 +63,6 @@ class ShardDirectory:
     def commit(self, manifest: ShardManifest, latest_file: str) -> None:
         data = manifest.to_json()
         _write(self.directory / manifest_name(manifest.version), data, atomic=True)
-        import hashlib
-
         pointer = json.dumps({
             "policy_version": manifest.version, "sha256": hashlib.sha256(data).hexdigest(),
             "size_bytes": manifest.nbytes, "file": manifest_name(manifest.version), "format": FORMAT,

@@ -1,0 +1,94 @@
+"""Where a local run's children listen, and which of them may open this host's chip.
+
+Transport: by default every server of ``stoker run`` (the buffer, a rollout server and its other
+processes) listens on a unix socket in the run's socket folder: no port is allocated, so runs
+never race for one, and nothing makes an inet socket, which some hosts refuse outright (a TPU VM
+that allows no ``socket(AF_INET)``). ``--transport tcp`` keeps loopback ports. The one TCP port
+a unix run still takes is ``jax.distributed``'s coordinator, for a learner or rollout server split
+over several JAX processes (it listens on nothing else).
+
+Chips: libtpu lets one process open a host's TPU. On a host with chips the learner holds them and
+every other child (actors, a rollout server) runs JAX on the CPU; the run says so at the start.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stoker import chips
+from stoker.endpoints import Address, socket_directory
+
+UNIX, TCP = "unix", "tcp"
+TRANSPORTS = (UNIX, TCP)
+
+
+class PlacementError(ValueError):
+    """Options that cannot work together on this host; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    transport: str
+    socket_dir: Path | None  # with the unix transport
+    chips: tuple[str, ...] = ()  # this host's TPU chip devices
+    cpu_only_env: dict[str, str] = field(default_factory=dict)  # for every child but the learner
+
+    def listen(self, name: str) -> list[str]:
+        """The flags that make server ``name`` listen (``--ready-file`` then says where)."""
+        if self.socket_dir is None:
+            return ["--host", "127.0.0.1", "--port", "0"]
+        return ["--listen", Address(path=str(self.socket_dir / f"{name}.sock")).target]
+
+    def describe(self) -> str:
+        where = f"unix sockets in {self.socket_dir}" if self.socket_dir is not None else "loopback TCP"
+        if not self.chips:
+            return f"stoker run: servers on {where}"
+        return (
+            f"stoker run: servers on {where}; this host's TPU ({len(self.chips)} chip device(s)) is held by the "
+            "learner, actors and rollout servers sample on the CPU"
+        )
+
+
+def plan(run_dir: Path, *, transport: str) -> Placement:
+    """The placement of a local async run, or ``PlacementError``."""
+    if transport not in TRANSPORTS:
+        raise PlacementError(f"--transport {transport}: expected one of {', '.join(TRANSPORTS)}")
+    found = tuple(chips.host_chips()) if chips.wants_chip() else ()
+    return Placement(
+        transport=transport,
+        socket_dir=socket_directory(run_dir) if transport == UNIX else None,
+        chips=found,
+        cpu_only_env={"JAX_PLATFORMS": "cpu"} if found else {},
+    )
+
+
+def jax_process_envs(env: dict[str, str], processes: int, devices: int) -> list[dict[str, str]]:
+    """The environment of each of ``processes`` processes of one JAX group (the learner's, or a
+    rollout server's): one JAX process each on the CPU,
+    ``devices`` devices apiece, meeting at a coordinator on a free loopback port
+    (``stoker.distributed``). One process gets ``env`` unchanged."""
+    if processes == 1:
+        return [env]
+    try:
+        with socket.socket() as probe:  # a free port now; the coordinator binds it a moment later
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+    except OSError as exc:  # a host that refuses inet sockets (errno 97 on a TPU VM)
+        raise PlacementError(
+            f"{processes} JAX processes meet at jax.distributed's coordinator, which needs a TCP port on loopback, "
+            f"and this host refuses one ({exc}); run them as one process"
+        ) from None
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    shared = {
+        **env,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]),
+        "STOKER_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+        "STOKER_NUM_PROCESSES": str(processes),
+        # A local peer that dies closes its sockets and is seen at once; the heartbeat covers a
+        # hung one, and a short one keeps a broken local run from lingering.
+        "STOKER_HEARTBEAT_TIMEOUT_SECONDS": env.get("STOKER_HEARTBEAT_TIMEOUT_SECONDS", "20"),
+    }
+    return [{**shared, "STOKER_PROCESS_ID": str(index)} for index in range(processes)]
