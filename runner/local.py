@@ -226,14 +226,20 @@ class AsyncRun:
 
     def start(self, env: dict[str, str]) -> str | None:
         """Start the children; the buffer's address, or None for a job that trains on a dataset
-        file (SFT, DPO on pairs): then the learner runs alone, with no buffer or actors."""
+        file (SFT, DPO on pairs) or runs colocated: then the learner runs alone, with no buffer or
+        actors."""
         o = self.options
         self.placement = plan(o.run_dir, transport=o.transport)
         print(self.placement.describe(), file=sys.stderr)
         cpu_env = {**env, **self.placement.cpu_only_env}  # every child but the learner
         manifest = str(o.manifest)
-        dataset_only = o.job.spec.algorithm.trains_on_dataset
-        address = None if dataset_only else self._serve("buffer", cpu_env, "--data-dir", str(o.run_dir / "buffer"))
+        # Alone: a job that trains on a dataset file, or one whose learner plays its own episodes
+        # (mode: colocated: one process samples and trains on the same chips, runner/sync.py).
+        alone = o.job.spec.algorithm.trains_on_dataset or o.job.spec.mode == "colocated"
+        if o.job.spec.mode == "colocated":
+            print("stoker run: mode colocated: the learner's process plays the episodes and samples on its own devices",
+                  file=sys.stderr)
+        address = None if alone else self._serve("buffer", cpu_env, "--data-dir", str(o.run_dir / "buffer"))
         learner_argv = _stoker(
             "learner",
             "--manifest", manifest,

@@ -58,3 +58,28 @@ def test_an_async_run_starts_its_servers_where_the_placement_says(tmp_path: Path
     assert by_name["actor-0"][0][by_name["actor-0"][0].index("--buffer") + 1] == address
     assert by_name["actor-0"][1]["JAX_PLATFORMS"] == "cpu" and by_name["buffer"][1]["JAX_PLATFORMS"] == "cpu"
     assert "JAX_PLATFORMS" not in by_name["learner"][1]  # the learner holds the chip
+
+
+def test_a_colocated_job_runs_its_learner_alone_on_the_chip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(chips, "host_chips", lambda dev="/dev": ["/dev/accel0"])
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    started: list[tuple[str, list[str], dict[str, str]]] = []
+
+    class RecordingChild:
+        def __init__(self, name: str, argv: list[str], log: Path):
+            self.name, self.argv = name, argv
+
+        def start(self, env: dict[str, str]) -> None:
+            started.append((self.name, self.argv, env))
+
+    from stoker.runner import local
+
+    monkeypatch.setattr(local, "Child", RecordingChild)
+    job = RLJob.model_validate({"apiVersion": "stoker.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "c"},
+                                "spec": {"mode": "colocated"}})
+    options = RunOptions(manifest=tmp_path / "job.yaml", job=job, mode="async", run_dir=tmp_path / "run", live=False)
+    assert AsyncRun(options).start({"PATH": "/bin"}) is None
+    ((name, argv, env),) = started
+    assert name == "learner" and "--buffer" not in argv and "JAX_PLATFORMS" not in env
+    assert "learner's process plays the episodes and samples on its own devices" in capsys.readouterr().err

@@ -46,6 +46,8 @@ def test_run_with_a_two_process_rollout_server_trains_and_keeps_the_logprob_chec
     diffs = [s["tito_logprob_diff_mean"] for s in steps if s.get("tito_tokens")]
     assert diffs and max(abs(d) for d in diffs) < 1e-4
     logs = run_dir / "logs"
-    assert "samples from the rollout server at 127.0.0.1:" in (logs / "actor-0.log").read_text()
-    assert "rollout server on port" in (logs / "rollout.log").read_text()
+    # Over the run's unix sockets (stoker run's default transport).
+    sockets = run_dir / "sockets"
+    assert f"samples from the rollout server at unix://{sockets}/rollout.sock" in (logs / "actor-0.log").read_text()
+    assert f"rollout server on unix://{sockets}/rollout.sock" in (logs / "rollout.log").read_text()
     assert "rollout host 1 of 2" in (logs / "rollout-1.log").read_text()

@@ -78,7 +78,7 @@ class WeightsServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Manifest(self, request, context):
-        """A sharded version's manifest (JSON, stoker.model.shards.ShardManifest); primary only.
+        """A sharded version's manifest (JSON, stoker.weights.shard_format.ShardManifest); primary only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -94,7 +94,7 @@ class WeightsServicer:
     def Relays(self, request, context):
         """A relaying rollout server about to read a sharded version registers itself (primary only) and
         is told which relays to read it from first: a tree of bounded fan-out among the servers
-        reading the same version in the same layout (stoker.model.relay_registry).
+        reading the same version in the same layout (stoker.weights.relay_registry).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
