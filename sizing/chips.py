@@ -48,6 +48,17 @@ def chip(generation: str) -> Chip:
         ) from None
 
 
+# JAX's ``device_kind`` of each generation's chips (one JAX device per chip: v4 and v5p megacore).
+DEVICE_KINDS = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
+                "TPU v6 lite": "v6e", "TPU v6e": "v6e"}
+
+
+def chip_of_device(device_kind: str) -> Chip | None:
+    """The published figures of a device of this kind; None for one without (the CPU, a GPU)."""
+    generation = DEVICE_KINDS.get(device_kind)
+    return CHIPS[generation] if generation else None
+
+
 def topology_name(accelerator: str, topology: str | None) -> str:
     """libtpu's name of a GKE slice: ``tpu-v5-lite-podslice`` + ``2x2`` -> ``v5e:2x2``."""
     slice_shape(accelerator, topology)  # TopologyError for a slice GKE cannot provision

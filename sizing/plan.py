@@ -15,17 +15,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-# The programs are compiled for abstract TPU devices; JAX itself needs no accelerator here, and
-# probing for one only logs libtpu's start-up errors on a host without a TPU.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-
-from stoker.manifest import load_job  # noqa: E402
-from stoker.sizing.bound import decode_tokens_per_second, program_bound, step_bound  # noqa: E402
-from stoker.sizing.chips import GIB, Chip, chip, parse_topology, topology_name  # noqa: E402
-from stoker.sizing.compiler import CompilerMissing, Slice, load_slice  # noqa: E402
-from stoker.spec import MIN_BF16_WEIGHTS_LEARNING_RATE, RLJobSpec  # noqa: E402
-from stoker.tpu import ACCELERATORS, TopologyError, slice_shape  # noqa: E402
+from stoker.manifest import load_job
+from stoker.sizing.bound import decode_tokens_per_second, program_bound, step_bound
+from stoker.sizing.chips import GIB, Chip, chip, parse_topology, topology_name
+from stoker.sizing.compiler import CompilerMissing, Slice, load_slice
+from stoker.spec import MIN_BF16_WEIGHTS_LEARNING_RATE, RLJobSpec
+from stoker.tpu import ACCELERATORS, TopologyError, slice_shape
 
 if TYPE_CHECKING:
     from stoker.sizing.programs import Program
@@ -254,7 +249,17 @@ def _seconds(s: float) -> str:
     return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"
 
 
+def compile_only_environment() -> None:
+    """The programs are compiled for abstract TPU devices; JAX itself needs no accelerator here, and
+    probing for one only logs libtpu's start-up errors on a host without a TPU. Set by ``main``
+    before JAX loads, not on import: ``stoker bench`` imports this module's fit check and runs on
+    the host's real devices."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+
+
 def main(args: argparse.Namespace) -> int:
+    compile_only_environment()
     job = load_job(args.file)
     try:
         plan_targets, notes = targets(job.spec, args.topology)

@@ -12,6 +12,7 @@ of the arguments it donates (``Program.carry``), as the learner and the sampler 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -75,20 +76,30 @@ def random_like(abstract: Any, shardings: Any, seed: int, scale: float = 0.02) -
     structure): floats normal with std ``scale`` (0: zeros), integers 0, booleans true. One
     program makes them all, each device its own shard, so no device holds a whole tree."""
     leaves, treedef = jax.tree.flatten(abstract)
-    where = treedef.flatten_up_to(shardings)
+    # None where the compiled program dropped an argument it never reads (the prefill's cache
+    # segment ids): any layout will do there.
+    where = tuple(jax.tree.leaves(jax.tree.map(lambda _, sharding: sharding, abstract, shardings),
+                                  is_leaf=lambda x: x is None))
+    make = _filler(tuple((tuple(leaf.shape), np.dtype(leaf.dtype)) for leaf in leaves), where, scale)
+    return jax.tree.unflatten(treedef, make(jax.random.key(seed)))
 
-    def fill(key: jax.Array, leaf: Any) -> jax.Array:
-        if jnp.issubdtype(leaf.dtype, jnp.floating):
-            return (scale * jax.random.normal(key, leaf.shape, jnp.float32)).astype(leaf.dtype)
-        if leaf.dtype == jnp.bool_:
-            return jnp.ones(leaf.shape, jnp.bool_)
-        return jnp.zeros(leaf.shape, leaf.dtype)
 
-    def make(key: jax.Array) -> list[jax.Array]:
+@functools.cache
+def _filler(leaves: tuple[tuple[tuple[int, ...], np.dtype], ...], where: tuple[Any, ...], scale: float) -> Any:
+    """``random_like``'s program, one per layout: the same tree again (the apply's gradients, the
+    decode's weights) compiles nothing new."""
+    def fill(key: jax.Array, shape: tuple[int, ...], dtype: np.dtype) -> jax.Array:
+        if jnp.issubdtype(dtype, jnp.floating):
+            return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        if dtype == np.bool_:
+            return jnp.ones(shape, jnp.bool_)
+        return jnp.zeros(shape, dtype)
+
+    def make(key: jax.Array) -> tuple[jax.Array, ...]:
         keys = jax.random.split(key, max(len(leaves), 1))
-        return [fill(k, leaf) for k, leaf in zip(keys, leaves, strict=False)]
+        return tuple(fill(k, shape, dtype) for k, (shape, dtype) in zip(keys, leaves, strict=False))
 
-    return jax.tree.unflatten(treedef, jax.jit(make, out_shardings=where)(jax.random.key(seed)))
+    return jax.jit(make, out_shardings=where)
 
 
 def full_batch(rows: int, length: int, vocab: int, seed: int) -> dict[str, np.ndarray]:
@@ -103,7 +114,7 @@ def full_batch(rows: int, length: int, vocab: int, seed: int) -> dict[str, np.nd
     return {name: micro.arrays[name] for name in train.DEVICE_FIELDS}
 
 
-def placed(values: Any, shardings: Any) -> Any:
+def on_devices(values: Any, shardings: Any) -> Any:
     """Host arrays (a tree) on the devices, laid out as ``shardings`` (the same tree)."""
     return jax.tree.map(jax.device_put, values, shardings)
 
@@ -187,7 +198,7 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
             scalars = {"version": trees.host_scalar(0, np.int32), "num_pairs": trees.host_scalar(1, np.float32),
                        "micro": trees.host_scalar(0, np.int32)}
             return (random_like(trainer.params, where_params, seed), random_like(trainer.frozen, where_frozen, seed + 1),
-                    placed(full_batch(rows, length, config.vocab_size, seed), where_batch), placed(scalars, where_scalars))
+                    on_devices(full_batch(rows, length, config.vocab_size, seed), where_batch), on_devices(scalars, where_scalars))
         return inputs
 
     def apply_inputs(shardings: Any, seed: int) -> tuple[Any, ...]:

@@ -20,7 +20,7 @@ from stoker.rollout.mesh import cache_sharding, param_shardings, rollout_mesh
 from stoker.rollout.sessions import session_length
 from stoker.rollout.settings import RolloutSettings
 from stoker.sizing.compiler import Slice, compile_program
-from stoker.sizing.programs import Program, matmul_params, model_config, placed, random_like, shard_bytes
+from stoker.sizing.programs import Program, matmul_params, model_config, on_devices, random_like, shard_bytes
 from stoker.spec import RLJobSpec, TransformerConfig
 
 
@@ -85,7 +85,7 @@ def rollout_programs(spec: RLJobSpec, slice_: Slice, *, kinds: Collection[str] |
                 np.broadcast_to(np.arange(slots, dtype=np.int32), (rows, slots)), np.ones((rows, slots), np.bool_),
                 np.full(rows, slots - 1, np.int32))
         return (random_like(state, shardings[0], seed), random_like(cache(rows), shardings[1], seed, 0.0),
-                *placed(host, tuple(shardings[2:])))
+                *on_devices(host, tuple(shardings[2:])))
 
     def decode_inputs(shardings: Any, seed: int) -> tuple[Any, ...]:
         # A step at the last slot of full rows: attention over the whole context, as decode_flops counts.
@@ -96,7 +96,7 @@ def rollout_programs(spec: RLJobSpec, slice_: Slice, *, kinds: Collection[str] |
         host = (rng.integers(0, config.vocab_size, rows, dtype=np.int32), np.full(rows, slots - 1, np.int32))
         return (random_like(state, shardings[0], seed),
                 full._replace(segment_ids=jax.device_put(filled, shardings[1].segment_ids)),
-                *placed(host, tuple(shardings[2:])))
+                *on_devices(host, tuple(shardings[2:])))
 
     out = []
     programs: tuple[tuple[str, Callable[..., Any], tuple[Any, ...], int, float, Callable[[Any, int], tuple[Any, ...]]], ...] = (

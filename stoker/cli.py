@@ -33,6 +33,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "import": ("stoker.learner.import_gguf", "write a GGUF file (llama.cpp, Ollama) as a Hugging Face-format directory"),
     "audit": ("stoker.sizing.audit", "measure latencies and size the actor pool that keeps the learner fed"),
     "plan": ("stoker.sizing.plan", "compile the job's programs for its TPU slices: per-chip memory, fits or not, speed bound"),
+    "bench": ("stoker.sizing.bench", "run the job's programs on this host's devices: seconds, tokens/s, MFU, peak memory beside the plan"),
 }
 
 
