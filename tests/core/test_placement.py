@@ -10,7 +10,26 @@ from stoker import chips
 from stoker.endpoints import parse
 from stoker.runner import placement
 from stoker.runner.local import AsyncRun, RunOptions
+from stoker.runner import local
 from stoker.spec import RLJob
+
+
+Started = list[tuple[str, list[str], dict[str, str]]]
+
+
+def record_children(monkeypatch: pytest.MonkeyPatch) -> Started:
+    """Children the run starts, recorded (name, argv, environment) instead of started."""
+    started: Started = []
+
+    class RecordingChild:
+        def __init__(self, name: str, argv: list[str], log: Path):
+            self.name, self.argv = name, argv
+
+        def start(self, env: dict[str, str]) -> None:
+            started.append((self.name, self.argv, env))
+
+    monkeypatch.setattr(local, "Child", RecordingChild)
+    return started
 
 
 def test_unix_by_default_with_one_socket_per_server_and_tcp_on_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -37,18 +56,7 @@ def test_on_a_tpu_host_the_learner_holds_the_chip_and_the_rest_run_on_the_cpu(tm
 def test_an_async_run_starts_its_servers_where_the_placement_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(chips, "host_chips", lambda dev="/dev": ["/dev/accel0"])
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
-    started: list[tuple[str, list[str], dict[str, str]]] = []
-
-    class RecordingChild:
-        def __init__(self, name: str, argv: list[str], log: Path):
-            self.name, self.argv = name, argv
-
-        def start(self, env: dict[str, str]) -> None:
-            started.append((self.name, self.argv, env))
-
-    from stoker.runner import local
-
-    monkeypatch.setattr(local, "Child", RecordingChild)
+    started = record_children(monkeypatch)
     monkeypatch.setattr(local, "wait_for_ready_file", lambda path, child: f"unix://{tmp_path}/run/sockets/buffer.sock")
     options = RunOptions(manifest=tmp_path / "job.yaml", job=RLJob(), mode="async", run_dir=tmp_path / "run", live=False)
     address = AsyncRun(options).start({"PATH": "/bin"})
@@ -64,18 +72,7 @@ def test_a_colocated_job_runs_its_learner_alone_on_the_chip(tmp_path: Path, monk
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(chips, "host_chips", lambda dev="/dev": ["/dev/accel0"])
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
-    started: list[tuple[str, list[str], dict[str, str]]] = []
-
-    class RecordingChild:
-        def __init__(self, name: str, argv: list[str], log: Path):
-            self.name, self.argv = name, argv
-
-        def start(self, env: dict[str, str]) -> None:
-            started.append((self.name, self.argv, env))
-
-    from stoker.runner import local
-
-    monkeypatch.setattr(local, "Child", RecordingChild)
+    started = record_children(monkeypatch)
     job = RLJob.model_validate({"apiVersion": "stoker.dev/v1alpha1", "kind": "RLJob", "metadata": {"name": "c"},
                                 "spec": {"mode": "colocated"}})
     options = RunOptions(manifest=tmp_path / "job.yaml", job=job, mode="async", run_dir=tmp_path / "run", live=False)
