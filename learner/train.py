@@ -98,6 +98,7 @@ class Trainer:
             if self.weight_dtype != jnp.float32:
                 raise ValueError("learner.weightDtype: LoRA trains float32 adapters on a base frozen in model.dtype; "
                                  "expected float32 with model.lora")
+            lora.check_lora_targets(model.config, options.lora)
             base = cast_floats(policy_state, self.compute_dtype)
             params["lora"] = lora.init_adapters(policy_state, model.config.num_layers, options.lora)
         else:

@@ -24,8 +24,9 @@ from stoker.spec import RLJobSpec, RopeScaling, TransformerConfig
 
 CONFIG_FILE = "config.json"
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "mixtral")
 GEMMA_TYPES = ("gemma2", "gemma3_text")
+MOE_TYPES = ("qwen3_moe", "mixtral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 
@@ -39,7 +40,7 @@ _INERT_KEYS = frozenset({
 # Keys whose only value the model supports is the one given (anything else is refused).
 _REQUIRED_VALUES: dict[str, Any] = {
     "attention_dropout": 0.0, "pretraining_tp": 1, "mlp_bias": False, "use_mrope": False,
-    "use_bidirectional_attention": False, "use_sliding_window": False,
+    "use_bidirectional_attention": False, "use_sliding_window": False, "router_jitter_noise": 0.0,
 }
 # Keys read into TransformerConfig (per family below).
 _COMMON_KEYS = frozenset({
@@ -51,6 +52,24 @@ _GEMMA_KEYS = frozenset({
     "hidden_activation", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
     "sliding_window", "layer_types", "sliding_window_pattern", "rope_local_base_freq",
 })
+# Mixture-of-experts keys (``stoker.model.moe``), with transformers' defaults for those left out.
+_MOE_KEYS = {
+    "qwen3_moe": frozenset({
+        "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+        "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "output_router_logits",
+    }),
+    "mixtral": frozenset({"num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "output_router_logits"}),
+}
+_MOE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {
+        "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1,
+        "mlp_only_layers": None, "router_aux_loss_coef": 0.001, "output_router_logits": False,
+    },
+    "mixtral": {"num_experts_per_tok": 2, "router_aux_loss_coef": 0.001, "output_router_logits": False},
+}
+# Mixtral's names for an expert's projections (w1 gate, w3 up, w2 down) and for a layer's MoE block.
+MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+MIXTRAL_BLOCK = "block_sparse_moe"
 _GEMMA2_DEFAULTS: dict[str, Any] = {
     "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
     "sliding_window": 4096,
@@ -181,6 +200,51 @@ def _check_keys(hf: Mapping[str, Any], known: frozenset[str]) -> None:
         )
 
 
+def _moe_settings(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """The ``TransformerConfig`` mixture-of-experts fields of a qwen3_moe or mixtral config.json.
+
+    Qwen3-MoE: layer i is sparse iff i is not in mlp_only_layers and (i + 1) % decoder_sparse_step
+    == 0; its experts are moe_intermediate_size wide, its dense layers intermediate_size.
+    Mixtral: every layer sparse, experts intermediate_size wide, top-k weights always renormalised."""
+    hf = {**_MOE_DEFAULTS[model_type], **hf}
+    experts = hf.get("num_local_experts")
+    if model_type == "qwen3_moe":  # transformers 5 aliases num_experts to num_local_experts
+        named = hf.get("num_experts")
+        if experts is not None and named is not None and experts != named:
+            raise CheckpointError(f"num_experts {named!r} disagrees with num_local_experts {experts!r}")
+        experts = named if named is not None else experts if experts is not None else 128
+    elif experts is None:
+        experts = 8
+    out: dict[str, Any] = {
+        "num_experts": experts, "num_experts_per_tok": hf["num_experts_per_tok"],
+        "router_aux_loss_coef": hf["router_aux_loss_coef"], "output_router_logits": hf["output_router_logits"],
+    }
+    if model_type == "qwen3_moe":
+        out |= {
+            "moe_intermediate_size": hf["moe_intermediate_size"], "norm_topk_prob": hf["norm_topk_prob"],
+            "decoder_sparse_step": hf["decoder_sparse_step"], "mlp_only_layers": tuple(hf["mlp_only_layers"] or ()),
+        }
+    return out
+
+
+def uses_mixtral_names(config: TransformerConfig) -> bool:
+    """Whether a checkpoint of this architecture names its experts as Mixtral does (a mixture of
+    experts without Qwen3's q/k norms)."""
+    return config.num_experts > 0 and not config.qk_norm
+
+
+def expert_weight_name(layer: int, expert: int, projection: str, mixtral: bool) -> str:
+    """The checkpoint name of one expert's projection (``gate_proj``, ``up_proj`` or ``down_proj``)."""
+    if mixtral:
+        return f"model.layers.{layer}.{MIXTRAL_BLOCK}.experts.{expert}.{MIXTRAL_EXPERT_NAMES[projection]}.weight"
+    return f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"
+
+
+def router_weight_name(layer: int, mixtral: bool) -> str:
+    """The checkpoint name of a sparse layer's router (Hugging Face's ``gate``)."""
+    return f"model.layers.{layer}.{MIXTRAL_BLOCK if mixtral else 'mlp'}.gate.weight"
+
+
 def config_from_hf(hf: Mapping[str, Any]) -> TransformerConfig:
     """``TransformerConfig`` from a Hugging Face ``config.json`` dict (either format)."""
     model_type = hf.get("model_type")
@@ -192,9 +256,10 @@ def config_from_hf(hf: Mapping[str, Any]) -> TransformerConfig:
     gemma = model_type in GEMMA_TYPES
     if gemma:  # transformers' defaults for keys a config.json leaves out
         hf = {**(_GEMMA2_DEFAULTS if model_type == "gemma2" else _GEMMA3_DEFAULTS), **hf}
-    _check_keys(hf, _COMMON_KEYS | _GEMMA_KEYS if gemma else _COMMON_KEYS | {"sliding_window"})
-    if model_type == "mistral" and hf.get("sliding_window") is not None:
-        raise CheckpointError("sliding-window attention is supported for Gemma only, not mistral")
+    known = _COMMON_KEYS | _GEMMA_KEYS if gemma else _COMMON_KEYS | {"sliding_window"}
+    _check_keys(hf, known | _MOE_KEYS.get(model_type, frozenset()))
+    if model_type in ("mistral", "mixtral") and hf.get("sliding_window") is not None:
+        raise CheckpointError(f"sliding-window attention is supported for Gemma only, not {model_type}")
     if not gemma:
         _check_full_attention(hf)
     if gemma:
@@ -220,9 +285,11 @@ def config_from_hf(hf: Mapping[str, Any]) -> TransformerConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             tie_embeddings=hf.get("tie_word_embeddings", gemma),
             attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             **_rope_settings(hf, gemma3=model_type == "gemma3_text"),
         )
+        if model_type in MOE_TYPES:
+            fields |= _moe_settings(hf, model_type)
         if gemma:
             fields |= dict(
                 mlp_activation="gelu-tanh",
@@ -246,6 +313,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> TransformerConfig:
 
 def model_type_of(config: TransformerConfig) -> str:
     """The Hugging Face family a config belongs to (the inverse of ``config_from_hf``)."""
+    if config.num_experts:
+        return _moe_type_of(config)
     if config.sandwich_norms:
         return "gemma3_text" if config.qk_norm else "gemma2"
     gemma_only = ("mlp_activation", "norm_unit_offset", "embedding_scale", "query_pre_attn_scalar",
@@ -258,7 +327,31 @@ def model_type_of(config: TransformerConfig) -> str:
     return "qwen2" if config.attention_bias else "llama"
 
 
+def _moe_type_of(config: TransformerConfig) -> str:
+    """qwen3_moe (q/k norms) or mixtral; a mixture of experts neither describes is refused."""
+    gemma = ("mlp_activation", "norm_unit_offset", "sandwich_norms", "embedding_scale", "query_pre_attn_scalar",
+             "attn_logit_softcap", "final_logit_softcap", "sliding_window", "rope_local_theta")
+    odd = [f for f in gemma if getattr(config, f) != TransformerConfig.model_fields[f].default]
+    if odd:
+        raise CheckpointError(f"no Hugging Face family has mixture-of-experts layers with {', '.join(map(to_camel, odd))}")
+    if config.qk_norm:
+        return "qwen3_moe"
+    mixtral = {
+        "normTopkProb": config.norm_topk_prob, "decoderSparseStep": config.decoder_sparse_step == 1,
+        "mlpOnlyLayers": not config.mlp_only_layers, "attentionBias": not config.attention_bias,
+        "moeIntermediateSize": config.expert_size == config.intermediate_size,
+    }
+    if not all(mixtral.values()):
+        wrong = ", ".join(name for name, ok in mixtral.items() if not ok)
+        raise CheckpointError(
+            f"a mixture of experts without qkNorm is Mixtral, which has none of {wrong} as configured "
+            "(Mixtral: normTopkProb true, every layer sparse, experts intermediateSize wide, no attention bias)"
+        )
+    return "mixtral"
+
+
 _ARCHITECTURES = {
+    "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
 }
@@ -275,6 +368,21 @@ def _rope_dict(theta: float, scaling: RopeScaling | None) -> dict[str, Any]:
             "original_max_position_embeddings": scaling.original_max_position_embeddings,
         }
     return out
+
+
+def _moe_to_hf(config: TransformerConfig, model_type: str) -> dict[str, Any]:
+    """The mixture-of-experts keys of a qwen3_moe or mixtral config.json."""
+    out: dict[str, Any] = {
+        "num_experts_per_tok": config.num_experts_per_tok, "router_aux_loss_coef": config.router_aux_loss_coef,
+        "output_router_logits": config.output_router_logits,
+    }
+    if model_type == "mixtral":
+        return out | {"num_local_experts": config.num_experts, "sliding_window": None}
+    return out | {
+        "num_experts": config.num_experts, "moe_intermediate_size": config.expert_size,
+        "norm_topk_prob": config.norm_topk_prob, "decoder_sparse_step": config.decoder_sparse_step,
+        "mlp_only_layers": list(config.mlp_only_layers), "use_sliding_window": False,
+    }
 
 
 def config_to_hf(config: TransformerConfig, dtype: str = "float32") -> dict[str, Any]:
@@ -300,8 +408,10 @@ def config_to_hf(config: TransformerConfig, dtype: str = "float32") -> dict[str,
         "rope_theta": config.rope_theta,
         "rope_scaling": None if config.rope_scaling is None else _rope_dict(config.rope_theta, config.rope_scaling),
     }
-    if model_type in ("llama", "qwen3", "gemma2", "gemma3_text"):
+    if model_type in ("llama", "qwen3", "gemma2", "gemma3_text", "qwen3_moe"):
         hf["attention_bias"] = config.attention_bias
+    if model_type in MOE_TYPES:
+        hf |= _moe_to_hf(config, model_type)
     if model_type not in GEMMA_TYPES:
         hf["hidden_act"] = "silu"
         hf["rope_parameters"] = _rope_dict(config.rope_theta, config.rope_scaling)
