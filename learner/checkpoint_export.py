@@ -112,6 +112,7 @@ def _policy(
     config = lora.LoraConfig(
         spec.model.lora.rank, spec.model.lora.alpha, tuple(spec.model.lora.targets), spec.model.lora.dropout, seed=spec.seed
     )
+    lora.check_lora_targets(base.config, config)
     graphdef, state = nnx.split(base)
     expected = lora.init_adapters(jax.eval_shape(lambda: state), base.config.num_layers, config)
     names, _ = flatten({"lora": expected})

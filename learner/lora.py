@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from stoker.spec import TransformerConfig
+
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 TARGETS = ATTENTION_TARGETS + MLP_TARGETS
@@ -46,6 +48,17 @@ class LoraConfig:
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+
+def check_lora_targets(architecture: TransformerConfig, config: LoraConfig) -> None:
+    """Refuse MLP targets on a mixture-of-experts model: its sparse layers have no single
+    gate/up/down projection to adapt (the experts are stacked, ``stoker.model.moe``)."""
+    mlp = [t for t in config.targets if t in MLP_TARGETS]
+    if architecture.num_experts and mlp:
+        raise ValueError(
+            f"LoRA on {', '.join(mlp)} of a mixture-of-experts model is not supported (its experts have no "
+            f"adapters); give model.lora.targets among {', '.join(ATTENTION_TARGETS)}"
+        )
 
 
 def target_paths(num_layers: int, targets: tuple[str, ...]) -> Iterator[tuple[str, int, str, str]]:

@@ -19,6 +19,7 @@ from stoker.learner.algorithms import LossConfig
 from stoker.learner.packing import MicroBatch
 from stoker.model.attention_kernels import Implementation
 from stoker.model.model import RematPolicy
+from stoker.model.moe import RouterStats, load_balancing_loss
 
 ALGORITHMS = ("grpo", "ppo", "gspo", "dpo", "sft", "distill")
 
@@ -128,6 +129,23 @@ def per_shard_loss(
         for key, value in stats.items()
     }
     return combined["loss"], combined
+
+
+def add_router_loss(
+    loss: jax.Array, stats: dict[str, jax.Array], routing: RouterStats, coef: float, share: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """A mixture of experts' micro-batch: ``coef * share * load_balancing_loss(routing)`` added to
+    the loss (``share``: the micro-batch's part of the batch's objective, the sum of its token
+    weights, so the micro-batches add up to the batch's loss with coef times their mean aux loss),
+    and the routing's sums added to the stats (``finalize_stats`` reports the batch's aux loss and
+    expert load from them). ``coef`` 0: reported only."""
+    stats = {**stats, "moe_tokens": routing.tokens}
+    for e in range(routing.load.shape[0]):
+        stats[f"moe_load_{e}"] = routing.load[e]
+        stats[f"moe_prob_{e}"] = jax.lax.stop_gradient(routing.probs[e])
+    if coef > 0:
+        loss = loss + coef * share * load_balancing_loss(routing)
+    return loss, stats
 
 
 def assign_weights(micros: list[MicroBatch], trainable: list[np.ndarray], mode: str) -> None:

@@ -35,13 +35,14 @@ from stoker.learner.packing import FIELDS, MicroBatch
 # Re-exported: train.StepOptions, train.assign_weights, train.ValueNetwork, as callers name them.
 from stoker.learner.step import StepOptions as StepOptions
 from stoker.learner.step import assign_weights as assign_weights
-from stoker.learner.step import per_shard_loss
+from stoker.learner.step import add_router_loss, per_shard_loss
 from stoker.learner.trees import abstract_placed, cast_floats, float_dtype, fresh_copy, host_scalar
 from stoker.learner.value_network import ValueNetwork as ValueNetwork
 from stoker.learner.value_network import init_value_network as init_value_network
 from stoker.model.attention_kernels import rows_split_over
 from stoker.model.logprobs import TokenStats, token_stats
 from stoker.model.model import Transformer
+from stoker.model.moe import RouterStats
 from stoker.model.training_layout import TrainingLayout, training_layout
 
 # Batch arrays the device needs (sequence_index stays on the host).
@@ -80,6 +81,9 @@ class Trainer:
         weight_dtype: Any = jnp.float32,
     ):
         self.options = options
+        # Hugging Face trains with the router's loss only when output_router_logits is set.
+        arch = model.config
+        self.router_aux_coef = arch.router_aux_loss_coef if arch.output_router_logits else 0.0
         self.schedule = schedule  # the optimizer's learning rate per update, for the metrics
         self.mesh = mesh
         self.optimizer = optimizer
@@ -98,6 +102,7 @@ class Trainer:
             if self.weight_dtype != jnp.float32:
                 raise ValueError("learner.weightDtype: LoRA trains float32 adapters on a base frozen in model.dtype; "
                                  "expected float32 with model.lora")
+            lora.check_lora_targets(model.config, options.lora)
             base = cast_floats(policy_state, self.compute_dtype)
             params["lora"] = lora.init_adapters(policy_state, model.config.num_layers, options.lora)
         else:
@@ -197,9 +202,10 @@ class Trainer:
     def _forward_logprobs(
         self, policy: Any, batch: dict[str, jax.Array], *, full: bool = True, adapters: Any = None,
         dropout_key: jax.Array | None = None, graphdef: Any = None,
-    ) -> TokenStats:
+    ) -> tuple[TokenStats, RouterStats]:
         """The policy's per-token stats at the targets, the logits a chunk at a time
-        (``logprobs.token_stats``); ``full=False``: log-probs only (the reference policy).
+        (``logprobs.token_stats``), and its routing sums (a mixture of experts'); ``full=False``:
+        log-probs only (the reference policy).
         ``adapters``: LoRA's, on the frozen ``policy`` (``stoker.learner.lora``)."""
         model = nnx.merge(self.policy_def if graphdef is None else graphdef, cast_floats(policy, self.compute_dtype))
         if adapters is not None:
@@ -212,11 +218,11 @@ class Trainer:
         )
         # Each device attends over its own rows; the layer loop keeps the training layout.
         with rows_split_over(self.mesh, sharding.FSDP), training_layout(layout):
-            hidden = model.hidden_states(
+            hidden, routing = model.hidden_states_and_routing(
                 batch["tokens"], batch["positions"], batch["segment_ids"], remat=self.options.remat if full else "none",
                 kernel=self.options.attention,
             )
-        return token_stats(
+        stats = token_stats(
             hidden,
             model.output_head(),
             batch["targets"],
@@ -228,6 +234,7 @@ class Trainer:
             # For stuck groups' tokens (algorithms.stuck_unlikelihood).
             log_not_taken=full and self.options.algorithm in ("grpo", "gspo"),
         )
+        return stats, routing
 
     def _loss(
         self, params: dict[str, Any], frozen: dict[str, Any], batch: dict[str, jax.Array], scalars: dict[str, jax.Array],
@@ -236,14 +243,14 @@ class Trainer:
         adapters = params.get("lora")
         reference = frozen.get("reference")
         if adapters is None:
-            policy = self._forward_logprobs(params["policy"], batch)
+            policy, routing = self._forward_logprobs(params["policy"], batch)
         else:
             config = self.options.lora
             assert config is not None
             key = None
             if train and config.dropout > 0:  # a fresh mask per update and micro-batch
                 key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.seed), scalars["version"]), scalars["micro"])
-            policy = self._forward_logprobs(frozen["base"], batch, adapters=adapters, dropout_key=key)
+            policy, routing = self._forward_logprobs(frozen["base"], batch, adapters=adapters, dropout_key=key)
             reference = frozen["base"] if self.options.needs_reference else None
         logp = policy.logprobs
         extras: dict[str, jax.Array] = {}
@@ -252,10 +259,10 @@ class Trainer:
         if policy.log_not_taken is not None:
             extras["log_not_taken"] = policy.log_not_taken
         if "teacher" in frozen:
-            teacher = self._forward_logprobs(frozen["teacher"], batch, full=False, graphdef=self.teacher_def)
+            teacher, _ = self._forward_logprobs(frozen["teacher"], batch, full=False, graphdef=self.teacher_def)
             extras["teacher_logprobs"] = jax.lax.stop_gradient(teacher.logprobs)
         if reference is not None:
-            extras["ref_logprobs"] = jax.lax.stop_gradient(self._forward_logprobs(reference, batch, full=False).logprobs)
+            extras["ref_logprobs"] = jax.lax.stop_gradient(self._forward_logprobs(reference, batch, full=False)[0].logprobs)
         if self.value_def is not None:
             critic = nnx.merge(self.value_def, cast_floats(params["value"], self.compute_dtype))
             extras["values"] = critic(batch["tokens"], batch["positions"], batch["segment_ids"])
@@ -267,6 +274,8 @@ class Trainer:
             out_specs=(PartitionSpec(), PartitionSpec()),
         )
         loss, stats = per_shard(logp, extras, batch, scalars)
+        if routing.load.shape[0]:  # a mixture of experts: its load-balancing loss and load
+            loss, stats = add_router_loss(loss, stats, routing, self.router_aux_coef, jnp.sum(batch["weights"]))
         return loss, stats
 
     def _grad_impl(

@@ -14,8 +14,16 @@ The NNX modules carry Hugging Face's names, so the mapping is mechanical:
 
 Supported families (``stoker.hfconfig`` reads config.json): ``llama`` (Llama 3.1+ rope scaling
 too), ``mistral`` (without a sliding window), ``qwen2`` (q/k/v biases), ``qwen3`` (per-head q/k
-norms), ``gemma2`` and ``gemma3_text``. Anything else is refused with a clear message rather than
-loaded subtly wrong.
+norms), ``gemma2``, ``gemma3_text``, and the mixtures of experts ``qwen3_moe`` and ``mixtral``.
+Anything else is refused with a clear message rather than loaded subtly wrong.
+
+Experts are the exception to the rename-plus-transpose rule: the model holds each layer's experts
+stacked (``layers/0/mlp/experts/gate_proj`` [E, in, out]), checkpoints hold one tensor per expert
+(``model.layers.0.mlp.experts.5.gate_proj.weight`` [out, in]; Mixtral:
+``model.layers.0.block_sparse_moe.experts.5.w1.weight``, its router ``block_sparse_moe.gate``).
+``hf_name`` names a stack ``model.layers.0.mlp.experts.gate_proj``, untransposed: the weight
+channel sends it whole under that name; ``to_hf`` splits it into the checkpoint's tensors and
+``load_hf`` stacks them back (it takes either form).
 """
 
 from __future__ import annotations
@@ -35,8 +43,10 @@ from flax import nnx
 from safetensors import SafetensorError, TensorSpec, deserialize, serialize
 
 from stoker.checkpoint_files import IGNORED_SUFFIXES, INDEX_FILE, WEIGHTS_FILE, weight_files
+from stoker.hf_experts import uses_mixtral_names
 from stoker.hfconfig import CONFIG_FILE, CheckpointError, config_from_hf, config_to_hf, read_config
 from stoker.model.model import Transformer
+from stoker.model.moe import checkpoint_name, is_expert_stack, split_experts, stack_experts
 
 __all__ = [
     "CheckpointError", "config_from_hf", "config_to_hf", "read_config", "load_checkpoint", "save_checkpoint",
@@ -117,6 +127,8 @@ def read_safetensors(path: str | Path, *, mmap: bool = False) -> dict[str, np.nd
 def hf_name(path: tuple[Any, ...]) -> tuple[str, bool]:
     """HF tensor name for an NNX parameter path, and whether the array is transposed between them."""
     *module, leaf = (str(p) for p in path)
+    if is_expert_stack(tuple(module), leaf):
+        return f"model.{'.'.join(module)}.{leaf}", False
     if leaf not in ("kernel", "embedding", "weight", "bias"):
         raise ValueError(f"no Hugging Face name for parameter {'/'.join(map(str, path))}")
     prefix = "" if module and module[0] == "lm_head" else "model."
@@ -130,15 +142,48 @@ def param_items(model: nnx.Module) -> list[tuple[tuple[Any, ...], nnx.Variable[A
     return list(nnx.to_flat_state(nnx.state(model, nnx.Param)))
 
 
+def _mixtral(model: nnx.Module) -> bool:
+    config = getattr(model, "config", None)
+    return config is not None and uses_mixtral_names(config)
+
+
 def to_hf(model: nnx.Module) -> dict[str, np.ndarray]:
-    """Every parameter as a host numpy array under its HF name, in the model's dtype."""
+    """Every parameter as a host numpy array under its HF name, in the model's dtype (experts one
+    tensor each, as checkpoints hold them)."""
     items = param_items(model)
     values = jax.device_get([var.get_value() for _, var in items])
+    mixtral = _mixtral(model)
     out: dict[str, np.ndarray] = {}
     for (path, _), value in zip(items, values, strict=True):
         name, transpose = hf_name(path)
         arr = np.asarray(value)
-        out[name] = np.ascontiguousarray(arr.T) if transpose else arr
+        if is_expert_stack(tuple(str(p) for p in path[:-1]), str(path[-1])):
+            out |= split_experts(name, arr, mixtral)
+        else:
+            out[checkpoint_name(name, mixtral)] = np.ascontiguousarray(arr.T) if transpose else arr
+    return out
+
+
+def _stoker_names(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+    """``flat`` under ``hf_name``'s names: a checkpoint's per-expert tensors stacked, Mixtral's
+    ``block_sparse_moe`` renamed ``mlp``. Anything else (a dense model's tensors, stacks the weight
+    channel sent whole) is passed through."""
+    config = getattr(model, "config", None)
+    if config is None or not config.num_experts:
+        return flat
+    mixtral = uses_mixtral_names(config)
+    out = dict(flat)
+    if mixtral:
+        for name in [n for n in out if ".block_sparse_moe.gate." in n]:
+            out[name.replace(".block_sparse_moe.", ".mlp.", 1)] = out.pop(name)
+    for path, _ in param_items(model):
+        stacked, _ = hf_name(path)
+        if is_expert_stack(tuple(str(p) for p in path[:-1]), str(path[-1])) and stacked not in out:
+            found = stack_experts(out, stacked, config.num_experts, mixtral)
+            if found is not None:
+                out[stacked] = found[0]
+                for name in found[1]:
+                    del out[name]
     return out
 
 
@@ -152,6 +197,7 @@ def load_hf(model: nnx.Module, flat: Mapping[str, np.ndarray]) -> None:
     if callable(load_into):
         load_into(model)
         return
+    flat = _stoker_names(model, flat)
     items = param_items(model)
     expected = {hf_name(path)[0] for path, _ in items}
     tied = getattr(model, "lm_head", "absent") is None

@@ -1,5 +1,6 @@
 """The transformer's layers: RMSNorm, grouped-query attention with rotary embeddings, the gated
-MLP and the pre-norm block that holds them, each under Hugging Face's names.
+MLP (or a mixture of experts, ``stoker.model.moe``) and the pre-norm block that holds them, each
+under Hugging Face's names.
 
 The equations, and what each ``TransformerConfig`` field changes for Gemma: ``stoker.model.model``.
 """
@@ -15,6 +16,7 @@ from flax import nnx
 
 from stoker.model.attention import Visibility
 from stoker.model.attention_kernels import Implementation, attend
+from stoker.model.moe import RouterStats, SparseMoE
 from stoker.model.rope import inverse_frequencies, rotary
 from stoker.spec import TransformerConfig
 
@@ -140,15 +142,39 @@ class Block(nnx.Module):
         self.post_attention_layernorm = norm_layer(config, hidden, dtype)
         self.pre_feedforward_layernorm: RMSNorm | None = norm_layer(config, hidden, dtype) if config.sandwich_norms else None
         self.post_feedforward_layernorm: RMSNorm | None = norm_layer(config, hidden, dtype) if config.sandwich_norms else None
-        self.mlp = MLP(config, dtype=dtype, rngs=rngs)
+        # A mixture-of-experts layer (``stoker.model.moe``) keeps Hugging Face's name for its MLP.
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(config, dtype=dtype, rngs=rngs) if config.is_moe_layer(layer) else MLP(config, dtype=dtype, rngs=rngs)
+        )
 
     def finish(self, h: jax.Array, attended: jax.Array) -> jax.Array:
         """The residual stream after this layer, given its attention output."""
+        return self._finish(h, attended, None)[0]
+
+    def _feed_forward(self, x: jax.Array, valid: jax.Array | None) -> tuple[jax.Array, RouterStats | None]:
+        if valid is not None and isinstance(self.mlp, SparseMoE):
+            return self.mlp.with_stats(x, valid)
+        return self.mlp(x), None
+
+    def _finish(
+        self, h: jax.Array, attended: jax.Array, valid: jax.Array | None
+    ) -> tuple[jax.Array, RouterStats | None]:
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
             h = h + attended
-            return h + self.mlp(self.post_attention_layernorm(h))
+            out, stats = self._feed_forward(self.post_attention_layernorm(h), valid)
+            return h + out, stats
         h = h + self.post_attention_layernorm(attended)
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        out, stats = self._feed_forward(self.pre_feedforward_layernorm(h), valid)
+        return h + self.post_feedforward_layernorm(out), stats
+
+    def routed(
+        self, h: jax.Array, positions: jax.Array, vis: Visibility, valid: jax.Array, kernel: Implementation = "blockwise"
+    ) -> tuple[jax.Array, RouterStats | None]:
+        """The training forward (self-attention over the tokens themselves), with a sparse layer's
+        routing sums over the ``valid`` tokens (None for a dense layer)."""
+        x = self.input_layernorm(h)
+        k, v = self.self_attn.project_kv(x, positions)
+        return self._finish(h, self.self_attn(x, positions, k, v, vis, kernel), valid)
 
     def __call__(
         self, h: jax.Array, positions: jax.Array, vis: Visibility, kernel: Implementation = "blockwise"

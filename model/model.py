@@ -24,6 +24,9 @@ report, arXiv:2503.19786) change, each behind a ``TransformerConfig`` field:
     local layers attend within a sliding window; Gemma 3 gives them their own rotary base
     and normalises each query/key head (qkNorm); final logits soft-capped (Gemma 2).
 
+Qwen3-MoE and Mixtral replace the MLP of their sparse layers by a router and top-k experts
+(``stoker.model.moe``, selected by ``TransformerConfig.is_moe_layer``).
+
 Packed rows: ``segment_ids`` label which sequence each token belongs to (0 = padding). A query
 attends to key j only if both share the same nonzero segment and j is not after it, so sequences
 packed side by side never see each other; ``positions`` restart at 0 for each sequence.
@@ -44,6 +47,7 @@ from stoker.model.attention import Visibility
 from stoker.model.attention_kernels import Implementation
 from stoker.model.layers import Block, LayerCache, norm_layer
 from stoker.model.logprobs import OutputHead
+from stoker.model.moe import RouterStats
 from stoker.model.training_layout import place_residual, place_stacked
 from stoker.spec import TransformerConfig
 
@@ -73,51 +77,75 @@ def packed_visibility(segment_ids: jax.Array) -> Visibility:
     return Visibility(index, index, segment_ids, segment_ids)
 
 
-def _remat_block(
-    block: Block, policy: RematPolicy, kernel: Implementation
-) -> Callable[[jax.Array, jax.Array, Visibility], jax.Array]:
-    """``block`` as h -> h, rematerialised under ``policy`` (the backward recomputes its insides)."""
+LayerStep = Callable[[jax.Array, jax.Array, Visibility, jax.Array], tuple[jax.Array, RouterStats]]
+
+
+def _routed(
+    block: Block, h: jax.Array, positions: jax.Array, vis: Visibility, valid: jax.Array, kernel: Implementation,
+    num_experts: int,
+) -> tuple[jax.Array, RouterStats]:
+    """One layer of the training forward: new h and its routing sums (zeros for a dense layer, so
+    that every layer of a scanned group returns the same structure)."""
+    h, stats = block.routed(h, positions, vis, valid, kernel)
+    return h, stats if stats is not None else RouterStats.zeros(num_experts)
+
+
+def _remat_block(block: Block, policy: RematPolicy, kernel: Implementation, num_experts: int) -> LayerStep:
+    """``block`` as (h, positions, vis, valid) -> (h, routing sums), rematerialised under
+    ``policy`` (the backward recomputes its insides)."""
     if policy == "none":
-        return lambda h, positions, vis: block(h, positions, vis, kernel)[0]
+        return lambda h, positions, vis, valid: _routed(block, h, positions, vis, valid, kernel, num_experts)
     if policy not in _REMAT_POLICIES:
         raise ValueError(f"remat policy {policy!r}; expected one of none, {', '.join(_REMAT_POLICIES)}")
     graphdef, state = nnx.split(block)
 
-    def step(state: Any, h: jax.Array, positions: jax.Array, vis: Visibility) -> jax.Array:
-        return nnx.merge(graphdef, state)(h, positions, vis, kernel)[0]
+    def step(
+        state: Any, h: jax.Array, positions: jax.Array, vis: Visibility, valid: jax.Array
+    ) -> tuple[jax.Array, RouterStats]:
+        return _routed(nnx.merge(graphdef, state), h, positions, vis, valid, kernel, num_experts)
 
     # Unrolled checkpointed layers: XLA's CPU pipeline drops the barriers that keep the
     # recomputation apart and merges it back into the forward pass (benchmarks/README.md,
     # "Learner memory"), so most layers go through _scan_layers; this serves the few left over.
     stepped = jax.checkpoint(step, policy=_REMAT_POLICIES[policy], prevent_cse=True)
-    return lambda h, positions, vis: stepped(state, h, positions, vis)
+    return lambda h, positions, vis, valid: stepped(state, h, positions, vis, valid)
+
+
+def layer_period(config: TransformerConfig) -> int:
+    """The smallest p with layer i built like layer i % p throughout (local or global attention,
+    dense MLP or experts): the group ``_scan_layers`` stacks, whose states must share a structure."""
+    kinds = [(config.is_local_layer(i), config.is_moe_layer(i)) for i in range(config.num_layers)]
+    return next(p for p in range(1, len(kinds) + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds)))
 
 
 def _scan_layers(
-    layers: list[Block], h: jax.Array, positions: jax.Array, vis: Visibility, policy: RematPolicy, period: int,
-    kernel: Implementation,
-) -> tuple[jax.Array, list[Block]]:
+    layers: list[Block], h: jax.Array, positions: jax.Array, vis: Visibility, valid: jax.Array, policy: RematPolicy,
+    period: int, kernel: Implementation, num_experts: int,
+) -> tuple[jax.Array, RouterStats, list[Block]]:
     """Run the leading groups of ``period`` layers (layers alike at the same place in their group:
     Gemma's local/global pattern) as a ``lax.scan`` over their stacked parameters, each group
-    rematerialised; return h and the layers left over (fewer than ``period``).
+    rematerialised; return h, the groups' routing sums and the layers left over (fewer than ``period``).
 
     A loop, unlike unrolled checkpointed layers, keeps each group's recomputation inside the
     backward loop's body, where no compiler pass can merge it into the forward pass. The stacked
     copy of the layers' parameters (and of their gradients) is the price: ~2x the layers' weights."""
     groups = len(layers) // period
     if groups < 2:
-        return h, layers
+        return h, RouterStats.zeros(num_experts), layers
     graphdef, _ = nnx.split(nnx.List(layers[:period]))
     states = [nnx.split(nnx.List(layers[g * period : (g + 1) * period]))[1] for g in range(groups)]
     stacked = place_stacked(jax.tree.map(lambda *xs: jnp.stack(xs), *states))
 
-    def body(h: jax.Array, state: Any) -> tuple[jax.Array, None]:
+    def body(carry: tuple[jax.Array, RouterStats], state: Any) -> tuple[tuple[jax.Array, RouterStats], None]:
+        h, sums = carry
         for block in nnx.merge(graphdef, state):
-            h = place_residual(block(place_residual(h), positions, vis, kernel)[0])
-        return h, None
+            h, stats = _routed(block, place_residual(h), positions, vis, valid, kernel, num_experts)
+            h, sums = place_residual(h), sums + stats
+        return (h, sums), None
 
-    h, _ = jax.lax.scan(jax.checkpoint(body, policy=_REMAT_POLICIES[policy], prevent_cse=True), h, stacked)
-    return h, layers[groups * period :]
+    scanned = jax.checkpoint(body, policy=_REMAT_POLICIES[policy], prevent_cse=True)
+    (h, sums), _ = jax.lax.scan(scanned, (h, RouterStats.zeros(num_experts)), stacked)
+    return h, sums, layers[groups * period :]
 
 
 class Transformer(nnx.Module):
@@ -173,14 +201,28 @@ class Transformer(nnx.Module):
 
         ``remat``: rematerialise each layer (``ModelSpec.remat``); ``kernel``: the attention
         implementation (``ModelSpec.attention``, resolved); the values are the same."""
+        return self.hidden_states_and_routing(token_ids, positions, segment_ids, remat=remat, kernel=kernel)[0]
+
+    def hidden_states_and_routing(
+        self, token_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array, *, remat: RematPolicy = "none",
+        kernel: Implementation = "blockwise",
+    ) -> tuple[jax.Array, RouterStats]:
+        """``hidden_states`` and the sparse layers' routing sums over the real tokens (segment id
+        > 0; [0]-shaped for a dense model), for the load-balancing loss (``stoker.model.moe``)."""
         vis = packed_visibility(segment_ids)
+        valid = segment_ids > 0
+        experts = self.config.num_experts
         h = place_residual(self.embed(token_ids))
         layers = list(self.layers)
+        sums = RouterStats.zeros(experts)
         if remat != "none":
-            h, layers = _scan_layers(layers, h, positions, vis, remat, self.config.global_layer_every or 1, kernel)
+            h, sums, layers = _scan_layers(
+                layers, h, positions, vis, valid, remat, layer_period(self.config), kernel, experts
+            )
         for block in layers:
-            h = place_residual(_remat_block(block, remat, kernel)(h, positions, vis))
-        return self.norm(h)
+            h, stats = _remat_block(block, remat, kernel, experts)(h, positions, vis, valid)
+            h, sums = place_residual(h), sums + stats
+        return self.norm(h), sums
 
     def __call__(
         self, token_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array, kernel: Implementation = "blockwise"

@@ -14,7 +14,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from stoker.hfconfig import CheckpointError
+from stoker.checkpoint_error import CheckpointError
+from stoker.hf_experts import expert_weight_name, router_weight_name, uses_mixtral_names
 from stoker.spec import TransformerConfig
 
 WEIGHTS_FILE = "model.safetensors"
@@ -115,6 +116,19 @@ def checkpoint_tensors(directory: str | Path) -> dict[str, TensorInfo]:
     return out
 
 
+def _expert_tensors(config: TransformerConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """A sparse layer's router and experts, one tensor per expert (Qwen3-MoE's or Mixtral's names)."""
+    mixtral, hidden, inter = uses_mixtral_names(config), config.hidden_size, config.expert_size
+    out: dict[str, tuple[int, ...]] = {router_weight_name(layer, mixtral): (config.num_experts, hidden)}
+    for e in range(config.num_experts):
+        out |= {
+            expert_weight_name(layer, e, "gate_proj", mixtral): (inter, hidden),
+            expert_weight_name(layer, e, "up_proj", mixtral): (inter, hidden),
+            expert_weight_name(layer, e, "down_proj", mixtral): (hidden, inter),
+        }
+    return out
+
+
 def expected_tensors(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor name -> shape for every parameter of the architecture (PyTorch's
     [out, in] layout), as ``stoker.model.hf.to_hf`` names them."""
@@ -131,12 +145,17 @@ def expected_tensors(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv * head_dim, hidden),
             p + "self_attn.v_proj.weight": (kv * head_dim, hidden),
             p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
             p + "input_layernorm.weight": (hidden,),
             p + "post_attention_layernorm.weight": (hidden,),
         }
+        if config.is_moe_layer(i):
+            out |= _expert_tensors(config, i)
+        else:
+            out |= {
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter),
+            }
         if config.attention_bias:
             out |= {
                 p + "self_attn.q_proj.bias": (heads * head_dim,),

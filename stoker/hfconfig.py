@@ -20,12 +20,15 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic.alias_generators import to_camel
 
+from stoker.checkpoint_error import CheckpointError
+from stoker.hf_experts import MOE_KEYS, moe_settings, moe_to_hf, moe_type_of
 from stoker.spec import RLJobSpec, RopeScaling, TransformerConfig
 
 CONFIG_FILE = "config.json"
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "mixtral")
 GEMMA_TYPES = ("gemma2", "gemma3_text")
+MOE_TYPES = ("qwen3_moe", "mixtral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 
@@ -39,7 +42,7 @@ _INERT_KEYS = frozenset({
 # Keys whose only value the model supports is the one given (anything else is refused).
 _REQUIRED_VALUES: dict[str, Any] = {
     "attention_dropout": 0.0, "pretraining_tp": 1, "mlp_bias": False, "use_mrope": False,
-    "use_bidirectional_attention": False, "use_sliding_window": False,
+    "use_bidirectional_attention": False, "use_sliding_window": False, "router_jitter_noise": 0.0,
 }
 # Keys read into TransformerConfig (per family below).
 _COMMON_KEYS = frozenset({
@@ -64,10 +67,6 @@ _ROPE_SCALING_KEYS = {
     "linear": {"rope_theta", "factor"},
     "llama3": {"rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded into (or does not match) the model."""
 
 
 # ----------------------------------------------------------------------------------- rope
@@ -192,9 +191,10 @@ def config_from_hf(hf: Mapping[str, Any]) -> TransformerConfig:
     gemma = model_type in GEMMA_TYPES
     if gemma:  # transformers' defaults for keys a config.json leaves out
         hf = {**(_GEMMA2_DEFAULTS if model_type == "gemma2" else _GEMMA3_DEFAULTS), **hf}
-    _check_keys(hf, _COMMON_KEYS | _GEMMA_KEYS if gemma else _COMMON_KEYS | {"sliding_window"})
-    if model_type == "mistral" and hf.get("sliding_window") is not None:
-        raise CheckpointError("sliding-window attention is supported for Gemma only, not mistral")
+    known = _COMMON_KEYS | _GEMMA_KEYS if gemma else _COMMON_KEYS | {"sliding_window"}
+    _check_keys(hf, known | MOE_KEYS.get(model_type, frozenset()))
+    if model_type in ("mistral", "mixtral") and hf.get("sliding_window") is not None:
+        raise CheckpointError(f"sliding-window attention is supported for Gemma only, not {model_type}")
     if not gemma:
         _check_full_attention(hf)
     if gemma:
@@ -220,9 +220,11 @@ def config_from_hf(hf: Mapping[str, Any]) -> TransformerConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             tie_embeddings=hf.get("tie_word_embeddings", gemma),
             attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             **_rope_settings(hf, gemma3=model_type == "gemma3_text"),
         )
+        if model_type in MOE_TYPES:
+            fields |= moe_settings(hf, model_type)
         if gemma:
             fields |= dict(
                 mlp_activation="gelu-tanh",
@@ -246,6 +248,8 @@ def config_from_hf(hf: Mapping[str, Any]) -> TransformerConfig:
 
 def model_type_of(config: TransformerConfig) -> str:
     """The Hugging Face family a config belongs to (the inverse of ``config_from_hf``)."""
+    if config.num_experts:
+        return moe_type_of(config)
     if config.sandwich_norms:
         return "gemma3_text" if config.qk_norm else "gemma2"
     gemma_only = ("mlp_activation", "norm_unit_offset", "embedding_scale", "query_pre_attn_scalar",
@@ -259,6 +263,7 @@ def model_type_of(config: TransformerConfig) -> str:
 
 
 _ARCHITECTURES = {
+    "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
 }
@@ -300,8 +305,10 @@ def config_to_hf(config: TransformerConfig, dtype: str = "float32") -> dict[str,
         "rope_theta": config.rope_theta,
         "rope_scaling": None if config.rope_scaling is None else _rope_dict(config.rope_theta, config.rope_scaling),
     }
-    if model_type in ("llama", "qwen3", "gemma2", "gemma3_text"):
+    if model_type in ("llama", "qwen3", "gemma2", "gemma3_text", "qwen3_moe"):
         hf["attention_bias"] = config.attention_bias
+    if model_type in MOE_TYPES:
+        hf |= moe_to_hf(config, model_type)
     if model_type not in GEMMA_TYPES:
         hf["hidden_act"] = "silu"
         hf["rope_parameters"] = _rope_dict(config.rope_theta, config.rope_scaling)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_serializer, model_validator
 
 from stoker.spec_base import SpecModel
 
@@ -27,7 +27,8 @@ class RopeScaling(SpecModel):
 
 
 class TransformerConfig(SpecModel):
-    """Architecture of the decoder-only policy (Llama, Qwen2/3, Gemma 2/3 families).
+    """Architecture of the decoder-only policy (Llama, Qwen2/3, Gemma 2/3 families; Qwen3-MoE and
+    Mixtral mixtures of experts).
 
     With ``model.checkpoint`` set, this is read from the checkpoint's config.json; fields written
     in the manifest must then agree with it."""
@@ -64,6 +65,32 @@ class TransformerConfig(SpecModel):
         None, ge=1, description="With slidingWindow: layer i is global iff (i + 1) % this == 0, the rest local (Gemma 2: 2, Gemma 3: 6)."
     )
     rope_local_theta: float | None = Field(None, gt=0, description="Rotary base of local layers; ropeTheta when unset (Gemma 3).")
+    num_experts: int = Field(0, ge=0, description="Routed experts in each mixture-of-experts layer; 0: every layer dense.")
+    num_experts_per_tok: int = Field(2, ge=1, description="Experts each token is routed to (top-k).")
+    moe_intermediate_size: int | None = Field(
+        None, ge=8, description="Each expert's SwiGLU hidden width; intermediateSize when unset (Mixtral)."
+    )
+    norm_topk_prob: bool = Field(
+        True, description="Renormalise the top-k routing weights to sum to 1 (Mixtral always; Qwen3-MoE as configured)."
+    )
+    decoder_sparse_step: int = Field(
+        1, ge=1, description="With numExperts: layer i is a mixture-of-experts layer iff (i + 1) % this == 0 (Qwen3-MoE)."
+    )
+    mlp_only_layers: tuple[int, ...] = Field(
+        (), description="Layers that keep a dense MLP even where decoderSparseStep makes them sparse (Qwen3-MoE)."
+    )
+    router_aux_loss_coef: float = Field(
+        0.0, ge=0, description="Weight of the router's load-balancing loss in training (with outputRouterLogits)."
+    )
+    output_router_logits: bool = Field(
+        False, description="Train with the router's load-balancing loss (Hugging Face's switch for routerAuxLossCoef)."
+    )
+
+    @field_serializer("mlp_only_layers")
+    def _as_list(self, layers: tuple[int, ...]) -> list[int]:
+        # A tuple keeps the config hashable (programs are cached per config); manifests and the
+        # CRD's schema see an array.
+        return list(layers)
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TransformerConfig:
@@ -73,11 +100,26 @@ class TransformerConfig(SpecModel):
             raise ValueError("hiddenSize must be a multiple of numHeads when headDim is unset")
         if (self.sliding_window is None) != (self.global_layer_every is None):
             raise ValueError("slidingWindow and globalLayerEvery go together")
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise ValueError("numExpertsPerTok must not exceed numExperts")
+        if any(not 0 <= i < self.num_layers for i in self.mlp_only_layers):
+            raise ValueError(f"mlpOnlyLayers {list(self.mlp_only_layers)}: every index must be a layer (0..numLayers-1)")
         return self
 
     def is_local_layer(self, index: int) -> bool:
         """Whether layer ``index`` attends through the sliding window."""
         return self.global_layer_every is not None and (index + 1) % self.global_layer_every != 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer ``index`` routes its tokens to experts (Qwen3-MoE's rule; Mixtral: every layer)."""
+        return (
+            self.num_experts > 0 and index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def expert_size(self) -> int:
+        """Each expert's SwiGLU hidden width."""
+        return self.moe_intermediate_size if self.moe_intermediate_size is not None else self.intermediate_size
 
 
 LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

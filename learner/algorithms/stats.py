@@ -40,6 +40,13 @@ def finalize_stats(sums: dict[str, float]) -> dict[str, float]:
         out["tito_tokens"] = n
     if sums.get("nll_tokens"):
         out["nll"] = sums["nll_sum"] / sums["nll_tokens"]
+    if sums.get("moe_tokens"):  # a mixture of experts: the batch's load-balancing loss and expert load
+        experts = sum(1 for key in sums if key.startswith("moe_load_"))
+        load = np.array([sums[f"moe_load_{e}"] for e in range(experts)]) / sums["moe_tokens"]
+        probs = np.array([sums[f"moe_prob_{e}"] for e in range(experts)]) / sums["moe_tokens"]
+        out["moe_aux_loss"] = float(experts * np.sum(load * probs))  # Switch's E * sum_e f_e P_e
+        share = load / max(float(load.sum()), 1e-12)  # each expert's part of the routed tokens
+        out["moe_expert_load_max"], out["moe_expert_load_min"] = float(share.max()), float(share.min())
     if sums.get("dpo_pairs"):
         out["dpo_accuracy"] = sums["dpo_accuracy_sum"] / sums["dpo_pairs"]
         out["dpo_margin_mean"] = sums["dpo_margin_sum"] / sums["dpo_pairs"]

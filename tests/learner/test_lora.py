@@ -89,8 +89,8 @@ def test_trainer_forward_is_the_merged_models_and_policy_copy_is_merged() -> Non
     # The training forward (unmerged: base(x) + scale * x A B) gives the merged model's log-probs.
     micros = micro_batches()
     batch = train.batch_to_device(micros[0], trainer.mesh)
-    logp = trainer._forward_logprobs(trainer.base, batch, adapters=trainer.params["lora"]).logprobs
-    merged = trainer._forward_logprobs(copy, batch).logprobs
+    logp = trainer._forward_logprobs(trainer.base, batch, adapters=trainer.params["lora"])[0].logprobs
+    merged = trainer._forward_logprobs(copy, batch)[0].logprobs
     np.testing.assert_allclose(np.asarray(logp), np.asarray(merged), rtol=1e-4, atol=1e-5)
 
 
