@@ -27,6 +27,8 @@ from stoker.model.model import RematPolicy, Transformer, init_model, layer_perio
 from stoker.rollout.sampling import Sampler
 from stoker.spec import SamplingSpec, TransformerConfig
 
+from .test_families import forward, write_checkpoint
+
 BASE: dict[str, Any] = {
     "vocab_size": 48, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
     "intermediate_size": 40, "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "hidden_act": "silu",
@@ -154,20 +156,7 @@ def random_tensors(hf: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
     return flat
 
 
-def write_checkpoint(directory: Path, hf: dict[str, Any], flat: dict[str, np.ndarray]) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(hf))
-    save_file(flat, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    return directory
-
-
-def forward(model: Transformer, ids: list[int], *, jit: bool) -> np.ndarray:
-    t = len(ids)
-    args = (jnp.asarray([ids], jnp.int32), jnp.arange(t, dtype=jnp.int32)[None], jnp.ones((1, t), jnp.int32))
-    if not jit:
-        return np.asarray(model(*args))[0]
-    graphdef, state = nnx.split(model)
-    return np.asarray(jax.jit(lambda s, *a: nnx.merge(graphdef, s)(*a))(state, *args))[0]
+# write_checkpoint and forward: the dense families' (tests/learner/test_families.py).
 
 
 # ----------------------------------------------------------------------------------- tests
