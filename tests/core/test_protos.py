@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import tomllib
 from pathlib import Path
 
 from stoker.protogen import PROTO_ROOT, generate
@@ -22,3 +24,25 @@ def test_wire_contract_is_versioned() -> None:
 
     assert trajectory_pb2.DESCRIPTOR.package == "stoker.v1"
     assert "Buffer" in buffer_pb2.DESCRIPTOR.services_by_name
+
+
+def _floor(requirement: str) -> tuple[int, ...]:
+    """The version after ``>=`` or ``==`` in a pyproject requirement, as a tuple of ints."""
+    match = re.search(r"(?:>=|==)\s*([0-9.]+)", requirement)
+    assert match, f"{requirement!r} states no lower bound"
+    return tuple(int(part) for part in match.group(1).split("."))
+
+
+def test_the_declared_runtime_floors_admit_only_versions_the_committed_stubs_import_under() -> None:
+    # The stubs refuse to import under an older grpcio / protobuf than the generator's own; a
+    # user whose resolver picks the declared floor must not meet that RuntimeError.
+    project = tomllib.loads((PROTO_ROOT.parent / "pyproject.toml").read_text())
+    requirements = {re.split(r"[<>=!~ ]", r, maxsplit=1)[0]: r for r in project["project"]["dependencies"]}
+    stub_dir = PROTO_ROOT / "stoker" / "v1"
+    grpc_stamp = re.search(r"GRPC_GENERATED_VERSION = '([0-9.]+)'", (stub_dir / "buffer_pb2_grpc.py").read_text())
+    protobuf_stamp = re.search(
+        r"Domain\.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", (stub_dir / "buffer_pb2.py").read_text()
+    )
+    assert grpc_stamp and protobuf_stamp
+    assert _floor(requirements["grpcio"]) >= tuple(int(p) for p in grpc_stamp.group(1).split("."))
+    assert _floor(requirements["protobuf"]) >= tuple(int(p) for p in protobuf_stamp.groups())
