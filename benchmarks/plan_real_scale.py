@@ -1,4 +1,4 @@
-"""`stoker plan` at real scale: Llama-3-70B, Llama-3-8B and Qwen2.5-7B GRPO learners at 8,192 tokens,
+"""`stoker plan` at real scale: Llama-3-70B, Llama-3-8B, Qwen2.5-7B and Qwen3-30B-A3B GRPO learners at 8,192 tokens,
 compiled by libtpu for the slices they would train on, on this CPU machine (no TPU).
 
     .venv/bin/python benchmarks/plan_real_scale.py [--only NAME ...] [--dtype bfloat16] [--sequence-sharding]
@@ -29,12 +29,19 @@ LLAMA3_8B = ("{vocabSize: 128256, hiddenSize: 4096, numLayers: 32, numHeads: 32,
 QWEN25_7B = ("{vocabSize: 152064, hiddenSize: 3584, numLayers: 28, numHeads: 28, numKvHeads: 4, "
              "intermediateSize: 18944, maxSeqLen: 8192, ropeTheta: 1000000.0, tieEmbeddings: false, attentionBias: true}")
 
-# name -> (architecture, GKE accelerator, topology, fsdp, tp, attention)
-CASES = {
+# The mixture of experts of issue 45: 128 experts of width 768, top-8, every layer sparse.
+QWEN3_30B_A3B = ("{vocabSize: 151936, hiddenSize: 2048, numLayers: 48, numHeads: 32, numKvHeads: 4, headDim: 128, "
+                 "intermediateSize: 6144, maxSeqLen: 8192, ropeTheta: 1000000.0, tieEmbeddings: false, qkNorm: true, "
+                 "numExperts: 128, numExpertsPerTok: 8, moeIntermediateSize: 768, normTopkProb: true}")
+
+# name -> (architecture, GKE accelerator, topology, fsdp, tp, attention[, ep, expertCapacityFactor])
+CASES: dict[str, tuple] = {
     "llama3-70b-v5p-128": (LLAMA3_70B, "tpu-v5p-slice", "4x4x4", 16, 4, "blockwise"),
     "llama3-70b-v6e-256": (LLAMA3_70B, "tpu-v6e-slice", "16x16", 64, 4, "blockwise"),
     "llama3-8b-v6e-16": (LLAMA3_8B, "tpu-v6e-slice", "4x4", 4, 4, "blockwise"),
     "qwen2.5-7b-v6e-16": (QWEN25_7B, "tpu-v6e-slice", "4x4", 4, 4, "blockwise"),
+    "qwen3-30b-a3b-v5p-128": (QWEN3_30B_A3B, "tpu-v5p-slice", "4x4x4", 16, 1, "splash", 4, 1.25),
+    "qwen3-30b-a3b-v6e-64": (QWEN3_30B_A3B, "tpu-v6e-slice", "8x8", 16, 1, "splash", 4, 1.25),
 }
 
 MANIFEST = """\
@@ -48,7 +55,7 @@ spec:
   learner:
     accelerator: {accelerator}
     topology: "{topology}"
-    mesh: {{fsdp: {fsdp}, tp: {tp}, sequenceSharding: {sequence_sharding}}}
+    mesh: {{fsdp: {fsdp}, ep: {ep}, tp: {tp}, sequenceSharding: {sequence_sharding}{capacity}}}
     weightDtype: {weight_dtype}
     optimizerStateDtype: {state_dtype}
     batchGroups: 4
@@ -62,10 +69,12 @@ def run(name: str, directory: Path, dtype: str = "float32", sequence_sharding: b
     from stoker.manifest import load_job
     from stoker.sizing.plan import build, report, targets
 
-    arch, accelerator, topology, fsdp, tp, attention = CASES[name]
+    arch, accelerator, topology, fsdp, tp, attention, *experts = CASES[name]
+    ep, factor = experts or (1, None)
     path = directory / f"{name}.yaml"
-    path.write_text(MANIFEST.format(arch=arch, accelerator=accelerator, topology=topology, fsdp=fsdp, tp=tp,
-                                    attention=attention, tokens=8192 * fsdp, dtype=dtype,
+    path.write_text(MANIFEST.format(arch=arch, accelerator=accelerator, topology=topology, fsdp=fsdp, tp=tp, ep=ep,
+                                    capacity="" if factor is None else f", expertCapacityFactor: {factor}",
+                                    attention=attention, tokens=8192 * fsdp * ep, dtype=dtype,
                                     sequence_sharding=str(sequence_sharding).lower(), weight_dtype=weight_dtype,
                                     state_dtype=state_dtype))
     spec = load_job(str(path)).spec

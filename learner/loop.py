@@ -69,7 +69,7 @@ class Learner:
         self.settings = settings
         metrics.enable_compilation_cache(settings.compilation_cache_dir)
         self.compiles = metrics.CompileCounter.install()
-        self.mesh = mesh if mesh is not None else sharding.make_mesh(settings.mesh_fsdp, settings.mesh_tp)
+        self.mesh = mesh if mesh is not None else sharding.make_mesh(settings.mesh_fsdp, settings.mesh_tp, ep=settings.mesh_ep)
         dtype = hf.dtype_from_name(settings.dtype)
         # Straight into the training layout: no device ever holds the whole model.
         placement = functools.partial(sharding.param_sharding, mesh=self.mesh)
@@ -87,6 +87,7 @@ class Learner:
             settings.algorithm, settings.loss, settings.temperature, allowed_token_ids=settings.allowed_token_ids,
             top_k=settings.top_k, min_p=settings.min_p, remat=settings.remat,
             attention=kernel.implementation, lora=settings.lora, sequence_sharding=settings.sequence_sharding,
+            expert_capacity_factor=settings.expert_capacity_factor,
         )
         value_model = None
         if options.needs_value:

@@ -211,6 +211,14 @@ class LearnerSettings:
         return self.spec.learner.mesh.tp
 
     @property
+    def mesh_ep(self) -> int:
+        return self.spec.learner.mesh.ep
+
+    @property
+    def expert_capacity_factor(self) -> float | None:
+        return self.spec.learner.mesh.expert_capacity_factor
+
+    @property
     def sequence_sharding(self) -> bool:
         return self.spec.learner.mesh.sequence_sharding
 

@@ -45,6 +45,8 @@ class StepOptions:
     lora: lora.LoraConfig | None = None
     # spec.learner.mesh.sequenceSharding: the residual stream's tokens split over tp between layers.
     sequence_sharding: bool = False
+    # spec.learner.mesh.expertCapacityFactor: a mixture of experts' tokens per expert (None: no drops).
+    expert_capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -66,12 +68,14 @@ class StepOptions:
 
 def per_shard_loss(
     options: StepOptions,
+    row_axes: str | tuple[str, ...],
     logp: jax.Array,
     extras: dict[str, jax.Array],
     batch: dict[str, jax.Array],
     scalars: dict[str, jax.Array],
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Loss and summed stats of this shard's rows, then combined over fsdp (psum / pmax)."""
+    """Loss and summed stats of this shard's rows, then combined over the ``row_axes`` the rows
+    split over (psum / pmax)."""
     cfg = options.loss
     weights = batch["weights"]
     mask = (weights > 0).astype(jnp.float32)
@@ -125,7 +129,7 @@ def per_shard_loss(
     stats["trained_tokens"] = jnp.sum(mask)
     stats["loss"] = loss
     combined = {
-        key: (jax.lax.pmax(value, sharding.FSDP) if key in algorithms.MAX_STATS else jax.lax.psum(value, sharding.FSDP))
+        key: (jax.lax.pmax(value, row_axes) if key in algorithms.MAX_STATS else jax.lax.psum(value, row_axes))
         for key, value in stats.items()
     }
     return combined["loss"], combined
@@ -139,7 +143,7 @@ def add_router_loss(
     weights, so the micro-batches add up to the batch's loss with coef times their mean aux loss),
     and the routing's sums added to the stats (``finalize_stats`` reports the batch's aux loss and
     expert load from them). ``coef`` 0: reported only."""
-    stats = {**stats, "moe_tokens": routing.tokens}
+    stats = {**stats, "moe_tokens": routing.tokens, "moe_dropped": routing.dropped}
     for e in range(routing.load.shape[0]):
         stats[f"moe_load_{e}"] = routing.load[e]
         stats[f"moe_prob_{e}"] = jax.lax.stop_gradient(routing.probs[e])

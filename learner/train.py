@@ -40,6 +40,7 @@ from stoker.learner.trees import abstract_placed, cast_floats, float_dtype, fres
 from stoker.learner.value_network import ValueNetwork as ValueNetwork
 from stoker.learner.value_network import init_value_network as init_value_network
 from stoker.model.attention_kernels import rows_split_over
+from stoker.model.expert_parallel import ExpertLayout
 from stoker.model.logprobs import TokenStats, token_stats
 from stoker.model.model import Transformer
 from stoker.model.moe import RouterStats
@@ -84,6 +85,7 @@ class Trainer:
         # Hugging Face trains with the router's loss only when output_router_logits is set.
         arch = model.config
         self.router_aux_coef = arch.router_aux_loss_coef if arch.output_router_logits else 0.0
+        self.num_experts = arch.num_experts
         self.schedule = schedule  # the optimizer's learning rate per update, for the metrics
         self.mesh = mesh
         self.optimizer = optimizer
@@ -199,6 +201,15 @@ class Trainer:
 
     # -------------------------------------------------------------------------------- device
 
+    def _expert_layout(self) -> ExpertLayout | None:
+        """A mixture of experts' tokens travel to their experts when the mesh splits the experts
+        or a capacity limits them; otherwise every device runs every expert (the sampler's way)."""
+        if not self.num_experts:
+            return None
+        if self.mesh.shape[sharding.EP] == 1 and self.options.expert_capacity_factor is None:
+            return None
+        return sharding.expert_layout(self.mesh, self.options.expert_capacity_factor)
+
     def _forward_logprobs(
         self, policy: Any, batch: dict[str, jax.Array], *, full: bool = True, adapters: Any = None,
         dropout_key: jax.Array | None = None, graphdef: Any = None,
@@ -215,9 +226,10 @@ class Trainer:
         layout = TrainingLayout(
             lambda shape: sharding.stacked_sharding(shape, mesh),
             sharding.residual_sharding(mesh) if self.options.sequence_sharding else None,
+            self._expert_layout(),
         )
         # Each device attends over its own rows; the layer loop keeps the training layout.
-        with rows_split_over(self.mesh, sharding.FSDP), training_layout(layout):
+        with rows_split_over(self.mesh, sharding.row_axes(mesh)), training_layout(layout):
             hidden, routing = model.hidden_states_and_routing(
                 batch["tokens"], batch["positions"], batch["segment_ids"], remat=self.options.remat if full else "none",
                 kernel=self.options.attention,
@@ -266,9 +278,9 @@ class Trainer:
         if self.value_def is not None:
             critic = nnx.merge(self.value_def, cast_floats(params["value"], self.compute_dtype))
             extras["values"] = critic(batch["tokens"], batch["positions"], batch["segment_ids"])
-        row = PartitionSpec(sharding.FSDP, None)
+        row = PartitionSpec(sharding.row_axes(self.mesh), None)
         per_shard = jax.shard_map(
-            partial(per_shard_loss, self.options),
+            partial(per_shard_loss, self.options, sharding.row_axes(self.mesh)),
             mesh=self.mesh,
             in_specs=(row, {k: row for k in extras}, {k: row for k in batch}, PartitionSpec()),
             out_specs=(PartitionSpec(), PartitionSpec()),

@@ -25,6 +25,7 @@ extend and decode steps always use the blockwise form, whose ``Visibility`` is g
 from __future__ import annotations
 
 import contextlib
+import math
 import contextvars
 import functools
 import logging
@@ -48,14 +49,15 @@ SPLASH_BLOCK = 128
 
 
 # The mesh axis the caller's rows are split over, while it traces (``rows_split_over``).
-_ROW_AXIS: contextvars.ContextVar[tuple[Mesh, str] | None] = contextvars.ContextVar("row_axis", default=None)
+_ROW_AXIS: contextvars.ContextVar[tuple[Mesh, str | tuple[str, ...]] | None] = contextvars.ContextVar("row_axis", default=None)
 
 
 @contextlib.contextmanager
-def rows_split_over(mesh: Mesh, axis: str) -> Iterator[None]:
+def rows_split_over(mesh: Mesh, axis: str | tuple[str, ...]) -> Iterator[None]:
     """While tracing inside this, splash runs on each device's rows under ``shard_map``: XLA's
     partitioner has no rule for the Pallas custom call and would otherwise gather every row onto
-    every device. (jax's cuDNN attention has its own rule, ``custom_partitioning``.)"""
+    every device. (jax's cuDNN attention has its own rule, ``custom_partitioning``.) ``axis``:
+    the mesh axis (or axes) the rows split over."""
     token = _ROW_AXIS.set((mesh, axis))
     try:
         yield
@@ -256,7 +258,8 @@ def splash_attention(
     kernel = _splash_kernel(length, heads, window, softcap, interpret)
     # Splash scales nothing itself: the soft-cap applies to the scaled scores, as here.
     run = jax.vmap(lambda q, k, v, qs, ks: kernel(q, k, v, segment_ids=SegmentIds(qs, ks)))
-    if split is not None and split[0].shape[split[1]] > 1:
+    row_axes = () if split is None else (split[1],) if isinstance(split[1], str) else split[1]
+    if split is not None and math.prod(split[0].shape[a] for a in row_axes) > 1:
         rows = PartitionSpec(split[1])
         run = jax.shard_map(run, mesh=split[0], in_specs=(rows,) * 5, out_specs=rows, check_vma=False)
     out = run(heads_first(q * jnp.asarray(scale, q.dtype)), heads_first(k), heads_first(v), qs, ks)

@@ -6,11 +6,17 @@ arXiv:2505.09388): the MLP of a sparse layer is a router and ``num_experts`` Swi
     g_e = p_e / sum_{j in S} p_j  if norm_topk_prob (Mixtral: always), else p_e,   for e in S
     y = sum_{e in S} g_e * W_down,e (silu(W_gate,e x) * W_up,e x).
 
-The experts are held stacked ([E, in, out], ``Experts``) so that one einsum runs them all;
-checkpoints store them one expert at a time, and ``split_experts`` / ``stack_experts`` map
-between the two at the checkpoint boundary (``stoker.model.hf``). Inside Stoker (the weight
-channel, the shard format) a stack travels whole under its own name, ``hf_name``'s
-``model.layers.N.mlp.experts.gate_proj`` ([E, in, out], never transposed).
+The experts are held stacked, all three projections as [E, hidden, expert_size] (``Experts``:
+down_proj as the checkpoint stores it, [hidden, expert_size] per expert, used transposed), so one
+einsum runs them all and one shape rule shards them (the expert axis, then the width over tp:
+``stoker.learner.sharding``). Checkpoints store them one expert at a time, and ``split_experts`` /
+``stack_experts`` map between the two at the checkpoint boundary (``stoker.model.hf``). Inside
+Stoker (the weight channel, the shard format) a stack travels whole under its own name,
+``hf_name``'s ``model.layers.N.mlp.experts.gate_proj``.
+
+Where to compute them: densely (every expert on every token, the gates zero off the chosen k) by
+default, or, inside a learner's ``ExpertLayout``, by sending each token to its experts' devices
+(``stoker.model.expert_parallel``). Both compute the same sum.
 
 The same ``SparseMoE.__call__`` runs in the learner's training forward and the sampler's
 prefill, extend and decode, so both route every token alike and their log-probs agree.
@@ -27,6 +33,8 @@ import numpy as np
 from flax import nnx
 
 from stoker.hf_experts import MIXTRAL_BLOCK, expert_weight_name
+from stoker.model.expert_parallel import routed_experts
+from stoker.model.training_layout import expert_layout
 from stoker.spec import TransformerConfig
 
 # The stacked projections (Stoker's names; Mixtral's checkpoints call them w1, w3, w2).
@@ -39,6 +47,8 @@ class Routing(NamedTuple):
     probs: jax.Array  # [..., E] softmax of the router logits
     gates: jax.Array  # [..., E] g_e on the chosen experts, exactly 0 elsewhere
     chosen: jax.Array  # [..., E] 1.0 where the expert is among the token's top k, else 0.0
+    top_experts: jax.Array  # [..., k] the chosen experts, largest probability first
+    top_gates: jax.Array  # [..., k] their g_e
 
 
 def route(logits: jax.Array, k: int, normalise: bool) -> Routing:
@@ -48,7 +58,7 @@ def route(logits: jax.Array, k: int, normalise: bool) -> Routing:
     if normalise:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
     one_hot = jax.nn.one_hot(index, probs.shape[-1], dtype=jnp.float32)  # [..., k, E]
-    return Routing(probs, jnp.einsum("...k,...ke->...e", top, one_hot), jnp.sum(one_hot, axis=-2))
+    return Routing(probs, jnp.einsum("...k,...ke->...e", top, one_hot), jnp.sum(one_hot, axis=-2), index, top)
 
 
 class RouterStats(NamedTuple):
@@ -58,18 +68,22 @@ class RouterStats(NamedTuple):
     load: jax.Array  # [E] how many (layer, token)s chose each expert (sum over experts: k * tokens)
     probs: jax.Array  # [E] the routing probabilities summed
     tokens: jax.Array  # [] (layer, token)s routed
+    dropped: jax.Array  # [] (layer, token, choice)s an expert's capacity turned away (0 without one)
 
     @staticmethod
     def zeros(num_experts: int) -> RouterStats:
-        return RouterStats(jnp.zeros(num_experts, jnp.float32), jnp.zeros(num_experts, jnp.float32), jnp.zeros((), jnp.float32))
+        return RouterStats(
+            jnp.zeros(num_experts, jnp.float32), jnp.zeros(num_experts, jnp.float32), jnp.zeros((), jnp.float32),
+            jnp.zeros((), jnp.float32),
+        )
 
     def __add__(self, other: object) -> RouterStats:  # elementwise, not tuple concatenation
         if not isinstance(other, RouterStats):
             return NotImplemented
-        return RouterStats(self.load + other.load, self.probs + other.probs, self.tokens + other.tokens)
+        return RouterStats(*(a + b for a, b in zip(self, other, strict=True)))
 
 
-def router_stats(routing: Routing, valid: jax.Array) -> RouterStats:
+def router_stats(routing: Routing, valid: jax.Array, dropped: jax.Array | None = None) -> RouterStats:
     """``routing``'s sums over the tokens where ``valid`` [...] is true."""
     weight = valid.astype(jnp.float32)[..., None]
     axes = tuple(range(weight.ndim - 1))
@@ -77,6 +91,7 @@ def router_stats(routing: Routing, valid: jax.Array) -> RouterStats:
         jnp.sum(jax.lax.stop_gradient(routing.chosen) * weight, axis=axes),
         jnp.sum(routing.probs * weight, axis=axes),
         jnp.sum(weight),
+        jnp.zeros((), jnp.float32) if dropped is None else dropped.astype(jnp.float32),
     )
 
 
@@ -94,27 +109,28 @@ def load_balancing_loss(stats: RouterStats) -> jax.Array:
 
 
 class Experts(nnx.Module):
-    """``num_experts`` SwiGLU MLPs of width ``expert_size``, their kernels stacked on a leading axis."""
+    """``num_experts`` SwiGLU MLPs of width ``expert_size``, their kernels stacked on a leading
+    axis, each [E, hidden, expert_size] (down_proj used transposed)."""
 
     def __init__(self, config: TransformerConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         e, hidden, inter = config.num_experts, config.hidden_size, config.expert_size
         # nnx.Linear's default (LeCun normal over the input features), one expert at a time.
-        init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
-        self.gate_proj = nnx.Param(init(rngs.params(), (e, hidden, inter), dtype))
-        self.up_proj = nnx.Param(init(rngs.params(), (e, hidden, inter), dtype))
-        self.down_proj = nnx.Param(init(rngs.params(), (e, inter, hidden), dtype))
+        into = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        out_of = nnx.initializers.lecun_normal(in_axis=-1, out_axis=-2, batch_axis=(0,))
+        self.gate_proj = nnx.Param(into(rngs.params(), (e, hidden, inter), dtype))
+        self.up_proj = nnx.Param(into(rngs.params(), (e, hidden, inter), dtype))
+        self.down_proj = nnx.Param(out_of(rngs.params(), (e, hidden, inter), dtype))
 
     def __call__(self, x: jax.Array, gates: jax.Array) -> jax.Array:
         """sum_e gates[..., e] * expert_e(x) for x [..., hidden], gates [..., E] (x's dtype).
 
         Every expert runs on every token and the gates (exactly 0 off the chosen k) pick the
         result: the routed sum, at E/k times its matmul FLOPs and with [..., E, expert_size]
-        activations. Fine for the CPU and small expert counts; a grouped (ragged) matmul over
-        tokens sorted by expert is what a large E needs, and would compute the same sum."""
-        gate = jnp.einsum("...d,edf->...ef", x, self.gate_proj[...])
-        up = jnp.einsum("...d,edf->...ef", x, self.up_proj[...])
-        act = jax.nn.silu(gate) * up * gates[..., None]
-        return jnp.einsum("...ef,efd->...d", act, self.down_proj[...])
+        activations. Fine for the sampler's small batches and the CPU; the learner's
+        ``ExpertLayout`` sends tokens to their experts instead."""
+        w = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        act = jax.nn.silu(jnp.einsum("...d,edf->...ef", x, w[0])) * jnp.einsum("...d,edf->...ef", x, w[1])
+        return jnp.einsum("...ef,edf->...d", act * gates[..., None], w[2])
 
 
 class SparseMoE(nnx.Module):
@@ -133,12 +149,22 @@ class SparseMoE(nnx.Module):
         return route(self.gate(x), self.top_k, self.normalise)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.experts(x, self.routing(x).gates.astype(x.dtype))
+        return self.with_stats(x, jnp.ones(x.shape[:-1], bool))[0]
 
     def with_stats(self, x: jax.Array, valid: jax.Array) -> tuple[jax.Array, RouterStats]:
-        """``self(x)`` and its routing's sums over the ``valid`` tokens (the learner's forward)."""
+        """``self(x)`` and its routing's sums over the ``valid`` tokens (the learner's forward).
+        Inside an ``ExpertLayout`` the tokens travel to their experts (and an expert with a
+        capacity may turn some away: counted in the sums); elsewhere every expert runs densely."""
         routing = self.routing(x)
-        return self.experts(x, routing.gates.astype(x.dtype)), router_stats(routing, valid)
+        layout = expert_layout()
+        if layout is None:
+            return self.experts(x, routing.gates.astype(x.dtype)), router_stats(routing, valid)
+        e = self.experts
+        out, dropped = routed_experts(
+            x, routing.top_experts, routing.top_gates.astype(x.dtype), valid, (e.gate_proj[...], e.up_proj[...], e.down_proj[...]),
+            layout,
+        )
+        return out, router_stats(routing, valid, dropped)
 
 
 # ------------------------------------------------------------------ checkpoint names
@@ -162,20 +188,30 @@ def checkpoint_name(name: str, mixtral: bool) -> str:
     return name.replace(".mlp.", f".{MIXTRAL_BLOCK}.", 1) if mixtral else name
 
 
+def _stored_transposed(stacked: str) -> bool:
+    """Whether a stack's experts are the transposes of the checkpoint's tensors ([out, in],
+    PyTorch's layout): gate and up are; down is kept as stored, [hidden, width]."""
+    return not stacked.endswith("down_proj")
+
+
 def split_experts(stacked: str, array: np.ndarray, mixtral: bool) -> dict[str, np.ndarray]:
-    """A stack [E, in, out] as the checkpoint's per-expert tensors, each [out, in] (PyTorch's layout)."""
+    """A stack [E, hidden, width] as the checkpoint's per-expert tensors, each [out, in]."""
     names = _expert_names(stacked, array.shape[0], mixtral)
+    if not _stored_transposed(stacked):
+        return {name: np.ascontiguousarray(array[e]) for e, name in enumerate(names)}
     return {name: np.ascontiguousarray(array[e].T) for e, name in enumerate(names)}
 
 
 def stack_experts(
     flat: Mapping[str, np.ndarray], stacked: str, num_experts: int, mixtral: bool
 ) -> tuple[np.ndarray, list[str]] | None:
-    """The stack [E, in, out] a checkpoint's per-expert tensors make, and their names; None if
+    """The stack [E, hidden, width] a checkpoint's per-expert tensors make, and their names; None if
     the checkpoint lacks any of them (it may hold the stack itself, as the weight channel sends
     it; a checkpoint missing some experts is left for ``load_hf`` to report)."""
     names = _expert_names(stacked, num_experts, mixtral)
     if not all(n in flat for n in names):
         return None
     # One host copy of the stack: every expert's tensor is read here (memory-mapped files too).
+    if not _stored_transposed(stacked):
+        return np.stack([np.asarray(flat[n]) for n in names]), names
     return np.stack([np.asarray(flat[n]).T for n in names]), names

@@ -11,6 +11,8 @@ from typing import Any, NamedTuple
 
 import jax
 
+from stoker.model.expert_parallel import ExpertLayout
+
 
 class TrainingLayout(NamedTuple):
     """How the learner lays the layer loop out on its mesh (``training_layout``).
@@ -19,10 +21,13 @@ class TrainingLayout(NamedTuple):
     it is on its own: without it XLA is free to gather the whole stack at once (every layer's
     weights, fsdp-gathered, live for the whole step). ``residual``: the residual stream's
     [B, T, hidden] sharding between layers (sequence sharding: the saved inputs of the layers
-    split over tp), or None to leave it to XLA. Layouts only: the values do not change."""
+    split over tp), or None to leave it to XLA. ``experts``: where a mixture of experts' tokens
+    travel to their experts (``stoker.model.expert_parallel``), or None to compute every expert
+    on every token. Layouts only: the values do not change (unless an expert capacity drops tokens)."""
 
     stacked: Callable[[tuple[int, ...]], jax.sharding.Sharding]
     residual: jax.sharding.Sharding | None = None
+    experts: ExpertLayout | None = None
 
 
 _LAYOUT: contextvars.ContextVar[TrainingLayout | None] = contextvars.ContextVar("training_layout", default=None)
@@ -52,3 +57,9 @@ def place_stacked(stacked: Any) -> Any:
     if layout is None:
         return stacked
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, layout.stacked(tuple(x.shape))), stacked)
+
+
+def expert_layout() -> ExpertLayout | None:
+    """The current layout's ``experts`` (None outside a learner's trace)."""
+    layout = _LAYOUT.get()
+    return None if layout is None else layout.experts

@@ -6,7 +6,9 @@ input features, so each chip holds 1/tp of every large matrix; the KV cache spli
 key/value heads. The Sampler's programs are unchanged: XLA's SPMD partitioner propagates these
 layouts through them and inserts the all-reduces they imply. A projection whose heads (or a
 vocabulary, an MLP width) the mesh does not divide stays replicated, which is correct, only less
-memory-saving.
+memory-saving. A mixture of experts' stacks [E, hidden, width] split over their experts (each chip
+holds E/tp whole experts and adds its experts' share of every token's sum: expert parallelism on
+the same axis), or over their width when tp does not divide E.
 """
 
 from __future__ import annotations
@@ -90,6 +92,10 @@ def param_spec(path: Sequence[Any], shape: Sequence[int], config: TransformerCon
     module, name = _module_of(path)
     axes: list[str | None] = [None] * len(shape)
     if tp == 1:
+        return PartitionSpec(*axes)
+    if module == "experts":  # a stack [E, hidden, width] (stoker.model.moe)
+        dim = 0 if shape[0] % tp == 0 else 2
+        axes[dim] = TP if shape[dim] % tp == 0 else None
         return PartitionSpec(*axes)
     if module in ("k_proj", "v_proj") and config.num_kv_heads % tp:
         return PartitionSpec(*axes)  # a key/value head never splits across chips

@@ -106,6 +106,10 @@ def advice(program: Program, target: Target, spec: RLJobSpec, per_chip: int) -> 
         if spec.model.dtype == "float32":
             knobs.append("model.dtype: bfloat16 (activations in bfloat16; the master weights stay learner.weightDtype)")
         mesh = spec.learner.mesh
+        if spec.model.architecture.num_experts and mesh.expert_capacity_factor is None:
+            knobs.append("learner.mesh.expertCapacityFactor: 1.25 (each expert takes about 1.25x its even share of "
+                         "a device's tokens, not all of them: numExperts/numExpertsPerTok times smaller dispatch "
+                         "buffers and expert work; docs/moe.md)")
         if mesh.tp > 1 and not mesh.sequence_sharding:
             knobs.append(f"learner.mesh.sequenceSharding: true (each layer's saved input split over the tp={mesh.tp} chips)")
         knobs += [f"fewer rows per micro-batch (learner.microbatchTokens, now {spec.learner.microbatch_tokens or 4 * max(spec.learner.sequence_buckets)} "

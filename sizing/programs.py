@@ -131,11 +131,15 @@ def model_config(spec: RLJobSpec) -> tuple[TransformerConfig, str | None]:
 
 
 def matmul_params(config: TransformerConfig) -> int:
-    """Parameters that take part in a matmul per token: every layer's projections and the head."""
+    """Parameters that take part in a matmul per token: every layer's projections and the head;
+    in a mixture-of-experts layer the router and the k experts a token is routed to (the active
+    parameters), never the experts it is not."""
     hd = head_dim(config)
     attention = config.hidden_size * hd * (2 * config.num_heads + 2 * config.num_kv_heads)
-    mlp = 3 * config.hidden_size * config.intermediate_size
-    return config.num_layers * (attention + mlp) + config.vocab_size * config.hidden_size
+    dense = 3 * config.hidden_size * config.intermediate_size
+    routed = config.num_experts_per_tok * 3 * config.hidden_size * config.expert_size + config.hidden_size * config.num_experts
+    mlp = sum(routed if config.is_moe_layer(i) else dense for i in range(config.num_layers))
+    return config.num_layers * attention + mlp + config.vocab_size * config.hidden_size
 
 
 def train_flops(config: TransformerConfig, rows: int, length: int) -> float:
@@ -162,12 +166,13 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
         settings.algorithm, settings.loss, settings.temperature, allowed_token_ids=settings.allowed_token_ids,
         remat=settings.remat,
         attention=kernel.implementation, sequence_sharding=settings.sequence_sharding,
+        expert_capacity_factor=settings.expert_capacity_factor,
     )
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=dtype))
     value_model = None
     if options.needs_value:
         value_model = nnx.eval_shape(lambda: value_network.ValueNetwork(config, rngs=nnx.Rngs(1), dtype=dtype))
-    mesh = sharding.make_mesh(settings.mesh_fsdp, settings.mesh_tp, slice_.devices)
+    mesh = sharding.make_mesh(settings.mesh_fsdp, settings.mesh_tp, slice_.devices, ep=settings.mesh_ep)
     optimizer = train.make_optimizer(settings.learning_rate, settings.max_grad_norm, settings.optimizer)
     trainer = train.Trainer(model, options, optimizer, mesh, value_model=value_model,
                             schedule=learning_rate_schedule(settings.learning_rate, settings.optimizer),
@@ -186,7 +191,12 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
     rows = packing.rows_for_buckets(settings.buckets, settings.microbatch_tokens, fsdp)
     stored = "".join(f", {what} {name}" for what, name in (("weights", settings.weight_dtype),
                                                             ("Adam state", settings.optimizer.state_dtype)) if name != "float32")
-    layout = (f"fsdp {fsdp} x tp {mesh.shape[sharding.TP]}, {settings.dtype}{stored}, remat {settings.remat}, "
+    ep = int(mesh.shape[sharding.EP])
+    axes = f"fsdp {mesh.shape[sharding.FSDP]}" + (f" x ep {ep}" if ep > 1 else "") + f" x tp {mesh.shape[sharding.TP]}"
+    if config.num_experts and (ep > 1 or settings.expert_capacity_factor is not None):
+        factor = settings.expert_capacity_factor
+        axes += f", experts routed by all-to-all ({'no drops' if factor is None else f'capacity factor {factor:g}'})"
+    layout = (f"{axes}, {settings.dtype}{stored}, remat {settings.remat}, "
               f"attention {kernel.implementation}{', sequence sharding' if settings.sequence_sharding else ''}")
     notes = [layout] + ([note] if note else [])
     out: list[Program] = []

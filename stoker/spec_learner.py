@@ -204,6 +204,15 @@ class MeshSpec(SpecModel):
     """Named mesh axes and their sizes; -1 takes all remaining devices."""
 
     fsdp: int = Field(-1, description="Parameter/optimizer sharding axis.")
+    ep: int = Field(
+        1,
+        ge=1,
+        description=(
+            "Expert-parallel axis (a mixture-of-experts model): each device holds numExperts/ep whole experts and "
+            "tokens travel to them by all-to-all; data parallel for everything else. Must divide numExperts "
+            "(docs/moe.md)."
+        ),
+    )
     tp: int = Field(1, ge=1, description="Tensor-parallel axis.")
     sequence_sharding: bool = Field(
         False,
@@ -211,6 +220,16 @@ class MeshSpec(SpecModel):
             "Split the residual stream's tokens over tp between layers (sequence parallelism): each layer's "
             "saved input takes 1/tp of the memory, for an all-gather and a reduce-scatter per layer; "
             "the values are unchanged. Worth it for long sequences with tp > 1 (see stoker plan)."
+        ),
+    )
+    expert_capacity_factor: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "A mixture of experts' capacity: each expert takes at most ceil(factor x k x tokens / numExperts) of a "
+            "device's tokens, the rest of its tokens dropped (reported as moe_dropped_fraction), for matmul work "
+            "near the routed tokens'. Unset: no token is ever dropped (the learner's log-probs equal the "
+            "sampler's), at numExperts/k times the routed work."
         ),
     )
 

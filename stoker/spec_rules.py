@@ -91,6 +91,12 @@ def cross_field_problems(spec: RLJobSpec) -> list[tuple[str, str]]:
                                     f"bfloat16 weights lose every update below ~|w| x 2^-9, nearly all of them below "
                                     f"learningRate {MIN_BF16_WEIGHTS_LEARNING_RATE:g}")
         )
+    ep, experts = spec.learner.mesh.ep, spec.model.architecture.num_experts
+    if ep > 1 and (not experts or experts % ep):
+        problems.append(
+            ("learner.mesh.ep", f"got {ep}; expected a divisor of model.architecture.numExperts ({experts}): each device "
+                                "holds numExperts/ep whole experts" + ("" if experts else " (this model has none)"))
+        )
     volume = spec.learner.weights_volume
     if volume is not None and (volume.gcs_bucket is None) == (volume.persistent_volume_claim is None):
         problems.append(
@@ -147,6 +153,8 @@ _CAPACITY = spec_cel.opt("self", ("buffer", "capacity"), str(BufferSpec().capaci
 _BUCKETS = spec_cel.opt("self", ("learner", "sequenceBuckets"), str(LearnerSpec().sequence_buckets))
 _MAX_SEQ_LEN = spec_cel.opt("self", ("model", "architecture", "maxSeqLen"), str(TransformerConfig().max_seq_len))
 _WEIGHT_DTYPE = spec_cel.opt("self", ("learner", "weightDtype"), "'float32'")
+_EP = spec_cel.opt("self", ("learner", "mesh", "ep"), "1")
+_EXPERTS = spec_cel.opt("self", ("model", "architecture", "numExperts"), "0")
 _LEARNING_RATE = spec_cel.opt("self", ("algorithm", "learningRate"), repr(float(AlgorithmSpec().learning_rate)))
 
 ROOT_CEL_RULES: list[dict[str, Any]] = [
@@ -192,6 +200,10 @@ CEL_RULES: dict[tuple[str, ...], list[dict[str, Any]]] = {
         cel(
             f"{_BUCKETS}[{_BUCKETS}.size() - 1] <= {_MAX_SEQ_LEN}",
             "learner.sequenceBuckets must not exceed model.architecture.maxSeqLen",
+        ),
+        cel(
+            f"{_EP} == 1 || ({_EXPERTS} > 0 && {_EXPERTS} % {_EP} == 0)",
+            "learner.mesh.ep must divide model.architecture.numExperts (each device holds numExperts/ep whole experts)",
         ),
         cel(
             f"{_WEIGHT_DTYPE} == 'float32' || !(has(self.model) && has(self.model.lora))",

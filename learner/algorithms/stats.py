@@ -47,6 +47,8 @@ def finalize_stats(sums: dict[str, float]) -> dict[str, float]:
         out["moe_aux_loss"] = float(experts * np.sum(load * probs))  # Switch's E * sum_e f_e P_e
         share = load / max(float(load.sum()), 1e-12)  # each expert's part of the routed tokens
         out["moe_expert_load_max"], out["moe_expert_load_min"] = float(share.max()), float(share.min())
+        # (token, choice) pairs an expert's capacity turned away (learner.mesh.expertCapacityFactor).
+        out["moe_dropped_fraction"] = float(sums.get("moe_dropped", 0.0)) / max(float(load.sum() * sums["moe_tokens"]), 1.0)
     if sums.get("dpo_pairs"):
         out["dpo_accuracy"] = sums["dpo_accuracy_sum"] / sums["dpo_pairs"]
         out["dpo_margin_mean"] = sums["dpo_margin_sum"] / sums["dpo_pairs"]

@@ -123,6 +123,12 @@ CASES: list[Case] = [
     ("tpu without topology", "lake", learner(accelerator="tpu-v5p-slice"), "spec.learner.topology"),
     ("cpu ignores topology", "lake", learner(topology="2x2x2"), None),
     ("weights in a bucket", "lake", learner(weightsVolume={"gcsBucket": "my-weights"}), None),
+    # The expert axis splits whole experts: it must divide them, and a dense model has none.
+    ("ep divides the experts", "lake", {**learner(mesh={"ep": 4}), "model": {"architecture": {"numExperts": 8}}}, None),
+    ("ep 1 on a dense model", "lake", learner(mesh={"ep": 1}), None),
+    ("ep does not divide the experts", "lake", {**learner(mesh={"ep": 3}), "model": {"architecture": {"numExperts": 8}}},
+     "spec.learner.mesh.ep"),
+    ("ep on a dense model", "lake", learner(mesh={"ep": 2}), "spec.learner.mesh.ep"),
     ("weights on a claim", "lake", learner(weightsVolume={"persistentVolumeClaim": "weights"}), None),
     ("weights volume of neither kind", "lake", learner(weightsVolume={}), "spec.learner.weightsVolume"),
     ("weights volume of both kinds", "lake",

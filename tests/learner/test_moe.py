@@ -292,7 +292,7 @@ def test_the_rematerialised_layer_scan_runs_dense_and_sparse_layers_alike(tmp_pa
 
 
 def test_the_weight_channel_carries_expert_stacks_whole(tmp_path: Path) -> None:
-    """Sharded publishing and device-to-device copies send a layer's experts as one [E, in, out]
+    """Sharded publishing and device-to-device copies send a layer's experts as one [E, hidden, width]
     stack; the sampler's model loads it (or the checkpoint's per-expert tensors) alike."""
     from stoker.distributed import Processes
     from stoker.weights.channel import WeightSubscriber
@@ -306,7 +306,7 @@ def test_the_weight_channel_carries_expert_stacks_whole(tmp_path: Path) -> None:
         pub.publish(1, source)
         with WeightSubscriber(directory=tmp_path / "w") as subscriber:
             fetched = subscriber.fetch(1)
-            assert fetched["model.layers.1.mlp.experts.down_proj"].shape == (4, 40, 32)
+            assert fetched["model.layers.1.mlp.experts.down_proj"].shape == (4, 32, 40)
             for weights in (fetched, DeviceWeights(source), want):
                 target = init_model(config, 4, jnp.bfloat16)
                 load_hf(target, weights)

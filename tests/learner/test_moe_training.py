@@ -50,7 +50,7 @@ def test_load_balancing_loss_follows_the_equation(jit: bool) -> None:
     np.testing.assert_allclose(float(got), numpy_aux_loss(probs.reshape(-1, 5), 2, valid.reshape(-1)), rtol=1e-5)
     # A router that spreads every token evenly over the experts scores exactly k.
     even = router_stats(route(jnp.zeros((4, 5)), 2, normalise=True), jnp.ones(4, bool))
-    assert float(load_balancing_loss(RouterStats(jnp.full(5, 8 / 5), even.probs, even.tokens))) == pytest.approx(2.0)
+    assert float(load_balancing_loss(RouterStats(jnp.full(5, 8 / 5), even.probs, even.tokens, even.dropped))) == pytest.approx(2.0)
     # The gradient reaches the router's probabilities only (the top-k choice is a constant).
     grad = jax.grad(lambda z: aux(z, jnp.asarray(valid)))(jnp.asarray(logits))
     assert np.all(np.isfinite(grad)) and np.any(grad != 0) and np.all(np.asarray(grad)[~valid] == 0)

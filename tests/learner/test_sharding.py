@@ -136,21 +136,24 @@ def test_the_value_network_is_initialised_in_its_training_sharding_with_the_unpl
 
 
 def test_mesh_shape_resolution() -> None:
-    assert sharding.mesh_shape(8, -1, 2) == (4, 2)
-    assert sharding.mesh_shape(8, 8, 1) == (8, 1)
-    with pytest.raises(ValueError, match="tp=3 does not divide"):
+    assert sharding.mesh_shape(8, -1, 2) == (4, 1, 2)
+    assert sharding.mesh_shape(8, 8, 1) == (8, 1, 1)
+    assert sharding.mesh_shape(8, -1, 2, ep=2) == (2, 2, 2)
+    with pytest.raises(ValueError, match="learner.mesh.tp=3 does not divide"):
         sharding.mesh_shape(8, -1, 3)
-    with pytest.raises(ValueError, match="fsdp=2 x tp=2 = 4"):
+    with pytest.raises(ValueError, match="tp=2 x ep=8 does not divide"):
+        sharding.mesh_shape(8, -1, 2, ep=8)
+    with pytest.raises(ValueError, match="fsdp=2 x ep=1 x tp=2 = 4"):
         sharding.mesh_shape(8, 2, 2)
 
 
 def test_param_spec_rules() -> None:
     devices = np.asarray(jax.devices()[:1] * 1)
-    mesh = jax.sharding.Mesh(devices.reshape(1, 1), (sharding.FSDP, sharding.TP))
+    mesh = jax.sharding.Mesh(devices.reshape(1, 1, 1), (sharding.FSDP, sharding.EP, sharding.TP))
     assert sharding.param_spec((1024, 1024), mesh) == P(None, None)  # one device: nothing to split
 
     class FakeMesh:
-        shape = {sharding.FSDP: 4, sharding.TP: 2}
+        shape = {sharding.FSDP: 4, sharding.EP: 1, sharding.TP: 2}
 
     fake = FakeMesh()
     assert sharding.param_spec((256, 512), fake) == P("fsdp", "tp")  # type: ignore[arg-type]
@@ -158,6 +161,20 @@ def test_param_spec_rules() -> None:
     assert sharding.param_spec((8192, 3, 4), fake) == P("fsdp", None, "tp")  # type: ignore[arg-type]
     assert sharding.param_spec((512,), fake) == P(None)  # type: ignore[arg-type]
     assert sharding.param_spec((8, 8), fake) == P(None, None)  # type: ignore[arg-type]
+
+    class ExpertMesh:
+        shape = {sharding.FSDP: 2, sharding.EP: 4, sharding.TP: 2}
+
+    experts = ExpertMesh()
+    # An expert stack [E, hidden, width]: E over ep, the width over tp, hidden over fsdp.
+    assert sharding.param_spec((8, 256, 96), experts) == P("ep", "fsdp", "tp")  # type: ignore[arg-type]
+    # Everything else: ZeRO over fsdp x ep (both are data parallel outside the experts).
+    assert sharding.param_spec((256, 512), experts) == P(("fsdp", "ep"), "tp")  # type: ignore[arg-type]
+    # 4 rows: not 8-way, so over fsdp alone; 3 rows: not at all.
+    assert sharding.param_spec((4, 4096), experts) == P("fsdp", "tp")  # type: ignore[arg-type]
+    assert sharding.param_spec((3, 8192), experts) == P(None, "tp")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="ep=4 does not divide the model's 6 experts"):
+        sharding.param_spec((6, 256, 96), experts)  # type: ignore[arg-type]
 
 
 LAYOUT = SEQUENCES + textwrap.dedent(

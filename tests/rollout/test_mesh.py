@@ -106,6 +106,43 @@ def test_sampling_over_a_tensor_parallel_mesh_matches_one_device() -> None:
     assert single["q_shards"] == 1 and single["model_devices"] == [1]
 
 
+MOE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import jax
+    from stoker.rollout.mesh import rollout_mesh
+    from stoker.rollout.sampling import Sampler
+    from stoker.spec import SamplingSpec, TransformerConfig
+
+    cfg = TransformerConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=4,
+                            intermediate_size=64, max_seq_len=32, num_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=24)
+    out = {}
+    for tp in (1, 4):
+        sampler = Sampler(cfg, SamplingSpec(temperature=1.0), seed=3, buckets=(16, 32), min_batch=2,
+                          mesh=None if tp == 1 else rollout_mesh(cfg, tp))
+        calls = sampler.generate([[1, 2, 3], [4, 5, 6, 7, 8]], max_new_tokens=6)
+        experts = sampler._state["layers"][0]["mlp"]["experts"]["down_proj"][...]
+        out[tp] = {"tokens": [g.token_ids for g in calls], "logprobs": [g.logprobs for g in calls],
+                   "spec": str(getattr(experts.sharding, "spec", None)), "shards": len(experts.addressable_shards)}
+    json.dump(out, sys.stdout)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_samples_alike_with_its_experts_split_over_the_mesh() -> None:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", MOE_SCRIPT], env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    single, mesh = out["1"], out["4"]
+    assert mesh["tokens"] == single["tokens"]
+    for a, b in zip(mesh["logprobs"], single["logprobs"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert mesh["spec"] == "P('tp', None, None)" and mesh["shards"] == 4  # two whole experts per chip
+
+
 CFG = TransformerConfig(vocab_size=32, hidden_size=36, num_layers=1, num_heads=6, num_kv_heads=2,
                         intermediate_size=64, max_seq_len=32)
 
