@@ -42,6 +42,11 @@ CASES: dict[str, tuple] = {
     "qwen2.5-7b-v6e-16": (QWEN25_7B, "tpu-v6e-slice", "4x4", 4, 4, "blockwise"),
     "qwen3-30b-a3b-v5p-128": (QWEN3_30B_A3B, "tpu-v5p-slice", "4x4x4", 16, 1, "splash", 4, 1.25),
     "qwen3-30b-a3b-v6e-64": (QWEN3_30B_A3B, "tpu-v6e-slice", "8x8", 16, 1, "splash", 4, 1.25),
+    "qwen3-30b-a3b-v6e-32": (QWEN3_30B_A3B, "tpu-v6e-slice", "4x8", 8, 1, "splash", 4, 1.25),
+    # The same v5p-128 step without an expert axis (every chip a slice of every expert), and
+    # without a capacity (every expert on every token): what ep and the capacity buy.
+    "qwen3-30b-a3b-v5p-128-ep1": (QWEN3_30B_A3B, "tpu-v5p-slice", "4x4x4", 64, 1, "splash", 1, 1.25),
+    "qwen3-30b-a3b-v5p-128-nocap": (QWEN3_30B_A3B, "tpu-v5p-slice", "4x4x4", 16, 1, "splash", 4, None),
 }
 
 MANIFEST = """\

@@ -7,10 +7,6 @@ Splash runs through Pallas' interpreter here; cuDNN cannot run on a CPU, so its 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import tempfile
 import textwrap
 from collections.abc import Callable
@@ -31,6 +27,7 @@ from stoker.model import attention_kernels as ak
 from stoker.model.attention import attention
 from stoker.model.model import Transformer, packed_visibility
 from stoker.spec import TransformerConfig
+from tests.host_devices import run_on_host_devices
 
 B, T, H, K, D = 2, 136, 4, 2, 16  # T: not a multiple of splash's 128-token tile
 SCALE = 0.3
@@ -261,8 +258,5 @@ SPLIT_ROWS = textwrap.dedent(
 
 def test_splash_attends_over_each_devices_rows_when_they_are_split() -> None:
     """8 CPU devices (a fresh process: the device count is fixed at jax's start)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", SPLIT_ROWS], env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_on_host_devices(SPLIT_ROWS, timeout=240)
     assert out["shard_map"] and out["diff"] < 2e-6, out

@@ -5,16 +5,13 @@ dropped. On 8 host devices, in a subprocess (JAX fixes its device count when it 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 
 from tests.learner.test_sharding import SEQUENCES
+from tests.host_devices import run_on_host_devices
 
 ROUTED = textwrap.dedent(
     """
@@ -69,7 +66,7 @@ ROUTED = textwrap.dedent(
                                          "ep4_capacity": (2, 4, 1, 0.5)}.items():
         mesh = sharding.make_mesh(fsdp, tp, ep=ep)
         layout = sharding.expert_layout(mesh, factor)
-        for jit in (False, True):
+        for jit in (True, False) if name == "fsdp2_ep2_tp2" else (True,):  # eager once: it is slow
             fn = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
             (_, (out, dropped)), grads = (jax.jit(fn, static_argnums=2) if jit else fn)(jnp.asarray(x), kernels, layout)
             devices = fsdp * ep
@@ -111,7 +108,7 @@ TRAINING = SEQUENCES + textwrap.dedent(
     out = {}
     for name, (fsdp, ep, tp, devices, factor) in {
         "single": (1, 1, 1, jax.devices()[:1], None), "fsdp2_ep2_tp2": (2, 2, 2, None, None),
-        "ep8": (1, 8, 1, None, None), "ep4_capacity": (2, 4, 1, None, 0.5),
+        "ep4_capacity": (2, 4, 1, None, 0.5),
     }.items():
         mesh = sharding.make_mesh(fsdp, tp, devices, ep=ep)
         rows = packing.rows_for_buckets([32, 64], 256, sharding.data_parallel_size(mesh) * 2)
@@ -132,15 +129,8 @@ TRAINING = SEQUENCES + textwrap.dedent(
 )
 
 
-def _run(script: str, timeout: int) -> dict:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
-
-
 def test_routed_experts_compute_the_equation_on_every_layout_and_drop_exactly_the_pairs_past_capacity() -> None:
-    results = _run(ROUTED, 240)
+    results = run_on_host_devices(ROUTED, timeout=240)
     dense = results.pop("dense_grads")
     for name, r in results.items():
         assert r["error"] < 1e-4, (name, r["error"])
@@ -156,9 +146,9 @@ def test_routed_experts_compute_the_equation_on_every_layout_and_drop_exactly_th
 
 @pytest.mark.slow
 def test_an_expert_parallel_step_trains_exactly_as_one_device() -> None:
-    out = _run(TRAINING, 400)
+    out = run_on_host_devices(TRAINING, timeout=400)
     single = out["single"]
-    for name in ("fsdp2_ep2_tp2", "ep8"):
+    for name in ("fsdp2_ep2_tp2",):
         other = out[name]
         np.testing.assert_allclose(other["loss"], single["loss"], rtol=2e-4, atol=1e-6, err_msg=name)
         np.testing.assert_allclose(other["aux"], single["aux"], rtol=2e-4, err_msg=name)
@@ -167,7 +157,7 @@ def test_an_expert_parallel_step_trains_exactly_as_one_device() -> None:
     # The experts really are split: E over ep, width over tp, hidden over fsdp.
     assert out["fsdp2_ep2_tp2"]["experts_spec"] in ("P('ep', 'fsdp', 'tp')", "PartitionSpec('ep', 'fsdp', 'tp')")
     assert out["fsdp2_ep2_tp2"]["largest_expert_shard"] == out["fsdp2_ep2_tp2"]["expert_size"] // 8
-    assert out["ep8"]["largest_expert_shard"] == out["ep8"]["expert_size"] // 8
+    assert out["ep4_capacity"]["experts_spec"] in ("P('ep', 'fsdp', None)", "PartitionSpec('ep', 'fsdp', None)")
     # A capacity of half an even share drops tokens, reports it, and still trains (finite, moving loss).
     capped = out["ep4_capacity"]
     assert all(0 < d < 1 for d in capped["dropped"])

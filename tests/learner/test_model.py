@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import subprocess
-import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +18,7 @@ from stoker.model.hf import to_hf
 from stoker.model.logprobs import sequence_logprobs, token_log_not_taken, token_logprobs
 from stoker.model.model import Transformer, count_params, init_model
 from stoker.spec import TransformerConfig
+from tests.host_devices import run_on_host_devices
 
 QWEN3_LIKE = TransformerConfig(
     vocab_size=48, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=1, head_dim=12,
@@ -263,11 +260,7 @@ PLACED_INIT = textwrap.dedent(
 
 
 def test_placed_init_gives_the_constant_seed_programs_values_bit_for_bit() -> None:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", PLACED_INIT, str(Path(__file__).parent)], env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    cases = json.loads(proc.stdout)
+    cases = run_on_host_devices(PLACED_INIT, str(Path(__file__).parent), timeout=240)
     assert len(cases) == 2 * 2
     for case in cases:
         assert case["exact"] and case["unplaced"] and case["split"], case

@@ -7,10 +7,6 @@ with one CPU device, so the 8-device comparison runs in a subprocess with
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -19,6 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from stoker.learner import sharding
+from tests.host_devices import run_on_host_devices
 
 # Shared by the subprocess scripts below: random token rows with a loss mask, log-probs and advantages.
 SEQUENCES = textwrap.dedent(
@@ -80,10 +77,7 @@ SCRIPT = SEQUENCES + textwrap.dedent(
 
 @pytest.mark.slow
 def test_sharded_steps_match_single_device() -> None:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout)
+    out = run_on_host_devices(SCRIPT)
     for algo, results in out.items():
         single = results["single"]
         for name in ("fsdp4_tp2",):
@@ -124,10 +118,7 @@ VALUE_INIT = textwrap.dedent(
 
 
 def test_the_value_network_is_initialised_in_its_training_sharding_with_the_unplaced_values() -> None:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", VALUE_INIT], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    params = json.loads(proc.stdout)
+    params = run_on_host_devices(VALUE_INIT, timeout=120)
     assert len(params) >= 5
     for param in params:
         assert param["exact"] and param["training_sharding"] and param["eager_close"], param
@@ -221,10 +212,7 @@ LAYOUT = SEQUENCES + textwrap.dedent(
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # ~270 s on two loaded cores
 def test_sequence_sharding_and_stacked_layer_layout_leave_loss_and_gradients_unchanged() -> None:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", LAYOUT], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout)
+    out = run_on_host_devices(LAYOUT, timeout=600)
     single, split = out["single"], out["fsdp2_tp4_seq"]
     assert split["residual_split"] and not single["residual_split"]
     # float32 throughout: only the reduction order differs between the layouts.

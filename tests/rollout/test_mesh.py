@@ -7,10 +7,6 @@ CPU device, so the comparison runs in a subprocess with
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -19,6 +15,7 @@ import pytest
 
 from stoker.rollout.mesh import MeshError, default_tp, parse_mesh, rollout_mesh
 from stoker.spec import TransformerConfig
+from tests.host_devices import run_on_host_devices
 
 SCRIPT = textwrap.dedent(
     """
@@ -87,10 +84,7 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_sampling_over_a_tensor_parallel_mesh_matches_one_device() -> None:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout)
+    out = run_on_host_devices(SCRIPT)
     single, mesh = out["1"], out["4"]
     # Same seed, same draws: the partial sums are only added in another order.
     assert mesh["tokens"] == single["tokens"]
@@ -132,10 +126,7 @@ MOE_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_a_mixture_of_experts_samples_alike_with_its_experts_split_over_the_mesh() -> None:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", MOE_SCRIPT], env=env, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout)
+    out = run_on_host_devices(MOE_SCRIPT)
     single, mesh = out["1"], out["4"]
     assert mesh["tokens"] == single["tokens"]
     for a, b in zip(mesh["logprobs"], single["logprobs"], strict=True):
