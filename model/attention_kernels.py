@@ -46,6 +46,18 @@ Implementation = Literal["blockwise", "xla", "cudnn", "splash"]
 IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
 # Splash's query/key tile: rows are padded (as segment-0 padding) to a multiple of it.
 SPLASH_BLOCK = 128
+# The block splash computes in, the largest of these that divides the padded length, with the
+# fused backward kernel. Measured on one TPU v5e chip (Qwen2.5-0.5B shape, GRPO grad step, bf16,
+# remat full; benchmarks/README.md, "Splash block sizes on the v5e"): 128-token blocks 0.80 s at
+# 4 x 2048 and 2.19 s at 1 x 8192; 512: 0.36 / 0.59 s; 1024 fused: 0.35 / 0.50 s; 2048 fused at
+# 8192 needs 21.8 MiB of scoped VMEM, over the default 16 MiB. Other chips take the same table
+# until measured.
+SPLASH_BLOCKS = (1024, 512, 256, SPLASH_BLOCK)
+
+
+def splash_block(length: int) -> int:
+    """The block splash runs a padded ``length`` (a multiple of SPLASH_BLOCK) in."""
+    return next(b for b in SPLASH_BLOCKS if length % b == 0)
 
 
 # The mesh axis the caller's rows are split over, while it traces (``rows_split_over``).
@@ -213,10 +225,11 @@ def _splash_kernel(length: int, heads: int, window: int | None, softcap: float |
 
     shape = (length, length)
     mask = sa.CausalMask(shape) if window is None else sa.LocalMask(shape, (window - 1, 0), 0)
-    block = SPLASH_BLOCK
+    block = splash_block(length)
+    # The fused backward computes dq with dk/dv in one kernel (its own dq blocks must be None).
     sizes = sa.BlockSizes(
         block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
-        block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
+        block_kv_dkv_compute=block, use_fused_bwd_kernel=True,
     )
     with jax.ensure_compile_time_eval():  # the mask tables are constants, not values of the caller's trace
         return sa.make_splash_mha_single_device(

@@ -36,7 +36,7 @@ SCALE = 0.3
 def reference(q: Any, k: Any, v: Any, segments: np.ndarray, *, softcap: float | None, window: int | None, xp: Any = np) -> Any:
     """out[b, t, h] = sum_s softmax_s(c tanh(SCALE q.k_s / c)) v_s over the keys s that query t
     sees: same nonzero segment, s <= t, t - s < window; head h reads kv head h // (H / K)."""
-    t_idx, s_idx = np.arange(T)[:, None], np.arange(T)[None, :]
+    t_idx, s_idx = np.arange(q.shape[1])[:, None], np.arange(q.shape[1])[None, :]
     seen = (s_idx <= t_idx) & (segments[:, :, None] == segments[:, None, :]) & (segments[:, :, None] != 0)
     if window is not None:
         seen &= t_idx - s_idx < window
@@ -103,6 +103,30 @@ def test_kernel_matches_the_reference_forward_and_gradient(kernel: str, mask: st
     for variant, grad in variants.items():
         for name, g, r in zip("qkv", grad(q, k, v), ref_grads, strict=True):
             np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-5, rtol=1e-4, err_msg=f"{variant} d{name}")
+
+
+@pytest.mark.parametrize(("length", "block"), [(120, 128), (136, 256), (500, 512), (1000, 1024)])
+def test_splash_runs_every_block_of_its_table_as_the_reference(length: int, block: int) -> None:
+    """Each block size the table picks (the padded length's largest), with the fused backward."""
+    assert ak.splash_block(-(-length // ak.SPLASH_BLOCK) * ak.SPLASH_BLOCK) == block
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, length, n, D)), jnp.float32) for n in (H, K, K))
+    segments = np.zeros((1, length), np.int32)
+    segments[0, : length // 3], segments[0, length // 3 : length - 5] = 1, 2  # two sequences, then padding
+    vis = packed_visibility(jnp.asarray(segments))
+    real = jnp.asarray(segments != 0, jnp.float32)[:, :, None, None]
+
+    def run(q: Any, k: Any, v: Any) -> Any:
+        return ak.splash_attention(q, k, v, vis, scale=SCALE, interpret=True)
+
+    want = reference(*(np.asarray(x, np.float64) for x in (q, k, v)), segments, softcap=None, window=None)
+    np.testing.assert_allclose(np.asarray(jax.jit(run)(q, k, v)) * real, want * np.asarray(real), atol=2e-6, rtol=1e-5)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(real * jnp.sin(run(*a))), argnums=(0, 1, 2)))(q, k, v)
+    ref = jax.jit(jax.grad(
+        lambda *a: jnp.sum(real * jnp.sin(reference(*a, segments, softcap=None, window=None, xp=jnp))), argnums=(0, 1, 2)
+    ))(q, k, v)
+    for name, g, r in zip("qkv", grads, ref, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-5, rtol=1e-4, err_msg=f"d{name}")
 
 
 def test_kernels_without_soft_cap_are_never_handed_one() -> None:
