@@ -14,6 +14,7 @@ from flax import nnx
 
 from stoker.learner.algorithms import finalize_stats
 from stoker.learner.loop import Learner
+from stoker.learner.metrics import MetricsSink
 from stoker.learner.step import add_router_loss
 from stoker.learner.testing import TINY_ARCHITECTURE
 from stoker.model.hf import load_checkpoint
@@ -99,3 +100,10 @@ def test_a_moe_learner_trains_and_reports_the_router_loss() -> None:
     assert out["trained"] and np.isfinite(out["loss"])
     assert out["moe_aux_loss"] > 0 and 0.0 <= out["moe_expert_load_min"] <= 0.25 <= out["moe_expert_load_max"] <= 1.0
     assert abs(out["tito_logprob_diff_mean"]) < 1e-4  # the sampler's log-probs: the same routing
+    assert out["moe_dropped_fraction"] == 0.0  # no capacity: every token reaches its experts
+    # What a cluster's Prometheus scrapes.
+    logger = MetricsSink(None)
+    logger.record(out)
+    scraped = {m.name: m.samples[0].value for m in logger.registry.collect() if m.samples}
+    assert scraped["stoker_learner_moe_aux_loss"] == pytest.approx(out["moe_aux_loss"])
+    assert scraped["stoker_learner_moe_expert_load_max"] == pytest.approx(out["moe_expert_load_max"])
