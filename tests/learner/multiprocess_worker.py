@@ -1,6 +1,6 @@
 """One learner process of a multi-process test (``test_multiprocess.py`` runs it).
 
-    python multiprocess_worker.py OUT_DIR --devices D --steps K --mesh FSDPxTP [--mesh ...]
+    python multiprocess_worker.py OUT_DIR --devices D --steps K --mesh FSDPxTP [--mesh FSDPxEPxTP ...]
         [--buffer ADDR] [--resume-only]
 
 The process topology comes from the environment (``STOKER_NUM_PROCESSES`` ...), as in
@@ -128,10 +128,14 @@ def main() -> int:
 
     out = Path(args.out)
     for mesh in args.mesh:
-        fsdp, tp = (int(x) for x in mesh.split("x"))
+        sizes = [int(x) for x in mesh.split("x")]
+        fsdp, ep, tp = sizes if len(sizes) == 3 else (sizes[0], 1, sizes[1])
+        # An expert axis needs experts: the same model with every MLP a mixture of 4 (top-2).
+        moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256} if ep > 1 else {}
         spec = tiny_spec(
-            model={"architecture": arch}, algorithm={"learningRate": 0.01}, buffer={"groupSize": 4},
-            learner={"sequenceBuckets": [16, 32], "microbatchTokens": 128, "batchGroups": 2, "mesh": {"fsdp": fsdp, "tp": tp},
+            model={"architecture": arch.model_copy(update=moe)}, algorithm={"learningRate": 0.01}, buffer={"groupSize": 4},
+            learner={"sequenceBuckets": [16, 32], "microbatchTokens": 128, "batchGroups": 2,
+                     "mesh": {"fsdp": fsdp, "ep": ep, "tp": tp},
                      "checkpoint": {"intervalSteps": 2}, "publishIntervalSteps": 1, "maxSteps": args.steps},
         )
         settings = LearnerSettings.from_spec(spec, checkpoint_dir=str(out / f"ckpt-{mesh}"))

@@ -61,7 +61,9 @@ def finish(procs: list[subprocess.Popen[str]], timeout: float = 800) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # three JAX processes compiling on two cores; ~1 min on an idle machine
 def test_two_processes_train_exactly_as_one_with_the_same_devices(tmp_path: Path, xla_cache_dir: Path) -> None:
-    meshes, steps = ["4x1", "2x2"], 3  # FSDP over all four devices; FSDP 2 x TP 2
+    # FSDP over all four devices; FSDP 2 x TP 2; a mixture of experts with its 4 experts over
+    # ep = 4 (the all-to-alls cross the processes).
+    meshes, steps = ["4x1", "2x2", "1x4x1"], 3
     single = start_workers(tmp_path / "one", 1, 4, meshes, steps, xla_cache_dir)
     multi = start_workers(tmp_path / "two", 2, 2, meshes, steps, xla_cache_dir)
     finish(single + multi)
