@@ -82,15 +82,19 @@ SCRIPT = textwrap.dedent(
 )
 
 
+def assert_same_samples(mesh: dict, single: dict) -> None:
+    """Same seed, same draws: over a mesh the partial sums are only added in another order."""
+    assert mesh["tokens"] == single["tokens"]
+    for a, b in zip(mesh["logprobs"], single["logprobs"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_sampling_over_a_tensor_parallel_mesh_matches_one_device() -> None:
     out = run_on_host_devices(SCRIPT)
     single, mesh = out["1"], out["4"]
-    # Same seed, same draws: the partial sums are only added in another order.
-    assert mesh["tokens"] == single["tokens"]
+    assert_same_samples(mesh, single)
     assert mesh["versions"] == single["versions"] == [0] * 6 + [1] * 2
-    for a, b in zip(mesh["logprobs"], single["logprobs"], strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     assert mesh["compiles"] == single["compiles"] == 2  # stateless + session program, not per layout
     assert out["landed"] == [4] and len(out["loaded_logprobs"]) == 4
     assert (mesh["q_proj"], mesh["down_proj"], mesh["cache"]) == (
@@ -128,9 +132,7 @@ MOE_SCRIPT = textwrap.dedent(
 def test_a_mixture_of_experts_samples_alike_with_its_experts_split_over_the_mesh() -> None:
     out = run_on_host_devices(MOE_SCRIPT)
     single, mesh = out["1"], out["4"]
-    assert mesh["tokens"] == single["tokens"]
-    for a, b in zip(mesh["logprobs"], single["logprobs"], strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert_same_samples(mesh, single)
     assert mesh["spec"] == "P('tp', None, None)" and mesh["shards"] == 4  # two whole experts per chip
 
 
