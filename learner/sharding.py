@@ -128,7 +128,11 @@ def data_parallel_size(mesh: Mesh) -> int:
     return int(mesh.shape[FSDP] * mesh.shape[EP])
 
 
-def expert_layout(mesh: Mesh, capacity_factor: float | None) -> ExpertLayout:
-    """Where the experts compute on this mesh: E over ep, their width over tp. (The rows name ep
-    even at size 1: the all-to-all's output varies over it.)"""
+def expert_layout(mesh: Mesh, num_experts: int, capacity_factor: float | None) -> ExpertLayout | None:
+    """Where a model with ``num_experts`` computes them on this mesh: E over ep, their width over
+    tp, tokens sent to them by all-to-all. None (every device runs every expert on its tokens,
+    as the sampler does) for a dense model, or with neither an expert axis nor a capacity. (The
+    rows name ep even at size 1: the all-to-all's output varies over it.)"""
+    if not num_experts or (mesh.shape[EP] == 1 and capacity_factor is None):
+        return None
     return ExpertLayout(mesh, (FSDP, EP), EP, TP, capacity_factor)

@@ -40,7 +40,6 @@ from stoker.learner.trees import abstract_placed, cast_floats, float_dtype, fres
 from stoker.learner.value_network import ValueNetwork as ValueNetwork
 from stoker.learner.value_network import init_value_network as init_value_network
 from stoker.model.attention_kernels import rows_split_over
-from stoker.model.expert_parallel import ExpertLayout
 from stoker.model.logprobs import TokenStats, token_stats
 from stoker.model.model import Transformer
 from stoker.model.moe import RouterStats
@@ -201,15 +200,6 @@ class Trainer:
 
     # -------------------------------------------------------------------------------- device
 
-    def _expert_layout(self) -> ExpertLayout | None:
-        """A mixture of experts' tokens travel to their experts when the mesh splits the experts
-        or a capacity limits them; otherwise every device runs every expert (the sampler's way)."""
-        if not self.num_experts:
-            return None
-        if self.mesh.shape[sharding.EP] == 1 and self.options.expert_capacity_factor is None:
-            return None
-        return sharding.expert_layout(self.mesh, self.options.expert_capacity_factor)
-
     def _forward_logprobs(
         self, policy: Any, batch: dict[str, jax.Array], *, full: bool = True, adapters: Any = None,
         dropout_key: jax.Array | None = None, graphdef: Any = None,
@@ -226,7 +216,7 @@ class Trainer:
         layout = TrainingLayout(
             lambda shape: sharding.stacked_sharding(shape, mesh),
             sharding.residual_sharding(mesh) if self.options.sequence_sharding else None,
-            self._expert_layout(),
+            sharding.expert_layout(mesh, self.num_experts, self.options.expert_capacity_factor),
         )
         # Each device attends over its own rows; the layer loop keeps the training layout.
         with rows_split_over(self.mesh, sharding.row_axes(mesh)), training_layout(layout):

@@ -65,7 +65,7 @@ ROUTED = textwrap.dedent(
                                          "ep4_tp2": (1, 4, 2, None), "ep1_capacity": (8, 1, 1, 0.5),
                                          "ep4_capacity": (2, 4, 1, 0.5)}.items():
         mesh = sharding.make_mesh(fsdp, tp, ep=ep)
-        layout = sharding.expert_layout(mesh, factor)
+        layout = sharding.expert_layout(mesh, E, factor)
         for jit in (True, False) if name == "fsdp2_ep2_tp2" else (True,):  # eager once: it is slow
             fn = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
             (_, (out, dropped)), grads = (jax.jit(fn, static_argnums=2) if jit else fn)(jnp.asarray(x), kernels, layout)
