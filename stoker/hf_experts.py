@@ -30,6 +30,14 @@ MOE_DEFAULTS: dict[str, dict[str, Any]] = {
 # Mixtral's names for an expert's projections (w1 gate, w3 up, w2 down) and for a layer's MoE block.
 MIXTRAL_EXPERT_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 MIXTRAL_BLOCK = "block_sparse_moe"
+# What only Gemma's decoders set (besides sandwichNorms): a config with any of them is Gemma 2/3.
+GEMMA_ONLY = ("mlp_activation", "norm_unit_offset", "embedding_scale", "query_pre_attn_scalar", "attn_logit_softcap",
+              "final_logit_softcap", "sliding_window", "rope_local_theta")
+
+
+def non_default(config: TransformerConfig, fields: tuple[str, ...]) -> list[str]:
+    """Which of ``fields`` the config sets to other than TransformerConfig's default."""
+    return [f for f in fields if getattr(config, f) != TransformerConfig.model_fields[f].default]
 
 
 def moe_settings(hf: Mapping[str, Any], model_type: str) -> dict[str, Any]:
@@ -79,9 +87,7 @@ def router_weight_name(layer: int, mixtral: bool) -> str:
 
 def moe_type_of(config: TransformerConfig) -> str:
     """qwen3_moe (q/k norms) or mixtral; a mixture of experts neither describes is refused."""
-    gemma = ("mlp_activation", "norm_unit_offset", "sandwich_norms", "embedding_scale", "query_pre_attn_scalar",
-             "attn_logit_softcap", "final_logit_softcap", "sliding_window", "rope_local_theta")
-    odd = [f for f in gemma if getattr(config, f) != TransformerConfig.model_fields[f].default]
+    odd = non_default(config, ("sandwich_norms", *GEMMA_ONLY))
     if odd:
         raise CheckpointError(f"no Hugging Face family has mixture-of-experts layers with {', '.join(map(to_camel, odd))}")
     if config.qk_norm:

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from pydantic.alias_generators import to_camel
 
 from stoker.checkpoint_error import CheckpointError
-from stoker.hf_experts import MOE_KEYS, moe_settings, moe_to_hf, moe_type_of
+from stoker.hf_experts import GEMMA_ONLY, MOE_KEYS, moe_settings, moe_to_hf, moe_type_of, non_default
 from stoker.spec import RLJobSpec, RopeScaling, TransformerConfig
 
 CONFIG_FILE = "config.json"
@@ -252,9 +252,7 @@ def model_type_of(config: TransformerConfig) -> str:
         return moe_type_of(config)
     if config.sandwich_norms:
         return "gemma3_text" if config.qk_norm else "gemma2"
-    gemma_only = ("mlp_activation", "norm_unit_offset", "embedding_scale", "query_pre_attn_scalar",
-                  "attn_logit_softcap", "final_logit_softcap", "sliding_window", "rope_local_theta")
-    odd = [f for f in gemma_only if getattr(config, f) != TransformerConfig.model_fields[f].default]
+    odd = non_default(config, GEMMA_ONLY)
     if odd:
         raise CheckpointError(f"no Hugging Face family has {', '.join(map(to_camel, odd))} without sandwichNorms")
     if config.qk_norm:
