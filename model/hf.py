@@ -17,13 +17,10 @@ too), ``mistral`` (without a sliding window), ``qwen2`` (q/k/v biases), ``qwen3`
 norms), ``gemma2``, ``gemma3_text``, and the mixtures of experts ``qwen3_moe`` and ``mixtral``.
 Anything else is refused with a clear message rather than loaded subtly wrong.
 
-Experts are the exception to the rename-plus-transpose rule: the model holds each layer's experts
-stacked (``layers/0/mlp/experts/gate_proj`` [E, in, out]), checkpoints hold one tensor per expert
-(``model.layers.0.mlp.experts.5.gate_proj.weight`` [out, in]; Mixtral:
-``model.layers.0.block_sparse_moe.experts.5.w1.weight``, its router ``block_sparse_moe.gate``).
-``hf_name`` names a stack ``model.layers.0.mlp.experts.gate_proj``, untransposed: the weight
-channel sends it whole under that name; ``to_hf`` splits it into the checkpoint's tensors and
-``load_hf`` stacks them back (it takes either form).
+Experts are the exception: the model holds a layer's experts stacked ([E, hidden, width],
+``stoker.model.moe``), checkpoints one tensor per expert (``mlp.experts.5.gate_proj.weight``;
+Mixtral's ``block_sparse_moe.experts.5.w1.weight``). The weight channel sends a stack whole under
+``hf_name``'s ``model.layers.0.mlp.experts.gate_proj``; ``to_hf`` splits it, ``load_hf`` takes either.
 """
 
 from __future__ import annotations
