@@ -17,7 +17,7 @@ import os
 import re
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,55 @@ MAX_EXAMPLE_CHARS = 4000
 MAX_REASONS = 50  # distinct reasons kept; the rest count under "other"
 SNAPSHOT_SECONDS = 2.0  # the stats file is rewritten this often while the actor runs (and at the end)
 RECENT_SECONDS = 30.0  # the window of the "recent" rates the progress display shows
+# The window of an actor's load: short, so the start's compilation soon leaves it.
+LOAD_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class LoadReading:
+    """What an actor measured of itself over about the last ``LOAD_SECONDS`` (sent to the buffer
+    as ``stoker.v1.ActorLoad`` with each Acquire): whether more episodes in flight would help it
+    (slots full, CPU idle: latency-bound) or only more actors or cores would (CPU-bound)."""
+
+    cpu_cores: float  # the process's CPU seconds (all threads) per wall second
+    episodes_in_flight: float  # mean episodes running at once
+    concurrency: int  # the most it runs at once
+    trajectories_per_second: float
+
+
+class LoadMeter:
+    """Reads an actor's load: ``time.process_time`` for its CPU, ``slot_seconds`` (the running
+    episodes' summed wall time, ``EpisodeSlots.slot_seconds``) for what it has in flight, and the
+    finished episodes; each reading spans the newest window at least ``LOAD_SECONDS`` long."""
+
+    def __init__(
+        self, concurrency: int, slot_seconds: Callable[[], float], episodes: Callable[[], int], *,
+        clock: Callable[[], float] = time.monotonic, cpu: Callable[[], float] = time.process_time,
+    ):
+        self.concurrency = concurrency
+        self._clock, self._cpu = clock, cpu
+        self._slot_seconds = slot_seconds
+        self._episodes = episodes
+        # (wall, process CPU, slot-seconds, episodes) at each reading: the window's start.
+        self._history: deque[tuple[float, float, float, int]] = deque(maxlen=256)
+        self._history.append(self._now())
+
+    def _now(self) -> tuple[float, float, float, int]:
+        return self._clock(), self._cpu(), self._slot_seconds(), self._episodes()
+
+    def read(self) -> LoadReading:
+        now = self._now()
+        self._history.append(now)
+        while len(self._history) > 2 and self._history[1][0] <= now[0] - LOAD_SECONDS:
+            self._history.popleft()
+        then = self._history[0]
+        span = max(now[0] - then[0], 1e-9)
+        return LoadReading(
+            cpu_cores=(now[1] - then[1]) / span,
+            episodes_in_flight=(now[2] - then[2]) / span,
+            concurrency=self.concurrency,
+            trajectories_per_second=(now[3] - then[3]) / span,
+        )
 
 
 def failure_key(episode: Episode) -> str:

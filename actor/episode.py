@@ -21,7 +21,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -265,11 +265,23 @@ class EpisodeSlots:
     episodes wait for slots, so admission credit is never held far ahead of the work.
     """
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, clock: Callable[[], float] = time.monotonic):
         self.limit = max(1, limit)
+        self._clock = clock
         self.reserved = 0  # episodes of started groups that have not ended
+        self.running = 0  # episodes holding a slot now
         self._running = asyncio.Semaphore(self.limit)
         self._changed = asyncio.Condition()
+        self._slot_seconds = 0.0  # the running episodes' wall time, summed, up to ``_counted_at``
+        self._counted_at = clock()
+
+    def slot_seconds(self) -> float:
+        """The wall time episodes have held slots, summed over episodes: its rate is the mean
+        number in flight (``stoker.actor.diagnostics.LoadMeter``)."""
+        now = self._clock()
+        self._slot_seconds += self.running * (now - self._counted_at)
+        self._counted_at = now
+        return self._slot_seconds
 
     async def reserve(self, episodes: int) -> None:
         """Wait for a free slot, then count ``episodes`` more (one group's)."""
@@ -285,8 +297,12 @@ class EpisodeSlots:
 
     async def __aenter__(self) -> None:
         await self._running.acquire()
+        self.slot_seconds()
+        self.running += 1
 
     async def __aexit__(self, *exc: object) -> None:
+        self.slot_seconds()
+        self.running -= 1
         self._running.release()
         await self.give_back(1)
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from stoker.actor.diagnostics import ActorDiagnostics, StatsFile
+from stoker.actor.diagnostics import ActorDiagnostics, LoadMeter, LoadReading, StatsFile
 from stoker.actor.episode import EpisodeSlots, run_group, summarize
 from stoker.actor.evaluation import EvalOutcome, play_round, round_due
 from stoker.conversation.policy import Policy
@@ -54,7 +54,9 @@ class BufferUnavailable(Exception):
 class BufferPort(Protocol):
     """The buffer as the actor sees it (async); see ``GrpcBuffer`` for the real one."""
 
-    async def acquire(self, groups: int) -> Grant: ...
+    async def acquire(self, groups: int, load: LoadReading | None = None) -> Grant:
+        """Credit for ``groups`` groups; ``load`` is what the actor measured of itself (the
+        buffer shows it in Stats for stoker.bottleneck)."""
 
     async def put(self, episodes: list[Episode]) -> None: ...
 
@@ -148,6 +150,7 @@ class Actor:
         rng = random.Random(f"{settings.seed}/{settings.actor_id}")
         self._pick = task_picker or task_cycle(settings.tasks, rng)
         self._group_seed = rng.randrange(1 << 30)
+        self._load: LoadMeter | None = None  # set by run(), over its episode slots
 
     def stop(self) -> None:
         """Start no new groups; the running ones finish and are submitted."""
@@ -156,6 +159,7 @@ class Actor:
     async def run(self) -> ActorStats:
         s = self.settings
         slots = EpisodeSlots(s.concurrency)
+        self._load = LoadMeter(s.concurrency, slots.slot_seconds, lambda: self.stats.episodes)
         running: set[asyncio.Task[None]] = set()
         sync = asyncio.create_task(self._sync_weights(), name="weight sync") if self.weights is not None else None
         if sync is not None:
@@ -263,7 +267,8 @@ class Actor:
         """Wait for one group of credit; False if stopped while waiting."""
         while not self._stopping.is_set():
             try:
-                answered, credit = await self._unless_stopped(self.buffer.acquire(1), 0.0)
+                load = self._load.read() if self._load is not None else None
+                answered, credit = await self._unless_stopped(self.buffer.acquire(1, load), 0.0)
                 if not answered:
                     return False
                 assert credit is not None

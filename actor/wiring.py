@@ -6,6 +6,8 @@ Also the in-process entry points the local runner uses (``make_policy``, ``envir
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +16,7 @@ from typing import Any
 import grpc
 
 from stoker import chips
+from stoker.actor.diagnostics import LoadReading
 from stoker.actor.environments import EnvironmentProblem
 from stoker.actor.evaluation import EvalOutcome, GreedyPolicy
 from stoker.actor.pods import pod_factory
@@ -28,6 +31,7 @@ from stoker.rollout.client import RemotePolicy
 from stoker.conversation.tokenization import text_interface
 from stoker.spec import RLJob
 from stoker.trajectory import Episode
+from stoker.v1 import buffer_pb2
 
 log = logging.getLogger("stoker.actor")
 
@@ -136,8 +140,9 @@ class GrpcBuffer:
         self.invalid = 0
         self._stream: Any = None  # the client's PutStream, opened on the first Put
 
-    async def acquire(self, groups: int) -> Grant:
-        credit = await self._call(self.client.acquire, groups)
+    async def acquire(self, groups: int, load: LoadReading | None = None) -> Grant:
+        figures = None if load is None else buffer_pb2.ActorLoad(**dataclasses.asdict(load))
+        credit = await self._call(functools.partial(self.client.acquire, groups, load=figures))
         return Grant(int(credit.granted), float(credit.retry_after_seconds))
 
     async def put(self, episodes: list[Episode]) -> None:

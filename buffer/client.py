@@ -243,11 +243,14 @@ class BufferClient:
         for the last acknowledgements."""
         return PutStream(self, window=window, max_batch_trajectories=self.max_batch_trajectories, max_batch_bytes=self.max_batch_bytes)
 
-    def acquire(self, groups: int, *, actor_id: str = "", wait: float = 0.0) -> Credit:
+    def acquire(
+        self, groups: int, *, actor_id: str = "", wait: float = 0.0, load: buffer_pb2.ActorLoad | None = None
+    ) -> Credit:
         """Ask for credit to start ``groups`` episode groups (admission control). With ``wait`` > 0,
-        keep asking (at the buffer's suggested pace) until something is granted or ``wait`` passes."""
+        keep asking (at the buffer's suggested pace) until something is granted or ``wait`` passes.
+        ``load``: the actor's own figures, which the buffer shows in Stats (``actor_loads``)."""
         deadline = time.monotonic() + wait
-        request = buffer_pb2.AcquireRequest(actor_id=actor_id or self.client_id, groups=groups)
+        request = buffer_pb2.AcquireRequest(actor_id=actor_id or self.client_id, groups=groups, load=load)
         while True:
             response = self._call(self._acquire, request)
             credit = Credit(response.granted, response.policy_version, response.retry_after_seconds)

@@ -36,6 +36,10 @@ from stoker.buffer.wal_files import WalError
 from stoker.buffer.wal_format import Position
 from stoker.v1 import buffer_pb2
 
+# An actor's load report older than this is dropped from Stats: the actor has stopped (a running one
+# reports with every group it starts, so this allows for groups of slow episodes).
+LOAD_SECONDS = 180.0
+
 
 class BufferCore:
     """Thread-safe buffer state over a write-ahead log in ``data_dir``; call ``open()`` first."""
@@ -193,11 +197,14 @@ class BufferCore:
 
     # ------------------------------------------------------------------ admission credit
 
-    def acquire(self, groups: int, actor_id: str = "") -> tuple[int, int, float]:
-        """Credit to start ``groups`` episode groups: ``(granted, policy version, retry hint)``."""
+    def acquire(self, groups: int, actor_id: str = "", load: buffer_pb2.ActorLoad | None = None) -> tuple[int, int, float]:
+        """Credit to start ``groups`` episode groups: ``(granted, policy version, retry hint)``.
+        ``load``, the actor's own figures, is kept (the newest per actor) for Stats."""
         state = self.state
         state.admission.maybe_reload()  # outside the lock: a slow file system must not stall the buffer
         with state.lock:
+            if load is not None:
+                state.actor_loads[actor_id] = (state.clock(), load)
             granted = max(0, min(groups, state.credit()))
             state.in_flight += granted
             retry = 0.0 if granted else state.settings.retry_after_seconds
@@ -280,4 +287,12 @@ class BufferCore:
                 admission_scale=state.admission.value,
                 learner_duty_cycle=state.learner_duty_cycle,
                 max_staleness=state.settings.max_staleness,
+                actor_loads=self._fresh_loads(now),
             )
+
+    def _fresh_loads(self, now: float) -> dict[str, buffer_pb2.ActorLoad]:
+        """Loads reported in the last ``LOAD_SECONDS``; older ones are forgotten (caller holds the lock)."""
+        loads = self.state.actor_loads
+        for actor in [a for a, (at, _) in loads.items() if now - at > LOAD_SECONDS]:
+            del loads[actor]
+        return {actor: load for actor, (_, load) in loads.items()}

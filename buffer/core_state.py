@@ -97,6 +97,8 @@ class CoreState:
         self.sample_rate = RateWindow()
         self.admission = AdmissionScale(settings.admission_file, clock=clock, interval=settings.admission_check_seconds)
         self.learner_duty_cycle: float | None = None  # the learner's last report; None until it sends one
+        # Each actor's newest ActorLoad and when it came (Acquire), for Stats' actor_loads.
+        self.actor_loads: dict[str, tuple[float, buffer_pb2.ActorLoad]] = {}
         # Called as ``listener(ready groups)`` when groups become ready, with the lock held, from
         # whichever thread made them ready: how an event-loop server wakes its waiting Samples.
         self.ready_listener: Callable[[int], None] | None = None

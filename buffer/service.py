@@ -223,7 +223,8 @@ class BufferService:
         check_id("actor_id", request.actor_id, self.core.settings.max_id_length)
         if request.groups > MAX_CREDIT_GROUPS:
             raise invalid(f"groups: got {request.groups}; expected at most {MAX_CREDIT_GROUPS}")
-        granted, version, retry = self.core.acquire(request.groups, request.actor_id)
+        load = request.load if request.HasField("load") else None
+        granted, version, retry = self.core.acquire(request.groups, request.actor_id, load)
         return buffer_pb2.AcquireResponse(granted=granted, policy_version=version, retry_after_seconds=retry)
 
     async def release(self, request: buffer_pb2.ReleaseRequest, context: Context) -> buffer_pb2.ReleaseResponse:

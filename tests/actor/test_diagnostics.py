@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stoker.actor.diagnostics import ActorDiagnostics, combine, failure_key, read_snapshots
+from stoker.actor.diagnostics import ActorDiagnostics, LoadMeter, LoadReading, combine, failure_key, read_snapshots
 from stoker.actor.environments import Observation, StepResult
-from stoker.actor.episode import FAILED, OK, TIMEOUT, TRUNCATED
+from stoker.actor.episode import FAILED, OK, TIMEOUT, TRUNCATED, EpisodeSlots
 from stoker.actor.policy import ScriptedPolicy
 from stoker.actor.runner import Actor, Grant
 from stoker.actor.sandbox import SandboxFailed
@@ -87,8 +87,10 @@ class BrokenOnSecondTurn:
 class MemoryBuffer:
     def __init__(self) -> None:
         self.groups: list[list[Episode]] = []
+        self.loads: list[LoadReading | None] = []  # what the actor sent with each Acquire
 
-    async def acquire(self, groups: int) -> Grant:
+    async def acquire(self, groups: int, load: LoadReading | None = None) -> Grant:
+        self.loads.append(load)
         return Grant(groups)
 
     async def put(self, episodes: list[Episode]) -> None:
@@ -113,12 +115,15 @@ async def test_an_actor_logs_and_writes_why_its_episodes_fail(
 
     vocab = lake.tokenizer.get_vocab()
     stats_file = tmp_path / "actors" / "actor-0.json"
+    buffer = MemoryBuffer()
     actor = Actor(
-        settings, ScriptedPolicy(lambda _: [vocab["right"]]), lake, factory, MemoryBuffer(),  # type: ignore[arg-type]
+        settings, ScriptedPolicy(lambda _: [vocab["right"]]), lake, factory, buffer,  # type: ignore[arg-type]
         stats_path=stats_file,
     )
     with caplog.at_level(logging.INFO, logger="stoker.actor"):
         await asyncio.wait_for(actor.run(), 30)
+    # Every Acquire carries the actor's load (stoker.bottleneck reads it from the buffer's Stats).
+    assert len(buffer.loads) == 3 and all(load is not None and load.concurrency == 8 for load in buffer.loads)
     [snapshot] = read_snapshots([stats_file])
     assert snapshot["episodes"] == 6 and snapshot["failed_episodes"] == 6
     [failure] = snapshot["failures"]
@@ -171,7 +176,7 @@ def test_recent_rates_fall_to_zero_while_an_actor_is_held_back() -> None:
 @pytest.mark.asyncio
 async def test_the_stats_file_stays_current_while_admission_is_refused(lake: TextInterface, tmp_path: Path) -> None:
     class Refusing(MemoryBuffer):
-        async def acquire(self, groups: int) -> Grant:
+        async def acquire(self, groups: int, load: LoadReading | None = None) -> Grant:
             return Grant(0, 0.05)
 
     spec = RLJobSpec(buffer=BufferSpec(group_size=2))
@@ -208,3 +213,23 @@ def test_refused_tampering_is_totalled_by_kind_and_shown_in_the_run_report(tmp_p
     report = "\n".join(_generation(tmp_path, []))
     assert "## Judge tampering (reward_tampering_total)" in report
     assert "| 3 | frame introspection |" in report and "| 1 | always-equal value |" in report
+
+
+def test_the_load_meter_reads_cpu_and_episodes_in_flight_per_wall_second() -> None:
+    now, cpu = [100.0], [5.0]
+    slots = EpisodeSlots(8, clock=lambda: now[0])
+    episodes = [0]
+    meter = LoadMeter(8, slots.slot_seconds, lambda: episodes[0], clock=lambda: now[0], cpu=lambda: cpu[0])
+
+    async def hold_two_for_ten_seconds() -> None:
+        async with slots, slots:
+            now[0] += 10.0
+            cpu[0] += 9.0  # a busy actor: 0.9 cores
+        episodes[0] += 2
+
+    asyncio.run(hold_two_for_ten_seconds())
+    now[0] += 10.0  # then ten idle seconds
+    assert meter.read() == LoadReading(cpu_cores=0.45, episodes_in_flight=1.0, concurrency=8, trajectories_per_second=0.1)
+    # The window moves on: the next reading 10 s later spans only the idle part.
+    now[0] += 10.0
+    assert meter.read() == LoadReading(cpu_cores=0.0, episodes_in_flight=0.0, concurrency=8, trajectories_per_second=0.0)

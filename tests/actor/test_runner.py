@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from stoker.actor.diagnostics import LoadReading
 from stoker.actor.environments import Observation, StepResult
 from stoker.actor.episode import FAILED
 from stoker.actor.policy import BatchedSampler, ScriptedPolicy
@@ -87,7 +88,7 @@ class MemoryBuffer:
         self.refusals = refusals
         self.groups: list[list[Episode]] = []
 
-    async def acquire(self, groups: int) -> Grant:
+    async def acquire(self, groups: int, load: LoadReading | None = None) -> Grant:
         if self.refusals:
             self.refusals -= 1
             return Grant(0, 0.01)
@@ -285,7 +286,7 @@ async def test_a_stopping_actor_does_not_wait_for_a_buffer_that_is_gone(lake: Te
             super().__init__()
             self.dead = False
 
-        async def acquire(self, groups: int) -> Grant:
+        async def acquire(self, groups: int, load: LoadReading | None = None) -> Grant:
             if self.dead:
                 await asyncio.Event().wait()  # retrying against an unreachable buffer
             return await super().acquire(groups)

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 import stoker.buffer.wal as wal_module
-from stoker.buffer.core import BufferCore
+from stoker.buffer.core import LOAD_SECONDS, BufferCore
 from stoker.buffer.core_state import CONSUME
 from stoker.buffer.settings import BufferSettings
 from stoker.buffer.state import CODE_INVALID_ARGUMENT, CODE_OK, BufferFull, Unavailable, UnknownBatch
 from stoker.buffer.wire import encode_trajectory
 from stoker.trajectory import Episode, from_proto
-from stoker.v1 import trajectory_pb2
+from stoker.v1 import buffer_pb2, trajectory_pb2
 
 FAILED = trajectory_pb2.EPISODE_STATUS_FAILED
 TIMEOUT = trajectory_pb2.EPISODE_STATUS_TIMEOUT
@@ -472,3 +472,16 @@ def test_a_waiting_sample_returns_as_soon_as_enough_groups_are_complete(
     assert batch is not None and len(batch.groups) == 3  # type: ignore[attr-defined]
     core.close()
 
+
+
+def test_each_actors_newest_load_is_in_stats_until_it_stops_reporting(tmp_path: Path, settings: BufferSettings) -> None:
+    clock = FakeClock()
+    core = open_core(tmp_path, settings, clock)
+    core.acquire(1, "actor-0", buffer_pb2.ActorLoad(cpu_cores=0.5, episodes_in_flight=3.0, concurrency=8))
+    core.acquire(1, "actor-0", buffer_pb2.ActorLoad(cpu_cores=0.9, episodes_in_flight=7.5, concurrency=8))
+    core.acquire(1, "actor-1")  # an actor too old to report a load
+    assert dict(core.stats().actor_loads) == {
+        "actor-0": buffer_pb2.ActorLoad(cpu_cores=0.9, episodes_in_flight=7.5, concurrency=8)
+    }
+    clock.now += LOAD_SECONDS + 1  # actor-0 stopped asking for credit
+    assert dict(core.stats().actor_loads) == {}

@@ -219,7 +219,9 @@ def test_actors_are_served_while_learners_wait_for_data(
 
 
 def test_policy_version_and_admission(buffer: BufferClient) -> None:
-    credit = buffer.acquire(100)
+    load = buffer_pb2.ActorLoad(cpu_cores=0.97, episodes_in_flight=7.8, concurrency=8, trajectories_per_second=23.5)
+    credit = buffer.acquire(100, actor_id="actor-3", load=load)
+    assert buffer.stats().actor_loads["actor-3"] == load  # the actor's own figures, for stoker.bottleneck
     assert credit.granted == (2 + 0 + 1) * 2 and credit.policy_version == 0
     assert buffer.acquire(1).granted == 0
     buffer.set_policy_version(3)

@@ -70,12 +70,28 @@ class PutStreamResponse(_message.Message):
     def __init__(self, acks: _Optional[_Iterable[_Union[PutAck, _Mapping]]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("actor_id", "groups")
+    __slots__ = ("actor_id", "groups", "load")
     ACTOR_ID_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     actor_id: str
     groups: int
-    def __init__(self, actor_id: _Optional[str] = ..., groups: _Optional[int] = ...) -> None: ...
+    load: ActorLoad
+    def __init__(self, actor_id: _Optional[str] = ..., groups: _Optional[int] = ..., load: _Optional[_Union[ActorLoad, _Mapping]] = ...) -> None: ...
+
+class ActorLoad(_message.Message):
+    __slots__ = ("cpu_cores", "loop_busy", "episodes_in_flight", "concurrency", "trajectories_per_second")
+    CPU_CORES_FIELD_NUMBER: _ClassVar[int]
+    LOOP_BUSY_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    cpu_cores: float
+    loop_busy: float
+    episodes_in_flight: float
+    concurrency: int
+    trajectories_per_second: float
+    def __init__(self, cpu_cores: _Optional[float] = ..., loop_busy: _Optional[float] = ..., episodes_in_flight: _Optional[float] = ..., concurrency: _Optional[int] = ..., trajectories_per_second: _Optional[float] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("granted", "policy_version", "retry_after_seconds")
@@ -176,7 +192,7 @@ class ConfigureResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class BufferStats(_message.Message):
-    __slots__ = ("capacity", "stored_trajectories", "complete_groups", "incomplete_groups", "leased_batches", "fill", "policy_version", "admission_credit", "in_flight_groups", "accepted_total", "sampled_total", "committed_total", "dropped", "staleness_histogram", "per_actor_accepted", "put_rate", "sample_rate", "stale_incomplete_groups", "rejected", "duplicates_total", "redelivered_groups", "masked_groups_delivered", "committed_groups_total", "log_bytes", "log_segments", "replayed_trajectories", "corrupt_log_tails", "full_rejections", "stored_bytes", "admission_scale", "disk_full", "disk_free_bytes", "disk_full_rejections", "learner_duty_cycle", "max_staleness", "eval_rounds")
+    __slots__ = ("capacity", "stored_trajectories", "complete_groups", "incomplete_groups", "leased_batches", "fill", "policy_version", "admission_credit", "in_flight_groups", "accepted_total", "sampled_total", "committed_total", "dropped", "staleness_histogram", "per_actor_accepted", "put_rate", "sample_rate", "stale_incomplete_groups", "rejected", "duplicates_total", "redelivered_groups", "masked_groups_delivered", "committed_groups_total", "log_bytes", "log_segments", "replayed_trajectories", "corrupt_log_tails", "full_rejections", "stored_bytes", "admission_scale", "disk_full", "disk_free_bytes", "disk_full_rejections", "learner_duty_cycle", "max_staleness", "eval_rounds", "actor_loads")
     class DroppedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +221,13 @@ class BufferStats(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ActorLoadsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: ActorLoad
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ActorLoad, _Mapping]] = ...) -> None: ...
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     STORED_TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +264,7 @@ class BufferStats(_message.Message):
     LEARNER_DUTY_CYCLE_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     EVAL_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    ACTOR_LOADS_FIELD_NUMBER: _ClassVar[int]
     capacity: int
     stored_trajectories: int
     complete_groups: int
@@ -277,7 +301,8 @@ class BufferStats(_message.Message):
     learner_duty_cycle: float
     max_staleness: int
     eval_rounds: _containers.RepeatedCompositeFieldContainer[EvalRound]
-    def __init__(self, capacity: _Optional[int] = ..., stored_trajectories: _Optional[int] = ..., complete_groups: _Optional[int] = ..., incomplete_groups: _Optional[int] = ..., leased_batches: _Optional[int] = ..., fill: _Optional[float] = ..., policy_version: _Optional[int] = ..., admission_credit: _Optional[int] = ..., in_flight_groups: _Optional[int] = ..., accepted_total: _Optional[int] = ..., sampled_total: _Optional[int] = ..., committed_total: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., per_actor_accepted: _Optional[_Mapping[str, int]] = ..., put_rate: _Optional[float] = ..., sample_rate: _Optional[float] = ..., stale_incomplete_groups: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., duplicates_total: _Optional[int] = ..., redelivered_groups: _Optional[int] = ..., masked_groups_delivered: _Optional[int] = ..., committed_groups_total: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_segments: _Optional[int] = ..., replayed_trajectories: _Optional[int] = ..., corrupt_log_tails: _Optional[int] = ..., full_rejections: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., admission_scale: _Optional[float] = ..., disk_full: _Optional[bool] = ..., disk_free_bytes: _Optional[int] = ..., disk_full_rejections: _Optional[int] = ..., learner_duty_cycle: _Optional[float] = ..., max_staleness: _Optional[int] = ..., eval_rounds: _Optional[_Iterable[_Union[EvalRound, _Mapping]]] = ...) -> None: ...
+    actor_loads: _containers.MessageMap[str, ActorLoad]
+    def __init__(self, capacity: _Optional[int] = ..., stored_trajectories: _Optional[int] = ..., complete_groups: _Optional[int] = ..., incomplete_groups: _Optional[int] = ..., leased_batches: _Optional[int] = ..., fill: _Optional[float] = ..., policy_version: _Optional[int] = ..., admission_credit: _Optional[int] = ..., in_flight_groups: _Optional[int] = ..., accepted_total: _Optional[int] = ..., sampled_total: _Optional[int] = ..., committed_total: _Optional[int] = ..., dropped: _Optional[_Mapping[str, int]] = ..., staleness_histogram: _Optional[_Mapping[int, int]] = ..., per_actor_accepted: _Optional[_Mapping[str, int]] = ..., put_rate: _Optional[float] = ..., sample_rate: _Optional[float] = ..., stale_incomplete_groups: _Optional[int] = ..., rejected: _Optional[_Mapping[str, int]] = ..., duplicates_total: _Optional[int] = ..., redelivered_groups: _Optional[int] = ..., masked_groups_delivered: _Optional[int] = ..., committed_groups_total: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_segments: _Optional[int] = ..., replayed_trajectories: _Optional[int] = ..., corrupt_log_tails: _Optional[int] = ..., full_rejections: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., admission_scale: _Optional[float] = ..., disk_full: _Optional[bool] = ..., disk_free_bytes: _Optional[int] = ..., disk_full_rejections: _Optional[int] = ..., learner_duty_cycle: _Optional[float] = ..., max_staleness: _Optional[int] = ..., eval_rounds: _Optional[_Iterable[_Union[EvalRound, _Mapping]]] = ..., actor_loads: _Optional[_Mapping[str, ActorLoad]] = ...) -> None: ...
 
 class ReportEvalRequest(_message.Message):
     __slots__ = ("report_id", "policy_version", "episodes", "reward_sum", "success_sum", "failed_episodes")
