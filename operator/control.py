@@ -1,5 +1,10 @@
 """Enforcement: staleness and starvation -> actor replicas and the buffer's admission scale.
 
+Scaling up reads the actors' diagnosis (``stoker.bottleneck``, as the status shows it): CPU-bound
+actors get more replicas, even while the buffer still holds a group; admission-bound ones get
+none, since new actors would only wait for credit too; latency-bound ones get more as well (the
+operator's knob), with a note that ``actors.concurrency`` would do it with fewer pods.
+
 Pure functions over successive buffer snapshots; the timer applies the decision and posts one
 Event per action.
 
@@ -17,8 +22,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from stoker.bottleneck import Bottleneck, diagnose, figures_from
 from stoker.operator.observe import StatsSnapshot
 from stoker.operator.settings import OperatorSettings
+from stoker.spec import RLJobSpec
 
 STALE_DROP_REASON = "stale"
 OVERPRODUCTION_ADMISSION_FACTOR = 0.75
@@ -94,6 +101,24 @@ def learner_starved(stats: StatsSnapshot, threshold: float) -> bool | None:
     return stats.complete_groups == 0 and stats.learner_duty_cycle < threshold
 
 
+def actors_diagnosis(stats: StatsSnapshot | None, spec: RLJobSpec, actor_target: int) -> Bottleneck | None:
+    """What caps the learner now (``stoker.bottleneck``) with ``actor_target`` actors running;
+    None without Stats or while balanced."""
+    if stats is None:
+        return None
+    return diagnose(figures_from(stats, spec, stats.learner_duty_cycle, replicas=actor_target))
+
+
+def _scale_up_note(actors: Bottleneck | None) -> str:
+    if actors is None or actors.limit != "actors":
+        return ""
+    if actors.bound == "cpu":
+        return "; actors CPU-bound"
+    if actors.bound == "latency" and actors.knob == "actors.concurrency":
+        return f"; actors latency-bound: actors.concurrency {actors.value} would do it with fewer pods"
+    return ""
+
+
 @dataclass(frozen=True)
 class Action:
     """One enforcement step, reported as an Event on the RLJob."""
@@ -127,6 +152,7 @@ def decide(
     settings: OperatorSettings,
     detail: str = "",
     overproduced: bool = False,
+    actors: Bottleneck | None = None,
 ) -> Decision:
     """Next actor target and admission scale.
 
@@ -134,7 +160,9 @@ def decide(
       below ``settings.min_admission_scale``);
     * overproduction (newest-first groups dropped unsampled): the gentler version, one actor
       fewer and admission cut by a quarter, since the learner itself still gets fresh data;
-    * learner starved: admission restored to 1 and more actors (not above ``max_replicas``);
+    * learner starved, or ``actors`` diagnosed CPU-bound: admission restored to 1 and more actors
+      (not above ``max_replicas``, nor the diagnosis' count); none while the diagnosis says the
+      actors wait for admission credit (more of them would wait too);
     * otherwise admission relaxes back towards 1 (doubling) while nothing is exceeded.
 
     Replica changes wait for ``cooled_down`` so one burst does not empty or flood the pool.
@@ -163,13 +191,18 @@ def decide(
             actions.append(Action("ScaledDownActors", f"actors {target} -> {target - 1}: "
                                   f"stale groups dropped unsampled (overproduction){suffix}"))
             target -= 1
-    elif starved:
+    elif starved or (actors is not None and actors.bound == "cpu" and actors.value is not None):
         if scale < 1.0:
             actions.append(Action("RelaxedAdmission", f"buffer admission scale {scale:g} -> 1: learner starved{suffix}"))
             scale = 1.0
-        if cooled_down and target < max_replicas:
-            new_target = min(max_replicas, target + scale_step(target, settings.scale_step_fraction))
-            actions.append(Action("ScaledUpActors", f"actors {target} -> {new_target}: learner starved{suffix}"))
+        admission_bound = actors is not None and actors.bound == "admission"
+        ceiling = max_replicas
+        if actors is not None and actors.knob == "actors.replicas" and actors.value is not None:
+            ceiling = min(max_replicas, actors.value)  # what the diagnosis asks for, no more
+        if cooled_down and target < ceiling and not admission_bound:
+            new_target = min(ceiling, target + scale_step(target, settings.scale_step_fraction))
+            actions.append(Action("ScaledUpActors", f"actors {target} -> {new_target}: learner starved"
+                                  f"{_scale_up_note(actors)}{suffix}"))
             target = new_target
     elif scale < 1.0:
         new_scale = min(1.0, scale * 2)

@@ -20,7 +20,7 @@ import kopf
 from stoker.labels import JOB_LABEL, ROLE_LABEL, ROLE_SANDBOX
 from stoker.operator import kube as kubeapi
 from stoker.operator.bufferstats import StatsUnavailable
-from stoker.operator.control import Action, decide
+from stoker.operator.control import Action, actors_diagnosis, decide
 from stoker.operator.job_targets import actor_target, job_context
 from stoker.operator.jobstatus import Observed, build_status, failed_status
 from stoker.operator.kopf_errors import kopf_error, refused_child_error
@@ -230,6 +230,7 @@ def monitor(
                 settings=settings,
                 detail=f"max staleness {reading.window.max}, limit {parsed.buffer.max_staleness}",
                 overproduced=reading.overproducing,
+                actors=actors_diagnosis(reading.stats, parsed, target) if children.actors is not None else None,
             )
             if decision.actor_target != target:
                 memo["last_scaled"] = now

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from stoker.actor_count import cluster_actors
 from stoker.operator.control import clamp_replicas
 from stoker.operator.lifecycle import field_values
 from stoker.operator.manifests import JobContext
@@ -28,13 +29,14 @@ def replicas_changed(diff: Any) -> bool:
 def actor_target(spec: RLJobSpec, status: dict[str, Any], diff: Any) -> int:
     """The operator's actor replica target: spec.actors.replicas unless enforcement moved it.
 
-    A spec change of ``actors.replicas`` resets the target; min/max changes clamp it.
+    A spec change of ``actors.replicas`` resets the target; min/max changes clamp it. Unset, it
+    starts at as many actors as admission keeps busy (``stoker.actor_count.cluster_actors``).
     """
     actors = spec.actors
     changed = replicas_changed(diff)
     previous = (status.get("actors") or {}).get("desired")
     if changed or previous is None:
-        return clamp_replicas(actors.replicas, actors.min_replicas, actors.max_replicas)
+        return clamp_replicas(cluster_actors(spec), actors.min_replicas, actors.max_replicas)
     return clamp_replicas(int(previous), actors.min_replicas, actors.max_replicas)
 
 

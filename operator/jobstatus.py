@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from stoker.bottleneck import Bottleneck, diagnose, figures_from
-from stoker.operator.control import StalenessWindow
+from stoker.bottleneck import Bottleneck
+from stoker.operator.control import StalenessWindow, actors_diagnosis
 from stoker.operator.observe import DeploymentObservation, LearnerObservation, StatsSnapshot
 from stoker.operator.rollout_control import RolloutReading
 from stoker.spec import RLJobSpec
@@ -201,9 +201,9 @@ def _staleness_condition(o: Observed) -> Cond:
 
 def _bottleneck(o: Observed) -> Bottleneck | None:
     """What caps the learner now (stoker.bottleneck); None while balanced, unknown or colocated."""
-    if o.stats is None or o.actors is None:
+    if o.actors is None:
         return None
-    return diagnose(figures_from(o.stats, o.spec, o.stats.learner_duty_cycle))
+    return actors_diagnosis(o.stats, o.spec, o.actor_target)
 
 
 def _starved_condition(o: Observed) -> Cond:

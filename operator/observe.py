@@ -6,6 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from stoker.bottleneck import ActorLoad
+
 
 @dataclass(frozen=True)
 class LearnerObservation:
@@ -51,6 +53,8 @@ class StatsSnapshot:
     put_rate: float = 0.0
     sample_rate: float = 0.0
     committed_groups_total: int = 0
+    # Each actor's own load (Stats.actor_loads), by actor id: CPU-bound or latency-bound actors.
+    actor_loads: Mapping[str, ActorLoad] = field(default_factory=dict)
 
 
 def _conditions(obj: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
@@ -143,6 +147,10 @@ def snapshot_from_proto(stats: Any) -> StatsSnapshot:
         put_rate=float(stats.put_rate),
         sample_rate=float(stats.sample_rate),
         committed_groups_total=int(stats.committed_groups_total),
+        actor_loads={
+            str(actor): ActorLoad(float(load.cpu_cores), float(load.episodes_in_flight), int(load.concurrency))
+            for actor, load in getattr(stats, "actor_loads", {}).items()  # a buffer older than ActorLoad has none
+        },
     )
 
 

@@ -1,10 +1,11 @@
 """``stoker run``: an RLJob on this machine, with no cluster.
 
 ``--mode async`` (the default) starts the same processes a cluster would run -- the buffer, the
-learner and ``spec.actors.replicas`` actors -- as local subprocesses talking gRPC over loopback,
-and supervises them: a live progress display, a run directory with metrics and checkpoints, a
-report at the end, and a clean stop on completion, on error and on Ctrl-C (learner first so it
-writes its final checkpoint, then actors with their sandboxes, then the buffer).
+learner and the actors (``spec.actors.replicas``, or as many as the cores feed) -- as local
+subprocesses talking gRPC, and supervises them: a live progress display, a run directory with
+metrics and checkpoints, a report at the end, and a clean stop on completion, on error and on
+Ctrl-C (learner first so it writes its final checkpoint, then actors with their sandboxes, then
+the buffer).
 
 ``--mode sync`` runs the classic synchronous loop in this process (generate, step environments,
 train, repeat) with the same model and environment: the on-policy baseline.
@@ -229,7 +230,8 @@ class AsyncRun:
         file (SFT, DPO on pairs) or runs colocated: then the learner runs alone, with no buffer or
         actors."""
         o = self.options
-        self.placement = plan(o.run_dir, transport=o.transport)
+        self.placement = plan(o.run_dir, o.job.spec, transport=o.transport, learner_processes=o.learner_processes,
+                              rollout_processes=o.rollout_processes if o.job.spec.rollout is not None else 0)
         print(self.placement.describe(), file=sys.stderr)
         cpu_env = {**env, **self.placement.cpu_only_env}  # every child but the learner
         manifest = str(o.manifest)
@@ -259,7 +261,7 @@ class AsyncRun:
         sampling = ["--weights", str(o.weights_dir)]
         if o.job.spec.rollout is not None:
             sampling = ["--rollout", self._start_rollout(cpu_env)]
-        for index in range(o.job.spec.actors.replicas):
+        for index in range(self.placement.actors.replicas):
             actor = Child(
                 f"actor-{index}",
                 _stoker(
@@ -374,7 +376,7 @@ def run_async(options: RunOptions) -> Outcome:
         try:
             address = run.start(child_env(options))
             if address is not None:
-                progress.attach_buffer(address)
+                progress.attach_buffer(address, run.placement)
             while True:
                 progress.refresh()
                 if run.learners and all(learner.returncode == 0 for learner in run.learners):

@@ -9,6 +9,9 @@ over several JAX processes (it listens on nothing else).
 
 Chips: libtpu lets one process open a host's TPU. On a host with chips the learner holds them and
 every other child (actors, a rollout server) runs JAX on the CPU; the run says so at the start.
+
+Actors: ``actors.replicas``, or when it is unset as many as the host's cores can feed
+(``stoker.actor_count``); the run's first lines say how many and why.
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stoker import chips
+from stoker.actor_count import ActorCount, host_actors, host_cores, reserved_cores
+from stoker.bottleneck import HostFigures
 from stoker.endpoints import Address, socket_directory
+from stoker.spec import RLJobSpec
 
 UNIX, TCP = "unix", "tcp"
 TRANSPORTS = (UNIX, TCP)
@@ -34,6 +40,8 @@ class Placement:
     socket_dir: Path | None  # with the unix transport
     chips: tuple[str, ...] = ()  # this host's TPU chip devices
     cpu_only_env: dict[str, str] = field(default_factory=dict)  # for every child but the learner
+    actors: ActorCount = ActorCount(1, "actors.replicas")
+    host: HostFigures = HostFigures(cores=1, reserved=0)  # what the bottleneck advice counts as spare
 
     def listen(self, name: str) -> list[str]:
         """The flags that make server ``name`` listen (``--ready-file`` then says where)."""
@@ -43,24 +51,33 @@ class Placement:
 
     def describe(self) -> str:
         where = f"unix sockets in {self.socket_dir}" if self.socket_dir is not None else "loopback TCP"
+        actors = f"\nstoker run: actors: {self.actors.replicas} ({self.actors.why})"
         if not self.chips:
-            return f"stoker run: servers on {where}"
+            return f"stoker run: servers on {where}{actors}"
         return (
             f"stoker run: servers on {where}; this host's TPU ({len(self.chips)} chip device(s)) is held by the "
-            "learner, actors and rollout servers sample on the CPU"
+            f"learner, actors and rollout servers sample on the CPU{actors}"
         )
 
 
-def plan(run_dir: Path, *, transport: str) -> Placement:
-    """The placement of a local async run, or ``PlacementError``."""
+def plan(
+    run_dir: Path, spec: RLJobSpec, *, transport: str, learner_processes: int = 1, rollout_processes: int = 0,
+    cores: int | None = None,
+) -> Placement:
+    """The placement of a local async run on ``cores`` (this process's, when not given), or
+    ``PlacementError``; ``rollout_processes`` 0 when the job has no rollout server."""
     if transport not in TRANSPORTS:
         raise PlacementError(f"--transport {transport}: expected one of {', '.join(TRANSPORTS)}")
     found = tuple(chips.host_chips()) if chips.wants_chip() else ()
+    cores = host_cores() if cores is None else cores
+    processes = {"learner_processes": learner_processes, "rollout_processes": rollout_processes}
     return Placement(
         transport=transport,
         socket_dir=socket_directory(run_dir) if transport == UNIX else None,
         chips=found,
         cpu_only_env={"JAX_PLATFORMS": "cpu"} if found else {},
+        actors=host_actors(spec, cores, **processes),
+        host=HostFigures(cores=cores, reserved=reserved_cores(**processes)),
     )
 
 

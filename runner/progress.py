@@ -23,12 +23,13 @@ from rich.live import Live
 from rich.table import Table
 
 from stoker.actor.diagnostics import combine, read_snapshots
-from stoker.bottleneck import Bottleneck, diagnose, figures_from
+from stoker.bottleneck import Bottleneck, combine_loads, diagnose, figures_from
 from stoker.buffer.client import BufferClient, BufferClientError, RetryPolicy
 from stoker.jsonl import json_line
 
 if TYPE_CHECKING:
     from stoker.runner.local import RunOptions
+    from stoker.runner.placement import Placement
 
 # Steps averaged for the displayed (and target-checked) success rate.
 SUCCESS_WINDOW_STEPS = 10
@@ -146,6 +147,23 @@ def _failures_text(generation: dict[str, Any]) -> str:
     return f"{failed} (top: {top.get('count')} x {top.get('reason')})"
 
 
+def _load_sample(stats: Any) -> dict[str, float] | None:
+    load = combine_loads(stats.actor_loads.values())
+    if load is None:
+        return None
+    return {"actors": load.actors, "cpu_cores": round(load.cpu_cores * load.actors, 3),
+            "episodes_in_flight": round(load.episodes_in_flight, 2), "slots": load.slots}
+
+
+def _load_text(buffer_sample: dict[str, Any]) -> str:
+    """``1.62 cores, 7.9 of 8 episode slots (2 actors)``; ``-`` before any actor reports."""
+    load = buffer_sample.get("actor_load")
+    if not load:
+        return "-"
+    return (f"{load['cpu_cores']:.2f} cores, {load['episodes_in_flight']:.1f} of {load['slots']} episode slots "
+            f"({load['actors']} actors)")
+
+
 def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -162,6 +180,7 @@ class Progress:
         self.state = RunState()
         self.tail = MetricsTail(options.metrics_path)
         self._buffer_client: Any = None
+        self._placement: Placement | None = None  # the actors started and the host, for the advice
         self._last_poll = 0.0
         self._last_line = 0.0
         self._live: Live | None = None
@@ -185,7 +204,8 @@ class Progress:
             self._live.__exit__(None, None, None)
             self._live = None
 
-    def attach_buffer(self, address: str) -> None:
+    def attach_buffer(self, address: str, placement: Placement | None = None) -> None:
+        self._placement = placement
         # One try, briefly: this runs on the loop that watches the children, and a buffer that has
         # died must not hold it in the client's minutes of retries before it notices.
         self._buffer_client = BufferClient(address, token=None, retry=RetryPolicy(deadline=0.0), timeout=2.0)
@@ -225,12 +245,17 @@ class Progress:
         found = self.state.bottleneck
         sample = {
             "time": time.time(),
-            "bottleneck": None if found is None else {"limit": found.limit, "why": found.why, "fix": found.fix},
+            "bottleneck": None if found is None else {
+                "limit": found.limit, "why": found.why, "fix": found.fix, "bound": found.bound, "knob": found.knob,
+                "value": found.value, "factor": found.factor,
+            },
             "fill": stats.fill,
             "stored": stats.stored_trajectories,
             "complete_groups": stats.complete_groups,
             "accepted_total": stats.accepted_total,
             "put_rate": stats.put_rate,
+            # The actors' own loads (Stats.actor_loads): CPU cores and episodes in flight, summed.
+            "actor_load": _load_sample(stats),
             "policy_version": stats.policy_version,
             "dropped": dict(stats.dropped),
             "staleness_histogram": {str(k): v for k, v in stats.staleness_histogram.items()},
@@ -253,7 +278,12 @@ class Progress:
         if not isinstance(step, int) or step < WARM_STEPS:
             return None
         duty = self.state.last.get("duty_cycle")
-        return diagnose(figures_from(stats, self.options.job.spec, None if duty is None else float(duty)))
+        placement = self._placement
+        return diagnose(figures_from(
+            stats, self.options.job.spec, None if duty is None else float(duty),
+            replicas=placement.actors.replicas if placement is not None else None,
+            host=placement.host if placement is not None else None,
+        ))
 
     def summary(self) -> str:
         last, buf, gen = self.state.last, self.state.buffer, self.state.generation
@@ -296,6 +326,7 @@ class Progress:
             ("dropped", ", ".join(f"{k} {v}" for k, v in dropped.items()) or "0"),
             ("judge tampering (per episode)", _fmt(last.get("episode_tampering_attempts"), 3)),
             ("trajectories/s (buffer puts)", _fmt(buf.get("put_rate"), 1)),
+            ("actors' CPU and episodes in flight", _load_text(buf)),
             ("generated tokens/s (actors, last 30 s)", _fmt(gen.get("recent_sampled_tokens_per_second"), 1)),
             ("generated trajectories/s (last 30 s)", _fmt(gen.get("recent_trajectories_per_second"), 2)),
             ("trained tokens/s (step time)", _fmt(last.get("tokens_per_second"), 0)),

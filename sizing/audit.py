@@ -31,6 +31,7 @@ from typing import Any
 
 import grpc
 
+from stoker.actor_count import replicas_text
 from stoker.conversation.tokenization import text_interface
 from stoker.manifest import load_job
 from stoker.sizing.audit_rollout import render_rollout
@@ -261,7 +262,7 @@ def render(audit: Audit, spec: RLJobSpec, *, rollout_tokens_per_second: float | 
         f"{audit.train_step_seconds:.3f} s = {s['versions_per_episode']:.1f} updates while one episode runs",
         "",
         f"recommendation: actors.replicas >= {int(s['actors'])} with actors.concurrency = {concurrency}"
-        f" (now {spec.actors.replicas}); concurrency up to {int(s['concurrency_to_hide_env'])} per actor hides the"
+        f" (now {replicas_text(spec)}); concurrency up to {int(s['concurrency_to_hide_env'])} per actor hides the"
         " environment's latency behind sampling, fewer actors then suffice while the actor's CPU keeps up.",
     ]
     lines += [f"warning: {w}" for w in admission_warnings(s, spec)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+from stoker.actor_count import replicas_text
 from stoker.spec import RLJobSpec, RolloutSpec
 from stoker.spec_rollout import rollout_chips
 from stoker.tpu import TopologyError, slice_shape
@@ -113,7 +114,7 @@ def render_rollout(
     now = f"now {rollout.replicas}, maxReplicas {rollout.max_replicas}" if spec.rollout is not None else "the job has no spec.rollout yet"
     lines.append(
         f"recommendation: rollout.replicas >= {servers} ({now}) "
-        f"and actors.replicas >= {actors} with actors.concurrency = {concurrency} (now {spec.actors.replicas})"
+        f"and actors.replicas >= {actors} with actors.concurrency = {concurrency} (now {replicas_text(spec)})"
     )
     if spec.rollout is not None and servers > rollout.max_replicas:
         lines.append(f"warning: rollout.maxReplicas {rollout.max_replicas} is below the {servers} servers the learner needs")

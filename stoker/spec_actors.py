@@ -175,7 +175,16 @@ class SamplingSpec(SpecModel):
 
 
 class ActorsSpec(SpecModel):
-    replicas: int = Field(2, ge=0, description="Actor processes/pods.")
+    replicas: int | None = Field(
+        None,
+        ge=0,
+        description=(
+            "Actor processes/pods. Unset: stoker run starts as many as the host's cores can feed (one core "
+            "each, after one for the buffer and one per learner process); the operator starts as many as "
+            "admission keeps busy ((maxStaleness + 1) x batchGroups x groupSize episodes / concurrency). "
+            "Both within minReplicas..maxReplicas."
+        ),
+    )
     min_replicas: int = Field(1, ge=0, description="Autoscaling floor.")
     max_replicas: int = Field(8, ge=1, description="Autoscaling ceiling.")
     concurrency: int = Field(8, ge=1, description="Episodes each actor runs at once.")

@@ -34,23 +34,23 @@ def record_children(monkeypatch: pytest.MonkeyPatch) -> Started:
 
 def test_unix_by_default_with_one_socket_per_server_and_tcp_on_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(chips, "host_chips", lambda dev="/dev": [])
-    unix = placement.plan(tmp_path, transport="unix")
+    unix = placement.plan(tmp_path, RLJob().spec, transport="unix")
     flag, address = unix.listen("buffer")
     assert flag == "--listen" and parse(address, where="x").path == str(tmp_path / "sockets" / "buffer.sock")
     assert unix.cpu_only_env == {} and "unix sockets in" in unix.describe()
-    assert placement.plan(tmp_path, transport="tcp").listen("buffer") == ["--host", "127.0.0.1", "--port", "0"]
+    assert placement.plan(tmp_path, RLJob().spec, transport="tcp").listen("buffer") == ["--host", "127.0.0.1", "--port", "0"]
     with pytest.raises(placement.PlacementError, match="--transport carrier-pigeon: expected one of unix, tcp"):
-        placement.plan(tmp_path, transport="carrier-pigeon")
+        placement.plan(tmp_path, RLJob().spec, transport="carrier-pigeon")
 
 
 def test_on_a_tpu_host_the_learner_holds_the_chip_and_the_rest_run_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     monkeypatch.setattr(chips, "host_chips", lambda dev="/dev": ["/dev/accel0"])
-    chosen = placement.plan(tmp_path, transport="unix")
+    chosen = placement.plan(tmp_path, RLJob().spec, transport="unix")
     assert chosen.cpu_only_env == {"JAX_PLATFORMS": "cpu"}
     assert "TPU (1 chip device(s)) is held by the learner" in chosen.describe()
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the whole run pinned to the CPU: no chip to share
-    assert placement.plan(tmp_path, transport="unix").cpu_only_env == {}
+    assert placement.plan(tmp_path, RLJob().spec, transport="unix").cpu_only_env == {}
 
 
 def test_an_async_run_starts_its_servers_where_the_placement_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -120,7 +120,10 @@ class _StarvedBuffer:
     """A buffer whose Stats say what the FrozenLake example with 0.5 s steps showed."""
 
     def stats(self) -> buffer_pb2.BufferStats:
-        return buffer_pb2.BufferStats(put_rate=4.75, sample_rate=4.75, fill=0.02, committed_groups_total=60)
+        stats = buffer_pb2.BufferStats(put_rate=4.75, sample_rate=4.75, fill=0.02, committed_groups_total=60)
+        # One actor reports a core busy sampling: CPU-bound, so replicas, not concurrency.
+        stats.actor_loads["actor-0"].CopyFrom(buffer_pb2.ActorLoad(cpu_cores=0.97, episodes_in_flight=7.8, concurrency=8))
+        return stats
 
     def close(self) -> None:
         pass
@@ -139,10 +142,15 @@ def test_progress_and_report_name_the_bottleneck_and_the_knob(tmp_path: Path) ->
         progress._poll_buffer()
         line = progress.summary()
     assert "bottleneck: actors deliver 4.75 trajectories/s and a step needs 32, so the learner waits 95 %" in line
-    assert "actors.concurrency from 8 to about 156" in line
+    assert "each actor uses 0.97 cores and runs 7.8 of its 8 episode slots: CPU-bound; raise actors.replicas from" in line
+    assert "actors.concurrency) would not help" in line and "actors' CPU" not in line
     (run / "learner_metrics.jsonl").write_text('{"time": 1.0, "step": 5, "duty_cycle": 0.049, "success_rate": 0.1}\n')
     report = write_report(run)
     assert report is not None
     text = report.read_text()
     assert "what capped the learner (2 buffer samples): actors 50 %" in text
-    assert "last bottleneck seen: actors deliver 4.75 trajectories/s" in text and "actors.replicas from 2 to about 39" in text
+    assert "last bottleneck seen: actors deliver 4.75 trajectories/s" in text and "CPU-bound; raise actors.replicas" in text
+    # The advice's knob and promise travel with each sample, for whoever follows it.
+    sample = json.loads((run / "buffer_stats.jsonl").read_text().splitlines()[-1])
+    assert sample["bottleneck"]["knob"] == "actors.replicas" and sample["bottleneck"]["factor"] > 1
+    assert sample["actor_load"] == {"actors": 1, "cpu_cores": 0.97, "episodes_in_flight": 7.8, "slots": 8}

@@ -70,7 +70,8 @@ async def test_operator_process_reconciles_an_rljob(operator_factory: Any) -> No
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
                 return response.read().decode()
 
-        series = 'stoker_rljob_actors_desired{namespace="research",rljob="cli"} 2.0'
+        # actors.replicas unset: as many as admission keeps busy, up to maxReplicas (8).
+        series = 'stoker_rljob_actors_desired{namespace="research",rljob="cli"} 8.0'
         for _ in range(200):  # the first look ends once the (unreachable) buffer's Stats time out
             if series in await asyncio.to_thread(scrape):
                 break

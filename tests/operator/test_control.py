@@ -5,7 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from stoker.bottleneck import ActorLoad
 from stoker.operator.control import (
+    actors_diagnosis,
     decide,
     histogram_quantile,
     StalenessWindow,
@@ -14,8 +16,10 @@ from stoker.operator.control import (
     staleness_exceeded,
     staleness_window,
 )
-from stoker.operator.observe import StatsSnapshot
+from stoker.operator.observe import StatsSnapshot, snapshot_from_proto
 from stoker.operator.settings import OperatorSettings
+from stoker.spec import RLJobSpec
+from stoker.v1 import buffer_pb2
 
 SETTINGS = OperatorSettings(scale_step_fraction=0.25, min_admission_scale=0.125)
 
@@ -123,3 +127,50 @@ def test_newest_first_drops_are_overproduction_not_staleness() -> None:
     assert (gentle.actor_target, gentle.admission_scale) == (7, 0.75)
     assert gentle.actor_target > harsh.actor_target and gentle.admission_scale > harsh.admission_scale
     assert all("overproduction" in a.message for a in gentle.actions)
+
+
+# Issue 50's actors as the operator sees them: 2 x 8 episodes, each using about a core, the
+# learner busy 41 % of the time with a group still buffered (so not "starved").
+SPEC = RLJobSpec.model_validate({"actors": {"replicas": 2, "concurrency": 8, "maxReplicas": 10},
+                                 "buffer": {"groupSize": 8, "maxStaleness": 2}, "learner": {"batchGroups": 4}})
+
+
+def _stats(cpu: float, in_flight: float, duty: float = 0.41) -> StatsSnapshot:
+    loads = {f"actor-{i}": ActorLoad(cpu, in_flight, 8) for i in range(2)}
+    return StatsSnapshot(complete_groups=1, learner_duty_cycle=duty, put_rate=47.0, sample_rate=47.0, fill=0.05,
+                         committed_groups_total=400, actor_loads=loads)
+
+
+def test_cpu_bound_actors_get_replicas_even_before_the_buffer_empties() -> None:
+    cpu_bound = actors_diagnosis(_stats(0.97, 7.8), SPEC, 2)
+    assert cpu_bound is not None and cpu_bound.bound == "cpu" and cpu_bound.value == 5
+    up = decide(actor_target=2, admission_scale=1.0, min_replicas=1, max_replicas=10, exceeded=False,
+                starved=False, cooled_down=True, settings=SETTINGS, actors=cpu_bound)
+    assert up.actor_target == 3 and "actors CPU-bound" in up.actions[0].message
+    # Never past what the diagnosis asks for.
+    near = decide(actor_target=4, admission_scale=1.0, min_replicas=1, max_replicas=10, exceeded=False,
+                  starved=True, cooled_down=True, settings=SETTINGS, actors=actors_diagnosis(_stats(0.97, 7.8), SPEC, 4))
+    assert near.actor_target == 5
+
+
+def test_actors_waiting_for_admission_get_no_replicas_and_latency_bound_ones_a_note() -> None:
+    waiting = actors_diagnosis(_stats(0.1, 3.0), SPEC, 2)
+    assert waiting is not None and waiting.bound == "admission"
+    held = decide(actor_target=2, admission_scale=1.0, min_replicas=1, max_replicas=10, exceeded=False,
+                  starved=True, cooled_down=True, settings=SETTINGS, actors=waiting)
+    assert held.actor_target == 2 and held.actions == ()
+    latency = actors_diagnosis(_stats(0.1, 7.9), SPEC, 2)
+    assert latency is not None and latency.bound == "latency"
+    up = decide(actor_target=2, admission_scale=1.0, min_replicas=1, max_replicas=10, exceeded=False,
+                starved=True, cooled_down=True, settings=SETTINGS, actors=latency)
+    assert up.actor_target == 3 and f"actors.concurrency {latency.value} would do it with fewer pods" in up.actions[0].message
+    # Not starved and not CPU-bound: nothing moves.
+    calm = decide(actor_target=2, admission_scale=1.0, min_replicas=1, max_replicas=10, exceeded=False,
+                  starved=False, cooled_down=True, settings=SETTINGS, actors=latency)
+    assert calm.actor_target == 2
+
+
+def test_the_actors_loads_reach_the_operator_from_stats() -> None:
+    stats = buffer_pb2.BufferStats(put_rate=47.0)
+    stats.actor_loads["actor-0"].CopyFrom(buffer_pb2.ActorLoad(cpu_cores=0.97, episodes_in_flight=7.8, concurrency=8))
+    assert snapshot_from_proto(stats).actor_loads == {"actor-0": ActorLoad(0.97, 7.8, 8)}

@@ -211,8 +211,9 @@ async def test_forbidden_child_is_retried_a_bounded_number_of_times(operator_fac
 async def test_actors_block_added_later_sets_the_replicas(operator_factory: Any) -> None:
     c = await operator_factory()
     await c.create(RLJOBS, rljob("lake"))
-    await c.eventually(lambda: (c.get("apps/v1/deployments", "lake-actor") or {}).get("spec", {}).get("replicas") == 2,
-                       what="the default 2 actors")
+    # Unset actors.replicas: as many actors as admission keeps busy, up to maxReplicas (8).
+    await c.eventually(lambda: (c.get("apps/v1/deployments", "lake-actor") or {}).get("spec", {}).get("replicas") == 8,
+                       what="the default 8 actors")
     await c.patch(RLJOBS + "/lake", {"spec": {"actors": {"replicas": 5}}})
     await c.eventually(lambda: c.get("apps/v1/deployments", "lake-actor")["spec"]["replicas"] == 5, what="5 actors")
     await c.eventually(lambda: status_of(c, "lake").get("actors", {}).get("desired") == 5, what="desired 5")

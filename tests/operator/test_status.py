@@ -14,6 +14,7 @@ from stoker.buffer.server import BufferServer
 from stoker.buffer.settings import BufferSettings
 from stoker.operator.control import StalenessWindow
 from stoker.operator.jobstatus import Cond, Observed, build_status, failed_status, merge_conditions
+from stoker.bottleneck import ActorLoad
 from stoker.operator.observe import (
     DeploymentObservation,
     LearnerObservation,
@@ -270,12 +271,14 @@ def test_a_dataset_job_is_ready_with_the_learner_alone() -> None:
 
 
 def test_the_status_names_what_caps_the_learner_with_its_numbers_and_knob() -> None:
+    # The actors' own loads: every slot full, little CPU -- they wait on their environments.
+    waiting = {"actor-0": ActorLoad(cpu_cores=0.05, episodes_in_flight=7.9, concurrency=8)}
     starved_stats = StatsSnapshot(policy_version=12, fill=0.02, complete_groups=0, learner_duty_cycle=0.049,
-                                  put_rate=4.75, sample_rate=4.75, committed_groups_total=40)
+                                  put_rate=4.75, sample_rate=4.75, committed_groups_total=40, actor_loads=waiting)
     status = build_status(observed(stats=starved_stats, starved=True), {}, T0)
     RLJobStatus.model_validate(status)
     assert "actors deliver 4.75 trajectories/s and a step needs 32" in status["bottleneck"]
-    assert "actors.concurrency from 8 to about" in status["bottleneck"]
+    assert "latency-bound; raise actors.concurrency from 8 to" in status["bottleneck"]
     starved = conditions(status)["LearnerStarved"]
     assert starved["status"] == "True" and "learner waits 95 % of the time" in starved["message"]
     behind = StatsSnapshot(policy_version=12, fill=0.97, complete_groups=30, learner_duty_cycle=0.99,

@@ -186,6 +186,7 @@ def test_swe_example_is_multislice_and_queued_where_kueue_has_quota() -> None:
 def test_rollout_example_serves_from_single_host_tpu_slices() -> None:
     """Each server one v6e 2x4 slice (8 chips, one VM): a Deployment pod asking for all 8 chips;
     the actors get the servers' Service address."""
+    from stoker.actor_count import cluster_actors
     from stoker.operator.children import desired_children
     from stoker.operator.manifests import JobContext
     from stoker.operator.settings import OperatorSettings
@@ -273,6 +274,7 @@ def test_operator_builds_valid_children_for_every_example(source: str, job: RLJo
     valid Kubernetes object; a JobSet's Job template is checked as a Job."""
     from kubernetes_validate import utils as kube_validate
 
+    from stoker.actor_count import cluster_actors
     from stoker.operator.children import desired_children
     from stoker.operator.manifests import JobContext
     from stoker.operator.settings import OperatorSettings
@@ -281,7 +283,7 @@ def test_operator_builds_valid_children_for_every_example(source: str, job: RLJo
     assert not name_problems(job.metadata.name, job.spec), f"{source}: {name_problems(job.metadata.name, job.spec)}"
     context = JobContext(
         job.metadata.name, job.metadata.namespace or "rl", "uid-1", job.spec, OperatorSettings(),
-        actor_replicas=job.spec.actors.replicas, jobset_api=jobset_api,
+        actor_replicas=cluster_actors(job.spec), jobset_api=jobset_api,
     )
     children = desired_children(context)
     kinds = {c["kind"] for c in children}
