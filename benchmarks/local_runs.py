@@ -56,10 +56,13 @@ def fresh_run(manifest: Path, run_dir: Path, *options: str) -> RunRecords:
     if run_dir.exists():
         shutil.rmtree(run_dir)
     command = [
-        sys.executable, "-m", "stoker.cli", "run", str(manifest), "--run-dir", str(run_dir), "--no-progress", *options,
+        sys.executable, "-m", "stoker.cli", "run", str(manifest.resolve()), "--run-dir", str(run_dir.resolve()),
+        "--no-progress", *options,
     ]
     print(f"$ {' '.join(command)}", file=sys.stderr, flush=True)
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    # From the run's folder, not the project root: there the folder stoker/ (the core alone) would
+    # shadow an installed package (a wheel install, as on the TPU host) and its other components.
+    result = subprocess.run(command, cwd=run_dir.parent, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"run failed ({result.returncode}):\n{result.stderr[-3000:]}")
     metrics = read_jsonl(run_dir / "learner_metrics.jsonl")

@@ -128,6 +128,7 @@ class LearnerSettings:
             clip_high=algorithm.clip_epsilon_high or algorithm.clip_epsilon,
             off_policy=algorithm.off_policy_correction,
             importance_cap=algorithm.importance_cap,
+            m2po_budget=algorithm.m2po_budget,
             dual_clip=algorithm.dual_clip,
             kl_coef=algorithm.kl_coef,
             entropy_coef=algorithm.entropy_coef,

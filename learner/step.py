@@ -86,10 +86,16 @@ def per_shard_loss(
     old = batch["behaviour_logprobs"] if cfg.clips_against_behaviour(options.algorithm) else jax.lax.stop_gradient(logp)
     ref = extras.get("ref_logprobs")
     entropy = extras.get("entropy")
+    lag = scalars["version"] - batch["versions"]
+
+    def total(value: jax.Array) -> jax.Array:
+        return jax.lax.psum(value, row_axes)
+
     if options.algorithm == "grpo":
         loss, stats = algorithms.grpo_loss(
             logp, old, batch["behaviour_logprobs"], batch["advantages"], weights, cfg,
             ref_logprobs=ref, entropy=entropy, stuck=batch["stuck"], log_not_taken=extras["log_not_taken"],
+            lag=lag, total=total,
         )
     elif options.algorithm == "gspo":
         loss, stats = algorithms.gspo_loss(
@@ -110,7 +116,7 @@ def per_shard_loss(
         )
         loss, stats = algorithms.ppo_loss(
             logp, old, batch["behaviour_logprobs"], advantages, values, returns, weights, cfg,
-            ref_logprobs=ref, entropy=entropy,
+            ref_logprobs=ref, entropy=entropy, lag=lag, total=total,
         )
         stats["advantage_sum"] = jnp.sum(mask * advantages)
         stats["value_sum"] = jnp.sum(mask * jax.lax.stop_gradient(values))
@@ -121,6 +127,9 @@ def per_shard_loss(
             logp, ref, old, batch["behaviour_logprobs"], batch["behaviour_known"], mask, pair_ids,
             batch["pair_sign"], cfg, num_pairs=scalars["num_pairs"],
         )
+    if options.algorithm in ("grpo", "gspo", "ppo"):
+        known = mask * batch["behaviour_known"]
+        stats.update(algorithms.behaviour_ratio_stats(logp - batch["behaviour_logprobs"], known))
     stats.update(
         algorithms.sampler_trainer_logprob_stats(
             logp, batch["behaviour_logprobs"], batch["versions"], mask * batch["behaviour_known"], scalars["version"]

@@ -8,6 +8,7 @@ docs/architecture.md, "Loss conventions".
 
 The modules: ``config`` (``LossConfig`` and the types), ``advantages`` (GRPO's group advantage,
 GAE), ``token_weights`` (aggregation and importance weights, stale tokens, the TiTO check),
+``off_policy`` (the behaviour ratio's statistics, M2PO's mask, the lag-scaled clip),
 ``policy_gradient`` (GRPO, GSPO, PPO), ``dpo``, ``sft``, ``distill``, ``stats``; import from here.
 """
 
@@ -24,6 +25,7 @@ from stoker.learner.algorithms.config import (
 )
 from stoker.learner.algorithms.distill import distill_loss
 from stoker.learner.algorithms.dpo import dpo_loss
+from stoker.learner.algorithms.off_policy import behaviour_ratio_stats, lag_scaled_clip, second_moment_mask
 from stoker.learner.algorithms.ops import exp_log_ratio
 from stoker.learner.algorithms.policy_gradient import grpo_loss, gspo_loss, kl_k3, ppo_loss, stuck_unlikelihood
 from stoker.learner.algorithms.sft import sft_loss
@@ -44,6 +46,7 @@ __all__ = [
     "MAX_STATS",
     "OffPolicy",
     "aggregation_weights",
+    "behaviour_ratio_stats",
     "combine_stats",
     "distill_loss",
     "dpo_loss",
@@ -54,8 +57,10 @@ __all__ = [
     "grpo_loss",
     "gspo_loss",
     "kl_k3",
+    "lag_scaled_clip",
     "ppo_loss",
     "sampler_trainer_logprob_stats",
+    "second_moment_mask",
     "sft_loss",
     "stale_tokens",
     "stuck_unlikelihood",

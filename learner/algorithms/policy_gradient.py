@@ -14,20 +14,39 @@ from stoker.learner.algorithms.ops import (
     gather_segments,
     segment_sum,
 )
+from stoker.learner.algorithms.off_policy import Total, lag_scaled_clip, second_moment_mask
 from stoker.learner.algorithms.token_weights import truncated_importance_weights
 
 
-def _clipped_surrogate(ratio: jax.Array, advantages: jax.Array, config: LossConfig) -> jax.Array:
-    """min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) (Schulman et al. 2017, eq. 7), dual-clipped.
+def _clipped_surrogate(
+    ratio: jax.Array, advantages: jax.Array, config: LossConfig, bounds: tuple[Array, Array] | None = None
+) -> jax.Array:
+    """min(r A, clip(r, low, high) A) (Schulman et al. 2017, eq. 7), dual-clipped; ``bounds``
+    (low, high) default to PPO's ``1 - eps_low, 1 + eps_high``.
 
     For A < 0 the surrogate is also bounded below by ``dual_clip * A`` (Ye et al. 2020, "Mastering
     complex control in MOBA games"), so a token the policy now strongly prefers but the data says
     was bad contributes at most ``dual_clip`` times its advantage instead of an unbounded ratio.
     """
-    surrogate = jnp.minimum(
-        ratio * advantages, jnp.clip(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high) * advantages
-    )
+    low, high = bounds if bounds is not None else (1.0 - config.clip_low, 1.0 + config.clip_high)
+    surrogate = jnp.minimum(ratio * advantages, jnp.clip(ratio, low, high) * advantages)
     return jnp.where(advantages < 0, jnp.maximum(surrogate, config.dual_clip * advantages), surrogate)
+
+
+def _ratio_bounds(config: LossConfig, lag: Array | None) -> tuple[Array, Array]:
+    """The clip of the chosen off-policy correction: a lag-scaled one, none at all (m2po: its
+    token mask is the trust region), or PPO's."""
+    if config.off_policy == "lag-clip":
+        if lag is None:
+            raise ValueError("offPolicyCorrection lag-clip needs each token's lag")
+        return lag_scaled_clip(config, lag)
+    if config.off_policy == "m2po":
+        return 0.0, jnp.inf
+    return 1.0 - config.clip_low, 1.0 + config.clip_high
+
+
+def _identity(x: jax.Array) -> jax.Array:
+    return x
 
 
 def stuck_unlikelihood(log_not_taken: Array, advantages: Array) -> jax.Array:
@@ -80,12 +99,18 @@ def grpo_loss(
     entropy: Array | None = None,
     stuck: Array | None = None,
     log_not_taken: Array | None = None,
+    lag: Array | None = None,
+    total: Total = _identity,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """GRPO (Shao et al. 2024) with the decoupled truncated-IS correction, per token.
 
         l_t = - w_t * min(r_t A_t, clip(r_t, 1 - eps_lo, 1 + eps_hi) A_t) + beta_KL * k3_t - c_H * H_t
         r_t = exp(log pi_theta - log pi_old),   w_t = min(pi_old / mu, cap)
         L   = sum_t weights_t * l_t
+
+    ``config.off_policy`` "lag-clip" clips r_t to ``lag_scaled_clip`` of the token's ``lag``
+    (versions since it was sampled); "m2po" drops the clip and keeps the surrogate only on the
+    tokens ``second_moment_mask`` keeps (``total`` sums its budget over the shards).
 
     ``advantages`` is the episode's group-relative advantage broadcast to its tokens (see
     ``group_advantages``). ``ref_logprobs`` is required when ``config.kl_coef > 0``; ``entropy``
@@ -103,11 +128,18 @@ def grpo_loss(
     is_w, stats = truncated_importance_weights(
         old_logprobs, behaviour_logprobs, mask, config.importance_cap, config.importance_correction
     )
-    ratio = exp_log_ratio(jnp.asarray(logprobs) - jax.lax.stop_gradient(jnp.asarray(old_logprobs)))
+    log_ratio = jnp.asarray(logprobs) - jax.lax.stop_gradient(jnp.asarray(old_logprobs))
+    ratio = exp_log_ratio(log_ratio)
     adv = jnp.asarray(advantages)
-    per_token = _with_stuck(-is_w * _clipped_surrogate(ratio, adv, config), adv, stuck, log_not_taken)
+    bounds = _ratio_bounds(config, lag)
+    surrogate = _clipped_surrogate(ratio, adv, config, bounds)
+    if config.off_policy == "m2po":
+        kept = second_moment_mask(log_ratio, mask, config.m2po_budget, total)
+        surrogate = kept * surrogate
+        stats["m2_masked"] = jnp.sum(mask.astype(jnp.float32) - kept)
+    per_token = _with_stuck(-is_w * surrogate, adv, stuck, log_not_taken)
     stats["pg_loss"] = jnp.sum(weights * per_token)
-    clipped = mask & ((ratio < 1.0 - config.clip_low) | (ratio > 1.0 + config.clip_high))
+    clipped = mask & ((ratio < bounds[0]) | (ratio > bounds[1]))
     stats["ratio_clipped"] = jnp.sum(clipped.astype(jnp.float32))
     per_token = per_token + _kl_and_entropy(logprobs, weights, config, ref_logprobs, entropy, stats)
     loss = jnp.sum(weights * per_token)
@@ -211,6 +243,8 @@ def ppo_loss(
     *,
     ref_logprobs: Array | None = None,
     entropy: Array | None = None,
+    lag: Array | None = None,
+    total: Total = _identity,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO-clip with a learned value function (Schulman et al. 2017, eq. 9), truncated IS, per token.
 
@@ -229,7 +263,7 @@ def ppo_loss(
     )
     pg, stats = grpo_loss(
         logprobs, old_logprobs, behaviour_logprobs, advantages, weights, config,
-        ref_logprobs=ref_logprobs, entropy=entropy,
+        ref_logprobs=ref_logprobs, entropy=entropy, lag=lag, total=total,
     )
     weights = jnp.asarray(weights)
     value_err = jnp.asarray(values) - jax.lax.stop_gradient(jnp.asarray(returns))

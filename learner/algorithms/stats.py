@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 # Stats combined by maximum rather than sum (across micro-batches and shards).
-MAX_STATS = frozenset({"is_weight_max", "staleness_max"})
+MAX_STATS = frozenset({"is_weight_max", "staleness_max", "behaviour_log_w_abs_max"})
 
 
 def combine_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
@@ -30,6 +30,13 @@ def finalize_stats(sums: dict[str, float]) -> dict[str, float]:
         out["is_weight_mean"] = sums["is_weight_sum"] / tokens
         out["is_weight_max"] = float(sums["is_weight_max"])
         out["is_clipped_fraction"] = sums["is_clipped"] / tokens
+    n_behaviour = sums.get("behaviour_tokens", 0.0)
+    if n_behaviour:  # pi_theta / mu on the trained tokens: how off-policy the batch is
+        out["behaviour_ess"] = sums["behaviour_w_sum"] ** 2 / max(sums["behaviour_w_sumsq"], 1e-30) / n_behaviour
+        out["behaviour_log_w_m2"] = sums["behaviour_log_w_sumsq"] / n_behaviour
+        out["behaviour_log_w_abs_max"] = float(sums["behaviour_log_w_abs_max"])
+    if sums.get("m2_masked") is not None and sums.get("trained_tokens"):
+        out["m2_masked_fraction"] = sums["m2_masked"] / sums["trained_tokens"]
     if "ratio_clipped" in sums and sums.get("trained_tokens"):
         out["ratio_clipped_fraction"] = sums["ratio_clipped"] / sums["trained_tokens"]
     n = sums.get("tito_tokens", 0.0)

@@ -145,6 +145,10 @@ CASES: list[Case] = [
     ("grpo groupSize 1", "lake", {"buffer": {"groupSize": 1}}, "spec.buffer.groupSize"),
     ("gspo groupSize 1", "lake", {"buffer": {"groupSize": 1}, "algorithm": {"name": "gspo"}}, "spec.buffer.groupSize"),
     ("ppo groupSize 1", "lake", {"buffer": {"groupSize": 1}, "algorithm": {"name": "ppo"}}, None),
+    ("gspo m2po", "lake", {"algorithm": {"name": "gspo", "offPolicyCorrection": "m2po"}}, "spec.algorithm.offPolicyCorrection"),
+    ("dpo lag-clip", "lake", {"algorithm": {"name": "dpo", "offPolicyCorrection": "lag-clip"}}, "spec.algorithm.offPolicyCorrection"),
+    ("grpo lag-clip", "lake", {"algorithm": {"offPolicyCorrection": "lag-clip"}}, None),
+    ("ppo m2po", "lake", {"algorithm": {"name": "ppo", "offPolicyCorrection": "m2po"}}, None),
     # The buffer's own bounds, which Configure applies live too: a complete group must fit.
     ("capacity below groupSize", "lake", {"buffer": {"capacity": 1}}, "spec.buffer.capacity"),
     ("capacity below the default groupSize", "lake", {"buffer": {"capacity": 7}}, "spec.buffer.capacity"),

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The asynchronous loop against the synchronous one on the lent TPU v5e, in one device call
+# (benchmarks/README.md, "TPU v5e, measured"):
+#
+#     device run, carry [".whl-tpu"]:  . .whl-tpu/install.sh && bash benchmarks/chip.sh
+#
+# The shipped FrozenLake example async then sync (the chip holds the learner, actors sample on the
+# host's cores), then the 0.5 s-per-environment-step protocol (utilisation.py's settings) both
+# ways; every run under a timeout, so a hang costs its slot and not the call. The table of all
+# runs goes to $OUT/chip.md and $OUT/chip.json (benchmarks/run_figures.py), each run's log to $OUT.
+# CHIP_SECONDS scales every limit (e.g. 0.2 for a quick check of the script on a CPU machine).
+set -u
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PYTHON=${PYTHON:-python3}
+OUT=${OUT:-$ROOT/runs/chip}
+WORK=${CHIP_WORK:-/tmp/stoker-chip}
+SCALE=${CHIP_SECONDS:-1}
+rm -rf "$WORK" && mkdir -p "$OUT" "$WORK"
+cd "$WORK"  # not the project root: its folder stoker/ (the core alone) would shadow the installed package
+
+limit() { "$PYTHON" -c "print(max(10, int($1 * $SCALE)))"; }
+
+# run NAME SECONDS MANIFEST MODE: `stoker run` to 0.9, stopped cleanly a little before SECONDS.
+run() {
+    local name=$1 seconds; seconds=$(limit "$2")
+    timeout -k 10 "$seconds" "$PYTHON" -m stoker.cli run "$3" --mode "$4" --run-dir "$WORK/$name" --no-progress \
+        --target-success 0.9 --max-minutes "$("$PYTHON" -c "print(round(($seconds - 15) / 60, 2))")" \
+        > "$WORK/$name.log" 2>&1
+    echo "$name: exit $? after ${SECONDS}s of the script" | tee -a "$OUT/chip.log"
+}
+
+# The 0.5 s-per-step protocol's manifests, as utilisation.py writes them.
+"$PYTHON" - "$ROOT" "$WORK" <<'EOF'
+import sys
+from pathlib import Path
+root, work = Path(sys.argv[1]), Path(sys.argv[2])
+sys.path.insert(0, str(root / "benchmarks"))
+import argparse
+from utilisation import with_latency
+args = argparse.Namespace(
+    latency=0.5, concurrency=256, staleness=24, batch_groups=None, sandbox="inline", learning_rate=0.0015,
+    sync_learning_rate=0.003, clip_high=0.5, weight_sync=None, weight_poll=1.5, sample_order="newest-first", out=work,
+)
+for mode in ("async", "sync"):
+    print(with_latency(root / "examples" / "frozenlake.yaml", args, mode))
+EOF
+
+run shipped-async 130 "$ROOT/examples/frozenlake.yaml" async
+run shipped-sync 140 "$ROOT/examples/frozenlake.yaml" sync
+run latency-async 120 "$WORK/job.yaml" async
+run latency-sync 150 "$WORK/job-sync.yaml" sync
+
+"$PYTHON" "$ROOT/benchmarks/run_figures.py" "$WORK"/shipped-async "$WORK"/shipped-sync "$WORK"/latency-async \
+    "$WORK"/latency-sync --json "$OUT/chip.json" --markdown "$OUT/chip.md"
+tail -n 5 "$WORK"/*.log > "$OUT/logs.txt" 2>&1
+for name in shipped-async latency-async; do
+    [ -f "$WORK/$name/report.md" ] && cp "$WORK/$name/report.md" "$OUT/$name-report.md"
+done
+exit 0
