@@ -2,10 +2,10 @@
 
 ``--mode async`` (the default) starts the same processes a cluster would run -- the buffer, the
 learner and the actors (``spec.actors.replicas``, or as many as the cores feed) -- as local
-subprocesses talking gRPC, and supervises them: a live progress display, a run directory with
-metrics and checkpoints, a report at the end, and a clean stop on completion, on error and on
-Ctrl-C (learner first so it writes its final checkpoint, then actors with their sandboxes, then
-the buffer).
+subprocesses talking gRPC, and supervises them: a child that dies is restarted within a budget
+(``runner/supervise.py``), a live progress display, a run directory with metrics and checkpoints, a
+report at the end, and a clean stop on completion, on error and on Ctrl-C (learner first so it
+writes its final checkpoint, then actors with their sandboxes, then the buffer).
 
 ``--mode sync`` runs the classic synchronous loop in this process (generate, step environments,
 train, repeat) with the same model and environment: the on-policy baseline.
@@ -22,137 +22,22 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stoker.actor.job_checks import environment_problems
 from stoker.endpoints import ready_address
-from stoker.manifest import ManifestError, add_manifest_directory, load_job
 from stoker.parent import PARENT_ENV
-from stoker.remote_checkpoint import LEARNER
-from stoker.runner.placement import TRANSPORTS, UNIX, Placement, PlacementError, jax_process_envs, plan
 from stoker.runner.children import STOP_GRACE_SECONDS, Child, terminate_on_signals, wait_for_ready_file
+from stoker.runner.options import RunOptions, UsageError, add_arguments, resolve_options
+from stoker.runner.placement import UNIX, Placement, PlacementError, jax_process_envs, plan
 from stoker.runner.progress import Progress
-from stoker.spec import RLJob
+from stoker.runner.supervise import Supervisor, Unit, pin_port
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", metavar="FILE", help="RLJob manifest")
-    parser.add_argument(
-        "--mode",
-        choices=("async", "sync"),
-        default="async",
-        help="async: buffer, actors and learner as processes (default); sync: the synchronous baseline loop",
-    )
-    parser.add_argument("--run-dir", type=Path, help="run directory (default: runs/<job name>); reused to resume")
-    parser.add_argument("--max-minutes", type=float, help="stop after this much wall-clock time")
-    parser.add_argument(
-        "--target-success",
-        type=float,
-        help="stop once the rolling success rate reaches this value (e.g. 0.9)",
-    )
-    parser.add_argument("--max-steps", type=int, help="override spec.learner.maxSteps")
-    parser.add_argument(
-        "--learner-processes",
-        type=int,
-        default=1,
-        metavar="N",
-        help="run the learner as N JAX processes on loopback (jax.distributed, gloo), as on a multi-host slice",
-    )
-    parser.add_argument(
-        "--learner-devices",
-        type=int,
-        default=1,
-        metavar="D",
-        help="CPU devices per learner process (--xla_force_host_platform_device_count) with --learner-processes",
-    )
-    parser.add_argument(
-        "--rollout-processes",
-        type=int,
-        default=1,
-        metavar="N",
-        help="run the rollout server (spec.rollout) as N JAX processes on loopback, one mesh over all, as on a multi-host slice",
-    )
-    parser.add_argument(
-        "--transport", choices=TRANSPORTS, default=UNIX,
-        help="how the local processes talk: unix sockets in the run directory (default; no ports, works where "
-        "inet sockets are refused) or tcp on loopback ports",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of the live display")
-
-
-@dataclass
-class RunOptions:
-    """What ``stoker run`` was asked to do, resolved once."""
-
-    manifest: Path
-    job: RLJob
-    mode: str
-    run_dir: Path
-    max_minutes: float | None = None
-    target_success: float | None = None
-    max_steps: int | None = None
-    live: bool = True
-    learner_processes: int = 1
-    learner_devices: int = 1
-    rollout_processes: int = 1
-    transport: str = UNIX
-
-    @property
-    def metrics_path(self) -> Path:
-        return self.run_dir / "learner_metrics.jsonl"
-
-    @property
-    def weights_dir(self) -> Path:
-        return self.run_dir / "weights"
-
-    @property
-    def logs_dir(self) -> Path:
-        return self.run_dir / "logs"
-
-    @property
-    def actor_stats_dir(self) -> Path:
-        """Each actor's generation and failure snapshot (``stoker.actor.diagnostics``)."""
-        return self.run_dir / "actors"
-
-
-class UsageError(ValueError):
-    """A command-line option that cannot work; the message says why."""
-
-
-def resolve_options(args: argparse.Namespace) -> RunOptions:
-    processes, devices = getattr(args, "learner_processes", 1), getattr(args, "learner_devices", 1)
-    if processes < 1 or devices < 1:
-        raise UsageError(f"--learner-processes {processes} --learner-devices {devices}; both must be >= 1")
-    if processes > 1 and args.mode == "sync":
-        raise UsageError("--learner-processes applies to --mode async (the sync baseline trains in this process)")
-    rollout_processes = getattr(args, "rollout_processes", 1)
-    if rollout_processes < 1:
-        raise UsageError(f"--rollout-processes {rollout_processes}; expected >= 1")
-    job = load_job(args.file, fetch=LEARNER)  # gs:// checkpoints: fetched once here; the children find them cached
-    if rollout_processes > 1 and (job.spec.rollout is None or args.mode == "sync"):
-        raise UsageError("--rollout-processes needs spec.rollout and --mode async (a rollout server to split)")
-    if job.spec.algorithm.trains_on_dataset and args.mode == "sync":
-        raise UsageError("--mode sync plays episodes; a job that trains on a dataset file (sft, dpo on dpoDataset) has none")
-    add_manifest_directory(args.file)  # plugins beside the manifest import here and in the children
-    problems = environment_problems(job, str(args.file), local=True)
-    if problems:
-        raise ManifestError(problems)  # before any process starts: a bad plugin is a start-up error
-    run_dir = args.run_dir or Path("runs") / job.metadata.name
-    return RunOptions(
-        manifest=Path(args.file).resolve(),
-        job=job,
-        mode=args.mode,
-        run_dir=run_dir.resolve(),
-        max_minutes=args.max_minutes,
-        target_success=args.target_success,
-        max_steps=args.max_steps,
-        live=not args.no_progress and sys.stderr.isatty(),
-        learner_processes=processes,
-        learner_devices=devices,
-        rollout_processes=rollout_processes,
-        transport=getattr(args, "transport", UNIX),
-    )
+__all__ = [
+    "DEFAULT_COMPILATION_CACHE", "AsyncRun", "Outcome", "RunOptions", "UsageError", "add_arguments", "child_env",
+    "compilation_cache_dir", "main", "resolve_options", "run_async",
+]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -215,6 +100,7 @@ class AsyncRun:
     rollout: Child | None = None  # with spec.rollout: one generation server the actors call
     rollout_followers: list[Child] = field(default_factory=list)  # its other processes (--rollout-processes)
     placement: Placement = field(default_factory=lambda: Placement(UNIX, None))  # set by start
+    units: list[Unit] = field(default_factory=list)  # what restarts together when one of it dies
 
     @property
     def learner(self) -> Child | None:
@@ -251,11 +137,15 @@ class AsyncRun:
         )
         if o.max_steps is not None:
             learner_argv += ["--max-steps", str(o.max_steps)]
-        for index, learner_env in enumerate(jax_process_envs(env, o.learner_processes, o.learner_devices)):
+        def learner_envs() -> list[dict[str, str]]:
+            return jax_process_envs(env, o.learner_processes, o.learner_devices)
+
+        for index, learner_env in enumerate(learner_envs()):
             name, log_name = ("learner", "learner.log") if index == 0 else (f"learner-{index}", f"learner-{index}.log")
             learner = Child(name, learner_argv, o.logs_dir / log_name)
             learner.start(learner_env)
             self.learners.append(learner)
+        self.units.append(Unit("learner", self.learners, learner_envs, may_finish=True))
         if address is None:
             return None
         sampling = ["--weights", str(o.weights_dir)]
@@ -276,15 +166,21 @@ class AsyncRun:
             )
             actor.start(cpu_env)
             self.actors.append(actor)
+            self.units.append(Unit(actor.name, [actor], lambda: [cpu_env]))
         return address
 
     def _start_rollout(self, env: dict[str, str]) -> str:
         """One ``stoker rollout`` on loopback following the learner's weights (over
         ``--rollout-processes`` JAX processes, process 0 serving); its address."""
         o = self.options
-        envs = jax_process_envs(env, o.rollout_processes, 1)
+
+        def followers_first() -> list[dict[str, str]]:  # the unit's order: process 0 serves, started last
+            envs = jax_process_envs(env, o.rollout_processes, 1)
+            return [*envs[1:], envs[0]]
+
+        envs = followers_first()
         weights = ("--weights", str(o.weights_dir))
-        for index, follower_env in enumerate(envs[1:], start=1):
+        for index, follower_env in enumerate(envs[:-1], start=1):
             follower = Child(
                 f"rollout-{index}",
                 _stoker("rollout", "--manifest", str(o.manifest), *weights, *self.placement.listen(f"rollout-{index}")),
@@ -292,12 +188,16 @@ class AsyncRun:
             )
             follower.start(follower_env)
             self.rollout_followers.append(follower)
-        return self._serve("rollout", envs[0], *weights)
+        return self._serve("rollout", envs[-1], *weights, unit_envs=followers_first, peers=self.rollout_followers)
 
-    def _serve(self, command: str, env: dict[str, str], *args: str) -> str:
+    def _serve(
+        self, command: str, env: dict[str, str], *args: str,
+        unit_envs: Callable[[], list[dict[str, str]]] | None = None, peers: list[Child] | None = None,
+    ) -> str:
         """Start a ``stoker COMMAND`` server where the placement says (a unix socket, or a free
         loopback port) as ``self.<command>`` (set before it is ready, so a failed start is still
-        stopped); its address once ready."""
+        stopped); its address once ready. It restarts with ``peers`` (started before it, each
+        with its environment from ``unit_envs``) on the same socket or port."""
         o = self.options
         ready = o.run_dir / f"{command}.ready"
         ready.unlink(missing_ok=True)
@@ -311,7 +211,10 @@ class AsyncRun:
         )
         setattr(self, command, child)
         child.start(env)
-        return ready_address(wait_for_ready_file(ready, child))  # the file holds the port or the socket
+        address = ready_address(wait_for_ready_file(ready, child))  # the file holds the port or the socket
+        child.argv = pin_port(child.argv, address)
+        self.units.append(Unit(command, [*(peers or ()), child], unit_envs or (lambda: [env]), ready=(ready, child)))
+        return address
 
     def stop(self) -> None:
         # Learner first (final checkpoint), then actors (and their sandboxes), the buffer last so
@@ -334,14 +237,6 @@ class AsyncRun:
         if self.buffer is not None:
             self.buffer.stop()
 
-    def failed_child(self) -> Child | None:
-        for child in self.children():
-            code = child.returncode
-            if code is not None and code != 0:
-                return child
-            if code == 0 and child not in self.learners:
-                return child  # only the learner is expected to finish
-        return None
 
 
 # Where compiled XLA programs persist between local runs when the spec names no cache: the second
@@ -373,6 +268,7 @@ def run_async(options: RunOptions) -> Outcome:
     run = AsyncRun(options)
     deadline = time.monotonic() + options.max_minutes * 60 if options.max_minutes else None
     with terminate_on_signals(), Progress(options) as progress:
+        supervisor = Supervisor(options.restarts, run.units, say=progress.note)
         try:
             address = run.start(child_env(options))
             if address is not None:
@@ -380,22 +276,21 @@ def run_async(options: RunOptions) -> Outcome:
             while True:
                 progress.refresh()
                 if run.learners and all(learner.returncode == 0 for learner in run.learners):
-                    return Outcome(0, f"done: learner finished ({progress.summary()})")
-                failed = run.failed_child()
-                if failed is not None:
-                    return Outcome(
-                        1,
-                        f"{failed.name} exited with code {failed.returncode}; stopping the run.\n"
-                        f"last lines of {failed.log_path}:\n{failed.tail()}",
-                    )
+                    return Outcome(0, f"done: learner finished ({progress.summary()}){supervisor.summary()}")
+                spent = supervisor.check()  # restarts what died, within its budget
+                if spent is not None:
+                    return Outcome(1, spent)
                 if options.target_success is not None and progress.reached(options.target_success):
-                    return Outcome(0, f"done: success rate reached {options.target_success} ({progress.summary()})")
+                    done = f"done: success rate reached {options.target_success}"
+                    return Outcome(0, f"{done} ({progress.summary()}){supervisor.summary()}")
                 if deadline is not None and time.monotonic() > deadline:
-                    return Outcome(0, f"stopped after {options.max_minutes} minutes ({progress.summary()})")
+                    done = f"stopped after {options.max_minutes} minutes"
+                    return Outcome(0, f"{done} ({progress.summary()}){supervisor.summary()}")
                 assert run.learner is not None
-                run.learner.wait(0.5)
+                supervisor.wait(run.learner, 0.5)
         except KeyboardInterrupt:
-            return Outcome(130, f"interrupted; checkpoint and buffer kept in {options.run_dir} ({progress.summary()})")
+            kept = f"interrupted; checkpoint and buffer kept in {options.run_dir}"
+            return Outcome(130, f"{kept} ({progress.summary()}){supervisor.summary()}")
         except (UsageError, PlacementError) as exc:
             return Outcome(2, f"stoker run: {exc}")
         except RuntimeError as exc:

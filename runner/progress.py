@@ -28,7 +28,7 @@ from stoker.buffer.client import BufferClient, BufferClientError, RetryPolicy
 from stoker.jsonl import json_line
 
 if TYPE_CHECKING:
-    from stoker.runner.local import RunOptions
+    from stoker.runner.options import RunOptions
     from stoker.runner.placement import Placement
 
 # Steps averaged for the displayed (and target-checked) success rate.
@@ -203,6 +203,13 @@ class Progress:
             self._live.update(self.render())
             self._live.__exit__(None, None, None)
             self._live = None
+
+    def note(self, text: str) -> None:
+        """A message for the user (a child died, was restarted): above the live display, or a line."""
+        if self._live is not None:
+            self._live.console.print(text, markup=False, highlight=False)
+        else:
+            print(text, file=sys.stderr, flush=True)
 
     def attach_buffer(self, address: str, placement: Placement | None = None) -> None:
         self._placement = placement

@@ -64,7 +64,7 @@ def test_a_local_run_starts_and_announces_the_actors_the_host_feeds(
 
     class RecordingChild:
         def __init__(self, name: str, argv: list[str], log: Path):
-            self.name = name
+            self.name, self.argv = name, argv
 
         def start(self, env: dict[str, str]) -> None:
             started.append(self.name)
