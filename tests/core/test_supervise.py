@@ -100,6 +100,17 @@ def test_a_child_that_dies_is_restarted_after_its_backoff_until_its_budget_is_sp
     assert supervisor.summary() == "\nrestarts: actor-0 3"
 
 
+def test_a_child_killed_by_a_signal_has_died(tmp_path: Path) -> None:
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    child = Child("buffer", [sys.executable, "-c", code], tmp_path / "buffer.log")
+    child.start({})
+    child.wait(30)
+    said = list[str]()
+    supervisor = Supervisor(RestartPolicy(), [Unit("buffer", [child], lambda: [{}])], clock=_Clock(), say=said.append)
+    assert supervisor.check() is None
+    assert said[-1].startswith("stoker run: buffer died (killed by SIGKILL); restarting buffer in 1 s")
+
+
 def test_a_learner_that_finishes_is_not_restarted(tmp_path: Path) -> None:
     child = Child("learner", [sys.executable, "-c", "pass"], tmp_path / "learner.log")
     child.start({})
