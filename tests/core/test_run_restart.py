@@ -46,6 +46,12 @@ def _steps(run_dir: Path) -> list[dict[str, float]]:
     return records
 
 
+def _checkpoints(run_dir: Path) -> list[int]:
+    """The steps of the learner's finished checkpoints (Orbax renames a finished one to its step)."""
+    folder = run_dir / "checkpoints"
+    return [int(p.name) for p in folder.iterdir() if p.name.isdigit()] if folder.exists() else []
+
+
 def _wait_for(runner: subprocess.Popen[str], done: object, what: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not done():  # type: ignore[operator]
@@ -77,11 +83,16 @@ def test_a_run_survives_kill_9_of_an_actor_the_learner_and_the_buffer(
         before = len(_steps(run_dir))
         _wait_for(runner, lambda: len(_steps(run_dir)) > before, "a step after the actor's restart")
 
-        last = _steps(run_dir)[-1]
+        # Kill the learner once a checkpoint is written (they are saved in the background, after
+        # the step's metrics): what it must resume from.
+        _wait_for(runner, lambda: _checkpoints(run_dir), "a checkpoint")
+        checkpoint = max(_checkpoints(run_dir))
+        recorded = _steps(run_dir)
         os.kill(_child_pid(runner.pid, "learner"), signal.SIGKILL)
+        killed = time.time()
         _wait_for(runner, lambda: said("stoker run: learner restarted"), "the learner's restart")
-        _wait_for(runner, lambda: _steps(run_dir)[-1]["step"] > last["step"], "a step after the learner's restart")
-        resumed = next(s for s in _steps(run_dir) if s["time"] > last["time"])
+        _wait_for(runner, lambda: _steps(run_dir)[-1]["time"] > killed, "a step after the learner's restart")
+        resumed = next(s for s in _steps(run_dir) if s["time"] > killed)
 
         before = len(_steps(run_dir))
         os.kill(_child_pid(runner.pid, "buffer"), signal.SIGKILL)
@@ -99,7 +110,10 @@ def test_a_run_survives_kill_9_of_an_actor_the_learner_and_the_buffer(
     assert "restarts: buffer 1, learner 1, actor-0 1" in stderr
     steps = _steps(run_dir)
     assert steps[-1]["step"] == MAX_STEPS
-    # The learner resumed from its checkpoint (one every step): its steps and version went on from
-    # where they were, or redid at most the step the kill cut short.
-    assert last["step"] <= resumed["step"] <= last["step"] + 1, (last, resumed)
-    assert resumed["policy_version"] >= last["policy_version"]
+    # The learner resumed from its checkpoint (one every step): its steps went on from that one's
+    # (or a later one's, written as it was killed), never beyond the steps it had recorded, and its
+    # version went on from the checkpoint's (a step with nothing to train on makes no update).
+    assert checkpoint + 1 <= resumed["step"] <= recorded[-1]["step"] + 1, (checkpoint, recorded[-1], resumed)
+    at_checkpoint = next(s for s in recorded if s["step"] == checkpoint)
+    expected = at_checkpoint["policy_version"] + int(resumed["trained"])
+    assert resumed["policy_version"] >= expected, (at_checkpoint, resumed)
