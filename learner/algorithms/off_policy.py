@@ -20,7 +20,8 @@ Total = Callable[[jax.Array], jax.Array]
 BISECTION_STEPS = 40  # halvings of [0, LOG_RATIO_LIMIT^2]: the threshold to ~4e-10
 
 
-def _identity(x: jax.Array) -> jax.Array:
+def one_shard(x: jax.Array) -> jax.Array:
+    """``total`` outside shard_map: the rows are all here."""
     return x
 
 
@@ -42,7 +43,7 @@ def behaviour_ratio_stats(log_ratio: Array, mask: Array) -> dict[str, jax.Array]
     }
 
 
-def second_moment_mask(log_ratio: Array, mask: Array, budget: float, total: Total = _identity) -> jax.Array:
+def second_moment_mask(log_ratio: Array, mask: Array, budget: float, total: Total = one_shard) -> jax.Array:
     """M2PO's mask (Zheng et al. 2025, "Prosperity before Collapse"): drop the tokens with the
     largest ``(log w)^2`` until the kept tokens' mean ``(log w)^2`` is at most ``budget``.
 

@@ -14,7 +14,7 @@ from stoker.learner.algorithms.ops import (
     gather_segments,
     segment_sum,
 )
-from stoker.learner.algorithms.off_policy import Total, lag_scaled_clip, second_moment_mask
+from stoker.learner.algorithms.off_policy import Total, lag_scaled_clip, one_shard, second_moment_mask
 from stoker.learner.algorithms.token_weights import truncated_importance_weights
 
 
@@ -43,10 +43,6 @@ def _ratio_bounds(config: LossConfig, lag: Array | None) -> tuple[Array, Array]:
     if config.off_policy == "m2po":
         return 0.0, jnp.inf
     return 1.0 - config.clip_low, 1.0 + config.clip_high
-
-
-def _identity(x: jax.Array) -> jax.Array:
-    return x
 
 
 def stuck_unlikelihood(log_not_taken: Array, advantages: Array) -> jax.Array:
@@ -100,7 +96,7 @@ def grpo_loss(
     stuck: Array | None = None,
     log_not_taken: Array | None = None,
     lag: Array | None = None,
-    total: Total = _identity,
+    total: Total = one_shard,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """GRPO (Shao et al. 2024) with the decoupled truncated-IS correction, per token.
 
@@ -244,7 +240,7 @@ def ppo_loss(
     ref_logprobs: Array | None = None,
     entropy: Array | None = None,
     lag: Array | None = None,
-    total: Total = _identity,
+    total: Total = one_shard,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO-clip with a learned value function (Schulman et al. 2017, eq. 9), truncated IS, per token.
 
