@@ -6,7 +6,7 @@ Admission (the AReaL rule, counted in groups)::
 
 where ``accepted`` = groups committed so far plus complete groups waiting or leased (dropped groups
 do not count: their work must be redone), and ``in_flight`` = credit granted whose group has not
-completed yet. A group whose oldest model token has version ``v_old`` is stale, and dropped,
+completed yet, held per actor process (``CreditLedger``) so a dead actor's comes back. A group whose oldest model token has version ``v_old`` is stale, and dropped,
 once ``version - v_old > max_staleness``.
 
 The operator can tighten admission with a scale ``s`` in (0, 1] (``AdmissionScale``, a file it
@@ -33,6 +33,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger("stoker.buffer")
@@ -41,6 +42,8 @@ Clock = Callable[[], float]
 
 
 ADMISSION_SCALE_KEY = "admissionScale"
+# gRPC metadata key: the id of one actor process, the same on all its calls (``CreditLedger``).
+INCARNATION_KEY = "stoker-incarnation"
 
 
 def parse_admission_scale(text: str) -> float:
@@ -123,3 +126,85 @@ class AdmissionScale:
         elif scale != self.value or self._problem is not None:
             log.info("admission scale %g -> %g (from %s)", self.value, scale, self.path)
         self.value, self._problem = scale, problem
+
+
+class CreditLedger:
+    """Admission credit granted and not yet used (``in_flight``), held per actor incarnation.
+
+    An incarnation is one actor process: its client sends the same random id with every call
+    (``INCARNATION_KEY``). A group's credit comes back when the group completes or the actor
+    releases it; a dead actor does neither, so its credit also comes back when the same actor id
+    acquires as a new incarnation (it was restarted) or when the incarnation has been silent for
+    the expiry (gone for good: scaled down, or replaced under another name). Otherwise each actor
+    death would lower for good how many episodes the actors may have out, and the run starves.
+
+    Calls without an incarnation (older clients, in-process callers) share one anonymous hold that
+    never expires: the rule before incarnations existed.
+    """
+
+    def __init__(self) -> None:
+        self.total = 0
+        self._holds: dict[str, _Hold] = {}  # incarnation ("" anonymous) -> its hold
+
+    def register(self, actor_id: str, incarnation: str, now: float) -> int:
+        """``incarnation`` of ``actor_id`` is calling: the first call of a new one ends the holds
+        of that actor's earlier incarnations (it was restarted). Returns the groups given back."""
+        returned = 0
+        if incarnation and incarnation not in self._holds:
+            for old in [i for i, hold in self._holds.items() if i and hold.actor_id == actor_id]:
+                returned += self._end(old)
+            if returned:
+                log.info("actor %s restarted: its previous process's credit for %d groups given back", actor_id, returned)
+        self._holds.setdefault(incarnation, _Hold(actor_id, 0, now)).seen = now
+        return returned
+
+    def grant(self, incarnation: str, groups: int, now: float) -> None:
+        """Record ``groups`` granted to ``incarnation`` (``register``\ed first)."""
+        hold = self._holds[incarnation]
+        hold.groups += groups
+        hold.seen = now
+        self.total += groups
+
+    def give_back(self, incarnation: str, groups: int, now: float) -> None:
+        """``groups`` of ``incarnation``'s credit will never be used (Release, or a group complete)."""
+        hold = self._holds.get(incarnation)
+        if hold is None:
+            return  # its credit was given back already (superseded, expired) or never granted here
+        taken = min(groups, hold.groups)
+        hold.groups -= taken
+        hold.seen = now
+        self.total -= taken
+
+    def seen(self, incarnation: str, now: float) -> None:
+        """``incarnation`` is alive (it sent a Put): its hold does not expire yet."""
+        hold = self._holds.get(incarnation)
+        if hold is not None:
+            hold.seen = now
+
+    def expire(self, now: float, silence: float) -> list[tuple[str, int]]:
+        """End the holds of incarnations silent for more than ``silence`` seconds; returns
+        ``(actor id, groups given back)`` for each that held credit."""
+        ended = []
+        for incarnation in [i for i, hold in self._holds.items() if i and now - hold.seen > silence]:
+            actor_id = self._holds[incarnation].actor_id
+            groups = self._end(incarnation)
+            if groups:
+                ended.append((actor_id, groups))
+        return ended
+
+    def held(self, incarnation: str) -> int:
+        """The groups of credit ``incarnation`` holds."""
+        hold = self._holds.get(incarnation)
+        return 0 if hold is None else hold.groups
+
+    def _end(self, incarnation: str) -> int:
+        hold = self._holds.pop(incarnation)
+        self.total -= hold.groups
+        return hold.groups
+
+
+@dataclass
+class _Hold:
+    actor_id: str
+    groups: int  # credit granted and not yet given back
+    seen: float  # the incarnation's last call, on the buffer's clock

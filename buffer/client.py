@@ -35,6 +35,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from stoker.buffer.admission import INCARNATION_KEY
 from stoker.buffer.client_types import (
     AuthError,
     BufferClientError,
@@ -94,7 +95,9 @@ class BufferClient:
         self.timeout = timeout
         self.max_batch_trajectories = max_batch_trajectories
         self.max_batch_bytes = max_batch_bytes
-        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        # Every call names this process (its session id): the buffer ties an actor's credit to it.
+        auth = (("authorization", f"Bearer {token}"),) if token else ()
+        self._metadata: tuple[tuple[str, str], ...] = ((INCARNATION_KEY, self.session_id), *auth)
         # Bounded reconnect backoff (stoker.channels): back within about a second of the buffer.
         options = channel_options(
             [("grpc.max_receive_message_length", max_message_bytes), ("grpc.max_send_message_length", max_message_bytes)]

@@ -88,13 +88,13 @@ class BufferCore:
 
     # ------------------------------------------------------------------ the parts' calls
 
-    def put(self, raws: Sequence[bytes | memoryview], client_id: str = "") -> PutOutcome:
+    def put(self, raws: Sequence[bytes | memoryview], client_id: str = "", incarnation: str = "") -> PutOutcome:
         """Validate, log durably, then admit a batch (``core_put.put``)."""
-        return core_put.put(self.state, raws, client_id)
+        return core_put.put(self.state, raws, client_id, incarnation)
 
-    def begin_put(self, raws: Sequence[bytes | memoryview], client_id: str = "") -> PendingPut:
+    def begin_put(self, raws: Sequence[bytes | memoryview], client_id: str = "", incarnation: str = "") -> PendingPut:
         """``put`` up to its flush: validated, admitted, appended (``core_put.begin_put``)."""
-        return core_put.begin_put(self.state, raws, client_id)
+        return core_put.begin_put(self.state, raws, client_id, incarnation)
 
     def finish_put(self, pending: PendingPut) -> PutOutcome:
         """``pending`` is durable: store it (``core_put.finish_put``)."""
@@ -197,29 +197,36 @@ class BufferCore:
 
     # ------------------------------------------------------------------ admission credit
 
-    def acquire(self, groups: int, actor_id: str = "", load: buffer_pb2.ActorLoad | None = None) -> tuple[int, int, float]:
+    def acquire(
+        self, groups: int, actor_id: str = "", load: buffer_pb2.ActorLoad | None = None, incarnation: str = ""
+    ) -> tuple[int, int, float]:
         """Credit to start ``groups`` episode groups: ``(granted, policy version, retry hint)``.
-        ``load``, the actor's own figures, is kept (the newest per actor) for Stats."""
+        ``load``, the actor's own figures, is kept (the newest per actor) for Stats. The credit is
+        held by ``incarnation`` (the actor's process, ``CreditLedger``): a new one of the same
+        actor first gets back what the previous one held."""
         state = self.state
         state.admission.maybe_reload()  # outside the lock: a slow file system must not stall the buffer
         with state.lock:
             if load is not None:
                 state.actor_loads[actor_id] = (state.clock(), load)
+            now = state.clock()
+            state.credits.register(actor_id, incarnation, now)  # a restarted actor's old credit comes back first
             granted = max(0, min(groups, state.credit()))
-            state.in_flight += granted
+            state.credits.grant(incarnation, granted, now)
             retry = 0.0 if granted else state.settings.retry_after_seconds
             return granted, state.policy_version, retry
 
-    def release(self, groups: int, actor_id: str = "") -> None:
+    def release(self, groups: int, actor_id: str = "", incarnation: str = "") -> None:
         """Give back credit for groups that will never be submitted."""
         with self.state.lock:
-            self.state.in_flight = max(0, self.state.in_flight - groups)
+            self.state.credits.give_back(incarnation, groups, self.state.clock())
 
     # ------------------------------------------------------------------ housekeeping, Stats
 
     def tick(self) -> None:
-        """Periodic work: expire leases, report overdue incomplete groups, re-read the admission
-        file (so Stats shows a new scale even while no actor asks for credit), compact the log."""
+        """Periodic work: expire leases and the credit of actors silent for longer than a group
+        may take, report overdue incomplete groups, re-read the admission file (so Stats shows a
+        new scale even while no actor asks for credit), compact the log."""
         state = self.state
         state.admission.maybe_reload()
         now = state.clock()
@@ -228,6 +235,9 @@ class BufferCore:
             if expired:
                 log.warning("%d leased batches not committed in %gs: redelivering", len(expired), state.settings.lease_timeout_seconds)
                 core_lease.redeliver(state, expired)
+            for actor_id, groups in state.credits.expire(now, state.settings.group_timeout_seconds):
+                log.warning("actor %s silent for %gs: its credit for %d groups given back", actor_id,
+                            state.settings.group_timeout_seconds, groups)
             for group in state.groups.values():
                 if (
                     group.state == "incomplete"

@@ -27,7 +27,7 @@ from stoker.buffer.wal_format import HEADER
 NewTrajectories = list[tuple[bytes | memoryview, TrajectoryMeta]]
 
 
-def put(state: CoreState, raws: Sequence[bytes | memoryview], client_id: str = "") -> PutOutcome:
+def put(state: CoreState, raws: Sequence[bytes | memoryview], client_id: str = "", incarnation: str = "") -> PutOutcome:
     """Validate, log durably, then admit a batch. Invalid items are reported, the rest stored.
 
     Raises ``BufferFull`` (nothing stored), ``BatchTooLarge`` or ``Unavailable``.
@@ -37,7 +37,7 @@ def put(state: CoreState, raws: Sequence[bytes | memoryview], client_id: str = "
     share flushes: each waits for the first ``fdatasync`` that covers its bytes (group commit in
     ``Wal.sync``).
     """
-    pending = begin_put(state, raws, client_id)
+    pending = begin_put(state, raws, client_id, incarnation)
     try:
         state.wal.sync(pending.durable_at)
     except WalError as exc:
@@ -46,8 +46,11 @@ def put(state: CoreState, raws: Sequence[bytes | memoryview], client_id: str = "
     return finish_put(state, pending)
 
 
-def begin_put(state: CoreState, raws: Sequence[bytes | memoryview], client_id: str = "") -> PendingPut:
-    """Validate a batch, admit it and append it to the log (not yet durable).
+def begin_put(
+    state: CoreState, raws: Sequence[bytes | memoryview], client_id: str = "", incarnation: str = ""
+) -> PendingPut:
+    """Validate a batch, admit it and append it to the log (not yet durable). ``incarnation``: the
+    sending actor process, whose credit a group it completes gives back.
 
     Until ``finish_put`` (once ``Wal.sync(pending.durable_at)`` returned) or ``abandon_put``
     its trajectories are "pending": they count for duplicates, group sizes and capacity, but are
@@ -61,7 +64,7 @@ def begin_put(state: CoreState, raws: Sequence[bytes | memoryview], client_id: s
         outcome.stored = len(new)
         _mark_pending(state, new, +1)
         state.puts_running += 1
-    pending = PendingPut(outcome, new, None, (0, 0), client_id)
+    pending = PendingPut(outcome, new, None, (0, 0), client_id, incarnation)
     try:
         if new:
             pending.logged = state.wal.append(PUT, [raw for raw, _ in new], pin=True)
@@ -89,7 +92,7 @@ def finish_put(state: CoreState, pending: PendingPut) -> PutOutcome:
     with state.cond:
         try:
             _mark_pending(state, pending.new, -1)
-            _store(state, pending.new, pending.logged[0] if pending.logged else 0, pending.client_id)
+            _store(state, pending.new, pending.logged[0] if pending.logged else 0, pending.client_id, pending.incarnation)
             if state.wal.active_size() > state.settings.segment_bytes:
                 state.rotate()
         finally:
@@ -155,13 +158,14 @@ def _mark_pending(state: CoreState, new: NewTrajectories, step: int) -> None:
                 del state.pending_groups[meta.group_id]
 
 
-def _store(state: CoreState, new: NewTrajectories, segment: int, client_id: str) -> None:
+def _store(state: CoreState, new: NewTrajectories, segment: int, client_id: str, incarnation: str) -> None:
     """Durable trajectories join their groups (caller holds the lock)."""
+    state.credits.seen(incarnation, state.clock())
     for raw, meta in new:
         group = state.insert(Entry(meta, raw, segment))
         state.per_actor[meta.actor_id or client_id or "unknown"] += 1
         if len(group.entries) >= group.size:
-            state.on_complete(group)
+            state.on_complete(group, incarnation)
     state.accepted_total += len(new)
     state.put_rate.add(state.clock(), len(new))
 

@@ -46,7 +46,7 @@ def replay(state: CoreState) -> None:
         state.opened = True
         for group in completed:
             if state.groups.get(group.group_id) is group and group.state == "incomplete":
-                state.on_complete(group)
+                state.on_complete(group, None)
     if report.segments:
         log.info(
             "write-ahead log replayed: %d segments, %d records, %d live trajectories in %d groups, policy version %d",

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from stoker.buffer.admission import AdmissionScale, Clock
+from stoker.buffer.admission import AdmissionScale, Clock, CreditLedger
 from stoker.buffer.counters import BoundedSet, RateWindow
 from stoker.buffer.settings import BufferSettings
 from stoker.buffer.state import Entry, Group, Lease
@@ -68,7 +68,7 @@ class CoreState:
         self.consumed_episodes = BoundedSet(settings.dedup_memory)
         self.consumed_groups = BoundedSet(max(1024, settings.dedup_memory // max(1, settings.group_size)))
         self.policy_version = 0
-        self.in_flight = 0  # groups granted admission credit and not yet complete
+        self.credits = CreditLedger()  # groups granted admission credit and not yet complete, per actor process
         self.stored = 0
         self.leased = 0  # trajectories in leased batches (part of stored)
         self.stored_bytes = 0
@@ -122,9 +122,16 @@ class CoreState:
     def is_stale(self, group: Group) -> bool:
         return group.oldest_version >= 0 and self.policy_version - group.oldest_version > self.settings.max_staleness
 
-    def on_complete(self, group: Group) -> None:
-        """All episodes are in: the group becomes sampleable, or is dropped by policy."""
-        self.in_flight = max(0, self.in_flight - 1)
+    @property
+    def in_flight(self) -> int:
+        return self.credits.total
+
+    def on_complete(self, group: Group, incarnation: str | None) -> None:
+        """All episodes are in: the group becomes sampleable, or is dropped by policy. The credit
+        it used goes back to ``incarnation`` (the actor process whose Put completed it; None on
+        replay, where no credit was granted)."""
+        if incarnation is not None:
+            self.credits.give_back(incarnation, 1, self.clock())
         if group.failed == group.size:
             self.drop([group], "failed")  # nothing in it can train, whatever the policy
         elif group.failed and self.settings.failed_group_policy == "discard":

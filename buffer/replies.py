@@ -17,6 +17,7 @@ from typing import Any, NoReturn, TypeAlias
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from stoker.buffer.admission import INCARNATION_KEY
 from stoker.buffer.state import BatchTooLarge, BufferFull, DiskFull, PutOutcome, Unavailable
 from stoker.buffer.wire import RETRY_AFTER_KEY
 from stoker.v1 import buffer_pb2
@@ -85,6 +86,16 @@ async def abort(context: Context, code: grpc.StatusCode, message: str, trailing:
 def check_id(name: str, value: str, limit: int = 256) -> None:
     if len(value) > limit:
         raise invalid(f"{name}: {len(value)} characters; expected at most {limit}")
+
+
+def incarnation_of(context: Context) -> str:
+    """The calling actor process's id (``INCARNATION_KEY`` metadata), "" when it sent none."""
+    for key, value in context.invocation_metadata() or ():
+        if key == INCARNATION_KEY:
+            text = value if isinstance(value, str) else value.decode(errors="replace")
+            check_id(INCARNATION_KEY, text, 64)  # a uuid; bounded because the buffer keeps one per process
+            return text
+    return ""
 
 
 def parse_request(request_type: type[Message], data: bytes) -> Any:

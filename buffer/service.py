@@ -47,6 +47,7 @@ from stoker.buffer.replies import (
     abort,
     bounded,
     check_id,
+    incarnation_of,
     invalid,
     parse_request,
     put_response,
@@ -96,7 +97,7 @@ class BufferService:
     async def put(self, data: bytes, context: Context) -> bytes:
         started = time.perf_counter()
         client_id, raws = self.split_put(data)
-        outcome = await self.store(raws, client_id)
+        outcome = await self.store(raws, client_id, incarnation_of(context))
         if self.put_latency is not None:
             self.put_latency.observe(time.perf_counter() - started)
         if outcome.stored == len(outcome.results):  # the common case: every trajectory stored
@@ -121,36 +122,36 @@ class BufferService:
             cached = self._all_stored[count] = buffer_pb2.PutResponse(results=[buffer_pb2.PutResult()] * count, stored=count).SerializeToString()
         return cached
 
-    async def store(self, raws: Sequence[memoryview], client_id: str) -> PutOutcome:
+    async def store(self, raws: Sequence[memoryview], client_id: str, incarnation: str = "") -> PutOutcome:
         """Validate, admit, log and flush one batch; ``Refused`` for a full buffer or volume."""
         try:
             if sum(len(raw) for raw in raws) >= OFF_LOOP_PUT_BYTES:
-                return await self._put_off_loop(raws, client_id)
-            return await self._finish_put(self.core.begin_put(raws, client_id))
+                return await self._put_off_loop(raws, client_id, incarnation)
+            return await self._finish_put(self.core.begin_put(raws, client_id, incarnation))
         except (BufferFull, DiskFull, BatchTooLarge, Unavailable) as exc:
             raise refusal(exc) from None
 
-    def submit(self, raws: Sequence[memoryview], client_id: str) -> asyncio.Future[PutOutcome]:
+    def submit(self, raws: Sequence[memoryview], client_id: str, incarnation: str = "") -> asyncio.Future[PutOutcome]:
         """Start a Put without waiting for it (``PutStream``): the future gives its outcome once it
         is durable, or a ``Refused``. The Put runs to its end whether or not anyone still waits."""
         work: asyncio.Future[PutOutcome] = self.loop.create_future()
         work.add_done_callback(_retrieve)
         if sum(len(raw) for raw in raws) >= OFF_LOOP_PUT_BYTES:
-            task = self.loop.create_task(self._begin_in_worker(raws, client_id, work))
+            task = self.loop.create_task(self._begin_in_worker(raws, (client_id, incarnation), work))
             self._unfinished.add(task)
             task.add_done_callback(self._put_in_worker_ended)
             return work
         try:
-            pending = self.core.begin_put(raws, client_id)
+            pending = self.core.begin_put(raws, client_id, incarnation)
         except Exception as exc:  # noqa: BLE001 - handed to whoever acknowledges the batch
             work.set_exception(refusal(exc))
             return work
         self._settle_when_durable(pending, work)
         return work
 
-    async def _begin_in_worker(self, raws: Sequence[memoryview], client_id: str, work: asyncio.Future[PutOutcome]) -> None:
+    async def _begin_in_worker(self, raws: Sequence[memoryview], sender: tuple[str, str], work: asyncio.Future[PutOutcome]) -> None:
         try:
-            pending = await self.loop.run_in_executor(self.io_pool, self.core.begin_put, raws, client_id)
+            pending = await self.loop.run_in_executor(self.io_pool, self.core.begin_put, raws, *sender)
         except Exception as exc:  # noqa: BLE001 - handed to whoever acknowledges the batch
             work.set_exception(refusal(exc))
             return
@@ -195,16 +196,16 @@ class BufferService:
         else:
             self.core.finish_put(pending)
 
-    async def _put_off_loop(self, raws: Sequence[memoryview], client_id: str) -> PutOutcome:
+    async def _put_off_loop(self, raws: Sequence[memoryview], client_id: str, incarnation: str) -> PutOutcome:
         """A large Put validates and appends in a worker thread, as a task of its own that its
         caller's leaving does not cancel."""
-        task = self.loop.create_task(self._put_in_worker(raws, client_id))
+        task = self.loop.create_task(self._put_in_worker(raws, client_id, incarnation))
         self._unfinished.add(task)
         task.add_done_callback(self._put_in_worker_ended)
         return await asyncio.shield(task)
 
-    async def _put_in_worker(self, raws: Sequence[memoryview], client_id: str) -> PutOutcome:
-        pending = await self.loop.run_in_executor(self.io_pool, self.core.begin_put, raws, client_id)
+    async def _put_in_worker(self, raws: Sequence[memoryview], client_id: str, incarnation: str) -> PutOutcome:
+        pending = await self.loop.run_in_executor(self.io_pool, self.core.begin_put, raws, client_id, incarnation)
         return await self._finish_put(pending)
 
     def _put_in_worker_ended(self, task: asyncio.Future[Any]) -> None:
@@ -224,14 +225,14 @@ class BufferService:
         if request.groups > MAX_CREDIT_GROUPS:
             raise invalid(f"groups: got {request.groups}; expected at most {MAX_CREDIT_GROUPS}")
         load = request.load if request.HasField("load") else None
-        granted, version, retry = self.core.acquire(request.groups, request.actor_id, load)
+        granted, version, retry = self.core.acquire(request.groups, request.actor_id, load, incarnation_of(context))
         return buffer_pb2.AcquireResponse(granted=granted, policy_version=version, retry_after_seconds=retry)
 
     async def release(self, request: buffer_pb2.ReleaseRequest, context: Context) -> buffer_pb2.ReleaseResponse:
         check_id("actor_id", request.actor_id, self.core.settings.max_id_length)
         if request.groups > MAX_CREDIT_GROUPS:
             raise invalid(f"groups: got {request.groups}; expected at most {MAX_CREDIT_GROUPS}")
-        self.core.release(request.groups, request.actor_id)
+        self.core.release(request.groups, request.actor_id, incarnation_of(context))
         return buffer_pb2.ReleaseResponse()
 
     # ------------------------------------------------------------------ Sample, Commit

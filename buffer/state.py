@@ -95,6 +95,7 @@ class PendingPut:
     logged: Position | None  # the end of its records; None when it logged nothing
     durable_at: Position  # what must be flushed before it is acknowledged
     client_id: str
+    incarnation: str = ""  # the sending actor process (``CreditLedger``); "" unknown
 
 
 @dataclass

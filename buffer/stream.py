@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from stoker.buffer.replies import Context, Refused, bounded, check_id, invalid, put_response, rejection_summary
+from stoker.buffer.replies import Context, Refused, bounded, check_id, incarnation_of, invalid, put_response, rejection_summary
 from stoker.buffer.service import BufferService
 from stoker.buffer.state import PutOutcome
 from stoker.buffer.wire import RETRY_AFTER_KEY, WireError, split_put_stream_request
@@ -99,6 +99,7 @@ class PutStreamHandler:
         room: asyncio.Event,
     ) -> None:
         service = self.service
+        incarnation = incarnation_of(context)  # one actor process per stream
         try:
             async for data in requests:
                 while len(queue) >= STREAM_WINDOW:
@@ -109,7 +110,7 @@ class PutStreamHandler:
                 except WireError as exc:
                     raise invalid(f"request: malformed PutStreamRequest ({exc})") from None
                 check_id("client_id", client_id, service.core.settings.max_id_length)
-                queue.append(_Queued(sequence, service.submit(raws, client_id)))
+                queue.append(_Queued(sequence, service.submit(raws, client_id, incarnation)))
                 progress.set()
         finally:
             progress.set()
