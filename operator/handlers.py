@@ -23,6 +23,7 @@ from stoker.operator.bufferstats import StatsUnavailable
 from stoker.operator.control import Action, actors_diagnosis, decide
 from stoker.operator.job_targets import actor_target, job_context
 from stoker.operator.jobstatus import Observed, build_status, failed_status
+from stoker.operator.health import component_restarts
 from stoker.operator.kopf_errors import kopf_error, refused_child_error
 from stoker.operator.kopf_setup import configure, login
 from stoker.operator.learner_workload import ephemeral_checkpoints
@@ -163,10 +164,12 @@ def reconcile(
 
 
 def index_pods(
-    name: str, labels: Mapping[str, str], annotations: Mapping[str, str], meta: kopf.Meta, namespace: str | None, **_: Any
+    name: str, labels: Mapping[str, str], annotations: Mapping[str, str], meta: kopf.Meta, status: kopf.Status,
+    namespace: str | None, **_: Any
 ) -> Any:
-    """Pods of any Stoker job, keyed by (namespace, job): sandboxes and their possible owners."""
-    return {(namespace, labels[JOB_LABEL]): pod_record(name, labels, annotations, meta)}
+    """Pods of any Stoker job, keyed by (namespace, job): sandboxes and their possible owners, and
+    every component's restarts."""
+    return {(namespace, labels[JOB_LABEL]): pod_record(name, labels, annotations, meta, status)}
 
 
 def monitor(
@@ -254,7 +257,8 @@ def monitor(
             for action in look.actions if look is not None else ():
                 kopf.event(body, type=action.type, reason=action.reason, message=action.message)
                 runtime.metrics.action(namespace, name, action.reason)
-        reaped = reap_zombies(runtime, body, namespace, name, kwargs.get(POD_INDEX), parsed, now, logger)
+        pods = kwargs.get(POD_INDEX)
+        reaped = reap_zombies(runtime, body, namespace, name, pods, parsed, now, logger)
     except kubeapi.ApiError as exc:
         raise kopf_error(exc) from None
 
@@ -277,6 +281,8 @@ def monitor(
         rollout_ready=look.observed.ready if look is not None else 0,
         rollout_reading=look.reading if look is not None else None,
         rollout_blocked=rollout_blocked(ctx),
+        restarts=component_restarts(
+            pods[(namespace, name)] if pods is not None and (namespace, name) in pods else [], children.learner.restarts),
     )
     new_status = build_status(observed, previous, now)
     runtime.metrics.observe(namespace, name, new_status)

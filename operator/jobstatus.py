@@ -6,12 +6,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 from stoker.bottleneck import Bottleneck
+from stoker.operator.conditions import Cond
 from stoker.operator.control import StalenessWindow, actors_diagnosis
+from stoker.operator.health import Part, Restarts, health_conditions
 from stoker.operator.observe import DeploymentObservation, LearnerObservation, StatsSnapshot
 from stoker.operator.rollout_control import RolloutReading
 from stoker.spec import RLJobSpec
@@ -23,16 +25,6 @@ def rfc3339(moment: datetime) -> str:
 
 
 MAX_CONDITION_MESSAGE = 32768  # metav1.Condition's limit, declared in the CRD
-
-
-@dataclass(frozen=True)
-class Cond:
-    """A condition before timestamps: type, status, reason, message."""
-
-    type: str
-    status: str
-    reason: str
-    message: str = ""
 
 
 def merge_conditions(
@@ -83,6 +75,8 @@ class Observed:
     """The servers' Stats; None without a rollout tier."""
     rollout_blocked: str | None = None
     """Why no rollout server can run (a multi-host tier without the JobSet API)."""
+    restarts: Mapping[str, Restarts] = field(default_factory=dict)
+    """Per component (``health.component_restarts``); absent ones restarted 0 times."""
 
 
 def _learner_condition(o: Observed) -> Cond:
@@ -234,6 +228,26 @@ def _evaluation(stats: StatsSnapshot) -> dict[str, Any]:
     return {"policyVersion": version, "successRate": round(success, 4), "meanReward": round(reward, 4), "episodes": episodes}
 
 
+def _parts(o: Observed, learner_c: Cond, actors_c: Cond, buffer_c: Cond, rollout_c: Cond) -> list[Part]:
+    """This job's components for ``health_conditions``: down while their condition is False,
+    except while suspended or done (nothing is meant to run then)."""
+    learner = o.learner
+    finished = learner.completed or learner.failed  # the actors and servers are scaled to 0 then
+
+    def down(c: Cond) -> bool:
+        return c.status == "False" and not o.spec.suspend and not finished and c.reason != "Suspended"
+
+    parts = [Part("learner", learner.failed or down(learner_c), o.restarts.get("learner") or Restarts(),
+                  failed=learner.failed)]
+    if o.buffer is not None:
+        parts.append(Part("buffer", down(buffer_c), o.restarts.get("buffer") or Restarts()))
+    if o.actors is not None:
+        parts.append(Part("actors", down(actors_c), o.restarts.get("actors") or Restarts()))
+    if o.spec.rollout is not None and o.actors is not None:
+        parts.append(Part("rollout", down(rollout_c), o.restarts.get("rollout") or Restarts()))
+    return parts
+
+
 def build_status(o: Observed, previous: Mapping[str, Any], now: datetime) -> dict[str, Any]:
     """The whole ``status`` (camelCase, as patched) for observations ``o``.
 
@@ -268,6 +282,9 @@ def build_status(o: Observed, previous: Mapping[str, Any], now: datetime) -> dic
     else:
         phase = "Pending"
 
+    # "Has run": trained (a policy version), or was Running before; a part down now is then degraded.
+    started = bool(policy_version) or previous.get("phase") in ("Running", "Degraded")
+    degraded, recovering = health_conditions(_parts(o, learner_c, actors_c, buffer_c, rollout_c), started=started)
     actors_ready = o.actors.ready if o.actors is not None else 0
     desired = o.actor_target if o.actors is not None else 0
     status = RLJobStatus.model_validate(
@@ -299,7 +316,7 @@ def build_status(o: Observed, previous: Mapping[str, Any], now: datetime) -> dic
             "conditions": merge_conditions(
                 previous.get("conditions") or [],
                 [ready, learner_c, actors_c, buffer_c, suspended, _staleness_condition(o), _starved_condition(o),
-                 _spec_condition(o), rollout_c],
+                 _spec_condition(o), rollout_c, degraded, recovering],
                 now,
                 o.generation,
             ),

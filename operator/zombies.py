@@ -1,4 +1,5 @@
-"""Zombie sandbox pods: whose actor pod is gone, or whose heartbeat is older than the TTL.
+"""Zombie sandbox pods: whose actor pod is gone (deleted, or dead: evicted and still listed), or
+whose heartbeat is older than the TTL.
 
 The operator keeps a kopf index of the pods labelled with a job (no API calls, no per-pod timer
 and so no finalizer on sandbox pods); each RLJob's timer passes its slice of the index here.
@@ -13,6 +14,7 @@ from typing import Any
 
 from stoker.labels import ACTOR_LABEL, HEARTBEAT_ANNOTATION, JOB_LABEL, ROLE_LABEL, ROLE_SANDBOX, parse_rfc3339
 from stoker.operator.naming import ROLE_ACTOR, ROLE_LEARNER
+from stoker.operator.podhealth import PodHealth, pod_health
 
 # Pods that may own sandboxes: actors, and the learner in colocated mode.
 SANDBOX_OWNER_ROLES = frozenset({ROLE_ACTOR, ROLE_LEARNER})
@@ -29,6 +31,8 @@ class PodRecord:
     heartbeat: datetime | None = None
     created: datetime | None = None
     deleting: bool = False
+    health: PodHealth = PodHealth()
+    """Restarts and termination reasons, for the job's Degraded/Recovering conditions."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,13 @@ def _time(text: Any) -> datetime | None:
         return None
 
 
-def pod_record(name: str, labels: Mapping[str, str], annotations: Mapping[str, str], meta: Mapping[str, Any]) -> PodRecord:
+def pod_record(
+    name: str,
+    labels: Mapping[str, str],
+    annotations: Mapping[str, str],
+    meta: Mapping[str, Any],
+    status: Mapping[str, Any] | None = None,
+) -> PodRecord:
     return PodRecord(
         name=name,
         role=labels.get(ROLE_LABEL, ""),
@@ -54,6 +64,7 @@ def pod_record(name: str, labels: Mapping[str, str], annotations: Mapping[str, s
         heartbeat=_time(annotations.get(HEARTBEAT_ANNOTATION)),
         created=_time(meta.get("creationTimestamp")),
         deleting=bool(meta.get("deletionTimestamp")),
+        health=pod_health(status),
     )
 
 
@@ -64,7 +75,10 @@ def find_zombies(pods: Iterable[PodRecord], now: datetime, ttl_seconds: float) -
     died before the first heartbeat is still reaped after the TTL.
     """
     pods = list(pods)
-    owners = {p.name for p in pods if p.role in SANDBOX_OWNER_ROLES and not p.deleting}
+    # An evicted actor pod stays listed (phase Failed) until it is garbage-collected, long after the
+    # Deployment replaced it: its sandboxes are orphans as much as those of a deleted one.
+    owners = {p.name for p in pods if p.role in SANDBOX_OWNER_ROLES and not p.deleting and not p.health.finished}
+    dead = {p.name: p.health.last_reason or "finished" for p in pods if p.role in SANDBOX_OWNER_ROLES and p.health.finished}
     zombies: list[Zombie] = []
     for pod in sorted(pods, key=lambda p: p.name):
         if pod.role != ROLE_SANDBOX or pod.deleting:
@@ -73,7 +87,8 @@ def find_zombies(pods: Iterable[PodRecord], now: datetime, ttl_seconds: float) -
             zombies.append(Zombie(pod.name, "no owning actor recorded"))
             continue
         if pod.actor not in owners:
-            zombies.append(Zombie(pod.name, f"actor {pod.actor} is gone"))
+            gone = f"dead ({dead[pod.actor]})" if pod.actor in dead else "gone"
+            zombies.append(Zombie(pod.name, f"actor {pod.actor} is {gone}"))
             continue
         seen = pod.heartbeat or pod.created
         if seen is not None and (now - seen).total_seconds() > ttl_seconds:
