@@ -126,3 +126,6 @@ async def test_component_deaths_in_status(buffer_process: tuple[str, str], opera
     assert {"sb-new", f"{JOB}-actor-old", f"{JOB}-actor-new"} <= c.names("v1/pods")
     await c.eventually(lambda: c.events("ReapedZombieSandboxes"), what="a ReapedZombieSandboxes Event")
     assert "actor lake-actor-old is dead (Evicted)" in c.events("ReapedZombieSandboxes")[0]["message"]
+    # Replacing the dead actor is the Deployment's job: the operator kept its Deployment as it was.
+    assert len(writes(c, "deployments")) == before["deployments"]
+    assert c.get("apps/v1/deployments", f"{JOB}-actor")["spec"]["replicas"] == 2  # type: ignore[index]
