@@ -306,6 +306,7 @@ def build_status(o: Observed, previous: Mapping[str, Any], now: datetime) -> dic
             "actors": {"ready": actors_ready, "desired": desired, "summary": f"{actors_ready}/{desired}"},
             "rollout": _rollout_status(o, previous),
             "zombiesReaped": o.zombies_reaped,
+            "restarts": {name: r.total for name, r in o.restarts.items()},
             "evaluation": _evaluation(o.stats) if o.stats is not None and o.stats.evaluation else previous.get("evaluation"),
             "admissionScale": o.admission_scale,
             "bottleneck": (

@@ -23,6 +23,8 @@ CONDITION_TYPES = (
     "LearnerStarved",
     "SpecAccepted",
     "RolloutReady",
+    "Degraded",
+    "Recovering",
 )
 
 
@@ -83,6 +85,15 @@ class RolloutStatus(StatusModel):
     )
 
 
+class RestartsStatus(StatusModel):
+    """Restarts per component: its live pods' container restarts, plus the learner JobSet's own."""
+
+    learner: int = 0
+    buffer: int = 0
+    actors: int = 0
+    rollout: int = 0
+
+
 class RLJobStatus(StatusModel):
     phase: Phase | None = None
     observed_generation: int | None = None
@@ -93,6 +104,7 @@ class RLJobStatus(StatusModel):
     actors: ActorsStatus | None = None
     rollout: RolloutStatus | None = None
     zombies_reaped: int | None = None
+    restarts: RestartsStatus | None = None
     evaluation: EvaluationStatus | None = Field(None, description="Held-out evaluation, apart from training success.")
     admission_scale: float | None = Field(
         None, description="Fraction of the buffer's own admission credit the operator allows (1 = no limit)."

@@ -120,6 +120,7 @@ def test_build_status_reports_a_learner_restart() -> None:
     assert (conds["Recovering"]["status"], conds["Recovering"]["reason"]) == ("True", "Restarting")
     assert (conds["Degraded"]["status"], conds["Degraded"]["reason"]) == ("True", "ComponentDown")
     assert "restarts: learner 1, buffer 2 (last: OOMKilled), actors 0" in conds["Degraded"]["message"]
+    assert status["restarts"] == {"learner": 1, "buffer": 2, "actors": 0, "rollout": 0}
     back = build_status(observed(restarts=restarting.restarts), status, T0)
     assert back["phase"] == "Running"
     assert [conditions(back)[t]["status"] for t in ("Degraded", "Recovering")] == ["False", "False"]

@@ -76,6 +76,7 @@ async def test_component_deaths_in_status(buffer_process: tuple[str, str], opera
     await c.eventually(lambda: "buffer 2 (last: OOMKilled)" in condition(c, "Degraded").get("message", ""),
                        what="the buffer's restarts in Degraded's message")
     assert (condition(c, "Degraded")["status"], condition(c, "Recovering")["status"]) == ("False", "False")
+    assert status_of(c)["restarts"]["buffer"] == 2
 
     # -- a learner slice is lost: the JobSet restarts it (status.restarts), its pods not ready yet
     before = {p: len(writes(c, p)) for p in ("deployments", "persistentvolumeclaims", "jobsets")}
