@@ -159,7 +159,7 @@ class CreditLedger:
         return returned
 
     def grant(self, incarnation: str, groups: int, now: float) -> None:
-        """Record ``groups`` granted to ``incarnation`` (``register``\ed first)."""
+        """Record ``groups`` granted to ``incarnation`` (after ``register``)."""
         hold = self._holds[incarnation]
         hold.groups += groups
         hold.seen = now
