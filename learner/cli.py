@@ -13,7 +13,8 @@ Resumes from the latest checkpoint under the spec's ``learner.checkpoint.dir`` (
 On a multi-host slice every host runs this same command (``stoker.distributed`` reads the
 topology from the environment); only process 0 connects to the buffer and writes metrics, and
 weights are published sharded (each process writes or serves its own shards; ``--weights-format``). If another process dies, this one exits with ``EXIT_PEER_FAILED`` at once, without
-a final checkpoint: the group restarts from the last one.
+a final checkpoint: the group restarts from the last one. A write that finds the disk full ends it
+with ``EXIT_DISK_FULL`` (``stoker.learner.diskfull``): ``stoker run`` stops the run on it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any, NoReturn
 from stoker import chips, distributed
 from stoker.distributed import EXIT_PEER_FAILED, PeerFailure
 from stoker.endpoints import Address, AddressError, parse, parse_listen
+from stoker.learner.diskfull import EXIT_DISK_FULL, no_space
 from stoker.manifest import ManifestError, load_job
 from stoker.remote_checkpoint import LEARNER
 
@@ -86,6 +88,26 @@ def _fail(message: str, code: int = 2) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    try:
+        return _main(args)
+    except (OSError, RuntimeError, ValueError) as exc:  # tensorstore and XLA wrap a failed write as these
+        full = no_space(exc)
+        if full is None:
+            raise
+        _disk_full(full)
+
+
+def _disk_full(exc: BaseException) -> NoReturn:
+    """Leave with ``EXIT_DISK_FULL`` at once: a normal exit would flush logs the disk has no room
+    for (Python then exits 120), and ``stoker run`` tells this exit by its code."""
+    try:
+        print(f"stoker learner: the disk is full: {exc}", file=sys.stderr, flush=True)
+    except OSError:
+        pass  # the log is on the full disk too; the exit code says it
+    os._exit(EXIT_DISK_FULL)
+
+
+def _main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         job = load_job(args.manifest, fetch=LEARNER)

@@ -29,6 +29,7 @@ from pathlib import Path
 from stoker.endpoints import ready_address
 from stoker.parent import PARENT_ENV
 from stoker.runner.children import STOP_GRACE_SECONDS, Child, terminate_on_signals, wait_for_ready_file
+from stoker.runner.diskfull import EXIT_DISK_FULL, DiskFull, disk_full_error, is_no_space, seal_torn_lines
 from stoker.runner.options import RunOptions, UsageError, add_arguments, resolve_options
 from stoker.runner.placement import UNIX, Placement, PlacementError, jax_process_envs, plan
 from stoker.runner.progress import Progress
@@ -48,15 +49,11 @@ def main(args: argparse.Namespace) -> int:
         return 2
     options.run_dir.mkdir(parents=True, exist_ok=True)
     options.logs_dir.mkdir(exist_ok=True)
-    _write_run_record(options)
-    if options.mode == "sync":
-        # The sync loop trains in this process: JAX. An async run's parent only supervises its
-        # children and never imports it.
-        from stoker.runner.sync import run_sync
-
-        outcome = run_sync(options)
-    else:
-        outcome = run_async(options)
+    outcome = _run(options)
+    if outcome.exit_code == EXIT_DISK_FULL:
+        # A report now would take what little space is left and come out torn; the resumed run writes it.
+        print(f"stoker run: {outcome.message}\nno report: the disk is full", file=sys.stderr)
+        return outcome.exit_code
     # matplotlib takes ~0.4 s to import: not for `stoker run --help` or a bad flag.
     from stoker.runner.report import write_report
 
@@ -67,6 +64,28 @@ def main(args: argparse.Namespace) -> int:
     return outcome.exit_code
 
 
+def _run(options: RunOptions) -> Outcome:
+    """The run in its mode; a write of this process's own that finds the disk full ends it as
+    ``EXIT_DISK_FULL`` (the children's such deaths are the supervisor's to see)."""
+    try:
+        # A resume appends to what a full disk (or a kill) may have cut mid-line.
+        seal_torn_lines(options.metrics_path, options.run_dir / "buffer_stats.jsonl", options.run_dir / "samples.jsonl")
+        _write_run_record(options)
+        if options.mode == "sync":
+            # The sync loop trains in this process: JAX. An async run's parent only supervises its
+            # children and never imports it.
+            from stoker.runner.sync import run_sync
+
+            return run_sync(options)
+        return run_async(options)
+    except DiskFull as exc:
+        return Outcome(EXIT_DISK_FULL, str(exc))
+    except OSError as exc:
+        if not is_no_space(exc):
+            raise
+        return Outcome(EXIT_DISK_FULL, str(disk_full_error(None, exc, options.run_dir)))
+
+
 def _write_run_record(options: RunOptions) -> None:
     record = {
         "manifest": str(options.manifest),
@@ -74,8 +93,14 @@ def _write_run_record(options: RunOptions) -> None:
         "started_unix": time.time(),
         "spec": options.job.spec.model_dump(by_alias=True, mode="json"),
     }
-    with (options.run_dir / "runs.jsonl").open("a") as out:
-        out.write(json.dumps(record) + "\n")
+    path = options.run_dir / "runs.jsonl"
+    try:
+        with path.open("a") as out:
+            out.write(json.dumps(record) + "\n")
+    except OSError as exc:
+        if not is_no_space(exc):
+            raise
+        raise disk_full_error(path, exc, options.run_dir) from exc
 
 
 # ------------------------------------------------------------------------------ supervision
@@ -268,7 +293,7 @@ def run_async(options: RunOptions) -> Outcome:
     run = AsyncRun(options)
     deadline = time.monotonic() + options.max_minutes * 60 if options.max_minutes else None
     with terminate_on_signals(), Progress(options) as progress:
-        supervisor = Supervisor(options.restarts, run.units, say=progress.note)
+        supervisor = Supervisor(options.restarts, run.units, say=progress.note, run_dir=options.run_dir)
         try:
             address = run.start(child_env(options))
             if address is not None:
@@ -291,6 +316,8 @@ def run_async(options: RunOptions) -> Outcome:
         except KeyboardInterrupt:
             kept = f"interrupted; checkpoint and buffer kept in {options.run_dir}"
             return Outcome(130, f"{kept} ({progress.summary()}){supervisor.summary()}")
+        except DiskFull as exc:  # a child's death, or the progress's own write (stopped below, before the children)
+            return Outcome(EXIT_DISK_FULL, f"{exc}{supervisor.summary()}")
         except (UsageError, PlacementError) as exc:
             return Outcome(2, f"stoker run: {exc}")
         except RuntimeError as exc:

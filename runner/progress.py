@@ -26,6 +26,7 @@ from stoker.actor.diagnostics import combine, read_snapshots
 from stoker.bottleneck import Bottleneck, combine_loads, diagnose, figures_from
 from stoker.buffer.client import BufferClient, BufferClientError, RetryPolicy
 from stoker.jsonl import json_line
+from stoker.runner.diskfull import disk_full_error, is_no_space
 
 if TYPE_CHECKING:
     from stoker.runner.options import RunOptions
@@ -194,7 +195,11 @@ class Progress:
 
     def __exit__(self, *exc: object) -> None:
         self.stop_display()
-        self._buffer_log.close()
+        try:
+            self._buffer_log.close()
+        except OSError as exc:  # what a full disk left in its buffer: the run already stops for it
+            if not is_no_space(exc):
+                raise
         if self._buffer_client is not None:
             self._buffer_client.close()
 
@@ -275,8 +280,13 @@ class Progress:
             ],
         }
         self.state.buffer = sample
-        self._buffer_log.write(json_line(sample))
-        self._buffer_log.flush()
+        try:
+            self._buffer_log.write(json_line(sample))
+            self._buffer_log.flush()
+        except OSError as exc:
+            if not is_no_space(exc):
+                raise
+            raise disk_full_error(self.options.run_dir / "buffer_stats.jsonl", exc, self.options.run_dir) from exc
 
     def _diagnose(self, stats: Any) -> Bottleneck | None:
         """The loop's bottleneck, once the learner has stepped past its compile (before that its

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stoker.runner.children import STOP_GRACE_SECONDS, Child, wait_for_ready_file
+from stoker.runner.diskfull import DiskFull, death_by_full_disk
 
 Clock = Callable[[], float]
 
@@ -121,10 +122,12 @@ class Supervisor:
     units: list[Unit] = field(default_factory=list)
     clock: Clock = time.monotonic
     say: Callable[[str], None] = lambda text: print(text, file=sys.stderr, flush=True)
+    run_dir: Path | None = None  # whose filesystem, once full, makes a death final (runner/diskfull.py)
 
     def check(self) -> str | None:
         """Restart what is due, note what died; the reason to stop the run when a unit has died
-        more often than its budget allows, else None."""
+        more often than its budget allows, else None. Raises ``DiskFull`` for a death the full
+        disk caused: a restart would die the same way, so it spends no budget."""
         for unit in self.units:
             now = self.clock()
             if unit.due is not None:
@@ -140,6 +143,9 @@ class Supervisor:
             how = describe_exit(dead.returncode)
             for child in unit.children:  # its peers go too (a JAX group cannot continue), and its sandboxes
                 child.stop(STOP_GRACE_SECONDS)
+            full = death_by_full_disk(dead.name, dead.returncode, dead.tail(), self.run_dir)
+            if full is not None:
+                raise DiskFull(f"{full}\n({dead.name} died ({how}); its log: {dead.log_path})")
             unit.deaths.append(now)
             delay = restart_delay(self.policy, unit.deaths, now)
             if delay is None:
