@@ -10,7 +10,11 @@ timed runs, tokens/s, MFU from the plan's useful flops, and the devices' peak me
 plan's memory terms, its fit check and its speed bound for these devices. A program the plan's
 check says cannot fit is not run: it is reported with its largest term and what would shrink it.
 
-Exit status: 0 when every program ran, 1 when one does not fit (or ran out of memory), 2 for bad input.
+A program that has not finished within ``--program-timeout`` seconds is reported as unfinished,
+with what it was doing, and nothing after it runs: a hang is reported, never waited on forever.
+
+Exit status: 0 when every program ran, 1 when one does not fit (or ran out of memory), 2 for bad
+input, 3 when one did not finish in its bound.
 """
 
 from __future__ import annotations
@@ -27,8 +31,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from stoker.manifest import load_job
+from stoker.sizing.bench_report import render
+from stoker.sizing.bench_watch import Phase, Unfinished, bounded
 from stoker.sizing.bound import program_bound
-from stoker.sizing.chips import GIB, Chip, chip_of_device
+from stoker.sizing.chips import Chip, chip_of_device
 from stoker.sizing.compiler import Slice
 from stoker.sizing.plan import Target, advice, fits, gib
 from stoker.spec import RLJobSpec
@@ -39,6 +45,8 @@ if TYPE_CHECKING:
 LEARNER_KINDS = ("grad", "apply", "publish")
 ROLLOUT_KINDS = ("prefill", "decode")
 SEED = 0
+PROGRAM_TIMEOUT_SECONDS = 300.0  # inputs, first run and repeats of one program: seconds on any accelerator
+EXIT_UNFINISHED = 3
 PEAK_NOTE = ("a program's peak is the devices' peak since the bench began (JAX cannot reset it): shown where it rose "
              "above the programs run before it (smallest plan first), n/a where it did not")
 
@@ -65,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--programs", type=program_kinds, metavar="LIST",
                         help="only these programs, e.g. grad,apply or prefill,decode (default: all of "
                              f"{', '.join(LEARNER_KINDS + ROLLOUT_KINDS)})")
+    parser.add_argument("--program-timeout", type=positive, default=int(PROGRAM_TIMEOUT_SECONDS), metavar="SECONDS",
+                        help="a program whose inputs, first run and timed runs take longer is reported as unfinished "
+                             f"and the bench stops there (default {int(PROGRAM_TIMEOUT_SECONDS)})")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout (for CI)")
 
 
@@ -126,7 +137,7 @@ def build(spec: RLJobSpec, host: Host, kinds: tuple[str, ...],
         progress(f"compiling the learner's programs for {len(host.devices)} {host.kind} device(s) ...")
         try:
             programs += learner_programs(spec, host.slice_, backend=detect_backend(host.devices[0]), kinds=learner,
-                                         keep=True, progress=progress)
+                                         keep=True, progress=progress, memory_limit=host.memory_limit)
         except ValueError as exc:  # a mesh the host's devices cannot take (learner.mesh)
             unbuilt.append(f"learner: {exc}")
     if rollout and spec.rollout is None:
@@ -187,24 +198,29 @@ def free(*trees: Any) -> None:
             leaf.delete()
 
 
-def run(program: Program, repeats: int) -> tuple[float, list[float]]:
+def run(program: Program, repeats: int, phase: Phase | None = None) -> tuple[float, list[float]]:
     """The first run's seconds (a warm-up: the transfer of its arguments, first-touch of memory)
-    and ``repeats`` timed runs' seconds, each to its last output being ready."""
+    and ``repeats`` timed runs' seconds, each to its last output being ready. ``phase`` follows
+    where it is, for a report of where it stopped."""
     import jax
 
+    phase = phase or Phase()
     executable = program.compiled.executable
     assert program.inputs is not None and executable is not None
     args: list[Any] = []
     out: Any = None
     try:
-        args = list(program.inputs(executable.input_shardings[0], SEED))
+        phase.enter("making inputs")
+        args = list(jax.block_until_ready(program.inputs(executable.input_shardings[0], SEED)))
+        phase.enter("first run")
         started = time.perf_counter()
         out = jax.block_until_ready(executable(*args))
         first = time.perf_counter() - started
         times = []
-        for _ in range(repeats):
+        for index in range(repeats):
             for arg, output in program.carry:  # a donated argument: the last run's output takes its place
                 args[arg] = out[output]
+            phase.enter(f"timed run {index + 1} of {repeats}")
             started = time.perf_counter()
             out = jax.block_until_ready(executable(*args))
             times.append(time.perf_counter() - started)
@@ -213,29 +229,57 @@ def run(program: Program, repeats: int) -> tuple[float, list[float]]:
         free(args, out)
 
 
-def measure(program: Program, spec: RLJobSpec, host: Host, repeats: int, progress: Any) -> dict[str, Any]:
-    import jax
-
+def base_row(program: Program, spec: RLJobSpec, host: Host, repeats: int) -> dict[str, Any]:
+    """A program's row before it runs: what it is and what the plan says of it."""
     devices = program_devices(program, host)
-    plan = plan_figures(program, spec, host, devices)
-    row: dict[str, Any] = {
+    return {
         "component": program.component, "program": program.name, "shape": program.shape, "devices": devices,
         "status": "ran",
         "reason": None, "compile_seconds": round(program.compiled.seconds, 4), "first_run_seconds": None,
         "seconds": None, "seconds_min": None, "repeats": repeats, "tokens": program.tokens or None,
         "tokens_per_second": None, "model_flops": program.model_flops or None, "mfu": None,
-        "peak_bytes_per_device": None, "plan": plan,
+        "peak_bytes_per_device": None, "plan": plan_figures(program, spec, host, devices),
     }
+
+
+def skipped(program: Program, spec: RLJobSpec, host: Host, reason: str) -> dict[str, Any]:
+    row = base_row(program, spec, host, 0)
+    row.update(status="not run", reason=reason)
+    return row
+
+
+def first_step_seconds(rows: list[dict[str, Any]]) -> float | None:
+    """What a learner's first step costs on a cold start: its first bucket's grad and the apply,
+    each compiled and run once (None unless both ran)."""
+    grads = [r for r in rows if r["component"] == "learner" and r["program"].startswith("grad")]
+    apply = [r for r in rows if r["component"] == "learner" and r["program"] == "apply"]
+    if not grads or not apply or any(r["status"] != "ran" for r in (grads[0], apply[0])):
+        return None
+    return sum(r["compile_seconds"] + r["first_run_seconds"] for r in (grads[0], apply[0]))
+
+
+def measure(program: Program, spec: RLJobSpec, host: Host, repeats: int, progress: Any,
+            timeout: float = PROGRAM_TIMEOUT_SECONDS) -> dict[str, Any]:
+    import jax
+
+    row = base_row(program, spec, host, repeats)
+    plan = row["plan"]
     if not plan["fits"]:
         why = plan["compiler_error"] or (f"{gib(plan['total_bytes'])} GiB per device of {gib(host.memory_limit)} GiB "
                                          f"({host.memory_source})")
         row.update(status="does not fit", reason=f"{why}; largest term {plan['largest']} "
                                                  f"{gib(plan['terms'][plan['largest']])} GiB. To fit: {plan['advice']}")
         return row
-    progress(f"running {program.component} {program.name} ({program.shape}) ...")
+    what = f"{program.component} {program.name}"
+    progress(f"running {what} ({program.shape}) ...")
     peak_before = peak_bytes(host.devices)
+    phase = Phase()
     try:
-        first, times = run(program, repeats)
+        first, times = bounded(lambda: run(program, repeats, phase), timeout, what, phase, progress)
+    except Unfinished as exc:
+        row.update(status="did not finish", reason=f"still in its {exc.phase} after {exc.seconds:.0f} s "
+                   f"(--program-timeout {exc.bound:.0f}); the device may still be running it, so nothing after it ran")
+        return row
     except jax.errors.JaxRuntimeError as exc:  # the plan's check passed but the device refused
         if not out_of_memory(exc):
             raise
@@ -249,14 +293,15 @@ def measure(program: Program, spec: RLJobSpec, host: Host, repeats: int, progres
     if program.tokens:
         row["tokens_per_second"] = program.tokens / seconds
     if host.chip is not None and program.model_flops:  # the same useful flops as the plan's MFU
-        row["mfu"] = program.model_flops / (seconds * host.chip.peak_bf16_flops * devices)
+        row["mfu"] = program.model_flops / (seconds * host.chip.peak_bf16_flops * row["devices"])
     peak = peak_bytes(host.devices)
     if peak is not None and (peak_before is None or peak > peak_before):
         row["peak_bytes_per_device"] = peak
     return row
 
 
-def bench(spec: RLJobSpec, kinds: tuple[str, ...], repeats: int, progress: Any) -> dict[str, Any]:
+def bench(spec: RLJobSpec, kinds: tuple[str, ...], repeats: int, progress: Any,
+          timeout: float = PROGRAM_TIMEOUT_SECONDS) -> dict[str, Any]:
     import jax
 
     host = describe_host(jax.devices())
@@ -265,64 +310,28 @@ def bench(spec: RLJobSpec, kinds: tuple[str, ...], repeats: int, progress: Any) 
     if cache:
         notes.append(f"JAX's persistent compilation cache is on ({cache}): a compile it already held is not cold")
     rows: dict[int, dict[str, Any]] = {}
+    stuck = ""
     # The smallest first, so that each program's peak is likelier to rise above the ones before.
     for index, program in sorted(enumerate(programs), key=lambda item: item[1].total):
-        rows[index] = measure(program, spec, host, repeats, progress)
-        program.compiled.executable = None  # its device code goes too
+        if stuck:
+            rows[index] = skipped(program, spec, host, f"not run: {stuck} did not finish before it")
+            continue
+        rows[index] = measure(program, spec, host, repeats, progress, timeout)
+        if rows[index]["status"] == "did not finish":
+            stuck = f"{program.component} {program.name}"
+        else:
+            program.compiled.executable = None  # its device code goes too (a stuck one's may still be running)
     result_rows = [rows[i] for i in range(len(programs))]
     return {
         "host": {"platform": host.platform, "device_kind": host.kind, "devices": len(host.devices),
                  "chip": host.chip.generation if host.chip else None,
                  "peak_flops_per_device": host.chip.peak_bf16_flops if host.chip else None,
                  "memory_limit_bytes_per_device": host.memory_limit, "memory_limit_source": host.memory_source},
-        "repeats": repeats, "programs": result_rows, "not_built": unbuilt,
+        "repeats": repeats, "programs": result_rows, "not_built": unbuilt, "unfinished": bool(stuck),
+        "first_step_seconds": first_step_seconds(result_rows),
         "notes": notes + ([PEAK_NOTE] if peak_bytes(host.devices) is not None else []),
         "fits": not unbuilt and all(r["status"] == "ran" for r in result_rows),
     }
-
-
-def _time(s: float | None) -> str:
-    if s is None:
-        return "-"
-    return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"
-
-
-def render(result: dict[str, Any]) -> str:
-    h = result["host"]
-    peak = f"peak {h['peak_flops_per_device'] / 1e12:.0f} TFLOP/s each" if h["chip"] else "peak flops unknown: MFU n/a"
-    lines = [f"{h['devices']} {h['device_kind']} device(s) ({peak}; {gib(h['memory_limit_bytes_per_device'])} GiB each, "
-             f"{h['memory_limit_source']}); median of {result['repeats']} runs after a warm-up"]
-    rows = result["programs"]
-    unit, scale = ("GiB", GIB) if any(r["plan"]["total_bytes"] >= GIB for r in rows) else ("MiB", 2**20)
-    header = ["program", "shape", "compile", "1st run", "median", "tokens/s", "MFU", f"peak {unit}", f"plan {unit}",
-              "plan bound"]
-    table = [header]
-    for r in rows:
-        bound = r["plan"]["bound"]
-        cells = [f"{r['component']} {r['program']}", r["shape"], _time(r["compile_seconds"])]
-        if r["status"] == "ran":
-            cells += [_time(r["first_run_seconds"]), _time(r["seconds"]),
-                      f"{r['tokens_per_second']:,.0f}" if r["tokens_per_second"] else "-",
-                      f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a",
-                      f"{r['peak_bytes_per_device'] / scale:.2f}" if r["peak_bytes_per_device"] is not None else "n/a"]
-        else:
-            cells += [r["status"].upper(), "", "", "", ""]
-        cells += [f"{r['plan']['total_bytes'] / scale:.2f}",
-                  f">= {_time(bound['seconds'])} ({bound['limit']}-bound)" if bound else "n/a"]
-        table.append(cells)
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for row in table:  # names and shapes to the left, figures to the right
-        lines.append("  " + "  ".join(cell.ljust(w) if i in (0, 1, 9) else cell.rjust(w)
-                                      for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip())
-    lines.append(f"  (memory per device; compile: trace and compile, cold unless a cache held it; plan: the terms "
-                 "`stoker plan` counts for these devices)")
-    for note in result["notes"]:
-        lines.append(f"note: {note}")
-    for r in rows:
-        if r["status"] != "ran":
-            lines.append(f"{r['status'].upper()}: {r['component']} {r['program']}: {r['reason']}")
-    lines += [f"NOT BUILT on these devices: {why}" for why in result["not_built"]]
-    return "\n".join(lines)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -332,6 +341,12 @@ def main(args: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    result = bench(job.spec, kinds, args.repeats, progress)
+    result = bench(job.spec, kinds, args.repeats, progress, float(args.program_timeout))
     print(json.dumps(result, indent=1) if args.json else render(result))
+    if result["unfinished"]:
+        # The unfinished program's thread may be inside a device call that never returns, and
+        # interpreter shutdown would wait on the runtime it holds: leave now, the report written.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_UNFINISHED)
     return 0 if result["fits"] else 1

@@ -69,12 +69,16 @@ def test_every_program_runs_on_the_cpu_and_is_measured_beside_the_plans_figures(
     assert decode["model_flops"] == decode_flops(config, 4, 128)
     assert rows["prefill"]["tokens"] == 4 * 128 and "KV cache" in rows["prefill"]["plan"]["terms"]
     assert rows["apply"]["tokens"] is None and rows["apply"]["tokens_per_second"] is None
-    assert result["fits"] and result["not_built"] == []
+    assert result["fits"] and result["not_built"] == [] and not result["unfinished"]
+    # A learner's cold first step: its grad and the apply, each compiled and run once.
+    assert result["first_step_seconds"] == pytest.approx(sum(
+        rows[p]["compile_seconds"] + rows[p]["first_run_seconds"] for p in ("grad 128", "apply")))
 
     from stoker.sizing.bench import render
 
     text = render(result)
     assert "peak flops unknown: MFU n/a" in text and "learner grad 128" in text and "DOES NOT FIT" not in text
+    assert "time to a learner's first step: " in text
 
 
 @pytest.mark.slow
@@ -104,7 +108,7 @@ def test_a_job_over_the_hosts_memory_is_not_run_but_reported_with_its_largest_te
     # anyway, the test fails here rather than asking the host for 512 GiB).
     from stoker.sizing import bench as bench_module
 
-    def never(program: object, repeats: int) -> tuple[float, list[float]]:
+    def never(program: object, repeats: int, phase: object = None) -> tuple[float, list[float]]:
         pytest.fail("a program the plan's check says cannot fit was run")
 
     monkeypatch.setattr(bench_module, "run", never)
@@ -166,7 +170,7 @@ def test_a_device_that_runs_out_of_memory_at_run_time_is_reported_not_raised(
 
     from stoker.sizing import bench as bench_module
 
-    def refused(program: object, repeats: int) -> tuple[float, list[float]]:
+    def refused(program: object, repeats: int, phase: object = None) -> tuple[float, list[float]]:
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB.")
 
     monkeypatch.setattr(bench_module, "run", refused)
@@ -212,3 +216,87 @@ def test_device_kinds_map_to_their_chips_and_the_cpu_to_none() -> None:
     assert chip_of_device("TPU v5 lite") == CHIPS["v5e"] and chip_of_device("TPU v6 lite") == CHIPS["v6e"]
     assert chip_of_device("TPU v5") == CHIPS["v5p"] and chip_of_device("TPU v4") == CHIPS["v4"]
     assert chip_of_device("cpu") is None
+
+
+def test_a_program_that_never_finishes_is_reported_with_its_phase_and_nothing_after_it_runs(
+    job: Callable[..., Path], xla_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The v5e's Adam update once sat in its first run for > 280 s while the bench waited: a
+    program past ``--program-timeout`` is reported with where it was, never waited on forever."""
+    import threading
+
+    from stoker.manifest import load_job
+    from stoker.sizing import bench as bench_module
+
+    real_run, released = bench_module.run, threading.Event()
+
+    def apply_hangs(program: object, repeats: int, phase: object = None) -> tuple[float, list[float]]:
+        if getattr(program, "name") == "apply":
+            phase.enter("first run")  # type: ignore[union-attr]
+            released.wait()  # a device call that does not return (until the test ends)
+            raise RuntimeError("released at the end of the test")
+        return real_run(program, repeats, phase)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(bench_module, "run", apply_hangs)
+    heard: list[str] = []
+    try:
+        result = bench_module.bench(load_job(job()).spec, ("grad", "apply", "publish"), 1, heard.append, timeout=1.0)
+    finally:
+        released.set()
+    rows = {r["program"]: r for r in result["programs"]}
+    assert rows["apply"]["status"] == "did not finish" and rows["apply"]["seconds"] is None
+    assert rows["apply"]["reason"].startswith("still in its first run after 1 s (--program-timeout 1)")
+    # Programs run smallest plan first: those before the stuck apply ran, none after it started.
+    stuck_at = rows["apply"]["plan"]["total_bytes"]
+    after = [r for r in rows.values() if r["plan"]["total_bytes"] > stuck_at]
+    assert after and all(r["status"] == "not run" and r["seconds"] is None for r in after)
+    assert all(r["reason"] == "not run: learner apply did not finish before it" for r in after)
+    assert all(r["status"] == "ran" for r in rows.values() if r["plan"]["total_bytes"] < stuck_at)
+    assert result["unfinished"] and not result["fits"] and result["first_step_seconds"] is None
+    assert "running learner apply (one Adam update) ..." in heard
+
+    from stoker.sizing.bench import render
+
+    assert "DID NOT FINISH: learner apply: still in its first run after 1 s" in render(result)
+
+
+def test_the_command_exits_with_the_report_while_a_program_is_still_stuck(job: Callable[..., Path], tmp_path: Path) -> None:
+    """A stuck device call must not keep the process alive either: the report is printed and
+    ``stoker bench`` exits 3 at once, its stuck thread left behind."""
+    script = (
+        "import sys, threading\n"
+        "from stoker.sizing import bench\n"
+        "def stuck(program, repeats, phase=None):\n"
+        "    phase.enter('first run')\n"
+        "    threading.Event().wait()\n"  # never set: the process must leave without it
+        "bench.run = stuck\n"
+        "from stoker.cli import main\n"
+        f"sys.exit(main(['bench', {str(job())!r}, '--programs', 'publish', '--program-timeout', '1', '--json']))\n"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 3, done.stderr[-3000:]
+    (publish,) = json.loads(done.stdout)["programs"]
+    assert publish["status"] == "did not finish" and "first run after 1 s" in publish["reason"]
+
+
+def test_the_bound_hears_progress_while_waiting_and_passes_results_and_errors_through() -> None:
+    import threading
+
+    from stoker.sizing.bench_watch import Phase, Unfinished, bounded
+
+    heard: list[str] = []
+    phase, release = Phase(), threading.Event()
+    phase.enter("timed run 2 of 5")
+    with pytest.raises(Unfinished) as stuck:
+        bounded(release.wait, 0.3, "learner apply", phase, heard.append, heartbeat=0.05)
+    release.set()
+    assert (stuck.value.phase, stuck.value.bound) == ("timed run 2 of 5", 0.3) and stuck.value.seconds >= 0.3
+    assert heard and all(line.startswith("  learner apply: timed run 2 of 5, still running after ") for line in heard)
+    assert bounded(lambda: 42, 5.0, "x", Phase(), heard.append) == 42
+
+    def fails() -> None:
+        raise ValueError("from the device")
+
+    with pytest.raises(ValueError, match="from the device"):
+        bounded(fails, 5.0, "x", Phase(), heard.append)
