@@ -23,6 +23,7 @@ counts updates), so ``maxSteps`` ends a run whose policy has nothing left to lea
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -34,7 +35,7 @@ import jax
 import numpy as np
 
 from stoker.distributed import Processes
-from stoker.learner import algorithms, metrics, multihost, packing, sharding, step, train, value_network
+from stoker.learner import algorithms, metrics, multihost, packing, remat, sharding, step, train, value_network
 from stoker.learner.batches import GroupLike, Prepared, prepare_groups
 from stoker.learner.checkpoint import Checkpointer
 from stoker.learner.driver import BatchSource, Publisher, RunLoop
@@ -47,7 +48,7 @@ from stoker.learner.teacher import TeacherError, load_teacher
 from stoker.model import hf
 from stoker.model.attention_kernels import detect_backend, select_attention
 from stoker.model.layers import head_dim
-from stoker.model.model import init_model
+from stoker.model.model import RematPolicy, init_model
 from stoker.weights.channel import flatten_params
 from stoker.weights.shards import DeviceWeights
 
@@ -85,7 +86,7 @@ class Learner:
         log.info("attention: %s (%s)", kernel.implementation, kernel.reason)
         options = step.StepOptions(
             settings.algorithm, settings.loss, settings.temperature, allowed_token_ids=settings.allowed_token_ids,
-            top_k=settings.top_k, min_p=settings.min_p, remat=settings.remat,
+            top_k=settings.top_k, min_p=settings.min_p,
             attention=kernel.implementation, lora=settings.lora, sequence_sharding=settings.sequence_sharding,
             expert_capacity_factor=settings.expert_capacity_factor,
         )
@@ -103,13 +104,21 @@ class Learner:
             log.warning("learner.weightDtype %s: an update smaller than about |w| x 2^-9 rounds away (at learning "
                         "rate %g, on every weight above %.2g)", settings.weight_dtype, settings.learning_rate,
                         settings.learning_rate * 2**9)
-        self.trainer = train.Trainer(
-            model, options, optimizer, self.mesh, value_model=value_model, schedule=schedule, teacher_model=teacher,
-            weight_dtype=hf.dtype_from_name(settings.weight_dtype),
-        )
         self.rows = packing.rows_for_buckets(
             settings.buckets, settings.microbatch_tokens, sharding.data_parallel_size(self.mesh)
         )
+
+        def trainer(policy: RematPolicy, model: Any, value_model: Any, teacher: Any) -> train.Trainer:
+            return train.Trainer(
+                model, dataclasses.replace(options, remat=policy), optimizer, self.mesh, value_model=value_model,
+                schedule=schedule, teacher_model=teacher, weight_dtype=hf.dtype_from_name(settings.weight_dtype),
+            )
+
+        # auto: each policy's step compiled abstractly for this device until one fits (none on the CPU).
+        self.remat = remat.learner_remat(settings.remat, self.mesh, self.rows, lambda policy: trainer(
+            policy, remat.abstract(model), remat.abstract(value_model), remat.abstract(teacher)))
+        log.info("%s", self.remat.line)
+        self.trainer = trainer(self.remat.policy, model, value_model, teacher)
         self.version = 0  # the policy version of the current parameters
         self.steps = 0
         self.rng = np.asarray(jax.random.key_data(jax.random.key(settings.seed)), np.uint32)

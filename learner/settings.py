@@ -22,8 +22,8 @@ from stoker.conversation.tokenization import allowed_token_ids
 from stoker.learner.algorithms import AdvantageNormalization, LossConfig
 from stoker.learner.lora import LoraConfig
 from stoker.learner.optimizer import OptimizerConfig
-from stoker.model.model import RematPolicy
 from stoker.spec import AlgorithmName, RLJobSpec, SftSpec, TransformerConfig
+from stoker.spec_model import RematSetting
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,8 @@ class LearnerSettings:
         return self.spec.learner.weight_dtype
 
     @property
-    def remat(self) -> RematPolicy:
+    def remat(self) -> RematSetting:
+        """spec.model.remat; auto is resolved per device by ``stoker.learner.remat``."""
         return self.spec.model.remat
 
     @property

@@ -99,9 +99,11 @@ def compile_program(jitted: Any, args: Sequence[Any], devices: Sequence[Any], sl
     try:
         compiled = lowered.compile()
     except Exception as exc:  # jax raises XlaRuntimeError / JaxRuntimeError; both carry the text
-        text = str(exc)
-        if "RESOURCE_EXHAUSTED" not in text and "memory" not in text.lower():
+        from stoker.learner.remat import refused_for_memory  # JAX's side: not loaded with this module
+
+        if not refused_for_memory(exc):
             raise
+        text = str(exc)
         match = _OOM_TEMPS.search(text)
         required = int(float(match.group(1)) * _UNITS[match.group(2)]) if match else None
         first = next((line for line in text.splitlines() if "memory" in line.lower()), text.splitlines()[0])

@@ -114,7 +114,8 @@ def advice(program: Program, target: Target, spec: RLJobSpec, per_chip: int) -> 
             knobs.append(f"learner.mesh.sequenceSharding: true (each layer's saved input split over the tp={mesh.tp} chips)")
         knobs += [f"fewer rows per micro-batch (learner.microbatchTokens, now {spec.learner.microbatch_tokens or 4 * max(spec.learner.sequence_buckets)} "
                  f"tokens: {program.shape}); the temporaries grow with the rows"]
-        if spec.model.remat != "full":
+        # auto has already fallen back to full when nothing less fits.
+        if spec.model.remat not in ("full", "auto"):
             knobs.append(f"model.remat: full (now {spec.model.remat})")
         if spec.model.attention not in ("splash", "auto"):
             knobs.append(f"model.attention: splash (now {spec.model.attention})")
@@ -160,7 +161,8 @@ def build(spec: RLJobSpec, plan_targets: list[Target], progress: Any) -> None:
         progress(f"compiling the {target.component}'s programs for {target.topology}"
                  f"{f' x {target.num_slices} slices' if target.num_slices > 1 else ''} ...")
         if target.component == "learner":
-            target.programs = learner_programs(spec, target.slice_, progress=progress)
+            target.programs = learner_programs(spec, target.slice_, progress=progress,
+                                               memory_limit=target.chip.usable_hbm_bytes)
         else:
             target.programs = rollout_programs(spec, target.slice_)
 
@@ -195,8 +197,12 @@ def report(spec: RLJobSpec, plan_targets: list[Target], notes: list[str]) -> dic
                               episodes=spec.learner.batch_groups * spec.buffer.group_size, rows=grad.tokens // longest,
                               publish_interval=spec.learner.publish_interval_steps, chip=target.chip, devices=devices,
                               devices_per_chip=dpc)
-            summary["learner"] = {"step_seconds_bound": step.seconds, "mfu_bound": step.mfu,
-                                  "micro_batches": step.micro_batches, "bucket": longest}
+            learner_summary: dict[str, Any] = {"step_seconds_bound": step.seconds, "mfu_bound": step.mfu,
+                                               "micro_batches": step.micro_batches, "bucket": longest}
+            if grad.remat is not None:
+                learner_summary["remat"] = {"setting": grad.remat.setting, "policy": grad.remat.policy,
+                                            "reason": grad.remat.reason, "peak_bytes": dict(grad.remat.peaks)}
+            summary["learner"] = learner_summary
         if target.component == "rollout" and "decode" in by_name:
             summary["rollout"] = {"decode_tokens_per_second_bound": decode_tokens_per_second(by_name["decode"], target.chip, dpc, devices),
                                   "max_batch": spec.rollout.max_batch if spec.rollout else 0}

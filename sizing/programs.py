@@ -12,8 +12,8 @@ of the arguments it donates (``Program.carry``), as the learner and the sampler 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,13 +25,15 @@ import numpy as np
 from flax import nnx
 
 from stoker.hfconfig import read_config
-from stoker.learner import packing, sharding, step, train, trees, value_network
+from stoker.learner import packing, remat, sharding, step, train, trees, value_network
 from stoker.learner.optimizer import learning_rate_schedule
+from stoker.learner.remat import RematChoice, StateBytes, grad_terms, shard_bytes  # shard_bytes: also programs_rollout's
 from stoker.learner.settings import LearnerSettings
 from stoker.model.attention_kernels import Backend, select_attention
 from stoker.model.hf import dtype_from_name
 from stoker.model.layers import head_dim
-from stoker.model.model import Transformer
+from stoker.model.model import RematPolicy, Transformer
+from stoker.sizing.chips import chip
 from stoker.sizing.compiler import Compiled, Slice, compile_program
 from stoker.spec import RLJobSpec, TransformerConfig
 
@@ -52,6 +54,8 @@ class Program:
     inputs: Callable[[Any, int], tuple[Any, ...]] | None = None
     # (argument index, output index): the output a next run takes for a donated argument.
     carry: tuple[tuple[int, int], ...] = ()
+    # A learner program's rematerialisation: model.remat, auto resolved (the grad step's only).
+    remat: RematChoice | None = None
 
     @property
     def total(self) -> int:
@@ -60,15 +64,6 @@ class Program:
     @property
     def largest(self) -> str:
         return max(self.terms, key=lambda k: self.terms[k])
-
-
-def shard_bytes(tree: Any) -> int:
-    """Bytes one device holds of an abstract tree whose leaves carry their shardings."""
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) is not None else leaf.shape
-        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
-    return total
 
 
 def random_like(abstract: Any, shardings: Any, seed: int, scale: float = 0.02) -> Any:
@@ -153,18 +148,21 @@ def train_flops(config: TransformerConfig, rows: int, length: int) -> float:
 
 def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | None = None,
                      progress: Callable[[str], None] = lambda line: None, backend: Backend | None = None,
-                     kinds: Collection[str] | None = None, keep: bool = False) -> list[Program]:
+                     kinds: Collection[str] | None = None, keep: bool = False,
+                     memory_limit: int | None = None) -> list[Program]:
     """The learner's programs on ``slice_``: grad per bucket (at its micro-batch rows), apply, publish
     (``kinds``: only those). ``backend`` picks the attention kernel (a TPU's when None); ``keep``
-    holds each compiled program, to run it on ``slice_``'s devices when they are real."""
+    holds each compiled program, to run it on ``slice_``'s devices when they are real.
+    ``memory_limit``: bytes one chip may hold, what ``model.remat: auto`` judges the grad steps
+    against (``stoker.learner.remat``; the chip's usable HBM for a TPU slice when None)."""
     config, note = model_config(spec)
     settings = LearnerSettings.from_spec(spec)
     dtype = dtype_from_name(settings.dtype)
-    kernel = select_attention(settings.attention, backend or Backend("tpu", "", None), dtype=dtype,
+    backend = backend or Backend("tpu", "", None)
+    kernel = select_attention(settings.attention, backend, dtype=dtype,
                               head_dim=head_dim(config), softcap=config.attn_logit_softcap)
     options = step.StepOptions(
         settings.algorithm, settings.loss, settings.temperature, allowed_token_ids=settings.allowed_token_ids,
-        remat=settings.remat,
         attention=kernel.implementation, sequence_sharding=settings.sequence_sharding,
         expert_capacity_factor=settings.expert_capacity_factor,
     )
@@ -174,21 +172,59 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
         value_model = nnx.eval_shape(lambda: value_network.ValueNetwork(config, rngs=nnx.Rngs(1), dtype=dtype))
     mesh = sharding.make_mesh(settings.mesh_fsdp, settings.mesh_tp, slice_.devices, ep=settings.mesh_ep)
     optimizer = train.make_optimizer(settings.learning_rate, settings.max_grad_norm, settings.optimizer)
-    trainer = train.Trainer(model, options, optimizer, mesh, value_model=value_model,
-                            schedule=learning_rate_schedule(settings.learning_rate, settings.optimizer),
-                            weight_dtype=dtype_from_name(settings.weight_dtype))
+
+    @functools.cache
+    def trainer_for(policy: RematPolicy) -> train.Trainer:
+        return train.Trainer(model, dataclasses.replace(options, remat=policy), optimizer, mesh, value_model=value_model,
+                             schedule=learning_rate_schedule(settings.learning_rate, settings.optimizer),
+                             weight_dtype=dtype_from_name(settings.weight_dtype))
+
     devices = list(mesh.devices.flat)
 
     def slice_of(index: int) -> int:  # a collective's device index (mesh order) -> its slice
         return int(getattr(devices[index], "slice_index", 0) or 0) if index < len(devices) else 0
 
-    params = shard_bytes(trainer.params)
-    opt_state = shard_bytes(trainer.opt_state)
-    reference = shard_bytes(trainer.reference) if trainer.reference is not None else 0
-    # The last publish's copy in the compute dtype, which the publisher reads while training goes on.
-    published = shard_bytes(trees.cast_floats(trainer.params["policy"], trainer.compute_dtype)) if "policy" in trainer.params else 0
     fsdp = sharding.data_parallel_size(mesh)
     rows = packing.rows_for_buckets(settings.buckets, settings.microbatch_tokens, fsdp)
+    lengths = sorted(buckets or list(settings.buckets), reverse=True)  # longest first: the largest step
+    wanted = set(kinds) if kinds is not None else {"grad", "apply", "publish"}
+    grads: dict[RematPolicy, list[Program]] = {}
+
+    def grad_programs(policy: RematPolicy, allowed: int | None = None) -> list[Program]:
+        """Each bucket's grad under ``policy``, longest first; stops past ``allowed`` bytes per chip."""
+        trainer = trainer_for(policy)
+        state = StateBytes.of(trainer)
+        for length in lengths[len(grads.setdefault(policy, [])):]:
+            grad, args = trainer.programs(rows[length], length)["grad"]
+            progress(f"  grad {length} ({rows[length]} x {length} tokens, remat {policy})")
+            compiled = compile_program(grad, args, devices, slice_of, keep=keep)
+            terms = grad_terms(state, compiled.argument_bytes, compiled.required_temp_bytes or compiled.temp_bytes)
+            program = Program("learner", f"grad {length}", f"{rows[length]} x {length} tokens", terms, compiled,
+                              tokens=rows[length] * length, model_flops=train_flops(config, rows[length], length),
+                              inputs=grad_inputs(trainer, rows[length], length, config.vocab_size))
+            grads[policy].append(program)
+            if allowed is not None and (compiled.error or program.total * slice_.devices_per_chip > allowed):
+                break
+        return grads[policy]
+
+    limit = memory_limit
+    if limit is None and settings.remat == "auto" and backend.platform != "cpu":
+        limit = chip(slice_.name.split(":")[0]).usable_hbm_bytes
+    allowed = remat.budget(limit) if limit is not None else None
+
+    def peak(policy: RematPolicy) -> int | None:
+        programs = grad_programs(policy, allowed)
+        if any(p.compiled.error for p in programs):
+            return None
+        return max(p.total for p in programs) * slice_.devices_per_chip
+
+    if "grad" in wanted:
+        choice = remat.resolve_remat(settings.remat, backend.platform, peak, limit)
+    else:  # apply and publish do not depend on remat: nothing to decide it by
+        choice = remat.RematChoice(settings.remat, "full" if settings.remat == "auto" else settings.remat,
+                                   "no grad program built")
+    trainer = trainer_for(choice.policy)
+    state = StateBytes.of(trainer)
     stored = "".join(f", {what} {name}" for what, name in (("weights", settings.weight_dtype),
                                                             ("Adam state", settings.optimizer.state_dtype)) if name != "float32")
     ep = int(mesh.shape[sharding.EP])
@@ -196,20 +232,10 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
     if config.num_experts and (ep > 1 or settings.expert_capacity_factor is not None):
         factor = settings.expert_capacity_factor
         axes += f", experts routed by all-to-all ({'no drops' if factor is None else f'capacity factor {factor:g}'})"
-    layout = (f"{axes}, {settings.dtype}{stored}, remat {settings.remat}, "
+    layout = (f"{axes}, {settings.dtype}{stored}, remat {choice.policy}, "
               f"attention {kernel.implementation}{', sequence sharding' if settings.sequence_sharding else ''}")
-    notes = [layout] + ([note] if note else [])
+    notes = [layout] + ([choice.line] if settings.remat == "auto" and "grad" in wanted else []) + ([note] if note else [])
     out: list[Program] = []
-    wanted = set(kinds) if kinds is not None else {"grad", "apply", "publish"}
-
-    def grad_inputs(rows: int, length: int) -> Callable[[Any, int], tuple[Any, ...]]:
-        def inputs(shardings: Any, seed: int) -> tuple[Any, ...]:
-            where_params, where_frozen, where_batch, where_scalars = shardings
-            scalars = {"version": trees.host_scalar(0, np.int32), "num_pairs": trees.host_scalar(1, np.float32),
-                       "micro": trees.host_scalar(0, np.int32)}
-            return (random_like(trainer.params, where_params, seed), random_like(trainer.frozen, where_frozen, seed + 1),
-                    on_devices(full_batch(rows, length, config.vocab_size, seed), where_batch), on_devices(scalars, where_scalars))
-        return inputs
 
     def apply_inputs(shardings: Any, seed: int) -> tuple[Any, ...]:
         where_params, where_opt, where_grads = shardings
@@ -217,40 +243,43 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
         return (random_like(trainer.params, where_params, seed), random_like(trainer.opt_state, where_opt, seed, 0.0),
                 random_like(trainer.params, where_grads, seed + 1))
 
-    for length in (buckets or list(settings.buckets)) if "grad" in wanted else []:
-        grad, args = trainer.programs(rows[length], length)["grad"]
-        progress(f"  grad {length} ({rows[length]} x {length} tokens)")
-        compiled = compile_program(grad, args, devices, slice_of, keep=keep)
-        terms = {"parameters": params, "optimizer": opt_state}
-        if reference:
-            terms["reference"] = reference
-        # The sum of the micro-batches so far beside this one's gradients (train.Trainer.step).
-        terms["gradients"] = 2 * params
-        if published:
-            terms["publish copy"] = published
-        terms["batch"] = max(0, compiled.argument_bytes - params - reference)
-        terms["temporaries"] = compiled.required_temp_bytes or compiled.temp_bytes
-        out.append(Program("learner", f"grad {length}", f"{rows[length]} x {length} tokens", terms, compiled,
-                           tokens=rows[length] * length, model_flops=train_flops(config, rows[length], length),
-                           notes=list(notes), inputs=grad_inputs(rows[length], length)))
+    if "grad" in wanted:
+        # In the manifest's bucket order, each compiled once: auto's choice reuses what it compiled.
+        by_length = {int(p.name.split()[1]): p for p in grad_programs(choice.policy)}
+        for length in buckets or list(settings.buckets):
+            program = by_length[length]
+            program.notes, program.remat = list(notes), choice
+            out.append(program)
     if "apply" in wanted:
         apply, args = trainer.programs(rows[settings.buckets[-1]], settings.buckets[-1])["apply"]
         progress("  apply")
         compiled = compile_program(apply, args, devices, slice_of, keep=keep)
-        terms = {"parameters": params, "optimizer": opt_state, "gradients": params,
+        terms = {"parameters": state.params, "optimizer": state.opt_state, "gradients": state.params,
                  "temporaries": compiled.required_temp_bytes or compiled.temp_bytes}
         if compiled.output_bytes - compiled.alias_bytes > 2**20:  # outputs not written in place of donated inputs
             terms["not donated"] = compiled.output_bytes - compiled.alias_bytes
         # The update donates the parameters and the optimizer state: the next takes its outputs.
         out.append(Program("learner", "apply", "one Adam update", terms, compiled, notes=list(notes),
-                           inputs=apply_inputs, carry=((0, 0), (1, 1))))
+                           inputs=apply_inputs, carry=((0, 0), (1, 1)), remat=choice))
     if "publish" in wanted:
         progress("  publish")
-        out.append(_publish(trainer, params, opt_state, devices, slice_of, notes, keep=keep))
+        out.append(_publish(trainer, state, devices, slice_of, notes, keep=keep))
+        out[-1].remat = choice
     return out
 
 
-def _publish(trainer: Any, params: int, opt_state: int, devices: list[Any], slice_of: Any, notes: list[str],
+def grad_inputs(trainer: train.Trainer, rows: int, length: int, vocab: int) -> Callable[[Any, int], tuple[Any, ...]]:
+    """Concrete arguments of one run of ``trainer``'s grad step over ``rows`` full rows of ``length``."""
+    def inputs(shardings: Any, seed: int) -> tuple[Any, ...]:
+        where_params, where_frozen, where_batch, where_scalars = shardings
+        scalars = {"version": trees.host_scalar(0, np.int32), "num_pairs": trees.host_scalar(1, np.float32),
+                   "micro": trees.host_scalar(0, np.int32)}
+        return (random_like(trainer.params, where_params, seed), random_like(trainer.frozen, where_frozen, seed + 1),
+                on_devices(full_batch(rows, length, vocab, seed), where_batch), on_devices(scalars, where_scalars))
+    return inputs
+
+
+def _publish(trainer: Any, state: StateBytes, devices: list[Any], slice_of: Any, notes: list[str],
              *, keep: bool = False) -> Program:
     """``Trainer.policy_copy`` as one program over the training layout: the device side of the
     weight publish (the copy in the compute dtype the publisher reads while training goes on)."""
@@ -269,7 +298,7 @@ def _publish(trainer: Any, params: int, opt_state: int, devices: list[Any], slic
     except ValueError:  # a policy_copy returning another tree than the policy's: its own layout
         compiled = compile_program(jax.jit(copy, in_shardings=(trainer.param_shardings,)), args, devices, slice_of,
                                    keep=keep)
-    terms = {"parameters": params, "optimizer": opt_state, "publish copy": compiled.output_bytes,
+    terms = {"parameters": state.params, "optimizer": state.opt_state, "publish copy": compiled.output_bytes,
              "temporaries": compiled.required_temp_bytes or compiled.temp_bytes}
 
     def inputs(shardings: Any, seed: int) -> tuple[Any, ...]:

@@ -122,6 +122,9 @@ class TransformerConfig(SpecModel):
         return self.moe_intermediate_size if self.moe_intermediate_size is not None else self.intermediate_size
 
 
+# spec.model.remat: a policy, or auto (stoker.learner.remat picks one per device).
+RematSetting = Literal["auto", "none", "full", "save-matmuls"]
+
 LoraTarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -184,11 +187,13 @@ class ModelSpec(SpecModel):
             "samplers and exports get the merged weights (stoker export also writes a PEFT adapter directory)."
         ),
     )
-    remat: Literal["none", "full", "save-matmuls"] = Field(
-        "full",
+    remat: RematSetting = Field(
+        "auto",
         description=(
             "Per-layer rematerialisation in the learner's step: full keeps only each layer's input and "
-            "recomputes the rest in the backward pass; save-matmuls also keeps matmul outputs; none keeps all."
+            "recomputes the rest in the backward pass; save-matmuls also keeps matmul outputs; none keeps all. "
+            "auto: the first of none, save-matmuls, full whose step fits the accelerator with 10% of its memory "
+            "free, from the compiler's memory analysis of the job's shapes (stoker plan says which); none on the CPU."
         ),
     )
     attention: Literal["auto", "blockwise", "xla", "cudnn", "splash"] = Field(

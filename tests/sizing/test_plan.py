@@ -53,6 +53,10 @@ def test_a_tiny_job_compiles_for_v5e_fits_and_reports_its_terms(job: Callable[..
     assert grad["total_bytes"] == sum(grad["terms"].values())
     assert grad["hbm_bytes"] == 16 * GIB and grad["topology"] == "v5e:2x2"
     assert "attention splash" in grad["notes"][0]  # auto on a TPU
+    # remat auto (the default): this step fits a v5e without remat, so none, compiled alone.
+    assert "remat none" in grad["notes"][0] and grad["notes"][1].startswith("remat auto: none (peak ")
+    remat = result["learner"]["remat"]
+    assert (remat["setting"], remat["policy"]) == ("auto", "none") and remat["peak_bytes"] == {"none": grad["total_bytes"]}
     assert grad["flops"] > 0 and grad["bytes_accessed"] > 0
     # fsdp over 4 chips: the step gathers parameters and reduce-scatters gradients over ICI.
     assert grad["collective_bytes"]["ici"] > 0 and grad["collective_bytes"]["dcn"] == 0
@@ -75,6 +79,7 @@ def test_the_text_report_says_ok_and_that_the_figures_are_bounds(job: Callable[.
     code, out, err = plan(capsys, str(job()), "--topology", "v5e:2x2")
     assert code == 0
     assert "learner on TPU v5e:2x2: 4 chips of 16.00 GiB HBM" in out
+    assert "note: remat auto: none (peak " in out and "of 15.75 GiB, headroom 10%)" in out  # the choice and why
     assert out.count(" OK ") == 3 and "DOES NOT FIT" not in out
     assert "MFU <=" in out and "not measurements" in out
     assert "compiling the learner's programs for v5e:2x2" in err  # progress on stderr
@@ -85,26 +90,32 @@ def test_a_job_over_the_chips_hbm_does_not_fit_exits_1_and_names_its_largest_ter
     job: Callable[..., Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A real big model on one chip compiles for minutes here (a 1.1B-parameter one took 290 s), so
-    # the chip shrinks instead: the same tiny programs against a v5e with 3 MiB of HBM, where
-    # 8 x 128-token micro-batches' temporaries are the largest term.
+    # the chip shrinks instead: the same tiny programs against a v5e with 2.5 MiB of HBM, where
+    # 8 x 128-token micro-batches' temporaries are the largest term (2.84 MiB in all under remat
+    # none, this one-layer step's least).
     import dataclasses
 
     from stoker.sizing import chips
 
-    monkeypatch.setitem(chips.CHIPS, "v5e", dataclasses.replace(chips.CHIPS["v5e"], usable_hbm_bytes=3 * 2**20))
+    hbm = 5 * 2**19
+    monkeypatch.setitem(chips.CHIPS, "v5e", dataclasses.replace(chips.CHIPS["v5e"], usable_hbm_bytes=hbm))
     code, out, _ = plan(capsys, str(job(learner=", microbatchTokens: 1024")), "--topology", "v5e:2x2", "--json")
     assert code == 1
     result = json.loads(out)
     grad = next(p for p in result["programs"] if p["program"] == "grad 128")
     assert not result["fits"] and not grad["fits"]
     assert grad["largest"] == "temporaries" and grad["terms"]["temporaries"] == max(grad["terms"].values())
-    assert grad["total_bytes"] > 3 * 2**20
+    assert grad["total_bytes"] > hbm
     assert "learner.microbatchTokens, now 1024" in grad["advice"] and "8 x 128 tokens" in grad["advice"]
-    # float32 compute is named first; sequence sharding is not, with tp = 1 (nothing to split over).
+    # float32 compute is named first; sequence sharding is not, with tp = 1 (nothing to split over);
+    # nor remat: auto compiled every policy and none fits, so it took the least and says so.
     assert grad["advice"].startswith("model.dtype: bfloat16") and "sequenceSharding" not in grad["advice"]
+    assert "model.remat" not in grad["advice"]
+    assert "nothing fits" in result["learner"]["remat"]["reason"]
+    assert list(result["learner"]["remat"]["peak_bytes"]) == ["none", "save-matmuls", "full"]
     # A program under the shrunken HBM still fits: the verdict is per program.
     publish = next(p for p in result["programs"] if p["program"] == "publish")
-    assert publish["fits"] and publish["total_bytes"] <= 3 * 2**20
+    assert publish["fits"] and publish["total_bytes"] <= hbm
 
 
 def test_a_gpu_rollout_tier_is_said_to_be_out_of_reach_and_a_cpu_learner_needs_a_topology(

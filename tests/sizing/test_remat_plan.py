@@ -1,0 +1,46 @@
+"""``model.remat: auto`` judged on libtpu's own programs for v5e and v5p slices (no TPU needed): the
+first of none, save-matmuls, full whose grad step fits the chip with the headroom free. A small
+model, and chips made as small as the choice needs, so each compile takes seconds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from stoker.learner.remat import HEADROOM, REMAT_ORDER, budget
+from stoker.manifest import load_job
+from stoker.sizing.compiler import load_slice
+from stoker.sizing.programs import learner_programs
+
+pytestmark = pytest.mark.slow
+
+
+MB = 10**6
+
+
+# libtpu 0.0.42.1 lays this job's step out as (bytes per chip) v5e:2x2: none 10.40 MB, save-matmuls
+# 8.34 MB, full 8.92 MB; v5p:2x2x1: none 17.72 MB, save-matmuls 19.53 MB, full 14.97 MB. So a v5e
+# chip of 10.5 MB (9.45 MB less the headroom) takes save-matmuls, a v5p chip of 18 MB (16.2 MB) full.
+@pytest.mark.parametrize(("topology", "limit", "expected"),
+                         [("v5e:2x2", 10.5 * MB, "save-matmuls"), ("v5p:2x2x1", 18 * MB, "full")])
+def test_auto_takes_the_first_policy_whose_step_fits_the_chip_less_the_headroom(
+    topology: str, limit: float, expected: str, job: Callable[..., Path]
+) -> None:
+    spec = load_job(str(job(hidden=128, layers=3, mlp=384, bucket=256))).spec
+    assert spec.model.remat == "auto"  # the default
+    (grad,) = learner_programs(spec, load_slice(topology, 4), kinds={"grad"}, memory_limit=int(limit))
+    choice = grad.remat
+    assert choice is not None
+    peaks = dict(choice.peaks)
+    earlier = list(REMAT_ORDER[:REMAT_ORDER.index(choice.policy)])
+    # Each policy before the choice was compiled and is over the limit less the headroom; the choice
+    # is within it, and nothing after it was compiled.
+    assert list(peaks) == [*earlier, choice.policy]
+    allowed = budget(int(limit))
+    assert all(peaks[p] is None or peaks[p] > allowed for p in earlier)  # type: ignore[operator]
+    assert grad.total == peaks[choice.policy] <= allowed
+    assert choice.policy == expected, f"libtpu's layouts moved: {peaks}"
+    assert f"remat {expected}" in grad.notes[0] and grad.notes[1] == choice.line
+    assert choice.line.startswith(f"remat auto: {expected} (peak ") and f"headroom {HEADROOM:.0%}" in choice.line
