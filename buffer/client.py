@@ -19,7 +19,8 @@ named; the valid ones were stored), ``AuthError``, ``LeaseLostError`` (commit of
 no longer leases: it will be delivered again), ``BufferUnavailableError`` (retries exhausted).
 Transient failures (``UNAVAILABLE``, ``DEADLINE_EXCEEDED``, ``RESOURCE_EXHAUSTED`` = buffer full)
 are retried with exponential backoff and full jitter until ``RetryPolicy.deadline``; Put is safe to
-retry because the buffer stores each episode id once.
+retry because the buffer stores each episode id once. The retry loop lives in ``client_retry``,
+what the calls return and raise in ``client_types``; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -54,20 +55,13 @@ from stoker.buffer.client_types import (
     encode_sample,
     episode_id_of,
 )
+from stoker.buffer.client_retry import RETRYABLE, call_with_retries, pause, put_response_from_error
 from stoker.buffer.put_stream import PutStream
-from stoker.buffer.wire import PUT_RESPONSE_KEY, RETRY_AFTER_KEY, encode_put_request
+from stoker.buffer.wire import encode_put_request
 from stoker.channels import channel_options
 from stoker.v1 import buffer_pb2
 
 SERVICE = "/stoker.v1.Buffer/"
-# How long a channel being watched may take to report its current state.
-CONNECTED_NOW_SECONDS = 0.05
-# CANCELLED too: a buffer stopping cancels the calls it has in flight (gRPC's GOAWAY "Cancelling
-# all calls"); this client cancels its own calls only by closing, after which a retry is refused.
-RETRYABLE = frozenset({
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.CANCELLED,
-})
 
 
 class BufferClient:
@@ -129,64 +123,18 @@ class BufferClient:
         self._committer_lock = threading.Lock()
 
     def pause(self, delay: float, code: grpc.StatusCode | None = None) -> None:
-        """Wait ``delay`` seconds before a retry; after ``UNAVAILABLE`` on a channel that is not
-        connected, only until gRPC has connected it again, so the retry does not wait out the rest
-        of its sleep. An ``UNAVAILABLE`` the buffer itself answered (the channel connected all
-        along) waits the whole delay. The channel is watched only while pausing (gRPC polls a
-        watched channel from a thread of its own)."""
-        if code != grpc.StatusCode.UNAVAILABLE:
-            time.sleep(delay)
-            return
-        started = time.monotonic()
-        connected, reported = threading.Event(), threading.Event()
-
-        def watch(state: grpc.ChannelConnectivity) -> None:
-            if state == grpc.ChannelConnectivity.READY:
-                connected.set()
-            else:
-                connected.clear()
-            reported.set()
-
-        # Not try_to_connect: the failed call already set gRPC reconnecting, and a connect request
-        # pending when the channel closes makes gRPC's polling thread fail on the closed channel.
-        self.channel.subscribe(watch, try_to_connect=False)
-        try:
-            reported.wait(min(delay, CONNECTED_NOW_SECONDS))  # the first report is the current state
-            if connected.is_set():
-                time.sleep(max(0.0, delay - (time.monotonic() - started)))
-            else:
-                connected.wait(max(0.0, delay - (time.monotonic() - started)))
-        finally:
-            self.channel.unsubscribe(watch)
+        """Wait ``delay`` seconds before a retry, less after ``UNAVAILABLE`` once the channel has
+        connected again (``client_retry.pause``)."""
+        pause(self.channel, delay, code)
 
     # ------------------------------------------------------------------ plumbing
 
     def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
         """One RPC with retries on transient errors; auth errors raised as AuthError."""
-        started = time.monotonic()
-        attempt = 0
-        while True:
-            try:
-                return method(request, timeout=timeout or self.timeout, metadata=self._metadata)
-            except grpc.RpcError as exc:
-                code = exc.code()
-                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                    raise AuthError(exc.details()) from None
-                hint = _retry_hint(exc)
-                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and hint is None:
-                    # Not the buffer saying "full" (that always carries a hint) but gRPC refusing
-                    # an oversized message: retrying cannot help.
-                    raise BufferClientError(f"buffer at {self.address}: {exc.details()}") from None
-                if code not in RETRYABLE:
-                    raise
-                delay = self.retry.delay(attempt, hint or 0.0)
-                if time.monotonic() - started + delay > self.retry.deadline:
-                    raise BufferUnavailableError(
-                        f"buffer at {self.address}: {code.name}: {exc.details()} "
-                        f"(gave up after {time.monotonic() - started:.1f}s)"
-                    ) from None
-                self.pause(delay, None if hint else code)
-                attempt += 1
+        return call_with_retries(
+            method, request, timeout=timeout or self.timeout, metadata=self._metadata, retry=self.retry,
+            address=self.address, pause=self.pause,
+        )
 
     # ------------------------------------------------------------------ actors
 
@@ -230,7 +178,7 @@ class BufferClient:
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
                 raise
-            response = _put_response_from_error(exc)
+            response = put_response_from_error(exc)
             if response is None:  # the request as a whole was refused (malformed, or larger than the capacity)
                 raise InvalidTrajectoryError([Rejection(-1, "", "trajectories", exc.details() or "")], 0) from None
         rejections = [
@@ -367,29 +315,6 @@ class BufferClient:
         self.close()
 
 
-def _trailing(exc: grpc.RpcError, key: str) -> Any:
-    for k, value in exc.trailing_metadata() or ():
-        if k == key:
-            return value
-    return None
-
-
-def _retry_hint(exc: grpc.RpcError) -> float | None:
-    """The buffer's retry-after hint in seconds, None when absent."""
-    value = _trailing(exc, RETRY_AFTER_KEY)
-    if value is None:
-        return None
-    try:
-        return float(value) / 1000.0
-    except ValueError:
-        return 0.0
-
-
-def _put_response_from_error(exc: grpc.RpcError) -> buffer_pb2.PutResponse | None:
-    value = _trailing(exc, PUT_RESPONSE_KEY)
-    return buffer_pb2.PutResponse.FromString(value) if value is not None else None
-
-
 __all__ = [
     "AuthError",
     "BufferClient",
@@ -399,6 +324,7 @@ __all__ = [
     "InvalidTrajectoryError",
     "LeaseLostError",
     "PutSummary",
+    "RETRYABLE",
     "Rejection",
     "RetryPolicy",
     "SampledBatch",
