@@ -8,7 +8,12 @@ log tail. What each one picks up on its restart is its own: the learner restores
 checkpoint (a new session, so the buffer hands its uncommitted leases out again), the buffer
 replays its write-ahead log onto the same socket, actors reconnect and start new episodes (the
 dead one's process group, sandboxes included, is killed; episodes it had in flight are never
-submitted, and their incomplete groups stay behind in the buffer).
+submitted, and their incomplete groups stay behind in the buffer; the admission credit it held
+comes back when the restarted actor calls as a new process, or after the buffer's
+``group_timeout_seconds`` of silence: ``buffer/admission.py``, ``CreditLedger``).
+
+A death the full disk caused is not restarted and spends no budget: it would die the same way.
+``check`` raises ``DiskFull`` for it (``runner/diskfull.py`` tells one) and the run stops.
 
 The restart policy is a pure function of the deaths so far and the clock (``restart_delay``); the
 ``Supervisor`` applies it to ``Unit``\\s, each the processes that die and restart together (one
