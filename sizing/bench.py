@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from stoker.manifest import load_job
 from stoker.sizing.bench_report import render
 from stoker.sizing.bench_watch import Phase, Unfinished, bounded
-from stoker.sizing.bound import program_bound
+from stoker.sizing.bound import decode_attainable_seconds, program_bound
 from stoker.sizing.chips import Chip, chip_of_device
 from stoker.sizing.compiler import Slice
 from stoker.sizing.plan import Target, advice, fits, gib
@@ -294,6 +294,9 @@ def measure(program: Program, spec: RLJobSpec, host: Host, repeats: int, progres
         row["tokens_per_second"] = program.tokens / seconds
     if host.chip is not None and program.model_flops:  # the same useful flops as the plan's MFU
         row["mfu"] = program.model_flops / (seconds * host.chip.peak_bf16_flops * row["devices"])
+    if host.chip is not None and program.name == "decode":
+        attainable = program.tokens / decode_attainable_seconds(program, host.chip, 1, row["devices"])
+        row.update(attainable_tokens_per_second=attainable, share_of_attainable=row["tokens_per_second"] / attainable)
     peak = peak_bytes(host.devices)
     if peak is not None and (peak_before is None or peak > peak_before):
         row["peak_bytes_per_device"] = peak

@@ -48,6 +48,11 @@ def render(result: dict[str, Any]) -> str:
     for r in rows:
         if r["status"] != "ran":
             lines.append(f"{r['status'].upper()}: {r['component']} {r['program']}: {r['reason']}")
+    for r in rows:
+        if r.get("attainable_tokens_per_second"):
+            lines.append(f"{r['component']} {r['program']}: {r['tokens_per_second']:,.0f} tokens/s, "
+                         f"{r['share_of_attainable']:.0%} of the attainable {r['attainable_tokens_per_second']:,.0f} "
+                         "(the weights once and each row's cached context at peak HBM bandwidth, or its flops at peak)")
     lines += [f"NOT BUILT on these devices: {why}" for why in result["not_built"]]
     if result.get("first_step_seconds") is not None:
         lines.append(f"time to a learner's first step: {_time(result['first_step_seconds'])} (its first grad and the "

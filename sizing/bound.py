@@ -81,3 +81,17 @@ def decode_tokens_per_second(decode: Program, chip: Chip, devices_per_chip: int 
     """Tokens/s one server can at most sample: a decode step gives every row one token."""
     seconds = program_bound(decode, chip, devices_per_chip, devices).seconds
     return decode.tokens / seconds if seconds > 0 else math.inf
+
+
+def decode_attainable_seconds(decode: Program, chip: Chip, devices_per_chip: int = 1, devices: int = 1) -> float:
+    """The least time any decode step of ``decode``'s shapes can take: reading only what it must,
+    the weights once and each row's cached context (its "parameters" and "batch KV" terms, per
+    device) at peak HBM bandwidth, or its useful flops at peak compute, whichever is longer.
+
+    ``program_bound`` takes the compiler's bytes accessed, what this program does read however
+    wastefully; this is the roofline a sampler is judged against (issue 52's "attainable")."""
+    share = 1.0 / devices_per_chip
+    must_read = decode.terms.get("parameters", 0) + decode.terms.get("batch KV", 0)
+    memory = must_read / (chip.hbm_bytes_per_second * share)
+    compute = decode.model_flops / devices / (chip.peak_bf16_flops * share)
+    return max(memory, compute)

@@ -156,11 +156,23 @@ def test_on_a_device_with_published_peaks_mfu_and_the_bound_come_from_the_plans_
     bound = decode["plan"]["bound"]
     assert bound["seconds"] == max(bound["compute_seconds"], bound["memory_seconds"], bound["ici_seconds"])
     assert bound["compute_seconds"] >= decode["model_flops"] / 197e12
+    # Beside the compiler's bound: the attainable rate, reading the weights once and each row's
+    # cached context (4 rows x 128 slots) at the v5e's 819 GB/s, or the flops at peak.
+    from stoker.model.layers import head_dim
+
+    config = tiny_config()
+    kv = 4 * 128 * (2 * config.num_layers * config.num_kv_heads * head_dim(config) * 4 + 4)  # float32 K, V; int32 segment
+    assert decode["plan"]["terms"]["batch KV"] == kv
+    must_read = decode["plan"]["terms"]["parameters"] + kv
+    attainable = 4 / max(must_read / 819e9, decode["model_flops"] / 197e12)
+    assert decode["attainable_tokens_per_second"] == pytest.approx(attainable)
+    assert decode["share_of_attainable"] == pytest.approx(decode["tokens_per_second"] / attainable)
 
     from stoker.sizing.bench import render
 
     text = render(result)
     assert "peak 197 TFLOP/s each" in text and "-bound)" in text and "%" in text
+    assert f"of the attainable {attainable:,.0f}" in text
 
 
 def test_a_device_that_runs_out_of_memory_at_run_time_is_reported_not_raised(
