@@ -79,10 +79,11 @@ def death_by_full_disk(name: str, code: int, tail: str, run_dir: Path | None) ->
     return f"the disk is full{where}: {what}. Stopping the run instead of restarting {name}: it would die the same way.{hint}"
 
 
-def disk_full_error(path: Path | None, exc: OSError, run_dir: Path) -> DiskFull:
-    """The run's own write of ``path`` (None: unknown) failed for want of space."""
-    what = path or exc.filename or "a file"
-    return DiskFull(f"the disk is full in {_where(run_dir)}: stoker run could not write {what} ({exc.strerror or exc}). "
+def disk_full_error(path: Path | None, exc: BaseException, run_dir: Path) -> DiskFull:
+    """The run's own write of ``path`` (None: the one ``exc`` names, if any) failed for want of space."""
+    what = path or getattr(exc, "filename", None) or "a file"
+    return DiskFull(f"the disk is full in {_where(run_dir)}: stoker run could not write {what} "
+                    f"({getattr(exc, 'strerror', None) or exc}). "
                     f"Stopping the run.\n{_resume_hint(run_dir)}")
 
 

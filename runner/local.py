@@ -29,6 +29,7 @@ from pathlib import Path
 from stoker.endpoints import ready_address
 from stoker.parent import PARENT_ENV
 from stoker.runner.children import STOP_GRACE_SECONDS, Child, terminate_on_signals, wait_for_ready_file
+from stoker.learner.diskfull import no_space
 from stoker.runner.diskfull import EXIT_DISK_FULL, DiskFull, disk_full_error, is_no_space, seal_torn_lines
 from stoker.runner.options import RunOptions, UsageError, add_arguments, resolve_options
 from stoker.runner.placement import UNIX, Placement, PlacementError, jax_process_envs, plan
@@ -80,10 +81,11 @@ def _run(options: RunOptions) -> Outcome:
         return run_async(options)
     except DiskFull as exc:
         return Outcome(EXIT_DISK_FULL, str(exc))
-    except OSError as exc:
-        if not is_no_space(exc):
+    except (OSError, RuntimeError, ValueError) as exc:  # the sync loop's checkpoints: tensorstore wraps the OSError
+        full = no_space(exc)
+        if full is None:
             raise
-        return Outcome(EXIT_DISK_FULL, str(disk_full_error(None, exc, options.run_dir)))
+        return Outcome(EXIT_DISK_FULL, str(disk_full_error(None, full, options.run_dir)))
 
 
 def _write_run_record(options: RunOptions) -> None:
