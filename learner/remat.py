@@ -3,7 +3,7 @@
 Remat trades compute for memory: ``none`` keeps every activation for the backward pass,
 ``save-matmuls`` recomputes all but the matmul outputs, ``full`` keeps only each layer's input and
 recomputes the rest (~a third more layer compute; on a v5e, Qwen2.5-0.5B GRPO at 4 x 2,048 tokens
-ran at 38.8 % MFU under full against 46.2 % under none, which fit in 10.3 GiB of 15.75). So auto
+ran at 38.8 % MFU under full against 46.2 % under none, which fit in 9.6-10.3 GiB of 15.75). So auto
 tries them in that order and keeps the first whose step, as the compiler lays it out for the job's
 real shapes, leaves ``HEADROOM`` of the device's memory free.
 
@@ -37,8 +37,8 @@ from stoker.spec_model import RematSetting
 REMAT_ORDER: tuple[RematPolicy, ...] = ("none", "save-matmuls", "full")
 # The share of the device's memory auto leaves free. The compiler's figure is the program's own;
 # beside it sit the runtime's buffers, fragmentation and whatever the host code keeps alive (the
-# batch prefetched while a step runs), which it does not count: 10 % covers that, and a policy
-# this close to the limit would cost little to give up (its neighbour in REMAT_ORDER).
+# batch prefetched while a step runs), which it does not count. The plan has no headroom setting
+# of its own; 10 % of a v5e is 1.6 GiB.
 HEADROOM = 0.10
 GIB = 2**30
 
