@@ -2,14 +2,14 @@
 # The asynchronous loop against the synchronous one on the lent TPU v5e, in one device call
 # (benchmarks/README.md, "TPU v5e, measured"):
 #
-#     device run, carry [".whl-tpu"]:  . .whl-tpu/install.sh && bash benchmarks/chip.sh [shipped] [latency]
+#     device run, carry [".whl-tpu"]:  . .whl-tpu/install.sh && bash benchmarks/chip.sh [shipped] [latency] [bench]
 #
 # The shipped FrozenLake example async then sync (the chip holds the learner, actors sample on the
 # host's cores), then the 0.5 s-per-environment-step protocol (utilisation.py's settings) both
 # ways; every run under a timeout, so a hang costs its slot and not the call. The table of all
 # runs goes to $OUT/chip.md and $OUT/chip.json (benchmarks/run_figures.py), each run's log to $OUT.
-# Both parts by default (~9 minutes); `latency` alone gives its synchronous run the ~5 minutes it
-# needs to reach 0.9. CHIP_SECONDS scales every limit (e.g. 0.2 for a quick check on a CPU machine).
+# shipped and latency by default (~9 minutes); `latency` alone gives its synchronous run the ~5
+# minutes it needs to reach 0.9; `bench` alone (~8 minutes) runs `stoker bench` on benchmarks/chip/. CHIP_SECONDS scales every limit (e.g. 0.2 for a quick check on a CPU machine).
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-python3}
@@ -46,7 +46,22 @@ for mode in ("async", "sync"):
     print(with_latency(root / "examples" / "frozenlake.yaml", args, mode))
 EOF
 
+# bench: `stoker bench` on each manifest of benchmarks/chip/ (issue 51's and 52's figures), each
+# under its own bound; a program stuck past --program-timeout is reported by the bench itself.
+bench() {
+    local manifest name programs
+    for manifest in "${CHIP_MANIFESTS:-$ROOT/benchmarks/chip}"/*.yaml; do
+        name=$(basename "$manifest" .yaml)
+        case $name in q05-roll-*) programs=decode,prefill ;; *) programs=grad,apply,publish ;; esac
+        timeout -k 10 "$(limit 150)" "$PYTHON" -m stoker.cli bench "$manifest" --programs "$programs" --repeats 5 \
+            --program-timeout "$(limit 100)" --json > "$OUT/bench-$name.json" 2> "$WORK/bench-$name.log"
+        echo "bench $name: exit $? after ${SECONDS}s of the script" | tee -a "$OUT/chip.log"
+    done
+    "$PYTHON" "$ROOT/benchmarks/bench_table.py" "$OUT"/bench-*.json > "$OUT/bench.md"
+}
+
 PARTS=${*:-shipped latency}
+case " $PARTS " in *" bench "*) bench; esac
 case " $PARTS " in *" shipped "*)
     run shipped-async 130 "$ROOT/examples/frozenlake.yaml" async
     run shipped-sync 140 "$ROOT/examples/frozenlake.yaml" sync
@@ -57,6 +72,7 @@ case " $PARTS " in *" latency "*)
     else run latency-sync 150 "$WORK/job-sync.yaml" sync; fi
 esac
 
+[ "$PARTS" = bench ] && exit 0
 "$PYTHON" "$ROOT/benchmarks/run_figures.py" "$WORK"/shipped-async "$WORK"/shipped-sync "$WORK"/latency-async \
     "$WORK"/latency-sync --json "$OUT/chip.json" --markdown "$OUT/chip.md"
 tail -n 5 "$WORK"/*.log > "$OUT/logs.txt" 2>&1

@@ -60,7 +60,9 @@ def set_path(doc: dict[str, Any], dotted: str, value: str) -> None:
     node[leaf] = yaml.safe_load(value)
 
 
-async def steps_to_target(job: RLJob, lag: int, max_steps: int, target: float, run_dir: Path) -> dict[str, Any]:
+async def steps_to_target(
+    job: RLJob, lag: int, max_steps: int, target: float, run_dir: Path, tasks: str = "cycle"
+) -> dict[str, Any]:
     spec = job.spec
     settings = LearnerSettings.from_spec(spec, run_dir=run_dir, max_steps=max_steps, checkpoint_dir=None)
     learner = Learner(settings, resume=False)
@@ -69,7 +71,9 @@ async def steps_to_target(job: RLJob, lag: int, max_steps: int, target: float, r
     policy = make_policy(actor, spec.model.dtype, None)
     envs = environment_factory(actor)
     rng = random.Random(spec.seed * 7919)
-    pick_task = task_cycle(actor.tasks, rng)
+    # "random": each group's task drawn independently, as groups from several actors land in an
+    # asynchronous batch; "cycle": every task once per batch, as the synchronous loop does.
+    pick_task = task_cycle(actor.tasks, rng) if tasks == "cycle" else (lambda: rng.choice(actor.tasks))
     versions = collections.deque([(learner.device_weights(), learner.version)], maxlen=lag + 1)
     recent: collections.deque[float] = collections.deque(maxlen=WINDOW)
     reached = None
@@ -99,14 +103,16 @@ async def steps_to_target(job: RLJob, lag: int, max_steps: int, target: float, r
     return {"steps_to_target": reached, "steps": learner.steps}
 
 
-def one_run(manifest: Path, overrides: list[str], lag: int, seed: int, max_steps: int, target: float, run_dir: Path) -> dict[str, Any]:
+def one_run(
+    manifest: Path, overrides: list[str], lag: int, seed: int, max_steps: int, target: float, run_dir: Path, tasks: str
+) -> dict[str, Any]:
     doc = yaml.safe_load(manifest.read_text())
     doc["spec"]["seed"] = seed
     for item in overrides:
         path, _, value = item.partition("=")
         set_path(doc, path, value)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return asyncio.run(steps_to_target(RLJob.model_validate(doc), lag, max_steps, target, run_dir))
+    return asyncio.run(steps_to_target(RLJob.model_validate(doc), lag, max_steps, target, run_dir, tasks))
 
 
 def _single_threaded() -> None:
@@ -121,6 +127,8 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--max-steps", type=int, default=300)
     parser.add_argument("--target", type=float, default=0.9)
+    parser.add_argument("--tasks", choices=["cycle", "random"], default="cycle",
+                        help="cycle: every task once per batch (the synchronous loop); random: each group's own draw")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
     parser.add_argument("--config", action="append", default=[], metavar="NAME=PATH=VALUE[,PATH=VALUE]",
                         help="a named set of spec overrides (repeatable)")
@@ -137,7 +145,7 @@ def main() -> int:
         futures = {
             pool.submit(
                 one_run, args.manifest, configs[name], lag, seed, args.max_steps, args.target,
-                args.out / f"{name}-lag-{lag}-seed-{seed}",
+                args.out / f"{name}-lag-{lag}-seed-{seed}", args.tasks,
             ): (name, lag, seed)
             for name, lag, seed in runs
         }

@@ -1,0 +1,56 @@
+"""One markdown table from several ``stoker bench --json`` outputs (benchmarks/chip.sh's bench part).
+
+    .venv/bin/python benchmarks/bench_table.py runs/chip/bench-*.json > bench.md
+
+A row per program: its manifest, status, median seconds, tokens/s, MFU, peak memory, the plan's
+bound and, for a decode step, the share of the attainable rate. A file that is not a bench's JSON
+(the bench was killed, or refused its manifest) is a row saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+HEADER = ("manifest", "program", "shape", "status", "median", "tokens/s", "MFU", "peak GiB", "plan bound",
+          "of attainable", "first step")
+
+
+def _cell(value: Any, form: str) -> str:
+    return "-" if value is None else format(value, form)
+
+
+def rows_of(path: Path) -> list[tuple[str, ...]]:
+    name = path.stem.removeprefix("bench-")
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return [(name, "-", "-", "no report (killed, or refused: see its log)", *["-"] * (len(HEADER) - 4))]
+    first = _cell(result.get("first_step_seconds"), ".1f")
+    out = []
+    for r in result["programs"]:
+        bound = (r["plan"].get("bound") or {}).get("seconds")
+        peak = r.get("peak_bytes_per_device")
+        out.append((
+            name, f"{r['component']} {r['program']}", r["shape"], r["status"] + (f": {r['reason']}" if r["reason"] else ""),
+            _cell(r["seconds"] and r["seconds"] * 1e3, ".1f") + (" ms" if r["seconds"] else ""),
+            _cell(r["tokens_per_second"], ",.0f"), _cell(r["mfu"] and 100 * r["mfu"], ".1f") + ("%" if r["mfu"] else ""),
+            _cell(peak and peak / 2**30, ".2f"), _cell(bound and bound * 1e3, ".1f") + (" ms" if bound else ""),
+            _cell(r.get("share_of_attainable") and 100 * r["share_of_attainable"], ".0f")
+            + ("%" if r.get("share_of_attainable") else ""),
+            first + (" s" if first != "-" else ""),
+        ))
+    return out
+
+
+def table(paths: list[Path]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    for path in paths:
+        lines += ["| " + " | ".join(row) + " |" for row in rows_of(path)]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table([Path(p) for p in sys.argv[1:]]))
