@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,26 @@ def jax_cache_env(xla_cache_dir: Path) -> dict[str, str]:
 def jax_env(jax_cache_env: dict[str, str]) -> dict[str, str]:
     """This test's environment (as monkeypatched so far) with ``jax_cache_env``, for its subprocesses."""
     return {**os.environ, **jax_cache_env}
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
+    """``tmpfs(size)`` mounts a tmpfs of ``size`` bytes for the test and returns its folder: a
+    disk that really fills. Skips where mounting is not allowed (CI runs as root)."""
+    mounts: list[Path] = []
+
+    def mount(size: int) -> Path:
+        folder = tmp_path / f"tmpfs-{len(mounts)}"
+        folder.mkdir()
+        try:
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True)
+        except OSError as exc:  # no mount(8) at all
+            pytest.skip(f"cannot mount a tmpfs here: {exc}")
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip() or done.returncode}")
+        mounts.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounts:
+        subprocess.run(["umount", "-l", str(folder)], check=False)

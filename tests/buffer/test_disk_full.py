@@ -4,10 +4,9 @@ restart on a full volume succeeds. Run on a small tmpfs (skipped where it cannot
 
 from __future__ import annotations
 
-import subprocess
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,20 +28,9 @@ TOKENS = 8192  # ~106 KB per trajectory: the volume holds a few dozen groups
 
 
 @pytest.fixture
-def volume(tmp_path: Path) -> Iterator[Path]:
+def volume(tmpfs: Callable[[int], Path]) -> Path:
     """A 6 MiB tmpfs mounted for the test."""
-    mount = tmp_path / "volume"
-    mount.mkdir()
-    try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={VOLUME_BYTES}", "tmpfs", str(mount)], capture_output=True)
-    except OSError as exc:  # no mount(8) at all
-        pytest.skip(f"cannot mount a tmpfs here: {exc}")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip() or done.returncode}")
-    try:
-        yield mount / "data"
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+    return tmpfs(VOLUME_BYTES) / "data"
 
 
 @pytest.fixture

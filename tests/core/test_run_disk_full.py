@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,20 +31,9 @@ needs_dev_full = pytest.mark.skipif(not FULL.exists(), reason="no /dev/full")
 
 
 @pytest.fixture
-def volume(tmp_path: Path) -> Iterator[Path]:
+def volume(tmpfs: Callable[[int], Path]) -> Path:
     """A 64 MiB tmpfs mounted for the test: room for the tiny job's run, and quick to fill."""
-    mount = tmp_path / "volume"
-    mount.mkdir()
-    try:
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={VOLUME_BYTES}", "tmpfs", str(mount)], capture_output=True)
-    except OSError as exc:  # no mount(8) at all
-        pytest.skip(f"cannot mount a tmpfs here: {exc}")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip() or done.returncode}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+    return tmpfs(VOLUME_BYTES)
 
 
 def _fill(volume: Path) -> Path:
