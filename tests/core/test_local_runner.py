@@ -107,6 +107,9 @@ def test_a_second_signal_does_not_cut_the_orderly_stop_short() -> None:
 
     from stoker.runner.children import terminate_on_signals as _terminate_on_signals
 
+    # What the run found is what it leaves: default_int_handler in a terminal, SIG_IGN where a
+    # shell without job control started it in the background (nohup ... &).
+    before = {sig: signals.getsignal(sig) for sig in (signals.SIGINT, signals.SIGTERM)}
     stopped = []
     with _terminate_on_signals():
         try:
@@ -118,7 +121,7 @@ def test_a_second_signal_does_not_cut_the_orderly_stop_short() -> None:
             signals.raise_signal(signals.SIGTERM)
             stopped.append(True)
     assert stopped == [True]
-    assert signals.getsignal(signals.SIGINT) is signals.default_int_handler
+    assert {sig: signals.getsignal(sig) for sig in before} == before
 
 
 def test_the_progress_display_does_not_wait_on_a_buffer_that_is_gone(tmp_path: Path) -> None:
