@@ -20,7 +20,6 @@ from stoker.operator.zombies import PodRecord
 LEARNER, BUFFER, ACTORS, ROLLOUT = "learner", "buffer", "actors", "rollout"
 COMPONENT_OF_ROLE = {ROLE_LEARNER: LEARNER, ROLE_BUFFER: BUFFER, ROLE_ACTOR: ACTORS, ROLE_ROLLOUT: ROLLOUT}
 _PODS = {LEARNER: "learner pods", BUFFER: "buffer pod", ACTORS: "actor pods", ROLLOUT: "rollout server pods"}
-HEALTH_CONDITION_TYPES = ("Degraded", "Recovering")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ from stoker.operator.observe import (
     snapshot_from_proto,
 )
 from stoker.spec import RLJobSpec
-from stoker.operator.health import HEALTH_CONDITION_TYPES
 from stoker.status import CONDITION_TYPES, RLJobStatus
 from stoker.v1 import buffer_pb2
 
@@ -65,7 +64,7 @@ def test_running_job() -> None:
     assert status["actors"] == {"ready": 2, "desired": 2, "summary": "2/2"}
     assert status["observedGeneration"] == 3 and status["zombiesReaped"] == 5
     conds = conditions(status)
-    assert set(conds) == set(CONDITION_TYPES) | set(HEALTH_CONDITION_TYPES)
+    assert set(conds) == set(CONDITION_TYPES)
     assert conds["Ready"]["status"] == "True" and conds["Ready"]["observedGeneration"] == 3
     assert conds["StalenessExceeded"]["status"] == "False" and conds["LearnerStarved"]["reason"] == "Fed"
 
@@ -180,7 +179,7 @@ def test_any_observation_gives_a_valid_consistent_status(learner: LearnerObserva
     status = build_status(o, {}, T0)
     RLJobStatus.model_validate(status)
     conds = conditions(status)
-    assert set(conds) == set(CONDITION_TYPES) | set(HEALTH_CONDITION_TYPES)
+    assert set(conds) == set(CONDITION_TYPES)
     parts = [conds[t]["status"] == "True" for t in ("LearnerReady", "ActorsAvailable", "BufferReady")]
     assert (conds["Ready"]["status"] == "True") == (all(parts) and not suspend)
     assert conds["Suspended"]["status"] == ("True" if suspend else "False")
