@@ -53,9 +53,11 @@ bench() {
     for manifest in "${CHIP_MANIFESTS:-$ROOT/benchmarks/chip}"/*.yaml; do
         name=$(basename "$manifest" .yaml)
         case $name in q05-roll-*) programs=decode,prefill ;; *) programs=grad,apply,publish ;; esac
-        timeout -k 10 "$(limit 150)" "$PYTHON" -m stoker.cli bench "$manifest" --programs "$programs" --repeats 5 \
-            --program-timeout "$(limit 100)" --json > "$OUT/bench-$name.json" 2> "$WORK/bench-$name.log"
+        # The bound covers the compiles too (remat auto compiles up to three grad programs).
+        timeout -k 10 "$(limit 240)" "$PYTHON" -m stoker.cli bench "$manifest" --programs "$programs" --repeats 5 \
+            --program-timeout "$(limit 60)" --json > "$OUT/bench-$name.json" 2> "$WORK/bench-$name.log"
         echo "bench $name: exit $? after ${SECONDS}s of the script" | tee -a "$OUT/chip.log"
+        { echo "== $name"; grep -v -e Warning -e warnings.warn "$WORK/bench-$name.log" | tail -n 30; } >> "$OUT/bench-logs.txt"
     done
     "$PYTHON" "$ROOT/benchmarks/bench_table.py" "$OUT"/bench-*.json > "$OUT/bench.md"
 }

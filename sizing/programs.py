@@ -68,33 +68,32 @@ class Program:
 
 def random_like(abstract: Any, shardings: Any, seed: int, scale: float = 0.02) -> Any:
     """Arrays of ``abstract``'s shapes and dtypes laid out as ``shardings`` (a tree over the same
-    structure): floats normal with std ``scale`` (0: zeros), integers 0, booleans true. One
-    program makes them all, each device its own shard, so no device holds a whole tree."""
+    structure): floats normal with std ``scale`` (0: zeros), integers 0, booleans true. Each device
+    makes its own shard, so no device holds a whole tree."""
     leaves, treedef = jax.tree.flatten(abstract)
     # None where the compiled program dropped an argument it never reads (the prefill's cache
     # segment ids): any layout will do there.
-    where = tuple(jax.tree.leaves(jax.tree.map(lambda _, sharding: sharding, abstract, shardings),
-                                  is_leaf=lambda x: x is None))
-    make = _filler(tuple((tuple(leaf.shape), np.dtype(leaf.dtype)) for leaf in leaves), where, scale)
-    return jax.tree.unflatten(treedef, make(jax.random.key(seed)))
+    where = jax.tree.leaves(jax.tree.map(lambda _, sharding: sharding, abstract, shardings),
+                            is_leaf=lambda x: x is None)
+    made = [_filler(tuple(leaf.shape), np.dtype(leaf.dtype), sharding, scale)(np.int32(seed), np.int32(index))
+            for index, (leaf, sharding) in enumerate(zip(leaves, where, strict=True))]
+    return jax.tree.unflatten(treedef, made)
 
 
 @functools.cache
-def _filler(leaves: tuple[tuple[tuple[int, ...], np.dtype], ...], where: tuple[Any, ...], scale: float) -> Any:
-    """``random_like``'s program, one per layout: the same tree again (the apply's gradients, the
-    decode's weights) compiles nothing new."""
-    def fill(key: jax.Array, shape: tuple[int, ...], dtype: np.dtype) -> jax.Array:
-        if jnp.issubdtype(dtype, jnp.floating):
+def _filler(shape: tuple[int, ...], dtype: np.dtype, where: Any, scale: float) -> Any:
+    """``random_like``'s program for one leaf layout. One program per distinct layout, not one for
+    the whole tree: a model's layers repeat a dozen layouts, and a single program over ~300 leaves
+    of random numbers took XLA minutes to compile on a TPU (the bench's "hang" of issue 51)."""
+    def fill(seed: jax.Array, index: jax.Array) -> jax.Array:
+        if jnp.issubdtype(dtype, jnp.floating) and scale:
+            key = jax.random.fold_in(jax.random.key(seed), index)  # each leaf its own numbers
             return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
         if dtype == np.bool_:
             return jnp.ones(shape, jnp.bool_)
         return jnp.zeros(shape, dtype)
 
-    def make(key: jax.Array) -> tuple[jax.Array, ...]:
-        keys = jax.random.split(key, max(len(leaves), 1))
-        return tuple(fill(k, shape, dtype) for k, (shape, dtype) in zip(keys, leaves, strict=False))
-
-    return jax.jit(make, out_shardings=where)
+    return jax.jit(fill, out_shardings=where)
 
 
 def full_batch(rows: int, length: int, vocab: int, seed: int) -> dict[str, np.ndarray]:

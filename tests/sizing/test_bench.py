@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -312,3 +313,46 @@ def test_the_bound_hears_progress_while_waiting_and_passes_results_and_errors_th
 
     with pytest.raises(ValueError, match="from the device"):
         bounded(fails, 5.0, "x", Phase(), heard.append)
+
+
+def test_inputs_compile_one_small_program_per_distinct_leaf_layout_and_differ_between_leaves() -> None:
+    """A model's ~300 leaves repeat a dozen layouts. One program over the whole tree took XLA
+    minutes to compile on a TPU and the bench sat in "making inputs"; per layout it compiles a few
+    small ones, and a deeper tree of the same layouts compiles nothing more."""
+    import jax
+    import numpy as np
+    from jax import monitoring
+    from jax._src.dispatch import BACKEND_COMPILE_EVENT
+
+    from stoker.sizing.programs import _filler, random_like
+
+    def layer(width: int) -> dict[str, jax.ShapeDtypeStruct]:
+        return {"w": jax.ShapeDtypeStruct((width, 2 * width), np.float32), "b": jax.ShapeDtypeStruct((2 * width,), np.float32),
+                "mask": jax.ShapeDtypeStruct((3,), np.bool_)}
+
+    def compiles_to_make(tree: Any) -> tuple[Any, int]:
+        where = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), tree)
+        compiles: list[str] = []
+
+        def heard(event: str, seconds: float, **_: object) -> None:
+            if event == BACKEND_COMPILE_EVENT:
+                compiles.append(event)
+
+        monitoring.register_event_duration_secs_listener(heard)
+        try:
+            return random_like(tree, where, seed=7), len(compiles)
+        finally:
+            monitoring.unregister_event_duration_listener(heard)
+
+    shallow = {f"layer_{i}": layer(8) for i in range(3)} | {"head": layer(16)}
+    tree = {f"layer_{i}": layer(8) for i in range(40)} | {"head": layer(16)}
+    _filler.cache_clear()
+    _, first = compiles_to_make(shallow)
+    made, deeper = compiles_to_make(tree)
+    assert first <= 5 and deeper == 0  # one program per layout, made once: not one per tree, nor per leaf
+    where = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.devices()[0]), tree)
+    first, second = np.asarray(made["layer_0"]["w"]), np.asarray(made["layer_1"]["w"])
+    assert first.shape == (8, 16) and 0.01 < first.std() < 0.04
+    assert not np.allclose(first, second)  # each leaf its own key
+    assert np.asarray(made["layer_3"]["mask"]).all()
+    assert not np.asarray(random_like(tree, where, seed=7, scale=0.0)["head"]["w"]).any()
