@@ -2,7 +2,8 @@
 
 On one machine (``stoker run``) an actor is a process that samples on the CPU: a CPU-bound actor
 uses about one core, so more actors than the host has cores to spare only share them. The budget:
-the cores this process may use (``os.sched_getaffinity``), less one for the buffer, one per
+the cores this process may use (``os.sched_getaffinity``, and no more than its cgroup's CPU quota:
+a container's CPU limit, which neither ``nproc`` nor the affinity mask shows), less one for the buffer, one per
 learner process and one per rollout-server process; the rest go to actors. On a cluster each actor
 is a pod with its own CPU, so the host does not bound them.
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from stoker.spec import RLJobSpec
 
@@ -32,12 +34,65 @@ class ActorCount:
     why: str
 
 
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
+
+
 def host_cores() -> int:
-    """The cores this process may run on (its affinity mask; ``os.cpu_count`` where there is none)."""
+    """The cores this process may use: its affinity mask (``os.cpu_count`` where there is none),
+    capped by its cgroup's CPU quota, rounded up (a quota of 3.5 cores feeds a 4th process a little)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # macOS, Windows: no affinity masks
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    quota = cpu_quota_cores()
+    return cores if quota is None else max(1, min(cores, math.ceil(quota)))
+
+
+def cpu_quota_cores(root: Path = CGROUP_ROOT, membership: Path = PROC_CGROUP) -> float | None:
+    """The CPU time this process's cgroup and its ancestors allow, in cores (quota / period, the
+    smallest along the path); None without a limit or a readable cgroup file system.
+
+    A Kubernetes container's ``limits.cpu`` and a VM's CPU cap are such quotas: 13 cores in the
+    affinity mask under a quota of 4 run 4 cores' work, so 9 more actors would only wait."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return None
+    limits: list[float] = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # cgroup v2: cpu.max holds "QUOTA PERIOD" or "max PERIOD"
+            for folder in _ancestors(root, path):
+                limits += _quota(folder / "cpu.max", None)
+        elif "cpu" in controllers.split(","):  # cgroup v1: cpu.cfs_quota_us (-1: none) over cpu.cfs_period_us
+            mount = root / controllers if (root / controllers).is_dir() else root / "cpu"
+            for folder in _ancestors(mount, path):
+                limits += _quota(folder / "cpu.cfs_quota_us", folder / "cpu.cfs_period_us")
+    return min(limits) if limits else None
+
+
+def _ancestors(mount: Path, path: str) -> list[Path]:
+    """``mount/path`` and each folder above it up to ``mount`` (a container sees its own cgroup
+    as the root: then only ``mount`` itself)."""
+    parts = [p for p in path.strip().split("/") if p]
+    return [mount.joinpath(*parts[:depth]) for depth in range(len(parts), -1, -1)]
+
+
+def _quota(quota_file: Path, period_file: Path | None) -> list[float]:
+    try:
+        fields = quota_file.read_text().split()
+        if period_file is not None:
+            fields.append(period_file.read_text().strip())
+        quota, period = fields[0], float(fields[1])
+    except (OSError, IndexError, ValueError):
+        return []
+    if quota in ("max", "-1") or period <= 0:
+        return []
+    try:
+        return [float(quota) / period]
+    except ValueError:
+        return []
 
 
 def admitted_episodes(spec: RLJobSpec) -> int:
@@ -73,7 +128,9 @@ def host_actors(spec: RLJobSpec, cores: int, *, learner_processes: int = 1, roll
     spare = max(1, cores - reserved)
     admitted = admitted_actors(spec)
     replicas, clamp = _clamped(spec, min(spare, admitted))
-    parts = [f"unset actors.replicas: {cores} cores, {BUFFER_CORES} for the buffer, "
+    quota = cpu_quota_cores()
+    limit = " (the cgroup's CPU quota)" if quota is not None and math.ceil(quota) == cores else ""
+    parts = [f"unset actors.replicas: {cores} cores{limit}, {BUFFER_CORES} for the buffer, "
              f"{LEARNER_CORES * learner_processes} for the learner"]
     if rollout_processes:
         parts.append(f"{ROLLOUT_CORES * rollout_processes} for the rollout server")

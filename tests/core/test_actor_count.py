@@ -81,3 +81,50 @@ def test_a_local_run_starts_and_announces_the_actors_the_host_feeds(
     assert "stoker run: actors: 3 (unset actors.replicas: 5 cores, 1 for the buffer, 1 for the learner, 3 for actors)" \
         in capsys.readouterr().err
     assert run.placement.host.cores == 5 and run.placement.host.reserved == 2
+
+
+def _cgroup(tmp_path: Path, membership: str, files: dict[str, str]) -> tuple[Path, Path]:
+    root = tmp_path / "cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (tmp_path / "self-cgroup").write_text(membership)
+    return root, tmp_path / "self-cgroup"
+
+
+def test_a_cgroup_v2_cpu_quota_caps_the_cores_the_smallest_along_the_path(tmp_path: Path) -> None:
+    """A container's CPU limit (Kubernetes limits.cpu, a VM's cap) is a quota nproc does not show:
+    13 cores in the affinity mask under 4 cores of quota feed 2 actors, not 11."""
+    root, membership = _cgroup(tmp_path, "0::/kubepods/pod1/ctr\n", {
+        "cpu.max": "max 100000\n", "kubepods/cpu.max": "1200000 100000\n",
+        "kubepods/pod1/cpu.max": "350000 100000\n", "kubepods/pod1/ctr/cpu.max": "max 100000\n"})
+    assert actor_count.cpu_quota_cores(root, membership) == 3.5
+    (root / "kubepods/pod1/cpu.max").write_text("max 100000\n")
+    assert actor_count.cpu_quota_cores(root, membership) == 12.0
+    (root / "kubepods/cpu.max").write_text("max 100000\n")
+    assert actor_count.cpu_quota_cores(root, membership) is None  # no limit anywhere
+
+
+def test_a_cgroup_v1_cfs_quota_counts_and_minus_one_means_none(tmp_path: Path) -> None:
+    root, membership = _cgroup(tmp_path, "4:memory:/x\n3:cpu,cpuacct:/job\n0::/\n", {
+        "cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+        "cpu,cpuacct/job/cpu.cfs_quota_us": "400000\n", "cpu,cpuacct/job/cpu.cfs_period_us": "100000\n"})
+    assert actor_count.cpu_quota_cores(root, membership) == 4.0
+    (root / "cpu,cpuacct/job/cpu.cfs_quota_us").write_text("-1\n")
+    assert actor_count.cpu_quota_cores(root, membership) is None
+    assert actor_count.cpu_quota_cores(root, tmp_path / "no-such-file") is None  # not Linux, or no /proc
+
+
+def test_the_host_cores_are_the_affinity_mask_capped_by_the_quota_rounded_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(actor_count.os, "sched_getaffinity", lambda pid: set(range(13)))
+    monkeypatch.setattr(actor_count, "cpu_quota_cores", lambda: 3.5)
+    assert actor_count.host_cores() == 4
+    monkeypatch.setattr(actor_count, "cpu_quota_cores", lambda: 0.5)
+    assert actor_count.host_cores() == 1
+    monkeypatch.setattr(actor_count, "cpu_quota_cores", lambda: 64.0)
+    assert actor_count.host_cores() == 13
+    monkeypatch.setattr(actor_count, "cpu_quota_cores", lambda: None)
+    assert actor_count.host_cores() == 13
+    monkeypatch.setattr(actor_count, "cpu_quota_cores", lambda: 4.0)
+    counted = actor_count.host_actors(_spec(), actor_count.host_cores())
+    assert counted.replicas == 2 and "4 cores (the cgroup's CPU quota)" in counted.why
