@@ -8,7 +8,7 @@
 # host's cores), then the 0.5 s-per-environment-step protocol (utilisation.py's settings) both
 # ways; every run under a timeout, so a hang costs its slot and not the call. The table of all
 # runs goes to $OUT/chip.md and $OUT/chip.json (benchmarks/run_figures.py), each run's log to $OUT.
-# shipped and latency by default (~9 minutes); `latency` alone gives its synchronous run the ~5
+# host_cpu.py always first (~15 s); shipped and latency by default (~9 minutes); `latency` alone gives its synchronous run the ~5
 # minutes it needs to reach 0.9; `bench` alone (~8 minutes) runs `stoker bench` on benchmarks/chip/. CHIP_SECONDS scales every limit (e.g. 0.2 for a quick check on a CPU machine).
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -63,6 +63,8 @@ bench() {
 }
 
 PARTS=${*:-shipped latency}
+# Always first (~15 s): the cores the host really runs at once, against its mask and CPU quota.
+"$PYTHON" "$ROOT/benchmarks/host_cpu.py" --json "$OUT/host.json" | tee -a "$OUT/chip.log"
 case " $PARTS " in *" bench "*) bench; esac
 case " $PARTS " in *" shipped "*)
     run shipped-async 130 "$ROOT/examples/frozenlake.yaml" async
