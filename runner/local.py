@@ -28,6 +28,7 @@ from pathlib import Path
 
 from stoker.endpoints import ready_address
 from stoker.parent import PARENT_ENV
+from stoker.profile import PROFILE_ENV, StackSampler
 from stoker.runner.children import STOP_GRACE_SECONDS, Child, terminate_on_signals, wait_for_ready_file
 from stoker.learner.diskfull import no_space
 from stoker.runner.diskfull import EXIT_DISK_FULL, DiskFull, disk_full_error, is_no_space, seal_torn_lines
@@ -50,7 +51,12 @@ def main(args: argparse.Namespace) -> int:
         return 2
     options.run_dir.mkdir(parents=True, exist_ok=True)
     options.logs_dir.mkdir(exist_ok=True)
+    # This process too: with --mode sync it is the learner and the actors.
+    sampler = StackSampler(options.profiles_dir / f"run-{os.getpid()}.txt", "stoker run").start() if options.profile else None
     outcome = _run(options)
+    if sampler is not None:
+        sampler.stop()
+        print(f"profiles: {options.profiles_dir}", file=sys.stderr)
     if outcome.exit_code == EXIT_DISK_FULL:
         # A report now would take what little space is left and come out torn; the resumed run writes it.
         print(f"stoker run: {outcome.message}\nno report: the disk is full", file=sys.stderr)
@@ -288,6 +294,8 @@ def child_env(options: RunOptions) -> dict[str, str]:
     env.setdefault("JAX_COMPILATION_CACHE_DIR", compilation_cache_dir(options))
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    if options.profile:
+        env[PROFILE_ENV] = str(options.profiles_dir)
     return env
 
 

@@ -63,6 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "one more death stops the run (0: the first one does)",
     )
     parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of the live display")
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="sample every process's Python stacks 100 times a second (wall time, per thread) into "
+        "RUN_DIR/profiles/<command>-<pid>.txt: where actors, buffer and learner spend or wait their time",
+    )
 
 
 @dataclass
@@ -82,6 +87,12 @@ class RunOptions:
     rollout_processes: int = 1
     transport: str = UNIX
     restarts: RestartPolicy = field(default_factory=RestartPolicy)
+    profile: bool = False
+
+    @property
+    def profiles_dir(self) -> Path:
+        """``--profile``'s stack samples, a file per process (``stoker.profile``)."""
+        return self.run_dir / "profiles"
 
     @property
     def metrics_path(self) -> Path:
@@ -141,4 +152,5 @@ def resolve_options(args: argparse.Namespace) -> RunOptions:
         rollout_processes=rollout_processes,
         transport=getattr(args, "transport", UNIX),
         restarts=RestartPolicy(max_restarts=max_restarts),
+        profile=getattr(args, "profile", False),
     )

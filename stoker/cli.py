@@ -16,6 +16,7 @@ from typing import Any
 from stoker import __version__
 from stoker.manifest import ManifestError
 from stoker.parent import stop_with_parent
+from stoker.profile import profile_from_env
 
 # subcommand -> (module providing add_arguments/main, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -50,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
     stop_with_parent()
+    profile_from_env(args.command)  # stoker run --profile: each child samples its own stacks
     try:
         return int(_load(args._module).main(args) or 0)
     except NotReady as exc:
