@@ -15,24 +15,11 @@ from stoker.buffer.server import BufferServer
 from stoker.buffer.settings import BufferSettings
 from stoker.buffer.wire import encode_trajectory
 from stoker.trajectory import Episode
+from tests.buffer.core_fakes import FakeClock, open_core
 
 Groups = Callable[..., list[Episode]]
 # The ``settings`` fixture's allowance: (max_staleness 2 + version 0 + 1) * batch_groups 2.
 ALLOWANCE = 6
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def open_core(path: Path, settings: BufferSettings, clock: FakeClock) -> BufferCore:
-    core = BufferCore(settings, path, clock=clock)
-    core.open()
-    return core
 
 
 def put(core: BufferCore, episodes: list[Episode], incarnation: str) -> None:

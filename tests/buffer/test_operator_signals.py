@@ -18,17 +18,10 @@ from stoker.buffer.server import BufferServer
 from stoker.buffer.settings import ADMISSION_FILE_ENV, BufferSettings
 from stoker.spec import RLJobSpec
 from stoker.trajectory import Episode
+from tests.buffer.core_fakes import FakeClock
 
 Groups = Callable[..., list[Episode]]
 ServerFactory = Callable[..., BufferServer]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def write_scale(path: Path, text: str, mtime_ns: int) -> None:
