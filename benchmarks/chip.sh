@@ -23,8 +23,9 @@ limit() { "$PYTHON" -c "print(max(10, int($1 * $SCALE)))"; }
 
 # run NAME SECONDS MANIFEST MODE: `stoker run` to 0.9, stopped cleanly a little before SECONDS.
 run() {
-    local name=$1 seconds; seconds=$(limit "$2")
-    timeout -k 10 "$seconds" "$PYTHON" -m stoker.cli run "$3" --mode "$4" --run-dir "$WORK/$name" --no-progress \
+    local name=$1 seconds profile=(); seconds=$(limit "$2")
+    [ "$name" = shipped-async ] && profile=(--profile)  # where its actors wait: $OUT/shipped-async-profiles.txt
+    timeout -k 10 "$seconds" "$PYTHON" -m stoker.cli run "$3" --mode "$4" --run-dir "$WORK/$name" --no-progress ${profile[@]+"${profile[@]}"} \
         --target-success 0.9 --max-minutes "$("$PYTHON" -c "print(round(($seconds - 15) / 60, 2))")" \
         > "$WORK/$name.log" 2>&1
     echo "$name: exit $? after ${SECONDS}s of the script" | tee -a "$OUT/chip.log"
@@ -83,4 +84,6 @@ tail -n 5 "$WORK"/*.log > "$OUT/logs.txt" 2>&1
 for name in shipped-async latency-async; do
     [ -f "$WORK/$name/report.md" ] && cp "$WORK/$name/report.md" "$OUT/$name-report.md"
 done
+# Each process's profile, the top of each thread family (at most 8 files come back from the device).
+[ -d "$WORK/shipped-async/profiles" ] && head -n 60 "$WORK"/shipped-async/profiles/*.txt > "$OUT/shipped-async-profiles.txt"
 exit 0
