@@ -215,7 +215,9 @@ class ProcessSandbox:
         if self._final is None and self.returncode is not None:
             self._final = self.returncode
             self.zygote.forget(self.pid)
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        # Off the event loop: a sandbox's folder (a repository, test caches) takes a while to delete,
+        # and every other episode of the actor waits on this loop meanwhile.
+        await asyncio.to_thread(shutil.rmtree, self.workdir, True)
 
 
 class ProcessSandboxFactory:

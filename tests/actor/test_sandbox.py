@@ -278,3 +278,28 @@ async def test_heartbeats_keep_a_slow_episode_alive_and_silence_reaps_it(
         assert episode.status == TRUNCATED and episode.num_turns == 3
     else:
         assert episode.status == FAILED and "exited with code 0" in episode.status_reason
+
+
+async def test_a_killed_sandbox_leaves_no_folder_and_is_deleted_off_the_event_loop(
+    process_factory, lake_config: SandboxConfig, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
+) -> None:
+    """Deleting a sandbox's folder (a repository, test caches) takes a while; the actor's other
+    episodes run on the same event loop, so the delete runs in a worker thread."""
+    import stoker.actor.process_sandbox as process_sandbox
+
+    deleting_threads: list[str] = []
+    real_rmtree = process_sandbox.shutil.rmtree
+
+    def recording_rmtree(path: Path, ignore_errors: bool = False) -> None:
+        deleting_threads.append(threading.current_thread().name)
+        real_rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(process_sandbox.shutil, "rmtree", recording_rmtree)
+    environment = await process_factory(lake_config)()
+    sandbox = environment.handle
+    assert isinstance(sandbox, ProcessSandbox) and sandbox.workdir.is_dir()
+    (sandbox.workdir / "left-by-an-episode").write_text("x")
+    await sandbox.kill()
+    assert not sandbox.workdir.exists()
+    assert deleting_threads and threading.main_thread().name not in deleting_threads
+    await environment.close()
