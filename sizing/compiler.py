@@ -95,7 +95,14 @@ def compile_program(jitted: Any, args: Sequence[Any], devices: Sequence[Any], sl
     order (the ids its collectives name); ``slice_of(id)`` is a device's slice. ``keep``: hold the
     compiled program in ``Compiled.executable``."""
     started = time.perf_counter()
-    lowered = jitted.lower(*args)
+    return compile_lowered(jitted.lower(*args), started, devices, slice_of, keep=keep)
+
+
+def compile_lowered(lowered: Any, started: float, devices: Sequence[Any], slice_of: Callable[[int], int],
+                    *, keep: bool = False) -> Compiled:
+    """``compile_program`` after its lowering (traced on the calling thread, ``started`` when that
+    began): the compile alone is XLA's, without the interpreter lock, so several can run side by
+    side on threads."""
     try:
         compiled = lowered.compile()
     except Exception as exc:  # jax raises XlaRuntimeError / JaxRuntimeError; both carry the text

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +36,8 @@ from stoker.model.hf import dtype_from_name
 from stoker.model.layers import head_dim
 from stoker.model.model import RematPolicy, Transformer
 from stoker.sizing.chips import chip
-from stoker.sizing.compiler import Compiled, Slice, compile_program
+from stoker.actor_count import host_cores
+from stoker.sizing.compiler import Compiled, Slice, compile_lowered, compile_program
 from stoker.spec import RLJobSpec, TransformerConfig
 
 
@@ -64,6 +67,9 @@ class Program:
     @property
     def largest(self) -> str:
         return max(self.terms, key=lambda k: self.terms[k])
+
+
+SIDE_BY_SIDE_MIN_CORES = 4  # a core per compile, about: fewer and they would only queue
 
 
 def random_like(abstract: Any, shardings: Any, seed: int, scale: float = 0.02) -> Any:
@@ -148,12 +154,15 @@ def train_flops(config: TransformerConfig, rows: int, length: int) -> float:
 def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | None = None,
                      progress: Callable[[str], None] = lambda line: None, backend: Backend | None = None,
                      kinds: Collection[str] | None = None, keep: bool = False,
-                     memory_limit: int | None = None) -> list[Program]:
+                     memory_limit: int | None = None, compile_workers: int | None = None) -> list[Program]:
     """The learner's programs on ``slice_``: grad per bucket (at its micro-batch rows), apply, publish
     (``kinds``: only those). ``backend`` picks the attention kernel (a TPU's when None); ``keep``
     holds each compiled program, to run it on ``slice_``'s devices when they are real.
     ``memory_limit``: bytes one chip may hold, what ``model.remat: auto`` judges the grad steps
-    against (``stoker.learner.remat``; the chip's usable HBM for a TPU slice when None)."""
+    against (``stoker.learner.remat``; the chip's usable HBM for a TPU slice when None).
+    ``compile_workers``: threads compiling remat auto's candidates and the apply side by side
+    (None: ``side_by_side_workers()``; 0: one after another, each candidate only if the one before
+    did not fit)."""
     config, note = model_config(spec)
     settings = LearnerSettings.from_spec(spec)
     dtype = dtype_from_name(settings.dtype)
@@ -188,6 +197,7 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
     lengths = sorted(buckets or list(settings.buckets), reverse=True)  # longest first: the largest step
     wanted = set(kinds) if kinds is not None else {"grad", "apply", "publish"}
     grads: dict[RematPolicy, list[Program]] = {}
+    prefetched: dict[tuple[RematPolicy, int] | str, Future[Compiled]] = {}
 
     def grad_programs(policy: RematPolicy, allowed: int | None = None) -> list[Program]:
         """Each bucket's grad under ``policy``, longest first; stops past ``allowed`` bytes per chip."""
@@ -196,7 +206,8 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
         for length in lengths[len(grads.setdefault(policy, [])):]:
             grad, args = trainer.programs(rows[length], length)["grad"]
             progress(f"  grad {length} ({rows[length]} x {length} tokens, remat {policy})")
-            compiled = compile_program(grad, args, devices, slice_of, keep=keep)
+            ahead = prefetched.pop((policy, length), None)
+            compiled = ahead.result() if ahead is not None else compile_program(grad, args, devices, slice_of, keep=keep)
             terms = grad_terms(state, compiled.argument_bytes, compiled.required_temp_bytes or compiled.temp_bytes)
             program = Program("learner", f"grad {length}", f"{rows[length]} x {length} tokens", terms, compiled,
                               tokens=rows[length] * length, model_flops=train_flops(config, rows[length], length),
@@ -216,6 +227,23 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
         if any(p.compiled.error for p in programs):
             return None
         return max(p.total for p in programs) * slice_.devices_per_chip
+
+    workers = side_by_side_workers() if compile_workers is None else compile_workers
+    deciding = "grad" in wanted and settings.remat == "auto" and backend.platform != "cpu" and limit is not None
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="compile") if deciding and workers > 0 else None
+    if pool is not None:
+        # Each candidate's longest bucket (the one that decides the fit) and the apply, traced here
+        # and compiled on the pool's threads: on a TPU host ~15-30 s each, side by side not in turn.
+        progress(f"  compiling remat {', '.join(remat.REMAT_ORDER)} and the apply side by side ({workers} threads)")
+        for policy in remat.REMAT_ORDER:
+            grad, args = trainer_for(policy).programs(rows[lengths[0]], lengths[0])["grad"]
+            started = time.perf_counter()
+            prefetched[(policy, lengths[0])] = pool.submit(compile_lowered, grad.lower(*args), started, devices,
+                                                           slice_of, keep=keep)
+        if "apply" in wanted:
+            apply, args = trainer_for(remat.REMAT_ORDER[0]).programs(rows[settings.buckets[-1]], settings.buckets[-1])["apply"]
+            started = time.perf_counter()
+            prefetched["apply"] = pool.submit(compile_lowered, apply.lower(*args), started, devices, slice_of, keep=keep)
 
     if "grad" in wanted:
         choice = remat.resolve_remat(settings.remat, backend.platform, peak, limit)
@@ -252,7 +280,8 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
     if "apply" in wanted:
         apply, args = trainer.programs(rows[settings.buckets[-1]], settings.buckets[-1])["apply"]
         progress("  apply")
-        compiled = compile_program(apply, args, devices, slice_of, keep=keep)
+        ahead = prefetched.pop("apply", None)  # the same program whatever the remat
+        compiled = ahead.result() if ahead is not None else compile_program(apply, args, devices, slice_of, keep=keep)
         terms = {"parameters": state.params, "optimizer": state.opt_state, "gradients": state.params,
                  "temporaries": compiled.required_temp_bytes or compiled.temp_bytes}
         if compiled.output_bytes - compiled.alias_bytes > 2**20:  # outputs not written in place of donated inputs
@@ -264,7 +293,17 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
         progress("  publish")
         out.append(_publish(trainer, state, devices, slice_of, notes, keep=keep))
         out[-1].remat = choice
+    if pool is not None:  # a candidate auto did not need is not waited for
+        pool.shutdown(wait=False, cancel_futures=True)
     return out
+
+
+def side_by_side_workers(cores: int | None = None) -> int:
+    """Threads for compiling remat auto's candidates side by side: one per candidate and one for
+    the apply on a host with the cores for it; none on a small one (CI's two cores), where the
+    candidates compile in turn and stop at the first that fits."""
+    cores = host_cores() if cores is None else cores
+    return 0 if cores < SIDE_BY_SIDE_MIN_CORES else min(cores, len(remat.REMAT_ORDER) + 1)
 
 
 def grad_inputs(trainer: train.Trainer, rows: int, length: int, vocab: int) -> Callable[[Any, int], tuple[Any, ...]]:

@@ -12,7 +12,8 @@ import pytest
 from stoker.learner.remat import HEADROOM, REMAT_ORDER, budget
 from stoker.manifest import load_job
 from stoker.sizing.compiler import load_slice
-from stoker.sizing.programs import learner_programs
+from stoker.sizing import programs
+from stoker.sizing.programs import learner_programs, side_by_side_workers
 
 pytestmark = pytest.mark.slow
 
@@ -44,3 +45,37 @@ def test_auto_takes_the_first_policy_whose_step_fits_the_chip_less_the_headroom(
     assert choice.policy == expected, f"libtpu's layouts moved: {peaks}"
     assert f"remat {expected}" in grad.notes[0] and grad.notes[1] == choice.line
     assert choice.line.startswith(f"remat auto: {expected} (peak ") and f"headroom {HEADROOM:.0%}" in choice.line
+
+
+def test_candidates_compiled_side_by_side_choose_and_lay_out_as_in_turn(
+    job: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a host with the cores, auto's candidates and the apply compile on threads at once
+    (a TPU host's ~15-30 s each, side by side): the choice, the grad's terms and the apply's must be
+    what the compiles one after another give."""
+    spec = load_job(str(job(hidden=128, layers=3, mlp=384, bucket=256))).spec
+    limit = int(10.5 * MB)
+    in_turn = learner_programs(spec, load_slice("v5e:2x2", 4), kinds={"grad", "apply"}, memory_limit=limit,
+                               compile_workers=0)
+    lines: list[str] = []
+    in_turn_compiles: list[str] = []
+    real_compile = programs.compile_program
+
+    def counted(*args: object, **kwargs: object) -> object:
+        in_turn_compiles.append("compiled")
+        return real_compile(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(programs, "compile_program", counted)
+    side_by_side = learner_programs(spec, load_slice("v5e:2x2", 4), kinds={"grad", "apply"}, memory_limit=limit,
+                                    compile_workers=4, progress=lines.append)
+    assert any("side by side (4 threads)" in line for line in lines)
+    assert in_turn_compiles == []  # what was compiled ahead is what is used: nothing compiled again
+    assert [p.name for p in side_by_side] == [p.name for p in in_turn] == ["grad 256", "apply"]
+    for alone, together in zip(in_turn, side_by_side, strict=True):
+        assert together.terms == alone.terms and together.remat == alone.remat
+    assert side_by_side[0].remat is not None and side_by_side[0].remat.policy == "save-matmuls"
+
+
+def test_side_by_side_only_where_the_host_has_the_cores() -> None:
+    assert side_by_side_workers(2) == 0  # CI's VM: one after another, stopping at the first fit
+    assert side_by_side_workers(13) == len(REMAT_ORDER) + 1
