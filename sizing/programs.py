@@ -69,9 +69,6 @@ class Program:
         return max(self.terms, key=lambda k: self.terms[k])
 
 
-SIDE_BY_SIDE_MIN_CORES = 4  # a core per compile, about: fewer and they would only queue
-
-
 def random_like(abstract: Any, shardings: Any, seed: int, scale: float = 0.02) -> Any:
     """Arrays of ``abstract``'s shapes and dtypes laid out as ``shardings`` (a tree over the same
     structure): floats normal with std ``scale`` (0: zeros), integers 0, booleans true. Each device
@@ -296,6 +293,9 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
     if pool is not None:  # a candidate auto did not need is not waited for
         pool.shutdown(wait=False, cancel_futures=True)
     return out
+
+
+SIDE_BY_SIDE_MIN_CORES = 4  # a core per compile, about: fewer and they would only queue
 
 
 def side_by_side_workers(cores: int | None = None) -> int:
