@@ -43,6 +43,7 @@ SNAPSHOT_SECONDS = 2.0  # the stats file is rewritten this often while the actor
 RECENT_SECONDS = 30.0  # the window of the "recent" rates the progress display shows
 # The window of an actor's load: short, so the start's compilation soon leaves it.
 LOAD_SECONDS = 10.0
+EPISODE_TIME_KEYS = ("episode_seconds", "sample_seconds", "environment_seconds")  # summed over episodes
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,10 @@ class ActorDiagnostics:
     sampled_tokens: int = 0
     model_turns: int = 0
     truncated: int = 0
+    # Summed over episodes: wall time (sandbox start included), waiting on the sampler, on the environment.
+    episode_seconds: float = 0.0
     sample_seconds: float = 0.0
+    environment_seconds: float = 0.0
     failures: Counter[str] = field(default_factory=Counter)
     examples: dict[str, str] = field(default_factory=dict)
     # The judge's refused attempts by kind (``reward_tampering_total``), from each episode's metrics.
@@ -132,7 +136,9 @@ class ActorDiagnostics:
             self.episodes += 1
             self.sampled_tokens += sampled_tokens(episode)
             self.model_turns += int(episode.num_turns)
+            self.episode_seconds += max(0.0, float(episode.finished_unix) - float(episode.started_unix))
             self.sample_seconds += float(episode.sample_seconds)
+            self.environment_seconds += float(episode.environment_seconds)
             self.truncated += int(episode.status == trajectory_pb2.EPISODE_STATUS_TRUNCATED)
             for key, value in (episode.metrics or {}).items():  # cumulative over the episode: its last value
                 if key.startswith("tampering/") and value:
@@ -176,6 +182,9 @@ class ActorDiagnostics:
             "completion_tokens_mean": self.sampled_tokens / n,
             "turn_tokens_mean": self.sampled_tokens / max(self.model_turns, 1),
             "truncation_rate": self.truncated / n,
+            "episode_seconds": self.episode_seconds,
+            "sample_seconds": self.sample_seconds,
+            "environment_seconds": self.environment_seconds,
             "failed_episodes": sum(self.failures.values()),
             "failures": [
                 {"reason": key, "count": count, "example": self.examples.get(key, "")}
@@ -194,6 +203,20 @@ class ActorDiagnostics:
 
     def top_failures(self, n: int = 3) -> list[tuple[str, int]]:
         return self.failures.most_common(n)
+
+
+def episode_time_line(combined: dict[str, Any]) -> str | None:
+    """Where an episode's wall time went (``combine``'s sums), or None before any episode: the
+    split that tells an actor held up by its sampler from one held up by its environments."""
+    total, episodes = float(combined.get("episode_seconds", 0.0)), int(combined.get("episodes", 0))
+    if total <= 0 or episodes == 0:
+        return None
+    sample, environment = float(combined.get("sample_seconds", 0.0)), float(combined.get("environment_seconds", 0.0))
+    rest = max(0.0, total - sample - environment)
+    return (
+        f"an episode's wall time (mean {total / episodes:.2f} s): waiting for the sampler {100 * sample / total:.0f}%, "
+        f"the environment {100 * environment / total:.0f}% (its sandbox's start included), the rest {100 * rest / total:.0f}%"
+    )
 
 
 def write_snapshot(path: Path, snapshot: dict[str, Any]) -> None:
@@ -261,6 +284,7 @@ def combine(snapshots: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "recent_trajectories_per_second": sum(float(s.get("recent_trajectories_per_second", 0.0)) for s in snapshots),
         "completion_tokens_mean": tokens / episodes if episodes else 0.0,
         "truncation_rate": truncated / episodes if episodes else 0.0,
+        **{key: sum(float(s.get(key, 0.0)) for s in snapshots) for key in EPISODE_TIME_KEYS},
         "failed_episodes": sum(counts.values()),
         "failures": [{"reason": k, "count": c, "example": examples[k]} for k, c in counts.most_common()],
         "reward_tampering_total": dict(tampering.most_common()),

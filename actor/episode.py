@@ -132,18 +132,21 @@ async def run_episode(
     group_size: int = 1,
     episode_id: str | None = None,
     actor_id: str = "",
+    setup_seconds: float = 0.0,
 ) -> Episode:
     """Play one episode to the end; never raises for environment trouble (it becomes the status).
 
-    The episode is one conversation (``session``) of the policy from its first turn to the end."""
+    The episode is one conversation (``session``) of the policy from its first turn to the end.
+    ``setup_seconds``: what starting ``env`` took (its sandbox), counted as the episode's
+    environment time and wall time."""
     episode_id = episode_id or uuid.uuid4().hex
     builder = TrajectoryBuilder()
     sampled: Sampled | None = None
     turn_rewards: list[float] = []
     metrics: dict[str, float] = {}
     status, reason = TRUNCATED, f"turn limit ({limits.max_turns})"
-    sample_s = env_s = 0.0
-    started = time.time()
+    sample_s, env_s = 0.0, setup_seconds
+    started = time.time() - setup_seconds
     try:
         async with asyncio.timeout(limits.episode_seconds):
             t0 = time.perf_counter()
@@ -335,6 +338,7 @@ async def run_group(
             return await start(index)
 
     async def start(index: int) -> Episode:
+        asked = time.perf_counter()
         try:
             env = await env_factory()
         except SandboxTimeout as exc:
@@ -352,6 +356,7 @@ async def run_group(
                 group_id=group_id,
                 group_size=group_size,
                 actor_id=actor_id,
+                setup_seconds=time.perf_counter() - asked,
             )
         finally:
             await _close(env)

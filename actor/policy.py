@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -74,10 +75,17 @@ class BatchStats:
     calls: int = 0
     requests: int = 0
     sizes: list[int] = field(default_factory=list)
+    busy_seconds: float = 0.0  # in the sampler's calls (compiles included)
+    started: float = field(default_factory=time.monotonic)
 
     @property
     def mean_batch(self) -> float:
         return self.requests / self.calls if self.calls else 0.0
+
+    @property
+    def busy_share(self) -> float:
+        """The sampler thread's share of the wall time since the start spent in calls."""
+        return self.busy_seconds / max(time.monotonic() - self.started, 1e-9)
 
 
 # Per-row cost of a CPU sampler call doubles once a call outgrows the caches: at 16 rows x 256
@@ -178,6 +186,7 @@ class BatchedSampler:
                 sessions = [r.session for r in batch] if first.session is not None else None
                 # Passed only when set: a sampler without a temperature argument still serves training.
                 override: dict[str, Any] = {} if first.temperature is None else {"temperature": first.temperature}
+                called = time.monotonic()
                 try:
                     generations = await loop.run_in_executor(
                         self._executor,
@@ -195,6 +204,8 @@ class BatchedSampler:
                         if not request.future.done():
                             request.future.set_exception(exc)
                     continue
+                finally:
+                    self.stats.busy_seconds += time.monotonic() - called
                 self.stats.calls += 1
                 self.stats.requests += len(batch)
                 self.stats.sizes.append(len(batch))

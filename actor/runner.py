@@ -384,7 +384,10 @@ class Actor:
         if batching is not None and cache is not None:
             # An episode's sampling CPU hangs on these two: rows per sampler call, and how much of
             # each prompt comes from the conversation cache instead of being prefilled again.
-            sampling = f"; sampler: {batching.mean_batch:.1f} rows per call, {100 * cache.reuse:.0f}% of prompt tokens cached"
+            sampling = (
+                f"; sampler: busy {100 * batching.busy_share:.0f}% of the time, {batching.mean_batch:.1f} rows per call, "
+                f"{100 * cache.reuse:.0f}% of prompt tokens cached"
+            )
         diagnostics = self.stats.diagnostics
         failures = "".join(f"; {count} x {reason}" for reason, count in diagnostics.top_failures())
         log.info(

@@ -6,7 +6,9 @@ Per run: its mode, seconds from the start of `stoker run` to the first learner s
 actors starting), seconds from that first step to the target rolling success (10 steps, as
 ``--target-success`` judges it), the steps it took, the learner's duty cycle, trajectories/s the
 actors delivered (async) or the loop played (sync), the staleness trained and the behaviour
-ratio's effective sample size. ``chip.sh`` writes its tables with this.
+ratio's effective sample size, the median wall time between steps (after the first five) and a
+group's latency (generated, then waiting to be trained; the learner's medians). ``chip.sh`` writes
+its tables with this.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from stoker.runner.report import read_jsonl, time_to_reach
 
 def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def figures(run_dir: Path, target: float) -> dict[str, Any]:
@@ -54,6 +60,9 @@ def figures(run_dir: Path, target: float) -> dict[str, Any]:
         "trajectories_per_second": delivered[-1] if delivered else (episodes / seconds if seconds > 0 else None),
         "staleness_mean": _mean([m["staleness_mean"] for m in metrics if m.get("staleness_mean") is not None]),
         "behaviour_ess": _mean([m["behaviour_ess"] for m in metrics if m.get("behaviour_ess") is not None]),
+        "seconds_per_step": _median([b["time"] - a["time"] for a, b in zip(metrics[5:], metrics[6:])]),
+        "group_seconds": _median([m["group_seconds"] for m in metrics if "group_seconds" in m]),
+        "group_wait_seconds": _median([m["group_wait_seconds"] for m in metrics if "group_wait_seconds" in m]),
     }
 
 
@@ -66,12 +75,14 @@ def _cell(value: Any, digits: int = 1) -> str:
 def markdown(rows: list[dict[str, Any]], target: float) -> str:
     header = (
         f"| run | mode | actors | first step after start (s) | time to {target} from the first step (s) | steps to {target} | "
-        "learner duty | trajectories/s | staleness mean | behaviour ESS |\n|---|---|---|---|---|---|---|---|---|---|\n"
+        "learner duty | trajectories/s | staleness mean | behaviour ESS | s per step | group generated (s) | "
+        "group waited (s) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = [
         f"| {r['run']} | {r['mode']} | {_cell(r.get('actors'))} | {_cell(r.get('first_step_seconds'))} | "
         f"{_cell(r.get('seconds_to_target'))} | {_cell(r.get('steps_to_target'))} | {_cell(r.get('duty_cycle'), 2)} | "
-        f"{_cell(r.get('trajectories_per_second'))} | {_cell(r.get('staleness_mean'), 2)} | {_cell(r.get('behaviour_ess'), 3)} |"
+        f"{_cell(r.get('trajectories_per_second'))} | {_cell(r.get('staleness_mean'), 2)} | {_cell(r.get('behaviour_ess'), 3)} | "
+        f"{_cell(r.get('seconds_per_step'), 3)} | {_cell(r.get('group_seconds'), 3)} | {_cell(r.get('group_wait_seconds'), 3)} |"
         for r in rows
     ]
     return header + "\n".join(lines) + "\n"

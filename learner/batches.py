@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,12 +107,16 @@ def episode_metric_means(episodes: Sequence[Episode]) -> dict[str, float]:
     return out
 
 
-def generation_figures(episodes: Sequence[Episode]) -> dict[str, float]:
+def generation_figures(episodes: Sequence[Episode], now: float | None = None) -> dict[str, float]:
     """What the batch's episodes generated, whether or not they train: ``sampled_tokens`` (model
     tokens of every episode; ``trained_tokens`` leaves out the groups without signal), the mean
-    completion length per episode and per model turn, and the share of truncated episodes."""
+    completion length per episode and per model turn, and the share of truncated episodes. With
+    the episodes' clock times, the loop's latency: ``group_seconds``, a group's first episode's
+    start to its last one's end, and ``group_wait_seconds``, that end to ``now`` (the batch's
+    training), each the mean over groups. (Actor clocks: skew between hosts shows in the wait.)"""
     if not episodes:
         return {}
+    timing = group_timing(episodes, time.time() if now is None else now)
     sampled = [int(np.asarray(e.loss_mask).sum()) for e in episodes]
     turns = sum(int(e.num_turns) for e in episodes)
     truncated = sum(int(e.status) == TRUNCATED for e in episodes)
@@ -122,6 +127,21 @@ def generation_figures(episodes: Sequence[Episode]) -> dict[str, float]:
         "turns_mean": turns / len(episodes),
         "truncation_rate": truncated / len(episodes),
         "failed_episodes": float(sum(int(e.status) in FAILED for e in episodes)),
+        **timing,
+    }
+
+
+def group_timing(episodes: Sequence[Episode], now: float) -> dict[str, float]:
+    """``generation_figures``' latency terms; none when an episode carries no clock times."""
+    spans: dict[str, tuple[float, float]] = {}
+    for e in episodes:
+        if e.started_unix <= 0 or e.finished_unix <= 0:
+            return {}
+        first, last = spans.get(e.group_id, (e.started_unix, e.finished_unix))
+        spans[e.group_id] = (min(first, e.started_unix), max(last, e.finished_unix))
+    return {
+        "group_seconds": float(np.mean([last - first for first, last in spans.values()])),
+        "group_wait_seconds": float(np.mean([now - last for _, last in spans.values()])),
     }
 
 

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import numpy as np
 
-from stoker.actor.diagnostics import combine, read_snapshots
+from stoker.actor.diagnostics import combine, episode_time_line, read_snapshots
 from stoker.learner.samples import SAMPLES_FILE, as_markdown
 
 matplotlib.use("Agg")  # headless: the report is files, never a window
@@ -177,6 +178,10 @@ def _generation(run_dir: Path, metrics: list[dict[str, Any]]) -> list[str]:
             f"- truncated episodes: {100 * g['truncation_rate']:.1f}%",
             f"- failed or timed-out episodes: {g['failed_episodes']}",
         ]
+        if (split := episode_time_line(g)) is not None:
+            lines.append(f"- {split}")
+    if (latency := group_latency_line(metrics)) is not None:
+        lines.append(f"- {latency}")
     if sampled:
         lines.append(
             f"- tokens the learner received: {sampled:.0f} sampled, {trained:.0f} trained on "
@@ -195,6 +200,20 @@ def _generation(run_dir: Path, metrics: list[dict[str, Any]]) -> list[str]:
         lines += [f"| {n} | {kind.replace('_', ' ')} |" for kind, n in g["reward_tampering_total"].items()]
         lines.append("")
     return lines
+
+
+def group_latency_line(metrics: list[dict[str, Any]]) -> str | None:
+    """How long a group took to generate and then waited to be trained (the learner's
+    ``group_seconds`` and ``group_wait_seconds``, median over steps): with bounded staleness the
+    sum of the two, not the actors' throughput, is what spaces the asynchronous loop's steps."""
+    made = [float(r["group_seconds"]) for r in metrics if "group_seconds" in r]
+    waited = [float(r["group_wait_seconds"]) for r in metrics if "group_wait_seconds" in r]
+    if not made or not waited:
+        return None
+    return (
+        f"a group's latency (median over {len(made)} steps): generated in {float(np.median(made)):.2f} s "
+        f"(its first episode's start to its last one's end), trained {float(np.median(waited)):.2f} s after that"
+    )
 
 
 def _samples(run_dir: Path) -> list[str]:

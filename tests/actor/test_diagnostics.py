@@ -11,7 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stoker.actor.diagnostics import ActorDiagnostics, LoadMeter, LoadReading, combine, failure_key, read_snapshots
+from stoker.actor.diagnostics import (
+    ActorDiagnostics, LoadMeter, LoadReading, combine, episode_time_line, failure_key, read_snapshots,
+)
 from stoker.actor.environments import Observation, StepResult
 from stoker.actor.episode import FAILED, OK, TIMEOUT, TRUNCATED, EpisodeSlots
 from stoker.actor.policy import ScriptedPolicy
@@ -233,3 +235,21 @@ def test_the_load_meter_reads_cpu_and_episodes_in_flight_per_wall_second() -> No
     # The window moves on: the next reading 10 s later spans only the idle part.
     now[0] += 10.0
     assert meter.read() == LoadReading(cpu_cores=0.0, episodes_in_flight=0.0, concurrency=8, trajectories_per_second=0.0)
+
+
+def test_the_report_says_where_the_episodes_time_went_over_all_actors() -> None:
+    def timed(wall: float, sample: float, environment: float) -> Episode:
+        e = episode(OK)
+        return dataclasses.replace(
+            e, started_unix=100.0, finished_unix=100.0 + wall, sample_seconds=sample, environment_seconds=environment
+        )
+
+    a, b = ActorDiagnostics("a"), ActorDiagnostics("b")
+    assert episode_time_line(combine([a.snapshot()])) is None  # nothing to say before an episode
+    a.add([timed(1.0, 0.2, 0.6), timed(1.0, 0.2, 0.6)])
+    b.add([timed(2.0, 0.6, 0.8)])
+    line = episode_time_line(combine([a.snapshot(), b.snapshot()]))
+    assert line == (
+        "an episode's wall time (mean 1.33 s): waiting for the sampler 25%, "
+        "the environment 50% (its sandbox's start included), the rest 25%"
+    )

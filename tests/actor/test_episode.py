@@ -291,3 +291,27 @@ def test_batched_sampler_survives_one_event_loop_per_step(lake: TextInterface, l
         group = asyncio.run(run_group(policy, inline_factory(lake_config), lake, "1", 2, limits=limits, seed=step))
         assert [e.num_turns for e in group] == [2, 2]
     asyncio.run(policy.close())
+
+
+@pytest.mark.asyncio
+async def test_an_episode_counts_its_sandbox_start_as_environment_time(lake: TextInterface, lake_config, lake_expert) -> None:  # type: ignore[no-untyped-def]
+    """The report's split of an episode's time (sampler, environment, the rest) is only right if a
+    slow sandbox start shows as environment time and wall time, not as nothing."""
+    start_seconds, turn_seconds = 0.3, 0.05
+    inline = inline_factory(lake_config)
+
+    async def slow_sandbox():  # type: ignore[no-untyped-def]
+        await asyncio.sleep(start_seconds)  # the sandbox's start, as a measured duration
+        return await inline()
+
+    class SlowExpert(ScriptedPolicy):
+        async def generate(self, prompt, **kwargs):  # type: ignore[no-untyped-def]
+            await asyncio.sleep(turn_seconds)  # one sampler call's duration
+            return await super().generate(prompt, **kwargs)
+
+    (episode,) = await run_group(SlowExpert(lake_expert), slow_sandbox, lake, "1", 1, limits=LIMITS)
+    assert episode.status == OK and episode.num_turns >= 2
+    assert episode.environment_seconds >= start_seconds
+    assert episode.sample_seconds >= turn_seconds * episode.num_turns
+    wall = episode.finished_unix - episode.started_unix
+    assert wall >= episode.environment_seconds + episode.sample_seconds - 1e-3

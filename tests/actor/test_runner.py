@@ -256,7 +256,7 @@ async def test_between_episodes_keeps_each_episode_on_its_first_weights(
     # Every turn after an episode's first prefilled only its new tokens -- and the progress log says so.
     assert policy.sampler.cache_stats.reuse > 0.5  # type: ignore[attr-defined]
     progress = [r.getMessage() for r in caplog.records if "groups," in r.getMessage()]
-    assert progress and re.search(r"sampler: [\d.]+ rows per call, (\d+)% of prompt tokens cached", progress[-1])
+    assert progress and re.search(r"sampler: busy \d+% of the time, [\d.]+ rows per call, (\d+)% of prompt tokens cached", progress[-1])
     assert int(re.search(r"(\d+)% of prompt", progress[-1]).group(1)) > 50  # type: ignore[union-attr]
 
 

@@ -39,7 +39,7 @@ def _run_dir(tmp_path: Path) -> Path:
     (tmp_path / "runs.jsonl").write_text(json.dumps({"started_unix": 100.0}) + "\n")
     rows = [
         {"time": 160.0 + 60 * i, "step": i + 1, "success_rate": 0.3, "duty_cycle": 0.5, "step_seconds": 1.0,
-         "sampled_tokens": 60.0, "trained_tokens": 30.0}
+         "sampled_tokens": 60.0, "trained_tokens": 30.0, "group_seconds": 0.1 * (i + 1), "group_wait_seconds": 0.3}
         for i in range(10)
     ]
     (tmp_path / "learner_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -64,6 +64,7 @@ def test_the_report_shows_generation_failures_and_samples(tmp_path: Path) -> Non
     assert "mean completion length: 5.0 sampled tokens per episode" in report
     assert "truncated episodes: 25.0%" in report
     assert "600 sampled, 300 trained on" in report
+    assert "a group's latency (median over 10 steps): generated in 0.55 s" in report and "trained 0.30 s after" in report
     assert "| 3 | failed: environment raised RuntimeError: no tool 'calc' |" in report
     assert 'File "env.py", line 3' in report  # the example traceback
     assert "## Sample episodes" in report and "**best** of step 10" in report and "8 8 8" in report

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from stoker.conversation.tokenization import byte_tokenizer
-from stoker.learner.batches import Group, prepare_groups
+from stoker.learner.batches import Group, generation_figures, prepare_groups
 from stoker.learner.metrics import MetricsSink
 from stoker.learner.samples import SAMPLES_FILE, SampleLog, attach_samples, decode_episode, turns
 from stoker.spec import RLJobSpec
@@ -116,3 +117,17 @@ def test_sampled_tokens_count_groups_that_do_not_train() -> None:
     assert figures["failed_episodes"] == 1 and figures["turns_mean"] == 1.0
     trained = sum(int(seq.loss_mask.sum()) for item in prepared.items for seq in item)
     assert trained < sampled  # the flat group and the failed episode are generated, not trained
+
+
+def test_a_batch_says_how_long_its_groups_took_and_waited() -> None:
+    """The loop's latency from the episodes' clocks: a group spans its first episode's start to its
+    last one's end, and waits from that end to its training; both are means over the groups."""
+    def timed(group: str, start: float, end: float) -> Episode:
+        return dataclasses.replace(chat_episode([("1+1=", "2")], 1.0), group_id=group, started_unix=start, finished_unix=end)
+
+    episodes = [timed("a", 100.0, 101.0), timed("a", 100.5, 103.0), timed("b", 102.0, 102.5)]
+    figures = generation_figures(episodes, now=104.0)
+    assert figures["group_seconds"] == pytest.approx(((103.0 - 100.0) + (102.5 - 102.0)) / 2)
+    assert figures["group_wait_seconds"] == pytest.approx(((104.0 - 103.0) + (104.0 - 102.5)) / 2)
+    # Episodes without clock times (older actors) give no latency rather than a wrong one.
+    assert "group_seconds" not in generation_figures([chat_episode([("1+1=", "2")], 1.0)], now=104.0)
