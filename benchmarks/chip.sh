@@ -8,7 +8,7 @@
 # host's cores), then the 0.5 s-per-environment-step protocol (utilisation.py's settings) both
 # ways; every run under a timeout, so a hang costs its slot and not the call. The table of all
 # runs goes to $OUT/chip.md and $OUT/chip.json (benchmarks/run_figures.py), each run's log to $OUT.
-# host_cpu.py always first (~15 s); shipped and latency by default (~9 minutes); `latency` alone gives its synchronous run the ~5
+# host_cpu.py always first (~15 s); shipped (seeds CHIP_SEEDS, default 0 1) and latency by default (~9 minutes); `latency` alone gives its synchronous run the ~5
 # minutes it needs to reach 0.9; `bench` alone (~8 minutes) runs `stoker bench` on benchmarks/chip/. CHIP_SECONDS scales every limit (e.g. 0.2 for a quick check on a CPU machine).
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,7 +24,7 @@ limit() { "$PYTHON" -c "print(max(10, int($1 * $SCALE)))"; }
 # run NAME SECONDS MANIFEST MODE: `stoker run` to 0.9, stopped cleanly a little before SECONDS.
 run() {
     local name=$1 seconds profile=(); seconds=$(limit "$2")
-    [ "$name" = shipped-async ] && profile=(--profile)  # where its actors wait: $OUT/shipped-async-profiles.txt
+    [ "$name" = shipped-async-s0 ] && profile=(--profile)  # where its actors wait: $OUT/shipped-async-profiles.txt
     timeout -k 10 "$seconds" "$PYTHON" -m stoker.cli run "$3" --mode "$4" --run-dir "$WORK/$name" --no-progress ${profile[@]+"${profile[@]}"} \
         --target-success 0.9 --max-minutes "$("$PYTHON" -c "print(round(($seconds - 15) / 60, 2))")" \
         > "$WORK/$name.log" 2>&1
@@ -67,9 +67,23 @@ PARTS=${*:-shipped latency}
 # Always first (~15 s): the cores the host really runs at once, against its mask and CPU quota.
 "$PYTHON" "$ROOT/benchmarks/host_cpu.py" --json "$OUT/host.json" | tee -a "$OUT/chip.log"
 case " $PARTS " in *" bench "*) bench; esac
+SHIPPED=()
 case " $PARTS " in *" shipped "*)
-    run shipped-async 130 "$ROOT/examples/frozenlake.yaml" async
-    run shipped-sync 140 "$ROOT/examples/frozenlake.yaml" sync
+    # Each seed both ways, side by side in time (the machine drifts); ~50 s a run since the example's
+    # environments run inline.
+    for seed in ${CHIP_SEEDS:-0 1}; do
+        "$PYTHON" - "$ROOT/examples/frozenlake.yaml" "$WORK/shipped-seed$seed.yaml" "$seed" <<'EOF'
+import sys
+from pathlib import Path
+import yaml
+doc = yaml.safe_load(Path(sys.argv[1]).read_text())
+doc["spec"]["seed"] = int(sys.argv[3])
+Path(sys.argv[2]).write_text(yaml.safe_dump(doc))
+EOF
+        run "shipped-async-s$seed" 100 "$WORK/shipped-seed$seed.yaml" async
+        run "shipped-sync-s$seed" 100 "$WORK/shipped-seed$seed.yaml" sync
+        SHIPPED+=("$WORK/shipped-async-s$seed" "$WORK/shipped-sync-s$seed")
+    done
 esac
 case " $PARTS " in *" latency "*)
     run latency-async 120 "$WORK/job.yaml" async
@@ -78,12 +92,12 @@ case " $PARTS " in *" latency "*)
 esac
 
 [ "$PARTS" = bench ] && exit 0
-"$PYTHON" "$ROOT/benchmarks/run_figures.py" "$WORK"/shipped-async "$WORK"/shipped-sync "$WORK"/latency-async \
+"$PYTHON" "$ROOT/benchmarks/run_figures.py" ${SHIPPED[@]+"${SHIPPED[@]}"} "$WORK"/latency-async \
     "$WORK"/latency-sync --json "$OUT/chip.json" --markdown "$OUT/chip.md"
 tail -n 5 "$WORK"/*.log > "$OUT/logs.txt" 2>&1
-for name in shipped-async latency-async; do
+for name in shipped-async-s0 latency-async; do
     [ -f "$WORK/$name/report.md" ] && cp "$WORK/$name/report.md" "$OUT/$name-report.md"
 done
 # Each process's profile, the top of each thread family (at most 8 files come back from the device).
-[ -d "$WORK/shipped-async/profiles" ] && head -n 60 "$WORK"/shipped-async/profiles/*.txt > "$OUT/shipped-async-profiles.txt"
+[ -d "$WORK/shipped-async-s0/profiles" ] && head -n 60 "$WORK"/shipped-async-s0/profiles/*.txt > "$OUT/shipped-async-profiles.txt"
 exit 0

@@ -1,0 +1,82 @@
+"""One actor's episode loop alone: episodes/s and CPU per model turn, as one JSON line.
+
+    python benchmarks/actor_rate.py MANIFEST [--groups 40] [--swap-seconds 0.28]
+
+The manifest's policy (random weights), sampler batching and environments (use one whose
+``environment.sandbox.kind`` is inline to leave sandboxes out), ``--groups`` groups to compile
+every shape, then ``--groups`` more timed. ``--swap-seconds``: new weights that often, as a
+running learner publishes them. Run several at once (``&``), or under ``taskset``, to see what
+actors sharing a host cost each other (benchmarks/README.md, "The example's environments in the
+actor").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+from stoker.actor.episode import run_group
+from stoker.actor.sandbox import inline_factory
+from stoker.actor.settings import ActorSettings
+from stoker.actor.wiring import make_policy
+from stoker.conversation.tokenization import text_interface
+from stoker.manifest import load_job
+from stoker.model.model import init_model
+from stoker.trajectory import Episode
+from stoker.weights.channel import flatten_params
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("manifest", type=Path)
+    parser.add_argument("--groups", type=int, default=40)
+    parser.add_argument("--swap-seconds", type=float, default=0.0, help="load new weights this often (0: never)")
+    args = parser.parse_args()
+    spec = load_job(args.manifest).spec
+    settings = ActorSettings.from_spec(spec, actor_id="rate", job="rate")
+    policy = make_policy(settings)
+    interface = text_interface(spec)
+    factory = inline_factory(settings.sandbox)
+
+    async def groups(n: int, seed: int) -> list[Episode]:
+        slots = asyncio.Semaphore(settings.concurrency)
+        runs = [
+            run_group(policy, factory, interface, settings.tasks[g % len(settings.tasks)], settings.group_size,
+                      limits=settings.limits, seed=seed + g, slots=slots)
+            for g in range(n)
+        ]
+        return [e for group in await asyncio.gather(*runs) for e in group]
+
+    async def swap(every: float) -> None:
+        flat = flatten_params(init_model(settings.model, seed=1))
+        version = 1
+        while True:
+            await asyncio.sleep(every)  # the publishing period being imitated
+            version += 1
+            await policy.load_weights(flat, version)
+
+    swapper = asyncio.create_task(swap(args.swap_seconds)) if args.swap_seconds > 0 else None
+    started = time.perf_counter()
+    await groups(args.groups, 0)  # compiles every shape (under swaps too, when they run)
+    warm = time.perf_counter() - started
+    started, cpu = time.perf_counter(), time.process_time()
+    calls, requests = policy.stats.calls, policy.stats.requests
+    episodes = await groups(args.groups, 1000)
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
+    if swapper is not None:
+        swapper.cancel()
+    turns = sum(e.num_turns for e in episodes)
+    print(json.dumps({
+        "pid": os.getpid(), "warm_s": round(warm, 2), "episodes_per_s": round(len(episodes) / wall, 1),
+        "cpu_ms_per_turn": round(cpu / turns * 1e3, 2), "cores": round(cpu / wall, 2),
+        "rows_per_call": round((policy.stats.requests - requests) / max(policy.stats.calls - calls, 1), 1),
+        "threads": len(os.listdir("/proc/self/task")),
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
