@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from stoker import chips
+from stoker.cpu_threads import cpu_share, start_jax_cpu
 from stoker.actor.diagnostics import LoadReading
 from stoker.actor.environments import EnvironmentProblem
 from stoker.actor.evaluation import EvalOutcome, GreedyPolicy
@@ -62,13 +63,15 @@ def _sandbox_factory(settings: ActorSettings) -> EnvironmentFactory:
     return process_factory(settings.sandbox)
 
 
-def make_sampler(settings: ActorSettings, dtype: str = "float32", mesh: Any = None) -> Any:
+def make_sampler(settings: ActorSettings, dtype: str = "float32", mesh: Any = None, cpu_threads: int | None = None) -> Any:
     """The JAX sampler with the job's initial weights (checkpoint, or the learner's version-0 init),
-    over ``mesh`` when given (a colocated learner's chips: rollout/mesh.py)."""
+    over ``mesh`` when given (a colocated learner's chips: rollout/mesh.py). ``cpu_threads``: the
+    size of XLA's CPU pools when this call starts JAX (``stoker.cpu_threads``; None: XLA's own)."""
     try:
         chips.check_free("stoker actor's sampler")  # a TPU the learner holds: say so, not libtpu's lockfile
     except chips.ChipHeld as exc:
         raise ActorSetupError(str(exc)) from None
+    start_jax_cpu(cpu_threads)
     # Here, not at the top: the model and the sampler import JAX, which an actor sampling from a
     # rollout server never loads (the actor stays import-light until a sampler is built).
     from stoker.model.hf import CheckpointError, dtype_from_name, read_config, read_weights
@@ -123,8 +126,10 @@ def conversation_rows(settings: ActorSettings, config: Any, dtype: str) -> int:
     return rows
 
 
-def make_policy(settings: ActorSettings, dtype: str = "float32", mesh: Any = None) -> BatchedSampler:
-    return BatchedSampler(make_sampler(settings, dtype, mesh))
+def make_policy(
+    settings: ActorSettings, dtype: str = "float32", mesh: Any = None, cpu_threads: int | None = None
+) -> BatchedSampler:
+    return BatchedSampler(make_sampler(settings, dtype, mesh, cpu_threads))
 
 
 class GrpcBuffer:
@@ -221,7 +226,11 @@ async def build_and_run(
         # server never needs.
         from stoker.weights.channel import make_weight_source
 
-        policy = await asyncio.to_thread(make_policy, settings, spec.model.dtype)
+        try:
+            threads = cpu_share()  # this actor's share of the host, for XLA's CPU pools
+        except ValueError as exc:
+            raise ActorSetupError(str(exc)) from None
+        policy = await asyncio.to_thread(make_policy, settings, spec.model.dtype, None, threads)
         source, loader = (make_weight_source(weights, token) if weights else None), policy
     buffer = GrpcBuffer(BufferClient(buffer_address, token=token, client_id=actor_id))
     if settings.evaluation is not None:

@@ -1,11 +1,12 @@
 """One actor's episode loop alone: episodes/s and CPU per model turn, as one JSON line.
 
-    python benchmarks/actor_rate.py MANIFEST [--groups 40] [--swap-seconds 0.28]
+    python benchmarks/actor_rate.py MANIFEST [--groups 40] [--swap-seconds 0.28] [--cpu-threads N]
 
 The manifest's policy (random weights), sampler batching and environments (use one whose
 ``environment.sandbox.kind`` is inline to leave sandboxes out), ``--groups`` groups to compile
 every shape, then ``--groups`` more timed. ``--swap-seconds``: new weights that often, as a
-running learner publishes them. Run several at once (``&``), or under ``taskset``, to see what
+running learner publishes them. ``--cpu-threads``: XLA's CPU pools sized to N threads as the
+actor sizes them (``stoker.cpu_threads``; default: XLA's own, one per core). Run several at once (``&``), or under ``taskset``, to see what
 actors sharing a host cost each other (benchmarks/README.md, "The example's environments in the
 actor").
 """
@@ -35,10 +36,11 @@ async def main() -> None:
     parser.add_argument("manifest", type=Path)
     parser.add_argument("--groups", type=int, default=40)
     parser.add_argument("--swap-seconds", type=float, default=0.0, help="load new weights this often (0: never)")
+    parser.add_argument("--cpu-threads", type=int, default=None, help="XLA's CPU pools (default: one thread per core)")
     args = parser.parse_args()
     spec = load_job(args.manifest).spec
     settings = ActorSettings.from_spec(spec, actor_id="rate", job="rate")
-    policy = make_policy(settings)
+    policy = make_policy(settings, cpu_threads=args.cpu_threads)
     interface = text_interface(spec)
     factory = inline_factory(settings.sandbox)
 
@@ -74,7 +76,7 @@ async def main() -> None:
         "pid": os.getpid(), "warm_s": round(warm, 2), "episodes_per_s": round(len(episodes) / wall, 1),
         "cpu_ms_per_turn": round(cpu / turns * 1e3, 2), "cores": round(cpu / wall, 2),
         "rows_per_call": round((policy.stats.requests - requests) / max(policy.stats.calls - calls, 1), 1),
-        "threads": len(os.listdir("/proc/self/task")),
+        "threads": len(os.listdir("/proc/self/task")), "cpu_threads": args.cpu_threads,
     }), flush=True)
 
 

@@ -9,7 +9,7 @@
 # ways; every run under a timeout, so a hang costs its slot and not the call. The table of all
 # runs goes to $OUT/chip.md and $OUT/chip.json (benchmarks/run_figures.py), each run's log to $OUT.
 # host_cpu.py always first (~15 s); shipped (seeds CHIP_SEEDS, default 0 1) and latency by default (~9 minutes); `latency` alone gives its synchronous run the ~5
-# minutes it needs to reach 0.9; `bench` alone (~8 minutes) runs `stoker bench` on benchmarks/chip/. CHIP_SECONDS scales every limit (e.g. 0.2 for a quick check on a CPU machine).
+# minutes it needs to reach 0.9; `bench` alone (~8 minutes) runs `stoker bench` on benchmarks/chip/; `actors` (~1 minute) eight actor loops at once, default pools against one thread each. CHIP_SECONDS scales every limit (e.g. 0.2 for a quick check on a CPU machine).
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-python3}
@@ -67,6 +67,21 @@ PARTS=${*:-shipped latency}
 # Always first (~15 s): the cores the host really runs at once, against its mask and CPU quota.
 "$PYTHON" "$ROOT/benchmarks/host_cpu.py" --json "$OUT/host.json" | tee -a "$OUT/chip.log"
 case " $PARTS " in *" bench "*) bench; esac
+# actors: eight actor loops of the example at once (actor_rate.py), XLA's default CPU pools against
+# pools of one thread as `stoker run` now sizes them; the lines go to chip.log.
+actors() {
+    local threads i
+    for threads in "" "--cpu-threads 1"; do
+        echo "== 8 actor loops at once ${threads:-with the default pools}" | tee -a "$OUT/chip.log"
+        for i in 0 1 2 3 4 5 6 7; do
+            JAX_PLATFORMS=cpu timeout "$(limit 120)" "$PYTHON" "$ROOT/benchmarks/actor_rate.py" \
+                "$ROOT/examples/frozenlake.yaml" $threads 2>/dev/null | tee -a "$OUT/chip.log" &
+        done
+        wait
+    done
+}
+case " $PARTS " in *" actors "*) actors; esac
+
 SHIPPED=()
 case " $PARTS " in *" shipped "*)
     # Each seed both ways, side by side in time (the machine drifts); ~50 s a run since the example's

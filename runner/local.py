@@ -182,8 +182,11 @@ class AsyncRun:
         if address is None:
             return None
         sampling = ["--weights", str(o.weights_dir)]
+        actor_env = cpu_env
         if o.job.spec.rollout is not None:
             sampling = ["--rollout", self._start_rollout(cpu_env)]
+        else:
+            actor_env = self.placement.actor_env(cpu_env)
         for index in range(self.placement.actors.replicas):
             actor = Child(
                 f"actor-{index}",
@@ -197,9 +200,9 @@ class AsyncRun:
                 ),
                 o.logs_dir / f"actor-{index}.log",
             )
-            actor.start(cpu_env)
+            actor.start(actor_env)
             self.actors.append(actor)
-            self.units.append(Unit(actor.name, [actor], lambda: [cpu_env]))
+            self.units.append(Unit(actor.name, [actor], lambda: [actor_env]))
         return address
 
     def _start_rollout(self, env: dict[str, str]) -> str:

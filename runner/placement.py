@@ -23,6 +23,7 @@ from pathlib import Path
 from stoker import chips
 from stoker.actor_count import ActorCount, host_actors, host_cores, reserved_cores
 from stoker.bottleneck import HostFigures
+from stoker.cpu_threads import CPU_THREADS_ENV
 from stoker.endpoints import Address, socket_directory
 from stoker.spec import RLJobSpec
 
@@ -42,6 +43,16 @@ class Placement:
     cpu_only_env: dict[str, str] = field(default_factory=dict)  # for every child but the learner
     actors: ActorCount = ActorCount(1, "actors.replicas")
     host: HostFigures = HostFigures(cores=1, reserved=0)  # what the bottleneck advice counts as spare
+
+    @property
+    def actor_cpu_threads(self) -> int:
+        """Each actor's share of the host's cores (after the buffer's and learner's), the size of
+        its XLA CPU pools (``stoker.cpu_threads``): pools as large as the host contend."""
+        return max(1, (self.host.cores - self.host.reserved) // max(self.actors.replicas, 1))
+
+    def actor_env(self, env: dict[str, str]) -> dict[str, str]:
+        """An in-process-sampling actor's environment: ``env`` with its CPU share unless set there."""
+        return {CPU_THREADS_ENV: str(self.actor_cpu_threads), **env}
 
     def listen(self, name: str) -> list[str]:
         """The flags that make server ``name`` listen (``--ready-file`` then says where)."""
