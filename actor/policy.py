@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import functools
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -70,11 +71,14 @@ class _Request:
     temperature: float | None = None  # None: the sampler's own; 0: greedy (evaluation rounds)
 
 
+CALL_SIZES_KEPT = 4096  # a long run makes millions of calls: the sizes of the newest are enough
+
+
 @dataclass
 class BatchStats:
     calls: int = 0
     requests: int = 0
-    sizes: list[int] = field(default_factory=list)
+    sizes: deque[int] = field(default_factory=lambda: deque(maxlen=CALL_SIZES_KEPT))  # the newest calls' rows
     busy_seconds: float = 0.0  # in the sampler's calls (compiles included)
     started: float = field(default_factory=time.monotonic)
 

@@ -12,6 +12,7 @@ from stoker.actor.environments import Observation, StepResult
 from stoker.actor.episode import FAILED, OK, TIMEOUT, TRUNCATED, EpisodeLimits, run_episode, run_group
 from stoker.actor.frozenlake import FrozenLake, FrozenLakeConfig
 from stoker.conversation.policy import Sampled
+from stoker.actor import policy as policy_module
 from stoker.actor.policy import BatchedSampler, ScriptedPolicy
 from stoker.actor.sandbox import InlineEnvironment, inline_factory
 from stoker.conversation.tokenization import TextInterface
@@ -212,6 +213,19 @@ async def test_batched_sampler_call_sizes(waiting: int, prompt_len: int, min_bat
     )
     await policy.close()
     assert sampler.calls == expected
+
+
+
+@pytest.mark.asyncio
+async def test_a_long_running_sampler_keeps_only_its_newest_call_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An actor makes millions of sampler calls in a long run; its statistics must not grow with them."""
+    monkeypatch.setattr(policy_module, "CALL_SIZES_KEPT", 8)
+    policy = BatchedSampler(SizeRecordingSampler(1))
+    for rows in [1, 2, 4, 8] * 5:  # one call each, of ``rows`` rows (powers of two are never split)
+        await asyncio.gather(*(policy.generate([1] * 4, max_new_tokens=1, stop_token_ids=()) for _ in range(rows)))
+    await policy.close()
+    assert list(policy.stats.sizes) == [1, 2, 4, 8] * 2  # the newest 8 calls
+    assert policy.stats.calls == 20 and policy.stats.requests == 75
 
 
 @pytest.mark.asyncio
