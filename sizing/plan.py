@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from stoker.manifest import load_job
 from stoker.sizing.bound import decode_tokens_per_second, program_bound, step_bound
+from stoker.sizing.calibration import calibration
 from stoker.sizing.chips import GIB, Chip, chip, parse_topology, topology_name
 from stoker.sizing.compiler import CompilerMissing, Slice, load_slice
 from stoker.spec import MIN_BF16_WEIGHTS_LEARNING_RATE, RLJobSpec
@@ -172,10 +173,14 @@ def report(spec: RLJobSpec, plan_targets: list[Target], notes: list[str]) -> dic
     for target in plan_targets:
         dpc = target.slice_.devices_per_chip if target.slice_ else 1
         devices = target.chips * target.num_slices * dpc
+        measured = calibration(target.chip.generation)
+        estimates: dict[str, float] = {}
         for program in target.programs:
             per_chip = program.total * dpc
             ok = fits(program, target, per_chip)
             bound = program_bound(program, target.chip, dpc, devices)
+            if measured is not None:
+                estimates[program.name] = measured.estimate(bound)
             programs.append({
                 "component": target.component, "program": program.name, "shape": program.shape,
                 "topology": target.topology, "slices": target.num_slices, "hbm_bytes": target.chip.hbm_bytes,
@@ -188,6 +193,7 @@ def report(spec: RLJobSpec, plan_targets: list[Target], notes: list[str]) -> dic
                 "bound": {"seconds": bound.seconds, "compute_seconds": bound.compute_seconds,
                           "memory_seconds": bound.memory_seconds, "ici_seconds": bound.ici_seconds,
                           "dcn_seconds": bound.dcn_seconds, "limit": bound.limit},
+                "estimate_seconds": estimates.get(program.name),
             })
         by_name = {p.name: p for p in target.programs}
         if target.component == "learner" and "apply" in by_name:
@@ -199,6 +205,12 @@ def report(spec: RLJobSpec, plan_targets: list[Target], notes: list[str]) -> dic
                               devices_per_chip=dpc)
             learner_summary: dict[str, Any] = {"step_seconds_bound": step.seconds, "mfu_bound": step.mfu,
                                                "micro_batches": step.micro_batches, "bucket": longest}
+            if estimates:
+                # As the bound, with each program's calibrated estimate (sizing/calibration.py).
+                seconds = (step.micro_batches * estimates[grad.name] + estimates["apply"]
+                           + estimates["publish"] / spec.learner.publish_interval_steps)
+                learner_summary["step_seconds_estimate"] = seconds
+                learner_summary["mfu_estimate"] = step.mfu * step.seconds / seconds
             if grad.remat is not None:
                 learner_summary["remat"] = {"setting": grad.remat.setting, "policy": grad.remat.policy,
                                             "reason": grad.remat.reason, "peak_bytes": dict(grad.remat.peaks)}
@@ -233,12 +245,16 @@ def render(result: dict[str, Any], plan_targets: list[Target]) -> str:
             cells = "".join(f"{p['terms'][t] / scale:>13.2f}" if t in p["terms"] else f"{'-':>13}" for t in terms)
             verdict = "OK" if p["fits"] else "DOES NOT FIT"
             b = p["bound"]
+            estimate = f", ~{_seconds(p['estimate_seconds'])} as measured" if p.get("estimate_seconds") else ""
             lines.append(f"  {p['program']:<10} {p['shape']:<26}{cells}{p['total_bytes'] / scale:>10.2f}  {verdict:<12} "
-                         f">= {_seconds(b['seconds'])} ({b['limit']}-bound), compiled in {p['compile_seconds']:.1f} s")
+                         f">= {_seconds(b['seconds'])} ({b['limit']}-bound){estimate}, compiled in {p['compile_seconds']:.1f} s")
         if target.component == "learner" and "learner" in result:
             s = result["learner"]
             lines.append(f"  step >= {_seconds(s['step_seconds_bound'])} at full-length episodes ({s['micro_batches']} x grad "
                          f"{s['bucket']} + apply + publish), MFU <= {s['mfu_bound']:.0%}")
+            if "step_seconds_estimate" in s:
+                lines.append(f"  step ~{_seconds(s['step_seconds_estimate'])}, MFU ~{s['mfu_estimate']:.0%}: the bound at the share "
+                             f"of each peak this chip generation reached in `stoker bench` (sizing/calibration.py)")
         if target.component == "rollout" and "rollout" in result:
             s = result["rollout"]
             lines.append(f"  decode <= {s['decode_tokens_per_second_bound']:,.0f} tokens/s per server at maxBatch {s['max_batch']}")

@@ -72,6 +72,18 @@ def test_a_tiny_job_compiles_for_v5e_fits_and_reports_its_terms(job: Callable[..
     assert math.isclose(learner["step_seconds_bound"], expected)
     assert 0 < learner["mfu_bound"] < 1
     assert "not measurements" in result["bound_note"]
+    # A v5e has been measured: each program's estimate is its bound at the measured shares, and the
+    # step's is the bound's sum over those estimates.
+    from stoker.sizing.bound import Bound
+    from stoker.sizing.calibration import V5E
+
+    for p in programs.values():
+        b = p["bound"]
+        estimate = V5E.estimate(Bound(b["compute_seconds"], b["memory_seconds"], b["ici_seconds"], b["dcn_seconds"]))
+        assert p["estimate_seconds"] == pytest.approx(estimate) and estimate >= b["seconds"] * 0.9
+    estimated = 2 * grad["estimate_seconds"] + programs["apply"]["estimate_seconds"] + programs["publish"]["estimate_seconds"]
+    assert learner["step_seconds_estimate"] == pytest.approx(estimated)
+    assert learner["mfu_estimate"] == pytest.approx(learner["mfu_bound"] * learner["step_seconds_bound"] / estimated)
 
 
 @pytest.mark.slow
@@ -82,6 +94,7 @@ def test_the_text_report_says_ok_and_that_the_figures_are_bounds(job: Callable[.
     assert "note: remat auto: none (peak " in out and "of 15.75 GiB, headroom 10%)" in out  # the choice and why
     assert out.count(" OK ") == 3 and "DOES NOT FIT" not in out
     assert "MFU <=" in out and "not measurements" in out
+    assert out.count(" as measured, compiled in ") == 3 and "step ~" in out and "sizing/calibration.py" in out
     assert "compiling the learner's programs for v5e:2x2" in err  # progress on stderr
 
 
