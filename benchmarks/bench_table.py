@@ -1,14 +1,18 @@
 """One markdown table from several ``stoker bench --json`` outputs (benchmarks/chip.sh's bench part).
 
     .venv/bin/python benchmarks/bench_table.py runs/chip/bench-*.json > bench.md
+    .venv/bin/python benchmarks/bench_table.py --calibration runs/chip/bench-*.json   # rows for sizing/calibration.py
 
 A row per program: its manifest, status, median seconds, tokens/s, MFU, peak memory, the plan's
 bound and, for a decode step, the share of the attainable rate. A file that is not a bench's JSON
-(the bench was killed, or refused its manifest) is a row saying so.
+(the bench was killed, or refused its manifest) is a row saying so. ``--calibration`` prints
+instead, for each program that ran and whose bound is its compute or HBM term, the ``Measured``
+line that ``sizing/calibration.py`` keeps for the chip.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import sys
 from pathlib import Path
@@ -52,5 +56,25 @@ def table(paths: list[Path]) -> str:
     return "\n".join(lines)
 
 
+def calibration_lines(paths: list[Path]) -> list[str]:
+    today = datetime.date.today().isoformat()
+    lines = []
+    for path in paths:
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        for r in result["programs"]:
+            bound = r["plan"].get("bound") or {}
+            if r["status"] != "ran" or not r["seconds"] or bound.get("limit") not in ("compute", "HBM"):
+                continue
+            lines.append(f'    Measured("{path.stem.removeprefix("bench-")}", "{r["program"]} {r["shape"]}", '
+                         f'"{bound["limit"]}", {r["seconds"]:.4g}, {bound["seconds"]:.4g}, "{today}"),')
+    return lines
+
+
 if __name__ == "__main__":
-    print(table([Path(p) for p in sys.argv[1:]]))
+    if sys.argv[1:2] == ["--calibration"]:
+        print("\n".join(calibration_lines([Path(p) for p in sys.argv[2:]])))
+    else:
+        print(table([Path(p) for p in sys.argv[1:]]))

@@ -7,7 +7,8 @@ compute share from the programs the compute term bounds (grad steps, prefill), t
 those the bytes bound (apply, publish, decode). An estimate is the bound's terms each divided by
 its share, the largest of them. The measurements stay here with their dates, so the shares are
 derived, never typed in, and every measurement is checked against its estimate
-(tests/sizing/test_calibration.py: within 25 %).
+(tests/sizing/test_calibration.py: within 25 %). ``benchmarks/bench_table.py --calibration`` turns
+a chip's ``stoker bench --json`` output into the lines to add.
 """
 
 from __future__ import annotations

@@ -51,6 +51,21 @@ def test_the_table_has_a_row_per_program_and_says_when_a_bench_left_no_report(tm
     assert "| moe-e8 | - | - | no report (killed, or refused: see its log) |" in text
 
 
+def test_a_bench_gives_the_plans_calibration_its_rows(tmp_path: Path) -> None:
+    """Each program that ran, bounded by compute or HBM, becomes a line sizing/calibration.py keeps."""
+    from stoker.sizing.calibration import Measured
+
+    ran = {"component": "learner", "program": "grad", "shape": "4 x 2048 tokens", "status": "ran", "reason": None,
+           "seconds": 0.3464, "plan": {"bound": {"seconds": 0.1342, "limit": "compute"}}}
+    ici = {**ran, "program": "apply", "plan": {"bound": {"seconds": 0.01, "limit": "ICI"}}}
+    stuck = {**ran, "program": "publish", "status": "did not finish", "seconds": None}
+    (tmp_path / "bench-q05-2k.json").write_text(json.dumps({"programs": [ran, ici, stuck]}))
+    (tmp_path / "bench-moe-e8.json").write_text("")
+    (line,) = bench_table().calibration_lines(sorted(tmp_path.glob("bench-*.json")))
+    measured = eval(line.strip().rstrip(","), {"Measured": Measured})  # noqa: S307 - the line is Python by design
+    assert (measured.manifest, measured.program, measured.limit) == ("q05-2k", "grad 4 x 2048 tokens", "compute")
+    assert (measured.seconds, measured.bound_seconds) == (0.3464, 0.1342)
+
 def test_the_bench_part_runs_each_manifest_and_writes_its_table(tmp_path: Path) -> None:
     """chip.sh bench end to end, on the CPU with a tiny learner job in place of the chip's manifests."""
     manifests, out = tmp_path / "manifests", tmp_path / "out"
