@@ -34,6 +34,7 @@ from stoker.manifest import load_job
 from stoker.sizing.bench_report import render
 from stoker.sizing.bench_watch import Phase, Unfinished, bounded
 from stoker.sizing.bound import decode_attainable_seconds, program_bound
+from stoker.sizing.calibration import calibration
 from stoker.sizing.chips import Chip, chip_of_device
 from stoker.sizing.compiler import Slice
 from stoker.sizing.plan import Target, advice, fits, gib
@@ -170,8 +171,10 @@ def plan_figures(program: Program, spec: RLJobSpec, host: Host, devices: int) ->
     bound = None
     if host.chip is not None:
         b = program_bound(program, host.chip, 1, devices)
+        measured = calibration(host.chip.generation)
         bound = {"seconds": b.seconds, "compute_seconds": b.compute_seconds, "memory_seconds": b.memory_seconds,
-                 "ici_seconds": b.ici_seconds, "dcn_seconds": b.dcn_seconds, "limit": b.limit}
+                 "ici_seconds": b.ici_seconds, "dcn_seconds": b.dcn_seconds, "limit": b.limit,
+                 "estimate_seconds": measured.estimate(b) if measured is not None else None}
     return {"terms": program.terms, "total_bytes": total, "limit_bytes": host.memory_limit, "fits": ok,
             "largest": program.largest, "advice": None if ok else advice(program, target, spec, total),
             "compiler_error": program.compiled.error, "bound": bound, "notes": program.notes}

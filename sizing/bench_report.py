@@ -36,13 +36,16 @@ def render(result: dict[str, Any]) -> str:
             cells += [r["status"].upper(), "", "", "", ""]
         cells += [f"{r['plan']['total_bytes'] / scale:.2f}",
                   f">= {_time(bound['seconds'])} ({bound['limit']}-bound)" if bound else "n/a"]
+        if bound and bound.get("estimate_seconds"):
+            cells[-1] += f", ~{_time(bound['estimate_seconds'])} as measured"
         table.append(cells)
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:  # names and shapes to the left, figures to the right
         lines.append("  " + "  ".join(cell.ljust(w) if i in (0, 1, 9) else cell.rjust(w)
                                       for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip())
     lines.append(f"  (memory per device; compile: trace and compile, cold unless a cache held it; plan: the terms "
-                 "`stoker plan` counts for these devices)")
+                 "`stoker plan` counts for these devices; ~: its estimate where this chip generation has been "
+                 "measured, sizing/calibration.py)")
     for note in result["notes"]:
         lines.append(f"note: {note}")
     for r in rows:

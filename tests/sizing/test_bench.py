@@ -174,6 +174,13 @@ def test_on_a_device_with_published_peaks_mfu_and_the_bound_come_from_the_plans_
     text = render(result)
     assert "peak 197 TFLOP/s each" in text and "-bound)" in text and "%" in text
     assert f"of the attainable {attainable:,.0f}" in text
+    # A v5e has been measured: the plan's estimate beside its bound (sizing/calibration.py).
+    from stoker.sizing.bound import Bound
+    from stoker.sizing.calibration import V5E
+
+    terms = Bound(bound["compute_seconds"], bound["memory_seconds"], bound["ici_seconds"], bound["dcn_seconds"])
+    assert bound["estimate_seconds"] == pytest.approx(V5E.estimate(terms))
+    assert "as measured" in text
 
 
 def test_a_device_that_runs_out_of_memory_at_run_time_is_reported_not_raised(
