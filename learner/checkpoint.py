@@ -109,6 +109,10 @@ class Checkpointer:
             rng=np.asarray(meta["rng"], np.uint32),
         )
 
+    def in_progress(self) -> bool:
+        """Whether a background save is still being written."""
+        return bool(self.manager.is_saving_in_progress())
+
     def wait(self) -> None:
         """Block until background saves are durable."""
         self.manager.wait_until_finished()

@@ -2,9 +2,10 @@
 
 ``run`` trains until ``max_steps`` or a stop: each batch is sampled one step ahead
 (``Prefetcher``), trained, committed; the version's weights are published every
-``publish_interval`` steps and then reported to the buffer; a checkpoint is written every
-``checkpoint_interval`` steps and at the end. Commits, publishing and reports go through the
-``Outbox``'s thread, in order, so training never waits on them.
+``publish_interval`` steps and then reported to the buffer; checkpoints are written so that at
+most ``checkpoint_interval`` steps are ever past a durable one (``checkpoint_schedule.py``), and
+at the end. Commits, publishing and reports go through the ``Outbox``'s thread, in order, so
+training never waits on them.
 
 Over several JAX processes (``stoker.learner.multihost``) this is one logical learner: only the
 primary holds the buffer client, the publisher and the metrics sink; every step's batch and stop
@@ -165,6 +166,7 @@ class RunLoop:
                 break
             batch_id = None
             if dataset is not None:
+                learner.before_step()
                 items = next(dataset)
                 metrics = learner.train_on_sequences(items) if s.algorithm == "sft" else learner.train_on_pairs(items)
             else:
@@ -174,6 +176,7 @@ class RunLoop:
                         outbox.send(functools.partial(self._report_idle, source, duty.value))
                     continue
                 batch_id = batch.batch_id
+                learner.before_step()
                 metrics = learner.train_on(batch.groups, sampled_at=batch.policy_version, max_staleness=batch.max_staleness)
             if batch_id is not None and source is not None:
                 outbox.send(functools.partial(self._commit, source, batch_id))
@@ -193,8 +196,7 @@ class RunLoop:
             metrics["duty_cycle"] = duty.value
             if learner.steps % s.publish_interval == 0:
                 self._publish(outbox, metrics["duty_cycle"])
-            if learner.steps % s.checkpoint_interval == 0:
-                learner.save()
+            learner.checkpoint_if_due()
             if self.sink is not None:
                 newest = self._newest_eval
                 if newest is not None and newest != self._written_eval:

@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from stoker.distributed import Processes
+from stoker.learner.checkpoint_schedule import CheckpointSchedule
 from stoker.learner import algorithms, metrics, multihost, packing, remat, sharding, step, train, value_network
 from stoker.learner.batches import GroupLike, Prepared, prepare_groups
 from stoker.learner.checkpoint import Checkpointer
@@ -128,6 +129,8 @@ class Learner:
             Checkpointer(settings.checkpoint_dir, keep=settings.checkpoint_keep) if settings.checkpoint_dir else None
         )
         self._saved_step = -1
+        # Adaptive only for one process: every process must call each save (checkpoint_schedule.py).
+        self.schedule = CheckpointSchedule(settings.checkpoint_interval, adaptive=Processes.current().count == 1)
         self.sft_data = None
         if settings.algorithm == "sft":
             self.sft_data = job_sft_data(settings.spec, model.config.vocab_size)
@@ -288,10 +291,35 @@ class Learner:
         self.checkpointer.save(
             self.steps, self.trainer.params, self.trainer.opt_state, version=self.version, rng=self.rng, job=job
         )
+        self.schedule.started(self.steps)
         if self.settings.lora is not None:
             self._write_adapter()
         if wait:
             self.checkpointer.wait()
+            self.schedule.waited(self.steps)
+
+    def checkpoint_if_due(self) -> None:
+        """After a step: start a save when the schedule says (``CheckpointSchedule.due``)."""
+        if self.checkpointer is not None:
+            self.schedule.observe(self.steps, self.checkpointer.in_progress())
+            if self.schedule.due(self.steps):
+                self.save()
+
+    def before_step(self) -> None:
+        """Before a step: wait for the save in flight (or save) when the step would put more than
+        ``checkpoint.intervalSteps`` steps past the newest durable checkpoint."""
+        if self.checkpointer is None:
+            return
+        self.schedule.observe(self.steps, self.checkpointer.in_progress())
+        if self.schedule.must_wait(self.steps + 1):
+            started = time.perf_counter()
+            if self.schedule.saving is None:
+                self.save(wait=True)
+            else:
+                self.checkpointer.wait()
+                self.schedule.waited(self.steps)
+            log.info("waited %.2f s for checkpoint %d: at most %d steps may be past a written one",
+                     time.perf_counter() - started, self.schedule.durable, self.schedule.interval)
 
     def _write_adapter(self) -> None:
         """The LoRA adapters as a PEFT directory, ``RUN_DIR/adapter`` (``stoker.learner.peft``),
@@ -319,7 +347,7 @@ class Learner:
         self.version = restored.version
         self.steps = restored.step
         self.rng = restored.rng
-        self._saved_step = restored.step
+        self._saved_step = self.schedule.durable = restored.step
         log.info("resumed from checkpoint step %d, policy version %d", self.steps, self.version)
         return True
 

@@ -45,11 +45,11 @@ def test_a_run_under_chaos_finishes_loses_nothing_acknowledged_and_leaves_nothin
     kills = {k["role"]: k for k in figures["kills"]}
     assert sorted(kills) == ["actor", "buffer", "learner"], report
     assert all(k["restarted"] and k["on_cue"] for k in kills.values()), report
-    # It resumed from the newest complete checkpoint; what it had trained since is lost: up to an
-    # interval, plus the steps it trained while the next one was written (saves are asynchronous).
+    # It resumed from the newest complete checkpoint; what it had trained since is lost: at most an
+    # interval, even though saves are asynchronous (learner/checkpoint_schedule.py).
     learner = kills["learner"]
     assert learner["restored_from"] == learner["checkpoint"], report
-    assert 0 <= learner["steps_lost"] <= 2 * CHECKPOINT_INTERVAL, report
+    assert 0 <= learner["steps_lost"] <= CHECKPOINT_INTERVAL, report
     for role in ("buffer", "actor"):
         assert kills[role]["stall_seconds"] is not None and kills[role]["stall_seconds"] <= MAX_STALL_SECONDS, report
 
