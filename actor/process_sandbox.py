@@ -118,7 +118,9 @@ class Zygote:
             if self.process is not None and self.process.returncode is None:
                 return
             # A minimal environment: sandboxes see no credentials the actor may hold.
-            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": tempfile.gettempdir()}
+            # TMPDIR kept: the sandboxes' folders go where the actor's temporary files go.
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": tempfile.gettempdir(),
+                   "TMPDIR": tempfile.gettempdir()}
             # Per-thread malloc arenas and BLAS thread buffers would eat the address-space limit.
             env["MALLOC_ARENA_MAX"] = "2"
             env["OPENBLAS_NUM_THREADS"] = env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = "1"

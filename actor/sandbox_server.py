@@ -24,6 +24,7 @@ import logging
 import os
 import random
 import resource
+import shutil
 import signal
 import sys
 import tempfile
@@ -51,6 +52,39 @@ def apply_limits(cpu_seconds: int, memory_mb: int) -> None:
     if memory_mb > 0:
         limit = memory_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+SANDBOX_DIR_PREFIX = "stoker-sandbox-"  # then the zygote's pid and a dash: whose sandbox it was
+
+
+def sweep_orphans(temp_dir: str) -> list[str]:
+    """Remove the folders of sandboxes whose zygote is gone (its actor was killed: nothing ran
+    their clean-up); the names removed. A zygote still alive keeps its sandboxes' folders."""
+    removed = []
+    for entry in Path(temp_dir).glob(f"{SANDBOX_DIR_PREFIX}*-*"):
+        owner = entry.name.removeprefix(SANDBOX_DIR_PREFIX).split("-", 1)[0]
+        if not owner.isdigit() or _alive(int(owner)):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry.name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie (exited, its adopter not yet reaping it) does not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # someone else's process
+            return True
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -142,6 +176,9 @@ def zygote_main() -> int:
     import stoker.actor.swe  # noqa: F401
 
     print(f"sandbox isolation: {describe()}", file=sys.stderr, flush=True)  # probes once; forks inherit
+    orphans = sweep_orphans(tempfile.gettempdir())
+    if orphans:
+        print(f"sandbox: removed {len(orphans)} folders of sandboxes whose actor died", file=sys.stderr, flush=True)
 
     zygote_pid = os.getpid()
     children: dict[int, str] = {}  # pid -> request id
@@ -182,7 +219,7 @@ def _child(request: dict[str, Any], zygote_pid: int, say: Callable[[str], None])
     try:
         os.setsid()
         die_with_parent(zygote_pid)
-        workdir = tempfile.mkdtemp(prefix="stoker-sandbox-")
+        workdir = tempfile.mkdtemp(prefix=f"{SANDBOX_DIR_PREFIX}{zygote_pid}-")
         os.chdir(workdir)
         os.environ["HOME"] = os.environ["TMPDIR"] = workdir
         logfile = os.open(os.path.join(workdir, "sandbox.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

@@ -249,6 +249,46 @@ async def test_sandbox_dies_with_a_crashed_actor() -> None:
             await asyncio.sleep(0.02)
 
 
+SPAWN_AND_WAIT = """
+import asyncio
+from stoker.actor.process_sandbox import Zygote
+from stoker.actor.sandbox import SandboxConfig
+async def main():
+    zygote = Zygote()
+    sandbox = await zygote.spawn(SandboxConfig("frozenlake"))
+    print(sandbox.pid, zygote.process.pid, sandbox.workdir, flush=True)
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
+async def test_a_crashed_actors_sandbox_folders_go_when_the_next_actor_starts_sandboxes(tmp_path: Path) -> None:
+    """kill -9 of an actor leaves its sandboxes' folders (nothing ran their clean-up): they are in
+    the actor's TMPDIR, named by its zygote, and the next zygote there removes them."""
+    async def actor() -> tuple[asyncio.subprocess.Process, int, int, Path]:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", SPAWN_AND_WAIT, stdout=asyncio.subprocess.PIPE, env={**os.environ, "TMPDIR": str(tmp_path)}
+        )
+        assert process.stdout is not None
+        sandbox, zygote, workdir = (await asyncio.wait_for(process.stdout.readline(), 30)).decode().split()
+        return process, int(sandbox), int(zygote), Path(workdir)
+
+    first, sandbox_pid, zygote_pid, orphan = await actor()
+    assert orphan.parent == tmp_path and orphan.name.startswith(f"stoker-sandbox-{zygote_pid}-")
+    first.kill()
+    await first.wait()
+    async with asyncio.timeout(10):
+        while not (_gone(sandbox_pid) and _gone(zygote_pid)):
+            await asyncio.sleep(0.02)
+    assert orphan.exists()  # nobody removed it
+    second, _, _, workdir = await actor()
+    try:
+        assert not orphan.exists() and workdir.exists()  # the live one's is kept
+    finally:
+        second.kill()
+        await second.wait()
+
 @pytest.mark.parametrize("heartbeat_seconds", [0.05, 60.0])
 async def test_heartbeats_keep_a_slow_episode_alive_and_silence_reaps_it(
     heartbeat_seconds: float, lake: TextInterface, lake_config: SandboxConfig, zygote: Zygote
