@@ -87,14 +87,9 @@ case " $PARTS " in *" shipped "*)
     # Each seed both ways, side by side in time (the machine drifts); ~50 s a run since the example's
     # environments run inline.
     for seed in ${CHIP_SEEDS:-0 1}; do
-        "$PYTHON" - "$ROOT/examples/frozenlake.yaml" "$WORK/shipped-seed$seed.yaml" "$seed" <<'EOF'
-import sys
-from pathlib import Path
-import yaml
-doc = yaml.safe_load(Path(sys.argv[1]).read_text())
-doc["spec"]["seed"] = int(sys.argv[3])
-Path(sys.argv[2]).write_text(yaml.safe_dump(doc))
-EOF
+        PYTHONPATH="$ROOT/benchmarks" "$PYTHON" -c "import sys; from pathlib import Path; from local_runs import manifest_variant
+manifest_variant(Path(sys.argv[1]), Path(sys.argv[2]), lambda doc: doc['spec'].update(seed=int(sys.argv[3])))" \
+            "$ROOT/examples/frozenlake.yaml" "$WORK/shipped-seed$seed.yaml" "$seed"
         run "shipped-async-s$seed" 100 "$WORK/shipped-seed$seed.yaml" async
         run "shipped-sync-s$seed" 100 "$WORK/shipped-seed$seed.yaml" sync
         SHIPPED+=("$WORK/shipped-async-s$seed" "$WORK/shipped-sync-s$seed")

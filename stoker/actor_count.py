@@ -38,13 +38,19 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
 
 
+def affinity_mask() -> set[int] | None:
+    """The cores this process may run on; None where the OS has no affinity masks (macOS, Windows)."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except AttributeError:
+        return None
+
+
 def host_cores() -> int:
     """The cores this process may use: its affinity mask (``os.cpu_count`` where there is none),
     capped by its cgroup's CPU quota, rounded up (a quota of 3.5 cores feeds a 4th process a little)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows: no affinity masks
-        cores = os.cpu_count() or 1
+    mask = affinity_mask()
+    cores = len(mask) if mask is not None else os.cpu_count() or 1
     quota = cpu_quota_cores()
     return cores if quota is None else max(1, min(cores, math.ceil(quota)))
 

@@ -18,19 +18,11 @@ import logging
 import math
 import os
 
-from stoker.actor_count import cpu_quota_cores
+from stoker.actor_count import affinity_mask, cpu_quota_cores
 
 CPU_THREADS_ENV = "STOKER_CPU_THREADS"
 
 log = logging.getLogger("stoker.cpu_threads")
-
-
-def affinity() -> set[int] | None:
-    """The cores this process may run on; None where the OS has no affinity masks."""
-    try:
-        return set(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return None
 
 
 def cpu_share(env: dict[str, str] | None = None, quota: float | None = None) -> int | None:
@@ -51,7 +43,7 @@ def start_jax_cpu(threads: int | None) -> int | None:
     """Start JAX's backends with the CPU pools sized to ``threads`` (no change when None or at
     least the mask). Returns the size used, or None when JAX chose its own. Call it before anything
     else in the process touches JAX's backends: once they run, their pools are fixed."""
-    mask = affinity()
+    mask = affinity_mask()
     if threads is None or mask is None or threads >= len(mask):
         return None
     import jax
