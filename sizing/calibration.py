@@ -55,7 +55,6 @@ V5E = Calibration("v5e", (
     Measured("q05-2k", "publish", "HBM", 0.0100, 0.0089, "2026-12-06"),
     Measured("q05-roll-b128", "prefill 128 x 2048", "compute", 4.812, 1.432, "2026-12-06"),
     Measured("q05-roll-b128", "decode 128 rows, 2048 slots", "HBM", 0.0181, 0.0179, "2026-12-06"),
-    Measured("dense-06b", "grad 4 x 2048", "compute", 0.238, 0.081, "2026-12-06"),
 ))
 
 CALIBRATIONS: dict[str, Calibration] = {c.generation: c for c in (V5E,)}
