@@ -23,7 +23,6 @@ from stoker.operator.bufferstats import StatsUnavailable
 from stoker.operator.control import Action, actors_diagnosis, decide
 from stoker.operator.job_targets import actor_target, job_context
 from stoker.operator.jobstatus import Observed, build_status, failed_status
-from stoker.operator.health import component_restarts
 from stoker.operator.kopf_errors import kopf_error, refused_child_error
 from stoker.operator.kopf_setup import configure, login
 from stoker.operator.learner_workload import ephemeral_checkpoints
@@ -44,6 +43,7 @@ from stoker.operator.reconcile import (
     remove_learner,
     sync_actor_replicas,
 )
+from stoker.operator.restart_ledger import read_ledger, track_restarts
 from stoker.operator.rollout_tier import (
     ROLLOUT_POD_INDEX,
     index_rollout_pods,
@@ -244,7 +244,8 @@ def monitor(
                 kopf.event(body, type=action.type, reason=action.reason, message=action.message)
                 runtime.metrics.action(namespace, name, action.reason)
 
-        sync_actor_replicas(runtime.kube, ctx, children.actors, 0 if parsed.suspend or finished else target)
+        actor_replicas = 0 if parsed.suspend or finished else target
+        sync_actor_replicas(runtime.kube, ctx, children.actors, actor_replicas)
         look = None
         if parsed.rollout is not None or previous.get("rollout"):
             index = kwargs.get(ROLLOUT_POD_INDEX)
@@ -262,6 +263,14 @@ def monitor(
     except kubeapi.ApiError as exc:
         raise kopf_error(exc) from None
 
+    # Pods each component should have now: pods beyond them were removed on purpose, not restarted.
+    wanted = {"buffer": children.buffer.replicas if children.buffer is not None else 0,
+              "actors": min(children.actors.replicas, actor_replicas) if children.actors is not None else 0,
+              "rollout": look.target if look is not None and not parsed.suspend and not finished else 0}
+    restarts, ledger = track_restarts(
+        (pods[(namespace, name)] if (namespace, name) in pods else []) if pods is not None else None,
+        read_ledger(previous.get("restartLedger")), jobset_restarts=children.learner.restarts,
+        wanted=wanted, now=now, floor=previous.get("restarts") or {})
     observed = Observed(
         spec=parsed,
         generation=meta.get("generation"),
@@ -281,8 +290,8 @@ def monitor(
         rollout_ready=look.observed.ready if look is not None else 0,
         rollout_reading=look.reading if look is not None else None,
         rollout_blocked=rollout_blocked(ctx),
-        restarts=component_restarts(
-            pods[(namespace, name)] if pods is not None and (namespace, name) in pods else [], children.learner.restarts),
+        restarts=restarts,
+        restart_ledger=ledger,
     )
     new_status = build_status(observed, previous, now)
     runtime.metrics.observe(namespace, name, new_status)

@@ -27,7 +27,8 @@ class Restarts:
     """One component's restarts as its live pods and workload show them."""
 
     pods: int = 0
-    """Container restarts summed over the component's pods (a replaced pod takes its count along)."""
+    """Container restarts summed over the component's pods; with ``restart_ledger``, also those of
+    its pods that are gone, and one per pod replaced."""
     workload: int = 0
     """Whole-group restarts by the learner's JobSet (``status.restarts``): a lost pod or slice."""
     last_reason: str = ""

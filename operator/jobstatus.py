@@ -17,7 +17,7 @@ from stoker.operator.health import Part, Restarts, health_conditions
 from stoker.operator.observe import DeploymentObservation, LearnerObservation, StatsSnapshot
 from stoker.operator.rollout_control import RolloutReading
 from stoker.spec import RLJobSpec
-from stoker.status import Condition, RLJobStatus
+from stoker.status import Condition, RestartLedger, RLJobStatus
 
 
 def rfc3339(moment: datetime) -> str:
@@ -76,7 +76,9 @@ class Observed:
     rollout_blocked: str | None = None
     """Why no rollout server can run (a multi-host tier without the JobSet API)."""
     restarts: Mapping[str, Restarts] = field(default_factory=dict)
-    """Per component (``health.component_restarts``); absent ones restarted 0 times."""
+    """Per component (``restart_ledger.track_restarts``); absent ones restarted 0 times."""
+    restart_ledger: RestartLedger | None = None
+    """What those counts are kept from (``status.restartLedger``); None keeps the previous one."""
 
 
 def _learner_condition(o: Observed) -> Cond:
@@ -307,6 +309,8 @@ def build_status(o: Observed, previous: Mapping[str, Any], now: datetime) -> dic
             "rollout": _rollout_status(o, previous),
             "zombiesReaped": o.zombies_reaped,
             "restarts": {name: r.total for name, r in o.restarts.items()},
+            "restartLedger": (o.restart_ledger.model_dump(by_alias=True) if o.restart_ledger is not None
+                              else previous.get("restartLedger")),
             "evaluation": _evaluation(o.stats) if o.stats is not None and o.stats.evaluation else previous.get("evaluation"),
             "admissionScale": o.admission_scale,
             "bottleneck": (

@@ -14,6 +14,15 @@ BACK_OFF_REASONS = frozenset({
     "CreateContainerConfigError", "CreateContainerError", "RunContainerError",
 })
 
+# The ``DisruptionTarget`` condition the scheduler, the eviction API, the taint manager or pod GC set
+# on a pod before deleting it (Kubernetes 1.26+): why a replaced pod went, in the words of restarts.
+# The taint manager and pod GC mostly act on a node that went away (unreachable, or deleted).
+DISRUPTIONS = {
+    "PreemptionByScheduler": "Preempted", "PreemptionByKubeScheduler": "Preempted",
+    "EvictionByEvictionAPI": "Evicted", "TerminationByKubelet": "Evicted",
+    "DeletionByTaintManager": "NodeLost", "DeletionByPodGC": "NodeLost",
+}
+
 
 @dataclass(frozen=True)
 class PodHealth:
@@ -28,6 +37,11 @@ class PodHealth:
     """A back-off reason (``BACK_OFF_REASONS``) a container waits in now; "" otherwise."""
     finished: bool = False
     """Phase ``Failed`` or ``Succeeded``: an evicted pod stays listed, but nothing runs in it."""
+    failed: bool = False
+    """Phase ``Failed``."""
+    disruption: str = ""
+    """Why the pod as a whole is going, where it says: its own ``reason`` (``Evicted``, ``NodeLost``,
+    ``Shutdown``) or its ``DisruptionTarget`` condition (``DISRUPTIONS``); "" otherwise."""
 
 
 def _terminations(container: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -53,10 +67,14 @@ def pod_health(status: Mapping[str, Any] | None) -> PodHealth:
         (str(w) for c in containers if (w := ((c.get("state") or {}).get("waiting") or {}).get("reason")) in BACK_OFF_REASONS),
         "",
     )
+    disrupted = next((str(c.get("reason") or "") for c in status.get("conditions") or []
+                      if c.get("type") == "DisruptionTarget" and c.get("status") == "True"), "")
     return PodHealth(
         restarts=restarts,
         last_reason=reason,
         last_finished=finished_at,
         waiting=waiting,
         finished=status.get("phase") in ("Failed", "Succeeded"),
+        failed=status.get("phase") == "Failed",
+        disruption=str(status.get("reason") or "") or DISRUPTIONS.get(disrupted, disrupted),
     )

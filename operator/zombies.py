@@ -16,6 +16,10 @@ from stoker.labels import ACTOR_LABEL, HEARTBEAT_ANNOTATION, JOB_LABEL, ROLE_LAB
 from stoker.operator.naming import ROLE_ACTOR, ROLE_LEARNER
 from stoker.operator.podhealth import PodHealth, pod_health
 
+TEMPLATE_HASH_LABEL = "pod-template-hash"  # the Deployment's ReplicaSet
+REVISION_HASH_LABEL = "controller-revision-hash"  # a StatefulSet's or DaemonSet's
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+
 # Pods that may own sandboxes: actors, and the learner in colocated mode.
 SANDBOX_OWNER_ROLES = frozenset({ROLE_ACTOR, ROLE_LEARNER})
 
@@ -33,6 +37,11 @@ class PodRecord:
     deleting: bool = False
     health: PodHealth = PodHealth()
     """Restarts and termination reasons, for the job's Degraded/Recovering conditions."""
+    uid: str = ""
+    revision: str = ""
+    """Its template's hash (``pod-template-hash``): a replacement of another hash is a rollout."""
+    jobset: bool = False
+    """Made by a JobSet, which counts the restarts of its pods' group itself."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,9 @@ def pod_record(
         created=_time(meta.get("creationTimestamp")),
         deleting=bool(meta.get("deletionTimestamp")),
         health=pod_health(status),
+        uid=str(meta.get("uid") or ""),
+        revision=labels.get(TEMPLATE_HASH_LABEL) or labels.get(REVISION_HASH_LABEL) or "",
+        jobset=JOBSET_NAME_LABEL in labels,
     )
 
 

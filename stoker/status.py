@@ -86,12 +86,43 @@ class RolloutStatus(StatusModel):
 
 
 class RestartsStatus(StatusModel):
-    """Restarts per component: its live pods' container restarts, plus the learner JobSet's own."""
+    """Restarts per component for the life of the job (never lower): container restarts, one per pod replaced, the JobSet's."""
 
     learner: int = 0
     buffer: int = 0
     actors: int = 0
     rollout: int = 0
+
+
+class CarriedRestarts(StatusModel):
+    """One component's restarts that its live pods no longer show."""
+
+    count: int = Field(0, description="Container restarts of its pods that are gone, plus one per pod replaced.")
+    last_reason: str = Field("", description="Why the last of them stopped (OOMKilled, Evicted, Preempted, deleted).")
+    last_at: str = Field("", description="When (RFC 3339).")
+
+
+class SeenPod(StatusModel):
+    """A pod of the job as the operator last saw it."""
+
+    uid: str = Field(description="Its uid (its name where it has none).")
+    component: str
+    restarts: int = 0
+    up: bool = Field(True, description="Neither terminating nor finished.")
+    revision: str = Field("", description="Its pod-template-hash: a replacement of another one is a rollout.")
+    jobset: bool = Field(False, description="A JobSet's pod: the JobSet counts its group's restarts.")
+    last_reason: str = ""
+    last_at: str = ""
+    left: str = Field("", description="When it went without saying why (RFC 3339): a restart once a pod replaces it.")
+
+
+class RestartLedger(StatusModel):
+    """The operator's bookkeeping behind restarts, kept across replaced pods and operator restarts."""
+
+    carried: dict[str, CarriedRestarts] = Field(default_factory=dict, description="Per component.")
+    jobset_seen: int = Field(0, description="The learner JobSet's status.restarts on the last look.")
+    jobset_carried: int = Field(0, description="Restarts of learner JobSets since recreated (suspend, resume).")
+    pods: list[SeenPod] = Field(default_factory=list)
 
 
 class RLJobStatus(StatusModel):
@@ -105,6 +136,7 @@ class RLJobStatus(StatusModel):
     rollout: RolloutStatus | None = None
     zombies_reaped: int | None = None
     restarts: RestartsStatus | None = None
+    restart_ledger: RestartLedger | None = None
     evaluation: EvaluationStatus | None = Field(None, description="Held-out evaluation, apart from training success.")
     admission_scale: float | None = Field(
         None, description="Fraction of the buffer's own admission credit the operator allows (1 = no limit)."

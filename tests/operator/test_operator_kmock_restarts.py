@@ -112,6 +112,17 @@ async def test_component_deaths_in_status(buffer_process: tuple[str, str], opera
     assert (condition(c, "Recovering")["status"], condition(c, "Recovering")["reason"]) == ("False", "Stuck")
     assert len(writes(c, "deployments")) == before["deployments"]  # the buffer is left to its kubelet
 
+    # -- the crash-looping buffer pod is deleted; its Deployment replaces it with a pod at 0 restarts:
+    # the count does not drop to 0, the gone pod's 3 stay and the replacement is one more
+    await c.delete(PODS + f"/{JOB}-buffer-x")
+    await c.create(PODS, pod(f"{JOB}-buffer-y", "buffer"))
+    await c.patch(PODS + f"/{JOB}-buffer-y/status", {"status": {"phase": "Running", "containerStatuses": [container_status(0)]}})
+    await c.patch(DEPLOYMENTS + f"/{JOB}-buffer/status", {"status": {"readyReplicas": 1}})
+    await c.eventually(lambda: status_of(c).get("restarts", {}).get("buffer") == 4, what="buffer restarts 3 + 1")
+    await c.eventually(lambda: "buffer 4 (last: deleted)" in condition(c, "Degraded").get("message", ""),
+                       what="the replacement in Degraded's message")
+    assert status_of(c)["restartLedger"]["carried"]["buffer"]["count"] == 4  # kept where a new operator reads it
+
     # -- an actor pod is evicted (it stays listed, Failed) and the Deployment replaces it: the dead
     # actor's sandbox is reaped, the replacement's is kept
     now = rfc3339(datetime.now(timezone.utc))
@@ -130,3 +141,10 @@ async def test_component_deaths_in_status(buffer_process: tuple[str, str], opera
     # Replacing the dead actor is the Deployment's job: the operator kept its Deployment as it was.
     assert len(writes(c, "deployments")) == before["deployments"]
     assert c.get("apps/v1/deployments", f"{JOB}-actor")["spec"]["replicas"] == 2  # type: ignore[index]
+    # The evicted pod is a restart of the actors, once, and stays one after it is garbage-collected.
+    await c.eventually(lambda: status_of(c).get("restarts", {}).get("actors") == 1, what="actors restarts 1")
+    assert "actors 1 (last: Evicted)" in condition(c, "Degraded")["message"]
+    await c.delete(PODS + f"/{JOB}-actor-old")
+    await c.eventually(lambda: len(status_of(c)["restartLedger"]["pods"]) == 2,  # buffer-y, actor-new
+                       what="the gone pod out of the ledger")
+    assert status_of(c)["restarts"] == {"learner": 1, "buffer": 4, "actors": 1, "rollout": 0}
