@@ -9,6 +9,8 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 import grpc
 
 from stoker import chips
+from stoker.compilation_cache import cache_dir_for, enable_compilation_cache
 from stoker.cpu_threads import cpu_share, start_jax_cpu
 from stoker.actor.diagnostics import LoadReading
 from stoker.actor.environments import EnvironmentProblem
@@ -77,12 +80,9 @@ def make_sampler(settings: ActorSettings, dtype: str = "float32", mesh: Any = No
     from stoker.model.hf import CheckpointError, dtype_from_name, read_config, read_weights
     from stoker.rollout.sampling import Sampler
 
-    if settings.compilation_cache_dir:
-        import jax
-
-        # The sampler compiles one program per (batch, prefill, cache) shape; a restarted actor
-        # then reads them back instead of compiling again.
-        jax.config.update("jax_compilation_cache_dir", settings.compilation_cache_dir)
+    # The sampler compiles one program per call shape; the next actor on the host, or this one
+    # restarted, then reads them back instead of compiling again.
+    enable_compilation_cache(cache_dir_for(settings.compilation_cache_dir))
     config, params = settings.model, None
     try:
         if settings.checkpoint:
@@ -130,6 +130,16 @@ def make_policy(
     settings: ActorSettings, dtype: str = "float32", mesh: Any = None, cpu_threads: int | None = None
 ) -> BatchedSampler:
     return BatchedSampler(make_sampler(settings, dtype, mesh, cpu_threads))
+
+
+async def warm_up(policy: BatchedSampler, settings: ActorSettings) -> None:
+    """Compile every sampler program before the first episode (``stoker.rollout.warmup``). Each
+    actor starts at the shape its index names, so actors starting together compile different
+    ones and read the rest from the shared compilation cache."""
+    index = re.search(r"\d+$", settings.actor_id)
+    started = time.monotonic()
+    programs = await asyncio.to_thread(policy.sampler.warm_up, settings.concurrency, int(index.group()) if index else 0)
+    log.info("actor %s: %d sampler programs ready in %.1f s", settings.actor_id, programs, time.monotonic() - started)
 
 
 class GrpcBuffer:
@@ -232,6 +242,7 @@ async def build_and_run(
             raise ActorSetupError(str(exc)) from None
         policy = await asyncio.to_thread(make_policy, settings, spec.model.dtype, None, threads)
         source, loader = (make_weight_source(weights, token) if weights else None), policy
+        await warm_up(policy, settings)
     buffer = GrpcBuffer(BufferClient(buffer_address, token=token, client_id=actor_id))
     if settings.evaluation is not None:
         try:

@@ -343,11 +343,12 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return int(fields[11]) / tick, int(fields[12]) / tick
 
 
-def wait_ready_file(path: Path, process: subprocess.Popen[bytes], timeout: float) -> int:
+def wait_ready_file(path: Path, process: subprocess.Popen[bytes], timeout: float) -> str:
+    """What the server wrote to its ready file: the bound port, or its unix:// address."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if path.exists():
-            return int(path.read_text())
+            return path.read_text().strip()
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode} before it was ready")
         time.sleep(0.02)
@@ -497,7 +498,7 @@ def start_server(target: str, work: Path, tokens: int, args: argparse.Namespace)
             "--data-dir", str(data), "--manifest", str(manifest), "--ready-file", str(ready), "--log-level", "warning",
         ]  # fmt: skip
     process = subprocess.Popen(command)
-    port = wait_ready_file(ready, process, READY_TIMEOUT)
+    port = int(wait_ready_file(ready, process, READY_TIMEOUT))
     return process, f"127.0.0.1:{port}"
 
 

@@ -9,7 +9,7 @@
 # ways; every run under a timeout, so a hang costs its slot and not the call. The table of all
 # runs goes to $OUT/chip.md and $OUT/chip.json (benchmarks/run_figures.py), each run's log to $OUT.
 # host_cpu.py always first (~15 s); shipped (seeds CHIP_SEEDS, default 0 1) and latency by default (~9 minutes); `latency` alone gives its synchronous run the ~5
-# minutes it needs to reach 0.9; `bench` alone (~8 minutes) runs `stoker bench` on benchmarks/chip/; `actors` (~1 minute) eight actor loops at once, default pools against one thread each. CHIP_SECONDS scales every limit (e.g. 0.2 for a quick check on a CPU machine).
+# minutes it needs to reach 0.9; `bench` alone (~8 minutes) runs `stoker bench` on benchmarks/chip/; `actors` (~1 minute) eight actor loops at once, default pools against one thread each; `variants` the example with CHIP_VARIANTS' spec overrides (below); `duty` the learner alone, fed by a full buffer. CHIP_SECONDS scales every limit (e.g. 0.2 for a quick check on a CPU machine).
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-python3}
@@ -81,18 +81,48 @@ actors() {
     done
 }
 case " $PARTS " in *" actors "*) actors; esac
+# duty: the learner alone on the chip, fed by a full buffer (learner_duty.py), at the manifest's
+# micro-batch and at one micro-batch per step; a line each into chip.log.
+case " $PARTS " in *" duty "*)
+    for tokens in ${CHIP_DUTY_MICROBATCH:-1024 8192}; do
+        timeout "$(limit 90)" "$PYTHON" "$ROOT/benchmarks/learner_duty.py" --steps 60 --microbatch-tokens "$tokens" \
+            2> "$WORK/duty-$tokens.log" | tail -n 1 | tee -a "$OUT/chip.log"
+    done
+esac
 
 SHIPPED=()
 case " $PARTS " in *" shipped "*)
     # Each seed both ways, side by side in time (the machine drifts); ~50 s a run since the example's
     # environments run inline.
     for seed in ${CHIP_SEEDS:-0 1}; do
-        PYTHONPATH="$ROOT/benchmarks" "$PYTHON" -c "import sys; from pathlib import Path; from local_runs import manifest_variant
+        PYTHONPATH="$ROOT/benchmarks${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c "import sys; from pathlib import Path; from local_runs import manifest_variant
 manifest_variant(Path(sys.argv[1]), Path(sys.argv[2]), lambda doc: doc['spec'].update(seed=int(sys.argv[3])))" \
             "$ROOT/examples/frozenlake.yaml" "$WORK/shipped-seed$seed.yaml" "$seed"
         run "shipped-async-s$seed" 100 "$WORK/shipped-seed$seed.yaml" async
         run "shipped-sync-s$seed" 100 "$WORK/shipped-seed$seed.yaml" sync
         SHIPPED+=("$WORK/shipped-async-s$seed" "$WORK/shipped-sync-s$seed")
+    done
+esac
+# variants: the example with spec overrides, seeds CHIP_SEEDS: each of CHIP_VARIANTS is
+# NAME:PATH=VALUE[,PATH=VALUE][:MODE[+MODE]] (modes: async, the default, and sync).
+VARIANTS=()
+case " $PARTS " in *" variants "*)
+    for variant in ${CHIP_VARIANTS:-}; do
+        vname=${variant%%:*}
+        for seed in ${CHIP_SEEDS:-0 1}; do
+            PYTHONPATH="$ROOT/benchmarks${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c "import sys; from pathlib import Path; from local_runs import manifest_variant, set_path
+def edit(doc):
+    doc['spec']['seed'] = int(sys.argv[3])
+    for item in filter(None, sys.argv[4].split(',')):
+        set_path(doc, *item.split('=', 1))
+manifest_variant(Path(sys.argv[1]), Path(sys.argv[2]), edit)" \
+                "$ROOT/examples/frozenlake.yaml" "$WORK/$vname-seed$seed.yaml" "$seed" "$(echo "$variant" | cut -d: -f2)"
+            modes=$(echo "$variant" | cut -s -d: -f3); modes=${modes:-async}
+            for mode in ${modes//+/ }; do
+                run "$vname-$mode-s$seed" 100 "$WORK/$vname-seed$seed.yaml" "$mode"
+                VARIANTS+=("$WORK/$vname-$mode-s$seed")
+            done
+        done
     done
 esac
 case " $PARTS " in *" latency "*)
@@ -102,9 +132,12 @@ case " $PARTS " in *" latency "*)
 esac
 
 [ "$PARTS" = bench ] && exit 0
-"$PYTHON" "$ROOT/benchmarks/run_figures.py" ${SHIPPED[@]+"${SHIPPED[@]}"} "$WORK"/latency-async \
+"$PYTHON" "$ROOT/benchmarks/run_figures.py" ${SHIPPED[@]+"${SHIPPED[@]}"} ${VARIANTS[@]+"${VARIANTS[@]}"} "$WORK"/latency-async \
     "$WORK"/latency-sync --json "$OUT/chip.json" --markdown "$OUT/chip.md"
 tail -n 5 "$WORK"/*.log > "$OUT/logs.txt" 2>&1
+# Every run's records and logs in one file (few files come back from the device).
+(cd "$WORK" && tar -czf "$OUT/runs.tgz" --exclude=checkpoints --exclude=weights --exclude=buffer --exclude=tensorboard \
+    --exclude=plots --exclude=profiles --exclude=cache -- */ *.yaml 2>/dev/null)
 for name in shipped-async-s0 latency-async; do
     [ -f "$WORK/$name/report.md" ] && cp "$WORK/$name/report.md" "$OUT/$name-report.md"
 done

@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from local_runs import REPO
+from local_runs import REPO, set_path
 from stoker.actor.episode import run_group
 from stoker.actor.runner import task_cycle
 from stoker.actor.sandbox import close_factory
@@ -49,15 +49,6 @@ from stoker.runner.sync import episode_settings
 from stoker.spec import RLJob
 
 WINDOW = 10  # steps in the rolling success rate (runner/progress.py)
-
-
-def set_path(doc: dict[str, Any], dotted: str, value: str) -> None:
-    """``spec.<dotted> = value`` (YAML-parsed), creating sections on the way."""
-    node = doc["spec"]
-    *parents, leaf = dotted.split(".")
-    for key in parents:
-        node = node.setdefault(key, {})
-    node[leaf] = yaml.safe_load(value)
 
 
 async def steps_to_target(

@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import json
 import multiprocessing
+import os
 import subprocess
 import sys
 import tempfile
@@ -78,14 +79,17 @@ def fill(address: str, group_size: int, vocab: int, stop: Any) -> None:
 def filled_buffer(manifest: Path, work: Path, group_size: int, vocab: int) -> Iterator[str]:
     """A ``stoker buffer`` process kept full by a filler process; yields its address."""
     ready = work / "buffer.ready"
+    # A unix socket: the TPU host allows no TCP, not even on loopback.
+    address = f"unix://{work / 'buffer.sock'}"
     buffer = subprocess.Popen(
-        [sys.executable, "-m", "stoker.cli", "buffer", "--manifest", str(manifest), "--host", "127.0.0.1",
-         "--port", "0", "--data-dir", str(work / "buffer"), "--ready-file", str(ready), "--log-level", "warning"],
+        [sys.executable, "-m", "stoker.cli", "buffer", "--manifest", str(manifest), "--listen", address,
+         "--data-dir", str(work / "buffer"), "--ready-file", str(ready), "--log-level", "warning"],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},  # the learner in this process holds the chip
     )
     stop = multiprocessing.Event()
     filler = None
     try:
-        address = f"127.0.0.1:{wait_ready_file(ready, buffer, timeout=60)}"
+        wait_ready_file(ready, buffer, timeout=60)
         filler = multiprocessing.Process(target=fill, args=(address, group_size, vocab, stop), daemon=True)
         filler.start()
         yield address
@@ -102,8 +106,11 @@ def main() -> int:
     parser.add_argument("--manifest", type=Path, default=REPO / "examples" / "frozenlake.yaml")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-groups", type=int, help="learner.batchGroups (default: the manifest's)")
+    parser.add_argument("--microbatch-tokens", type=int, help="learner.microbatchTokens (default: the manifest's)")
     parser.add_argument("--json", type=Path, help="also write the result here")
     args = parser.parse_args()
+
+    import jax
 
     from stoker.buffer.client import BufferClient
     from stoker.learner.loop import Learner
@@ -114,6 +121,10 @@ def main() -> int:
     spec = load_job(args.manifest).spec
     if args.batch_groups:
         spec = spec.model_copy(update={"learner": spec.learner.model_copy(update={"batch_groups": args.batch_groups})})
+    if args.microbatch_tokens:
+        spec = spec.model_copy(
+            update={"learner": spec.learner.model_copy(update={"microbatch_tokens": args.microbatch_tokens})}
+        )
     work = Path(tempfile.mkdtemp(prefix="stoker-learner-duty-"))
     settings = LearnerSettings.from_spec(
         spec, run_dir=work, checkpoint_dir=None,
@@ -137,6 +148,7 @@ def main() -> int:
     wall = steady[-1][0] - (steady[0][0] - steady[0][1])
     result = {
         "batch_groups": settings.batch_groups,
+        "microbatch_tokens": settings.microbatch_tokens_on(jax.devices()[0].platform),
         "updates": len(steady),
         "steady_duty_cycle": sum(s for _, s in steady) / wall,
         "updates_per_second": len(steady) / wall,

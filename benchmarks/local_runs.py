@@ -29,6 +29,15 @@ def manifest_variant(base: Path, path: Path, edit: Callable[[dict[str, Any]], No
     return path
 
 
+def set_path(doc: dict[str, Any], dotted: str, value: str) -> None:
+    """``spec.<dotted> = value`` (YAML-parsed), creating sections on the way."""
+    node = doc["spec"]
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = yaml.safe_load(value)
+
+
 @dataclass
 class RunRecords:
     metrics: list[dict[str, Any]]  # learner_metrics.jsonl

@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from stoker.compilation_cache import enable_compilation_cache
 from stoker.distributed import Processes
 from stoker.learner.checkpoint_schedule import CheckpointSchedule
 from stoker.learner import algorithms, metrics, multihost, packing, remat, sharding, step, train, value_network
@@ -69,7 +70,7 @@ class Learner:
 
     def __init__(self, settings: LearnerSettings, *, mesh: Any = None, resume: bool = True):
         self.settings = settings
-        metrics.enable_compilation_cache(settings.compilation_cache_dir)
+        enable_compilation_cache(settings.compilation_cache_dir)
         self.compiles = metrics.CompileCounter.install()
         self.mesh = mesh if mesh is not None else sharding.make_mesh(settings.mesh_fsdp, settings.mesh_tp, ep=settings.mesh_ep)
         dtype = hf.dtype_from_name(settings.dtype)
@@ -105,8 +106,10 @@ class Learner:
             log.warning("learner.weightDtype %s: an update smaller than about |w| x 2^-9 rounds away (at learning "
                         "rate %g, on every weight above %.2g)", settings.weight_dtype, settings.learning_rate,
                         settings.learning_rate * 2**9)
+        self.platform: str = next(iter(self.mesh.devices.flat)).platform  # "cpu", "tpu", ...
         self.rows = packing.rows_for_buckets(
-            settings.buckets, settings.microbatch_tokens, sharding.data_parallel_size(self.mesh)
+            settings.buckets, settings.microbatch_tokens_on(self.platform, model.config),
+            sharding.data_parallel_size(self.mesh),
         )
 
         def trainer(policy: RematPolicy, model: Any, value_model: Any, teacher: Any) -> train.Trainer:

@@ -78,40 +78,6 @@ class CompileCounter:
                 self.cache_hits += 1
 
 
-def enable_compilation_cache(directory: str | Path | None) -> None:
-    """Turn on JAX's persistent compilation cache in ``directory`` (no-op when None).
-
-    Every program is cached however fast it compiled, so a restarted learner or actor pays no
-    compile time for shapes it has seen."""
-    if directory is None:
-        return
-    import jax
-
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    _reset_cache()
-
-
-def disable_compilation_cache() -> None:
-    """Turn the persistent compilation cache off again (in-process callers and tests)."""
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", None)
-    _reset_cache()
-
-
-def _reset_cache() -> None:
-    # JAX opens its cache once per process at the first compilation and ignores later changes of
-    # the directory unless told to start over (the function is not public API; hence getattr).
-    from jax._src import compilation_cache
-
-    reset = getattr(compilation_cache, "reset_cache", None)
-    if reset is not None:
-        reset()
-
-
 class DutyCycle:
     """Fraction of wall time spent inside ``busy()`` blocks since construction."""
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from stoker.spec import RLJobSpec, TransformerConfig
+
 
 @dataclass
 class TrainSequence:
@@ -91,6 +93,32 @@ class MicroPlan:
     bucket_len: int
     rows: int
     placements: tuple[Placement, ...]
+
+
+# An accelerator runs each micro-batch as its own calls (a launch and a host round trip each): the
+# FrozenLake learner on a v5e took 58 ms a step in 7 micro-batches of 1,024 tokens and 15 ms in one
+# (benchmarks/README.md, "Compiles in the loop"). So where the activations are small the whole
+# batch goes in one; this is what a micro-batch's activations may take.
+ACCELERATOR_MICROBATCH_BYTES = 1 << 30
+
+
+def microbatch_tokens(spec: RLJobSpec, platform: str, config: TransformerConfig | None = None) -> int:
+    """Tokens per packed micro-batch: ``learner.microbatchTokens``, else 4 x the longest bucket on
+    the CPU (cache-sized calls), and on an accelerator (``platform`` "tpu", "gpu") up to the whole
+    batch while a rough activation estimate -- each layer's input, one layer's temporaries and the
+    logits, in float32 -- stays within ``ACCELERATOR_MICROBATCH_BYTES``. ``config``: the model's
+    (a checkpoint's own), else the spec's architecture."""
+    if spec.learner.microbatch_tokens:
+        return spec.learner.microbatch_tokens
+    longest = max(spec.learner.sequence_buckets)
+    least = 4 * longest
+    if platform == "cpu":
+        return least
+    c = config or spec.model.architecture
+    per_token = 4 * (c.num_layers * c.hidden_size + 4 * (c.hidden_size + c.intermediate_size) + c.vocab_size)
+    fits = ACCELERATOR_MICROBATCH_BYTES // per_token
+    whole = 1 << max(0, spec.learner.batch_groups * spec.buffer.group_size * longest - 1).bit_length()
+    return max(least, min(1 << (fits.bit_length() - 1) if fits else 0, whole))
 
 
 def rows_for_buckets(buckets: Sequence[int], tokens_per_microbatch: int, multiple: int = 1) -> dict[int, int]:

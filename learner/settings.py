@@ -22,6 +22,7 @@ from stoker.conversation.tokenization import allowed_token_ids
 from stoker.learner.algorithms import AdvantageNormalization, LossConfig
 from stoker.learner.lora import LoraConfig
 from stoker.learner.optimizer import OptimizerConfig
+from stoker.learner.packing import microbatch_tokens
 from stoker.spec import AlgorithmName, RLJobSpec, SftSpec, TransformerConfig
 from stoker.spec_model import RematSetting
 
@@ -198,11 +199,9 @@ class LearnerSettings:
         """spec.learner.sequenceBuckets: the packed row lengths, ascending."""
         return tuple(self.spec.learner.sequence_buckets)
 
-    @property
-    def microbatch_tokens(self) -> int:
-        """Tokens per packed micro-batch: spec.learner.microbatchTokens, 4 x the longest bucket when unset."""
-        learner = self.spec.learner
-        return learner.microbatch_tokens or 4 * max(learner.sequence_buckets)
+    def microbatch_tokens_on(self, platform: str, config: TransformerConfig | None = None) -> int:
+        """Tokens per packed micro-batch on ``platform`` ("cpu", "tpu", ...): ``packing.microbatch_tokens``."""
+        return microbatch_tokens(self.spec, platform, config or self.architecture)
 
     @property
     def mesh_fsdp(self) -> int:

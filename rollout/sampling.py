@@ -43,6 +43,7 @@ from stoker.rollout.programs import Limits as _Limits
 from stoker.rollout.programs import continue_cached as _continue
 from stoker.rollout.programs import generate_fresh as _generate
 from stoker.rollout.programs import sample_token
+from stoker.rollout.warmup import SamplerWarmup
 from stoker.rollout.sessions import Session as _Session
 from stoker.rollout.sessions import (
     CacheStats, SessionRows, cached_prefix, chunk_buckets, session_length, session_row_bytes,
@@ -85,7 +86,7 @@ def padded_batch(n: int, min_batch: int = 1) -> int:
 
 
 
-class Sampler(SessionRows):
+class Sampler(SessionRows, SamplerWarmup):
     """Generates continuations with the current policy weights.
 
     ``params``: HF-named arrays to start from; without them the weights are ``init_model(config,

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 
+from stoker.compilation_cache import cache_dir_for, enable_compilation_cache
 from stoker.conversation.tokenization import allowed_token_ids
 from stoker.distributed import Processes
 from stoker.model.hf import dtype_from_name, read_config, read_weights
@@ -73,8 +73,7 @@ def make_sampler(settings: RolloutSettings, processes: Processes | None = None) 
     ``CheckpointError`` for a checkpoint that cannot be read, ``MeshError`` for a mesh the devices
     or the model cannot take."""
     processes = processes or Processes()
-    if settings.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", settings.compilation_cache_dir)
+    enable_compilation_cache(cache_dir_for(settings.compilation_cache_dir))
     config, params = settings.model, None
     if settings.checkpoint:
         config, params = read_config(settings.checkpoint), read_weights(settings.checkpoint)

@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from stoker.learner import packing
 from stoker.manifest import load_job
 from stoker.sizing.bound import decode_tokens_per_second, program_bound, step_bound
 from stoker.sizing.calibration import calibration
@@ -113,7 +114,7 @@ def advice(program: Program, target: Target, spec: RLJobSpec, per_chip: int) -> 
                          "buffers and expert work; docs/moe.md)")
         if mesh.tp > 1 and not mesh.sequence_sharding:
             knobs.append(f"learner.mesh.sequenceSharding: true (each layer's saved input split over the tp={mesh.tp} chips)")
-        knobs += [f"fewer rows per micro-batch (learner.microbatchTokens, now {spec.learner.microbatch_tokens or 4 * max(spec.learner.sequence_buckets)} "
+        knobs += [f"fewer rows per micro-batch (learner.microbatchTokens, now {packing.microbatch_tokens(spec, 'tpu')} "
                  f"tokens: {program.shape}); the temporaries grow with the rows"]
         # auto has already fallen back to full when nothing less fits.
         if spec.model.remat not in ("full", "auto"):

@@ -190,7 +190,7 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
         return int(getattr(devices[index], "slice_index", 0) or 0) if index < len(devices) else 0
 
     fsdp = sharding.data_parallel_size(mesh)
-    rows = packing.rows_for_buckets(settings.buckets, settings.microbatch_tokens, fsdp)
+    rows = packing.rows_for_buckets(settings.buckets, settings.microbatch_tokens_on(devices[0].platform if devices else "tpu", config), fsdp)
     lengths = sorted(buckets or list(settings.buckets), reverse=True)  # longest first: the largest step
     wanted = set(kinds) if kinds is not None else {"grad", "apply", "publish"}
     grads: dict[RematPolicy, list[Program]] = {}

@@ -33,7 +33,7 @@ def xla_cache(xla_cache_dir: Path) -> Iterator[Path]:
 
     Every ``Learner`` or ``Sampler`` builds fresh jitted functions, so without it each test would
     recompile the same tiny programs; it is turned off again after each module."""
-    from stoker.learner.metrics import disable_compilation_cache, enable_compilation_cache
+    from stoker.compilation_cache import disable_compilation_cache, enable_compilation_cache
 
     enable_compilation_cache(xla_cache_dir)
     yield xla_cache_dir

@@ -594,7 +594,7 @@ def test_settings_from_spec_resolve_paths(tmp_path: Path) -> None:
     s = LearnerSettings.from_spec(spec, run_dir=tmp_path)
     assert s.checkpoint_dir == str(tmp_path / "ck")
     assert s.compilation_cache_dir == str(tmp_path / "cache")
-    assert s.algorithm == "gspo" and s.microbatch_tokens == 4 * max(spec.learner.sequence_buckets)
+    assert s.algorithm == "gspo" and s.microbatch_tokens_on("cpu") == 4 * max(spec.learner.sequence_buckets)
     assert s.loss.clip_high == spec.algorithm.clip_epsilon
 
 

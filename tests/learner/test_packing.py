@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 
 from stoker.learner import packing
 from stoker.learner.packing import TrainSequence
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def seq(n: int, start: int = 10, **kw: object) -> TrainSequence:
@@ -94,3 +99,23 @@ def test_truncate_keeps_the_prefix() -> None:
     s = packing.truncate(seq(10, advantage=1.0), 4)
     assert len(s) == 4 and s.advantage == 1.0
     np.testing.assert_array_equal(s.token_ids, [10, 11, 12, 13])
+
+
+def _spec(buckets: list[int], microbatch: int | None = None, **architecture: int) -> Any:
+    from stoker.manifest import load_job
+
+    spec = load_job(REPO / "examples" / "frozenlake.yaml").spec
+    learner = spec.learner.model_copy(update={"sequence_buckets": buckets, "microbatch_tokens": microbatch})
+    model = spec.model.model_copy(update={"architecture": spec.model.architecture.model_copy(update=architecture)})
+    return spec.model_copy(update={"learner": learner, "model": model})
+
+
+def test_microbatch_default_takes_a_small_models_batch_in_one_call_on_an_accelerator() -> None:
+    tiny = _spec([128, 256])  # the FrozenLake example: 4 groups x 8 episodes of up to 256 tokens
+    assert packing.microbatch_tokens(tiny, "cpu") == 4 * 256
+    assert packing.microbatch_tokens(tiny, "tpu") == 4 * 8 * 256
+    # A Qwen2.5-0.5B-shaped model: its activations keep the CPU's micro-batch.
+    qwen = _spec([2048], vocab_size=151936, hidden_size=896, num_layers=24, intermediate_size=4864)
+    assert packing.microbatch_tokens(qwen, "tpu") == 4 * 2048
+    # What the manifest says wins everywhere.
+    assert packing.microbatch_tokens(_spec([128, 256], microbatch=512), "tpu") == 512

@@ -66,9 +66,10 @@ def test_a_tiny_job_compiles_for_v5e_fits_and_reports_its_terms(job: Callable[..
     assert math.isclose(bound["compute_seconds"], max(grad["flops"], grad["model_flops"] / 4) / 197e12)
     assert math.isclose(bound["memory_seconds"], grad["bytes_accessed"] / 819e9)
     learner = result["learner"]
-    # 2 groups x 4 episodes, 4 rows of 128 per micro-batch (4 x 128 tokens): 2 micro-batches.
-    assert learner["micro_batches"] == 2
-    expected = 2 * bound["seconds"] + programs["apply"]["bound"]["seconds"] + programs["publish"]["bound"]["seconds"]
+    # 2 groups x 4 episodes of 128: on a TPU a model this small takes the whole batch (8 rows of
+    # 128) in one micro-batch (packing.microbatch_tokens), not 4 x 128 tokens as on the CPU.
+    assert learner["micro_batches"] == 1
+    expected = bound["seconds"] + programs["apply"]["bound"]["seconds"] + programs["publish"]["bound"]["seconds"]
     assert math.isclose(learner["step_seconds_bound"], expected)
     assert 0 < learner["mfu_bound"] < 1
     assert "not measurements" in result["bound_note"]
@@ -81,7 +82,7 @@ def test_a_tiny_job_compiles_for_v5e_fits_and_reports_its_terms(job: Callable[..
         b = p["bound"]
         estimate = V5E.estimate(Bound(b["compute_seconds"], b["memory_seconds"], b["ici_seconds"], b["dcn_seconds"]))
         assert p["estimate_seconds"] == pytest.approx(estimate) and estimate >= b["seconds"] * 0.9
-    estimated = 2 * grad["estimate_seconds"] + programs["apply"]["estimate_seconds"] + programs["publish"]["estimate_seconds"]
+    estimated = grad["estimate_seconds"] + programs["apply"]["estimate_seconds"] + programs["publish"]["estimate_seconds"]
     assert learner["step_seconds_estimate"] == pytest.approx(estimated)
     assert learner["mfu_estimate"] == pytest.approx(learner["mfu_bound"] * learner["step_seconds_bound"] / estimated)
 

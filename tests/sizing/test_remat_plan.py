@@ -31,6 +31,8 @@ def test_auto_takes_the_first_policy_whose_step_fits_the_chip_less_the_headroom(
 ) -> None:
     spec = load_job(str(job(hidden=128, layers=3, mlp=384, bucket=256))).spec
     assert spec.model.remat == "auto"  # the default
+    # The limits are sized for 4 x 256-token micro-batches, not a tiny model's whole batch.
+    spec = spec.model_copy(update={"learner": spec.learner.model_copy(update={"microbatch_tokens": 1024})})
     (grad,) = learner_programs(spec, load_slice(topology, 4), kinds={"grad"}, memory_limit=int(limit))
     choice = grad.remat
     assert choice is not None

@@ -1,0 +1,64 @@
+"""A sampler warmed up compiles nothing during episodes, and samples exactly as one that was not."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stoker.model.model import init_model
+from stoker.rollout.sampling import Sampler
+from stoker.rollout.warmup import row_counts
+from stoker.spec import SamplingSpec, TransformerConfig
+from stoker.weights.channel import flatten_params
+
+CONFIG = TransformerConfig(max_seq_len=64)
+BUCKETS = (16, 32, 64)
+SAMPLING = SamplingSpec(temperature=1.0, top_p=1.0)
+
+pytestmark = pytest.mark.usefixtures("xla_cache")
+
+
+def sampler(sessions: int) -> Sampler:
+    return Sampler(CONFIG, SAMPLING, seed=3, buckets=BUCKETS, min_batch=2, session_rows=sessions)
+
+
+def play(s: Sampler, sessions: bool) -> list[tuple[list[int], list[float]]]:
+    """Conversations of 1, 3 and 4 rows that grow turn by turn, then new weights (a re-prefill
+    of every cached row) and a long prompt: every row count and width the calls can take."""
+    out = []
+    prompts = [[1 + i, 2, 3] for i in range(4)]
+    for turn, rows in enumerate((1, 3, 4, 4, 3)):
+        if turn == 3:
+            s.load_weights(flatten_params(init_model(CONFIG, seed=9)), version=1)
+        batch = [prompts[i] + [5 + turn] * (9 * turn) for i in range(rows)]
+        names = [f"c{i}" for i in range(rows)] if sessions else None
+        for prompt, gen in zip(batch, s.generate(batch, max_new_tokens=3, sessions=names), strict=True):
+            out.append((prompt + gen.token_ids, gen.logprobs))
+    return out
+
+
+@pytest.mark.parametrize("sessions", [4, 0], ids=["conversation-cache", "no-cache"])
+def test_warm_up_compiles_every_shape_the_calls_take(sessions: int) -> None:
+    warm = sampler(sessions)
+    compiled = warm.warm_up(4)
+    assert compiled == warm.compile_count > 0
+    assert warm.warm_up(4) == 0  # all compiled already
+    play(warm, sessions > 0)
+    assert warm.compile_count == compiled, "a call compiled a program the warm-up did not"
+
+
+@pytest.mark.parametrize("sessions", [4, 0], ids=["conversation-cache", "no-cache"])
+def test_warm_up_changes_no_sample(sessions: int) -> None:
+    cold, warm = sampler(sessions), sampler(sessions)
+    warm.warm_up(4, first=5)
+    for (ids_a, lp_a), (ids_b, lp_b) in zip(play(cold, sessions > 0), play(warm, sessions > 0), strict=True):
+        assert ids_a == ids_b
+        np.testing.assert_allclose(lp_a, lp_b, atol=1e-6)
+
+
+def test_row_counts_cover_every_padded_call() -> None:
+    assert list(row_counts(8, 4)) == [4, 8]
+    assert list(row_counts(5, 4)) == [4, 8]
+    assert list(row_counts(1, 4)) == [4]
+    assert list(row_counts(3, 1)) == [1, 2, 4]
+    assert list(row_counts(4, 3)) == [4]
