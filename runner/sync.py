@@ -85,13 +85,6 @@ async def _run(options: RunOptions) -> Outcome:
         log.warning("environment.evalTasks: actors play evaluation rounds; the sync baseline does not")
     interface = text_interface(spec)
     policy = make_policy(actor, spec.model.dtype, generation_mesh(learner))
-    if learner.platform == "cpu":
-        # As the actors do, so no step stops for a compile. Not on an accelerator: there its ~20
-        # programs took longer than the run (over 85 s on a cold cache, on a v5e), and the
-        # loop, unlike an actor, cannot compile them while the learner compiles its own.
-        started = time.monotonic()
-        programs = policy.sampler.warm_up(actor.concurrency)
-        log.info("sampler: %d programs ready in %.1f s", programs, time.monotonic() - started)
     envs = environment_factory(actor)
     rng = random.Random(spec.seed * 7919 + learner.steps)
     pick_task = task_cycle(actor.tasks, rng)
