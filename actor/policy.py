@@ -57,7 +57,7 @@ class SamplerLike(Protocol):
 
     def prefill_bucket(self, session: Hashable, prompt: Sequence[int]) -> int: ...
 
-    def warm_up(self, max_rows: int, first: int = 0) -> int: ...
+    def warm_up(self, max_rows: int, first: int = 0, max_call_tokens: int | None = None) -> int: ...
 
     def end_session(self, session: Hashable) -> None: ...
 
@@ -162,6 +162,12 @@ class BatchedSampler:
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._serve())
         return await future
+
+    def warm_up(self, concurrency: int, first: int = 0) -> int:
+        """Compile every program the calls of ``concurrency`` episodes can take
+        (``stoker.rollout.warmup``); before the first ``generate``, on the calling thread."""
+        rows = min(concurrency, self.max_session_batch if self.sampler.keeps_sessions else self.max_batch)
+        return self.sampler.warm_up(rows, first, max_call_tokens=self.max_call_tokens)
 
     async def end_session(self, session: Hashable) -> None:
         if self.sampler.keeps_sessions:

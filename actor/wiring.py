@@ -138,7 +138,7 @@ async def warm_up(policy: BatchedSampler, settings: ActorSettings) -> None:
     ones and read the rest from the shared compilation cache."""
     index = re.search(r"\d+$", settings.actor_id)
     started = time.monotonic()
-    programs = await asyncio.to_thread(policy.sampler.warm_up, settings.concurrency, int(index.group()) if index else 0)
+    programs = await asyncio.to_thread(policy.warm_up, settings.concurrency, int(index.group()) if index else 0)
     log.info("actor %s: %d sampler programs ready in %.1f s", settings.actor_id, programs, time.monotonic() - started)
 
 

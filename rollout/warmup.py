@@ -54,17 +54,18 @@ class SamplerWarmup:
     def _limits(self, max_new_tokens: int, stop_token_ids: tuple[int, ...], temperature: float) -> Limits:
         raise NotImplementedError  # the Sampler's
 
-    def warm_up(self, max_rows: int, first: int = 0) -> int:
-        """Compile the program of every call of up to ``max_rows`` prompts, starting at the
-        ``first``-th shape (actors sharing a compilation cache each start elsewhere, then read
-        the others' back); returns how many were compiled (0 when all were already). Every row is
-        inactive and writes to the scratch row, and the sampling stream is not used: no
-        conversation or sample changes."""
+    def warm_up(self, max_rows: int, first: int = 0, max_call_tokens: int | None = None) -> int:
+        """Compile the program of every call of up to ``max_rows`` prompts -- and, with
+        ``max_call_tokens``, at most that many rows x length bucket beyond the smallest row count,
+        as the actor's batcher calls -- starting at the ``first``-th shape (actors sharing a
+        compilation cache each start elsewhere, then read the others' back); returns how many were
+        compiled (0 when all were already). Every row is inactive and writes to the scratch row,
+        and the sampling stream is not used: no conversation or sample changes."""
         before = self._traces
         limits = self._limits(1, (), self.sampling.temperature)
         key = jax.random.key(0)
         use_top_p = self.sampling.top_p < 1.0
-        shapes = self._call_shapes(max_rows)
+        shapes = self._call_shapes(max_rows, max_call_tokens)
         for rows, width, cache_len in shapes[first % len(shapes):] + shapes[: first % len(shapes)]:
             inactive = np.zeros((rows,), np.bool_)
             ones = np.ones((rows,), np.int32)
@@ -83,13 +84,18 @@ class SamplerWarmup:
         jax.block_until_ready(self._store)
         return self._traces - before
 
-    def _call_shapes(self, max_rows: int) -> list[tuple[int, int, int | None]]:
+    def _call_shapes(self, max_rows: int, max_call_tokens: int | None) -> list[tuple[int, int, int | None]]:
         """(rows, prefill width, cache length) of every call: with the conversation cache a chunk
         width (the cache is the store, None); without, a prompt bucket and each cache bucket
-        that can follow it."""
+        that can follow it. The batcher bounds a call's rows by its length bucket (the chunk
+        width, or the cache bucket) against ``max_call_tokens``, but never below the smallest."""
         widths: list[tuple[int, int | None]]
         if self._store:
             widths = [(w, None) for w in chunk_buckets(self.session_len, self.min_chunk)]
         else:
             widths = [(p, c) for p in self.buckets for c in self.buckets if c >= p]
-        return [(rows, w, c) for rows in row_counts(max_rows, self.min_batch) for w, c in widths]
+        counts = list(row_counts(max_rows, self.min_batch))
+        return [
+            (rows, w, c) for rows in counts for w, c in widths
+            if rows == counts[0] or max_call_tokens is None or rows <= max_call_tokens // (c or w)
+        ]

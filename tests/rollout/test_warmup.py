@@ -62,3 +62,34 @@ def test_row_counts_cover_every_padded_call() -> None:
     assert list(row_counts(1, 4)) == [4]
     assert list(row_counts(3, 1)) == [1, 2, 4]
     assert list(row_counts(4, 3)) == [4]
+
+
+def test_the_actors_batcher_compiles_nothing_after_its_warm_up_and_skips_calls_it_never_makes() -> None:
+    """Through ``BatchedSampler`` as an actor drives it: concurrent conversations that grow turn
+    by turn, new weights among them. A call's rows are bounded by max_call_tokens over its width,
+    so the warm-up leaves out shapes no call can take."""
+    import asyncio
+
+    from stoker.actor.policy import BatchedSampler
+
+    everything = sampler(8).warm_up(8)
+    batcher = BatchedSampler(sampler(8), max_call_tokens=64)
+    compiled = batcher.warm_up(concurrency=8)
+    assert 0 < compiled < everything  # 8 rows of width 16+ exceed 64 tokens: never called
+
+    async def episode(i: int) -> None:
+        prompt = [1 + i, 2, 3]
+        for turn in range(4):
+            sampled = await batcher.generate(prompt, max_new_tokens=2, stop_token_ids=(), session=f"e{i}")
+            prompt = prompt + sampled.token_ids + [5 + turn] * (1 + 4 * turn * (i % 3))
+
+    async def play_all() -> None:
+        first = asyncio.gather(*(episode(i) for i in range(4)))
+        await asyncio.sleep(0)
+        await batcher.load_weights(flatten_params(init_model(CONFIG, seed=9)), 1)
+        await asyncio.gather(first, *(episode(i) for i in range(4, 8)))
+        await batcher.close()
+
+    asyncio.run(play_all())
+    assert batcher.stats.calls > 0 and max(batcher.stats.sizes) > 2
+    assert batcher.sampler.compile_count == compiled, "a call compiled a program the warm-up did not"
