@@ -106,9 +106,9 @@ class Learner:
             log.warning("learner.weightDtype %s: an update smaller than about |w| x 2^-9 rounds away (at learning "
                         "rate %g, on every weight above %.2g)", settings.weight_dtype, settings.learning_rate,
                         settings.learning_rate * 2**9)
-        self.platform: str = next(iter(self.mesh.devices.flat)).platform  # "cpu", "tpu", ...
+        platform = next(iter(self.mesh.devices.flat)).platform  # "cpu", "tpu", ...
         self.rows = packing.rows_for_buckets(
-            settings.buckets, settings.microbatch_tokens_on(self.platform, model.config),
+            settings.buckets, settings.microbatch_tokens_on(platform, model.config),
             sharding.data_parallel_size(self.mesh),
         )
 
