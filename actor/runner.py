@@ -44,7 +44,7 @@ STOP_SUBMIT_SECONDS = 5.0
 @dataclass
 class Grant:
     granted: int
-    retry_after_seconds: float = 0.5
+    retry_after_seconds: float = 0.5  # 0: ask again at once (the port waited for credit already)
 
 
 class BufferUnavailable(Exception):
@@ -281,7 +281,9 @@ class Actor:
                     await self.buffer.release(grant.granted - 1)
                 return True
             self.stats.admission_refusals += 1
-            wait = min(max(grant.retry_after_seconds, 0.05), MAX_RETRY_WAIT_SECONDS)
+            wait = min(grant.retry_after_seconds, MAX_RETRY_WAIT_SECONDS)
+            if wait <= 0:  # the port already waited (a long poll)
+                continue
             try:
                 await asyncio.wait_for(self._stopping.wait(), wait)
             except TimeoutError:

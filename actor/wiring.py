@@ -43,6 +43,9 @@ log = logging.getLogger("stoker.actor")
 # to compile per prefill bucket, but padding costs: a call of 8 rows costs ~1.5x one of 4, and at
 # 0.5 s environment steps most calls carry fewer than 4 (benchmarks/README.md, actor sampling).
 MIN_SAMPLER_BATCH = 4
+# How long one Acquire may wait at the buffer for credit (a long poll). Short, so that a stopping
+# actor's last call ends soon; long enough that a waiting actor costs the buffer ~1 call a second.
+ADMISSION_WAIT_SECONDS = 1.0
 
 
 class ActorSetupError(Exception):
@@ -150,15 +153,18 @@ class GrpcBuffer:
     logged and counted, not retried: sending them again cannot succeed.
     """
 
-    def __init__(self, client: Any):
+    def __init__(self, client: Any, admission_wait: float = ADMISSION_WAIT_SECONDS):
         self.client = client
+        self.admission_wait = admission_wait
         self.invalid = 0
         self._stream: Any = None  # the client's PutStream, opened on the first Put
 
     async def acquire(self, groups: int, load: LoadReading | None = None) -> Grant:
         figures = None if load is None else buffer_pb2.ActorLoad(**dataclasses.asdict(load))
-        credit = await self._call(functools.partial(self.client.acquire, groups, load=figures))
-        return Grant(int(credit.granted), float(credit.retry_after_seconds))
+        wait = self.admission_wait
+        credit = await self._call(functools.partial(self.client.acquire, groups, wait=wait, load=figures))
+        # After a long poll, ask again at once: the buffer answers the moment credit frees up.
+        return Grant(int(credit.granted), 0.0 if wait > 0 else float(credit.retry_after_seconds))
 
     async def put(self, episodes: list[Episode]) -> None:
         # On the client's PutStream: the group's episodes go out without a round trip each, and

@@ -198,12 +198,16 @@ class BufferClient:
         self, groups: int, *, actor_id: str = "", wait: float = 0.0, load: buffer_pb2.ActorLoad | None = None
     ) -> Credit:
         """Ask for credit to start ``groups`` episode groups (admission control). With ``wait`` > 0,
-        keep asking (at the buffer's suggested pace) until something is granted or ``wait`` passes.
+        the buffer holds the call until something is granted or ``wait`` passes (a long poll; a
+        buffer from before long polls answers at once, and is asked again at its suggested pace).
         ``load``: the actor's own figures, which the buffer shows in Stats (``actor_loads``)."""
         deadline = time.monotonic() + wait
-        request = buffer_pb2.AcquireRequest(actor_id=actor_id or self.client_id, groups=groups, load=load)
         while True:
-            response = self._call(self._acquire, request)
+            left = max(0.0, deadline - time.monotonic())
+            request = buffer_pb2.AcquireRequest(
+                actor_id=actor_id or self.client_id, groups=groups, load=load, timeout_seconds=left
+            )
+            response = self._call(self._acquire, request, timeout=left + self.timeout)
             credit = Credit(response.granted, response.policy_version, response.retry_after_seconds)
             pause = max(credit.retry_after_seconds, 0.01)
             if credit.granted or time.monotonic() + pause > deadline:

@@ -69,6 +69,15 @@ class BufferCore:
     def ready_listener(self, listener: Callable[[int], None] | None) -> None:
         self.state.ready_listener = listener
 
+    @property
+    def credit_listener(self) -> Callable[[], None] | None:
+        """Called as ``listener()`` when admission credit may have grown (``CoreState.credit_listener``)."""
+        return self.state.credit_listener
+
+    @credit_listener.setter
+    def credit_listener(self, listener: Callable[[], None] | None) -> None:
+        self.state.credit_listener = listener
+
     # ------------------------------------------------------------------ lifecycle
 
     def open(self) -> None:
@@ -162,6 +171,7 @@ class BufferCore:
                 log.error("could not log policy version %d: %s", version, exc)
             state.drop([g for g in state.ready if state.is_stale(g)], "stale")
             state.cond.notify_all()
+            state.credit_may_have_grown()
 
     def configure(self, *, capacity: int | None = None, max_staleness: int | None = None) -> dict[str, tuple[int, int]]:
         """Apply the settings the buffer takes live (``Configure``): all or nothing, checked as
@@ -192,6 +202,7 @@ class BufferCore:
             if "max_staleness" in changed:
                 state.drop([g for g in state.ready if state.is_stale(g)], "stale")
             state.cond.notify_all()
+            state.credit_may_have_grown()
         log.info("settings applied live: %s", ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))
         return changed
 
@@ -220,6 +231,7 @@ class BufferCore:
         """Give back credit for groups that will never be submitted."""
         with self.state.lock:
             self.state.credits.give_back(incarnation, groups, self.state.clock())
+            self.state.credit_may_have_grown()
 
     # ------------------------------------------------------------------ housekeeping, Stats
 
@@ -252,6 +264,7 @@ class BufferCore:
                         len(group.entries),
                         group.size,
                     )
+            state.credit_may_have_grown()  # expired credit, a new admission scale
         self.compact()
         self.recover_space()
 

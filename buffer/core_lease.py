@@ -153,4 +153,5 @@ def begin_commit(state: CoreState, batch_id: str, *, learner_id: str = "") -> tu
         state.committed_total += count
         state.leased -= count
         _touch(state, learner_id, "")
+        state.credit_may_have_grown()
     return count, position

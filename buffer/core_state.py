@@ -102,6 +102,9 @@ class CoreState:
         # Called as ``listener(ready groups)`` when groups become ready, with the lock held, from
         # whichever thread made them ready: how an event-loop server wakes its waiting Samples.
         self.ready_listener: Callable[[int], None] | None = None
+        # Called as ``listener()`` when admission credit may have grown (a new version, a commit,
+        # groups dropped or given back), lock held, any thread: how it wakes its waiting Acquires.
+        self.credit_listener: Callable[[], None] | None = None
 
     def insert(self, entry: Entry) -> Group:
         """Add a durable trajectory to its group, creating the group (caller holds the lock)."""
@@ -189,6 +192,11 @@ class CoreState:
             self.forget(group)
             log.info("dropped group %s (%s): %d episodes", group.group_id, reason, len(group.entries))
         self.dropped[reason] += len(groups)
+        self.credit_may_have_grown()
+
+    def credit_may_have_grown(self) -> None:
+        if self.credit_listener is not None:
+            self.credit_listener()
 
     def checkpoint(self) -> bytes:
         """The ``CHECKPOINT`` record that heads a new segment."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent import futures
@@ -56,6 +55,7 @@ from stoker.buffer.replies import (
     trailing_put_response,
 )
 from stoker.buffer.state import BatchTooLarge, BufferFull, DiskFull, PendingPut, PutOutcome, Unavailable, UnknownBatch
+from stoker.buffer.wakeups import Wakeups, wait_for_wake
 from stoker.buffer.wal_direct import DIRECT_MIN
 from stoker.buffer.wal_files import WalError
 from stoker.buffer.wire import PUT_RESPONSE_KEY, WireError, encode_sample_response, split_put_request
@@ -85,12 +85,13 @@ class BufferService:
         self.put_latency = put_latency
         self.loop = asyncio.get_running_loop()
         self.refusals = LogLimiter()
-        self._loop_thread_id = threading.get_ident()
         self._all_stored: dict[int, bytes] = {}  # serialized PutResponse by batch size
-        self._samplers: list[tuple[int, asyncio.Event]] = []  # waiting Samples: (min groups, wake-up)
+        self._samplers = Wakeups(self.loop)  # Samples waiting for groups, woken by the ready count
+        self._acquirers = Wakeups(self.loop)  # Acquires waiting for credit
         self._unfinished: set[asyncio.Future[Any]] = set()  # Puts whose callers left, and large Puts
         self.evals = EvalBook()  # held-out evaluation rounds (ReportEval), shown in Stats
-        core.ready_listener = self._on_ready
+        core.ready_listener = self._samplers.wake
+        core.credit_listener = self._acquirers.wake
 
     # ------------------------------------------------------------------ Put
 
@@ -224,9 +225,30 @@ class BufferService:
         check_id("actor_id", request.actor_id, self.core.settings.max_id_length)
         if request.groups > MAX_CREDIT_GROUPS:
             raise invalid(f"groups: got {request.groups}; expected at most {MAX_CREDIT_GROUPS}")
+        if not 0 <= request.timeout_seconds <= MAX_TIMEOUT_SECONDS:  # NaN fails too
+            raise invalid(f"timeout_seconds: got {request.timeout_seconds}; expected 0..{MAX_TIMEOUT_SECONDS:g}")
         load = request.load if request.HasField("load") else None
-        granted, version, retry = self.core.acquire(request.groups, request.actor_id, load, incarnation_of(context))
+        incarnation = incarnation_of(context)
+        deadline = self.loop.time() + self._wait_budget(request.timeout_seconds, context)
+        # A long poll: an actor with no credit is answered the moment a new version (or a freed
+        # group) makes room, not at its next retry. Registered before the first look, so credit
+        # freed by another thread in between still wakes it.
+        with self._acquirers.waiting() as wake:
+            while True:
+                wake.clear()
+                granted, version, retry = self.core.acquire(request.groups, request.actor_id, load, incarnation)
+                left = deadline - self.loop.time()
+                if granted or left <= 0:
+                    break
+                await wait_for_wake(wake, left)
         return buffer_pb2.AcquireResponse(granted=granted, policy_version=version, retry_after_seconds=retry)
+
+    @staticmethod
+    def _wait_budget(timeout: float, context: Context) -> float:
+        """How long a long poll may wait: its ``timeout_seconds``, answered before the caller's
+        deadline."""
+        remaining = context.time_remaining()
+        return timeout if remaining is None else min(timeout, max(0.0, remaining - 0.05))
 
     async def release(self, request: buffer_pb2.ReleaseRequest, context: Context) -> buffer_pb2.ReleaseResponse:
         check_id("actor_id", request.actor_id, self.core.settings.max_id_length)
@@ -246,45 +268,20 @@ class BufferService:
             raise invalid(f"min_groups: got {request.min_groups}; expected at most max_groups ({request.max_groups})")
         if not 0 <= request.timeout_seconds <= MAX_TIMEOUT_SECONDS:  # NaN fails too
             raise invalid(f"timeout_seconds: got {request.timeout_seconds}; expected 0..{MAX_TIMEOUT_SECONDS:g}")
-        remaining = context.time_remaining()
-        timeout = request.timeout_seconds if remaining is None else min(request.timeout_seconds, max(0.0, remaining - 0.05))
-        deadline = self.loop.time() + timeout
-        # Registered before the first look, so a group made ready by another thread in between
-        # still wakes this Sample.
-        waiter = (max(1, min(request.min_groups, request.max_groups)), asyncio.Event())
-        self._samplers.append(waiter)
-        try:
+        deadline = self.loop.time() + self._wait_budget(request.timeout_seconds, context)
+        with self._samplers.waiting(max(1, min(request.min_groups, request.max_groups))) as wake:
             while True:
-                waiter[1].clear()
+                wake.clear()
                 batch = self.core.sample(
                     request.max_groups, request.min_groups, 0.0, learner_id=request.learner_id, session_id=request.session_id
                 )
                 left = deadline - self.loop.time()
                 if batch is not None or left <= 0:
                     break
-                try:
-                    await asyncio.wait_for(waiter[1].wait(), left)
-                except TimeoutError:
-                    pass
-        finally:
-            self._samplers.remove(waiter)
+                await wait_for_wake(wake, left)
         if batch is None:
             return encode_sample_response("", [], self.core.policy_version)
         return encode_sample_response(batch.batch_id, batch.groups, batch.policy_version, batch.max_staleness)
-
-    def _on_ready(self, ready: int) -> None:
-        """``BufferCore.ready_listener``: wake the Samples that can now return."""
-        if not self._samplers:
-            return
-        if threading.get_ident() == self._loop_thread_id:
-            self._wake_samplers(ready)
-        else:
-            self.loop.call_soon_threadsafe(self._wake_samplers, ready)
-
-    def _wake_samplers(self, ready: int) -> None:
-        for wanted, event in self._samplers:
-            if ready >= wanted:
-                event.set()
 
     async def commit(self, request: buffer_pb2.CommitRequest, context: Context) -> buffer_pb2.CommitResponse:
         if not request.batch_id or len(request.batch_id) > 4 * BATCH_ID_LENGTH:

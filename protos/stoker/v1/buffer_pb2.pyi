@@ -70,14 +70,16 @@ class PutStreamResponse(_message.Message):
     def __init__(self, acks: _Optional[_Iterable[_Union[PutAck, _Mapping]]] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("actor_id", "groups", "load")
+    __slots__ = ("actor_id", "groups", "load", "timeout_seconds")
     ACTOR_ID_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     actor_id: str
     groups: int
     load: ActorLoad
-    def __init__(self, actor_id: _Optional[str] = ..., groups: _Optional[int] = ..., load: _Optional[_Union[ActorLoad, _Mapping]] = ...) -> None: ...
+    timeout_seconds: float
+    def __init__(self, actor_id: _Optional[str] = ..., groups: _Optional[int] = ..., load: _Optional[_Union[ActorLoad, _Mapping]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class ActorLoad(_message.Message):
     __slots__ = ("cpu_cores", "loop_busy", "episodes_in_flight", "concurrency", "trajectories_per_second")
