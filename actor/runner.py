@@ -15,12 +15,10 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
-
-import numpy as np
+from typing import Protocol, TypeVar
 
 from stoker.actor.diagnostics import ActorDiagnostics, LoadMeter, LoadReading, StatsFile
 from stoker.actor.episode import EpisodeSlots, run_group, summarize
@@ -28,9 +26,9 @@ from stoker.actor.evaluation import EvalOutcome, play_round, round_due
 from stoker.conversation.policy import Policy
 from stoker.actor.sandbox import EnvironmentFactory
 from stoker.actor.settings import ActorSettings
+from stoker.actor.weight_sync import LoadsWeights, WeightSource, WeightSync
 from stoker.conversation.tokenization import TextInterface
 from stoker.trajectory import Episode
-from stoker.weights.errors import WeightsError
 
 log = logging.getLogger("stoker.actor")
 
@@ -45,6 +43,7 @@ STOP_SUBMIT_SECONDS = 5.0
 class Grant:
     granted: int
     retry_after_seconds: float = 0.5  # 0: ask again at once (the port waited for credit already)
+    policy_version: int = 0  # the buffer's version when it answered
 
 
 class BufferUnavailable(Exception):
@@ -64,19 +63,6 @@ class BufferPort(Protocol):
 
     async def report_eval(self, outcome: EvalOutcome, report_id: str) -> None:
         """An evaluation round's sums (``ReportEval``); its episodes are never Put."""
-
-
-class WeightSource(Protocol):
-    def latest_version(self) -> int: ...
-
-    def fetch(self, version: int) -> Mapping[str, np.ndarray]: ...
-
-
-class LoadsWeights(Protocol):
-    @property
-    def version(self) -> Any: ...
-
-    async def load_weights(self, flat: Mapping[str, np.ndarray], version: int) -> None: ...
 
 
 @dataclass
@@ -140,8 +126,9 @@ class Actor:
         self.interface = interface
         self.env_factory = env_factory
         self.buffer = buffer
-        self.weights = weights
-        self.loader = loader
+        self.sync: WeightSync | None = None
+        if weights is not None and loader is not None:
+            self.sync = WeightSync(weights, loader, settings.weight_poll_seconds, settings.actor_id, self._weights_loaded)
         self.stats = ActorStats(diagnostics=ActorDiagnostics(settings.actor_id))
         self._stopping = asyncio.Event()
         self._training_over = asyncio.Event()  # no more groups start: no more evaluation rounds either
@@ -152,6 +139,9 @@ class Actor:
         self._group_seed = rng.randrange(1 << 30)
         self._load: LoadMeter | None = None  # set by run(), over its episode slots
 
+    def _weights_loaded(self) -> None:
+        self.stats.weight_updates += 1
+
     def stop(self) -> None:
         """Start no new groups; the running ones finish and are submitted."""
         self._stopping.set()
@@ -161,7 +151,7 @@ class Actor:
         slots = EpisodeSlots(s.concurrency)
         self._load = LoadMeter(s.concurrency, slots.slot_seconds, lambda: self.stats.episodes)
         running: set[asyncio.Task[None]] = set()
-        sync = asyncio.create_task(self._sync_weights(), name="weight sync") if self.weights is not None else None
+        sync = asyncio.create_task(self.sync.run(), name="weight sync") if self.sync is not None else None
         if sync is not None:
             sync.add_done_callback(self._sync_ended)
         evaluation = asyncio.create_task(self._evaluate(slots), name="evaluation") if s.evaluation is not None else None
@@ -279,6 +269,8 @@ class Actor:
             if grant.granted > 0:
                 if grant.granted > 1:  # asked for one; give back any extra
                     await self.buffer.release(grant.granted - 1)
+                if self.sync is not None:
+                    await self.sync.catch_up(grant.policy_version)
                 return True
             self.stats.admission_refusals += 1
             wait = min(grant.retry_after_seconds, MAX_RETRY_WAIT_SECONDS)
@@ -360,23 +352,6 @@ class Actor:
             return True, task.result()
         finally:
             stopping.cancel()
-
-    async def _sync_weights(self) -> None:
-        """Poll the weight channel and load each newer version into the policy (with
-        ``between-episodes`` the policy keeps running episodes on the weights they started with)."""
-        assert self.weights is not None and self.loader is not None
-        weights, loader = self.weights, self.loader
-        while True:
-            try:
-                latest = await asyncio.to_thread(weights.latest_version)
-                if latest > int(loader.version):
-                    flat = await asyncio.to_thread(weights.fetch, latest)
-                    await loader.load_weights(flat, latest)
-                    self.stats.weight_updates += 1
-                    log.info("actor %s now samples with policy version %d", self.settings.actor_id, latest)
-            except WeightsError as exc:
-                log.warning("weight sync: %s; retrying", exc)
-            await asyncio.sleep(self.settings.weight_poll_seconds)  # the polling period
 
     def _log_progress(self) -> None:
         summary = summarize(self.stats.recent)

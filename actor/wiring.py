@@ -164,7 +164,8 @@ class GrpcBuffer:
         wait = self.admission_wait
         credit = await self._call(functools.partial(self.client.acquire, groups, wait=wait, load=figures))
         # After a long poll, ask again at once: the buffer answers the moment credit frees up.
-        return Grant(int(credit.granted), 0.0 if wait > 0 else float(credit.retry_after_seconds))
+        retry = 0.0 if wait > 0 else float(credit.retry_after_seconds)
+        return Grant(int(credit.granted), retry, int(credit.policy_version))
 
     async def put(self, episodes: list[Episode]) -> None:
         # On the client's PutStream: the group's episodes go out without a round trip each, and

@@ -213,6 +213,39 @@ async def test_actor_pulls_newer_weights(lake: TextInterface) -> None:
     assert (0,) in seen and (5,) in seen
 
 
+class PublishingBuffer(MemoryBuffer):
+    """Grants credit at its version, as the buffer answers an Acquire; the first group submitted
+    is trained at once: version 5 is published to ``weights`` and then reported."""
+
+    def __init__(self, weights: Weights):
+        super().__init__()
+        self.weights, self.version = weights, 0
+
+    async def acquire(self, groups: int, load: LoadReading | None = None) -> Grant:
+        return Grant(groups, policy_version=self.version)
+
+    async def put(self, episodes: list[Episode]) -> None:
+        await super().put(episodes)
+        self.weights.latest = self.version = 5
+
+
+async def test_a_group_granted_at_a_new_version_starts_on_its_weights(lake: TextInterface) -> None:
+    # The poll would not look again for an hour: only the grant's version can make the actor
+    # fetch version 5 before its next group (one version fresher than the poll would give it).
+    spec = RLJobSpec(buffer=BufferSpec(group_size=2))
+    settings = settings_for(spec, max_groups=3, concurrency=2, weight_poll_seconds=3600.0)
+    sampler = CountingSampler(lake.tokenizer.get_vocab()["up"])
+    policy = BatchedSampler(sampler)
+    weights = Weights()
+    buffer = PublishingBuffer(weights)
+    actor = Actor(settings, policy, lake, inline_factory(settings.sandbox), buffer, weights=weights, loader=policy)
+    stats = await asyncio.wait_for(actor.run(), 30)
+    await policy.close()
+    versions = [sorted({int(v) for e in g for v in e.policy_versions[e.loss_mask == 1]}) for g in buffer.groups]
+    # The second group may be granted before the first is submitted; the last one is not.
+    assert versions[0] == [0] and versions[-1] == [5] and sampler.loads == [5] and stats.weight_updates == 1
+
+
 async def test_between_episodes_keeps_each_episode_on_its_first_weights(
     lake: TextInterface, caplog: pytest.LogCaptureFixture
 ) -> None:
