@@ -295,26 +295,43 @@ class Transformer(nnx.Module):
         segments = (slots[None, :] < filled[:, None]).astype(jnp.int32)
         return logits, KVCache(tuple(new_layers), segments)
 
-    def decode(self, token_ids: jax.Array, positions: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
-        """One cached step: token [B] at position [B] (= its cache slot) -> logits [B, V].
+    def decode(
+        self, token_ids: jax.Array, positions: jax.Array, cache: KVCache, *, slot: jax.Array | None = None,
+        start: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        """One cached step: token [B] at position [B] -> logits [B, V].
 
         Writes the token's keys/values into slot ``positions[b]`` of row b, then attends over the
-        filled slots up to and including it."""
+        filled slots up to and including it. With ``slot`` (a scalar) every row writes into that
+        one slot instead: the sampler's loop (``stoker.rollout.programs.sample_loop``), whose rows
+        hold the tokens it generates from slot ``start`` (default ``slot``) on, each row's shifted
+        by ``slot - positions[b]`` from its own positions, the slots between its prompt and
+        ``start`` unfilled. The write is then one in-place ``dynamic_update_slice`` per layer;
+        per-row slots take a select over the whole cache, which the v5e compiler reads and
+        writes whole every step (benchmarks/README.md, "Decode's cache write")."""
         batch, num_slots = cache.segment_ids.shape
-        slots = jnp.arange(num_slots, dtype=jnp.int32)
-        write = slots[None, :] == positions[:, None]  # [B, S] one-hot of the slot to fill
-        segments = jnp.where(write, 1, cache.segment_ids)
+        slots = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (batch, num_slots))
         pos = positions[:, None]
-        vis = Visibility(
-            pos, jnp.broadcast_to(slots, (batch, num_slots)), jnp.ones_like(pos), (segments != 0).astype(jnp.int32)
-        )
+        if slot is None:
+            write = slots == pos  # [B, S] one-hot of the slot to fill
+            segments, key_positions = jnp.where(write, 1, cache.segment_ids), slots
+        else:
+            at = jnp.asarray(slot, jnp.int32)
+            segments = jax.lax.dynamic_update_slice(cache.segment_ids, jnp.ones((batch, 1), jnp.int32), (0, at))
+            # Each slot's position, for causality and sliding windows alike (the gap is unfilled).
+            key_positions = jnp.where(slots >= (at if start is None else start), slots - (at - pos), slots)
+        vis = Visibility(pos, key_positions, jnp.ones_like(pos), (segments != 0).astype(jnp.int32))
         h = self.embed(token_ids[:, None])
         new_layers: list[LayerCache] = []
         for block, layer in zip(self.layers, cache.layers, strict=True):
             x = block.input_layernorm(h)
             k, v = block.self_attn.project_kv(x, pos)  # [B, 1, kv, D]
-            keys = jnp.where(write[:, :, None, None], k, layer.keys)
-            values = jnp.where(write[:, :, None, None], v, layer.values)
+            if slot is None:
+                keys = jnp.where(write[:, :, None, None], k, layer.keys)
+                values = jnp.where(write[:, :, None, None], v, layer.values)
+            else:
+                keys = jax.lax.dynamic_update_slice(layer.keys, k.astype(layer.keys.dtype), (0, at, 0, 0))
+                values = jax.lax.dynamic_update_slice(layer.values, v.astype(layer.values.dtype), (0, at, 0, 0))
             new_layers.append(LayerCache(keys, values))
             h = block.finish(h, block.self_attn(x, pos, keys, values, vis))
         return self._logits(h)[:, 0], KVCache(tuple(new_layers), segments)
