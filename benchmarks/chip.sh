@@ -25,10 +25,25 @@ limit() { "$PYTHON" -c "print(max(10, int($1 * $SCALE)))"; }
 run() {
     local name=$1 seconds profile=(); seconds=$(limit "$2")
     [ "$name" = shipped-async-s0 ] && profile=(--profile)  # where its actors wait: $OUT/shipped-async-profiles.txt
-    timeout -k 10 "$seconds" "$PYTHON" -m stoker.cli run "$3" --mode "$4" --run-dir "$WORK/$name" --no-progress ${profile[@]+"${profile[@]}"} \
+    # -k 40: `stoker run` gives its children 30 s to stop (a learner's last checkpoint).
+    timeout -k 40 "$seconds" "$PYTHON" -m stoker.cli run "$3" --mode "$4" --run-dir "$WORK/$name" --no-progress ${profile[@]+"${profile[@]}"} \
         --target-success 0.9 --max-minutes "$("$PYTHON" -c "print(round(($seconds - 15) / 60, 2))")" \
         > "$WORK/$name.log" 2>&1
     echo "$name: exit $? after ${SECONDS}s of the script" | tee -a "$OUT/chip.log"
+    reap "$WORK/$name"
+}
+
+# reap RUN_DIR: wait (60 s at most) until no process of that run is left, then kill what is. A
+# child that outlives a killed `stoker run` (a learner still checkpointing, the TPU runtime
+# shutting down) would hold the chip, and every later run would fail to open it.
+reap() {
+    local i
+    for i in $(seq 60); do
+        pgrep -f -- "$1(/| |\$)" > /dev/null || return 0
+        sleep 1  # polling for the processes to be gone
+    done
+    echo "$1: processes left after 60 s, killed: $(pgrep -f -- "$1(/| |\$)" | tr '\n' ' ')" | tee -a "$OUT/chip.log"
+    pkill -9 -f -- "$1(/| |\$)"
 }
 
 # The 0.5 s-per-step protocol's manifests, as utilisation.py writes them.

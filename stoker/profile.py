@@ -54,6 +54,7 @@ class StackSampler:
         self.path, self.title, self.interval, self.write_every = path, title, interval, write_every
         self.counts: Counter[tuple[str, str]] = Counter()
         self.samples = 0
+        self.errors = 0  # stacks that could not be read
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
@@ -76,8 +77,16 @@ class StackSampler:
         with self._lock:
             self.samples += 1
             for ident, frame in frames.items():
-                if ident != me:
-                    self.counts[(thread_family(names.get(ident, "unnamed")), stack_key(frame))] += 1
+                if ident == me:
+                    continue
+                try:
+                    key = stack_key(frame)
+                except (AttributeError, ValueError):
+                    # Another thread's frames change under the walk (a frame torn down between
+                    # two reads); a sample lost is cheaper than a profiler thread that dies.
+                    self.errors += 1
+                    continue
+                self.counts[(thread_family(names.get(ident, "unnamed")), key)] += 1
 
     def summary(self) -> str:
         """Per thread family (busiest first): its samples, and its top stacks with their shares."""

@@ -7,7 +7,11 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from stoker import profile
 from stoker.profile import PROFILE_ENV, StackSampler, thread_family
 from stoker.runner.local import child_env
 from stoker.runner.options import RunOptions
@@ -50,6 +54,28 @@ def test_samples_name_the_function_each_thread_is_in_and_the_wait_a_blocked_one_
     assert text.index("## MainThread") < text.index("## busy")  # the main thread leads
     sampler.write()
     assert (tmp_path / "p" / "x.txt").read_text() == sampler.summary()
+
+
+def test_a_stack_that_cannot_be_read_is_skipped_and_sampling_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On the v5e host (Python 3.11) an actor's profiler thread died on another thread's frame
+    # torn down mid-walk ("'dict' object has no attribute 'f_code'"); sampling must outlive that.
+    real = profile.stack_key
+    calls = [0]
+
+    def flaky(frame: Any, depth: int = profile.DEPTH) -> str:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise AttributeError("'dict' object has no attribute 'f_code'")
+        return real(frame, depth)
+
+    monkeypatch.setattr(profile, "stack_key", flaky)
+    sampler = StackSampler(tmp_path / "x.txt", "title")
+    sampling = threading.Thread(target=lambda: [sampler.sample() for _ in range(3)])
+    sampling.start()
+    sampling.join()
+    assert sampler.samples == 3 and sampler.errors == 1
+    assert sum(sampler.counts.values()) == calls[0] - 1  # every other stack was counted
+    assert "## MainThread" in sampler.summary()
 
 
 def test_thread_pools_add_up_under_one_family() -> None:
