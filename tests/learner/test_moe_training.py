@@ -19,7 +19,7 @@ from stoker.learner.step import add_router_loss
 from stoker.learner.testing import TINY_ARCHITECTURE
 from stoker.model.hf import load_checkpoint
 from stoker.model.moe import RouterStats, load_balancing_loss, route, router_stats
-from tests.learner.test_learner import bandit_groups, settings, with_reward_spread
+from tests.learner.bandit import bandit_groups, settings, with_reward_spread
 from tests.learner.test_moe import FAMILIES, IDS, random_tensors, reference_logits, write_checkpoint
 
 pytestmark = pytest.mark.usefixtures("xla_cache")

@@ -136,7 +136,7 @@ def test_a_non_finite_gradient_skips_the_update_and_is_counted() -> None:
     before = jax.device_get(learner.trainer.params)
     opt_before = jax.device_get(learner.trainer.opt_state)
     # A sampler that recorded a NaN log-prob: the ratio, the loss and every gradient are NaN. (A NaN
-    # reward no longer gets this far: its episode is failed and never trains, test_learner.py.)
+    # reward no longer gets this far: its episode is failed and never trains, test_learner_updates.py.)
     bad = Group([_episode(3, r, 0) for r in (1.0, 0.0, 1.0, 0.0)])
     bad.episodes[2].logprobs = np.asarray([0, 0, np.nan], np.float32)
     metrics = learner.train_on([bad])

@@ -19,7 +19,7 @@ import pytest
 from stoker.learner.checkpoint import flatten
 from stoker.learner.loop import Learner
 from stoker.learner.optimizer import B1, B2, EPS, OptimizerConfig, make_optimizer, scale_by_adam_stored
-from tests.learner.test_learner import GOOD, bandit_groups, next_token_probs, settings, with_reward_spread
+from tests.learner.bandit import GOOD, bandit_groups, next_token_probs, settings, with_reward_spread
 
 pytestmark = pytest.mark.usefixtures("xla_cache")
 BF16 = ml_dtypes.bfloat16

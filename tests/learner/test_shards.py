@@ -110,7 +110,7 @@ def test_a_reader_reads_only_the_rows_it_asks_for(tmp_path: Path, publisher: Sha
 def test_the_learner_loop_publishes_sharded_versions_and_reports_each_after_its_commit(tmp_path: Path, xla_cache: Path) -> None:
     from stoker.learner.loop import Learner
 
-    from .test_learner import ScriptedBuffer, settings
+    from tests.learner.bandit import ScriptedBuffer, settings
 
     class Reporting(ScriptedBuffer):
         def set_policy_version(self, version: int, duty_cycle: float | None = None) -> None:
@@ -154,7 +154,7 @@ def test_a_publish_slower_than_many_steps_never_holds_up_training(tmp_path: Path
 
     from stoker.learner.loop import Learner
 
-    from .test_learner import ScriptedBuffer, settings
+    from tests.learner.bandit import ScriptedBuffer, settings
 
     learner = Learner(settings(tmp_path, learner={"publishIntervalSteps": 1}))
     buffer = ScriptedBuffer()
