@@ -45,6 +45,7 @@ from stoker.actor.isolation import (
     make_readable_by_nobody,
     tmp_limit_bytes,
 )
+from stoker.procstat import proc_stat
 
 HARNESS_FILES = ("harness.py", "harness_rewrite.py", "tamper.py", "tamper_checks.py", "tamper_state.py", "tamper_report.py")
 log = logging.getLogger("stoker.actor.judge")
@@ -337,7 +338,7 @@ def _descendants(root: int) -> list[int]:
         for name in os.listdir("/proc"):
             if name.isdigit():
                 with contextlib.suppress(OSError, ValueError, IndexError):
-                    parents[int(name)] = int(Path(f"/proc/{name}/stat").read_bytes().rsplit(b")", 1)[1].split()[1])
+                    parents[int(name)] = int(proc_stat(name)[1])
     found, frontier = [], [root]
     while frontier:
         parent = frontier.pop()

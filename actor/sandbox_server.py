@@ -40,6 +40,7 @@ import grpc
 from stoker.actor.environments import EnvironmentProblem, StepLatency, crash_reason, make_environment
 from stoker.actor.isolation import describe, drop_root
 from stoker.endpoints import MAX_UNIX_PATH_BYTES, Address, AddressError, add_grpc_port, parse, write_ready_file
+from stoker.procstat import proc_stat
 from stoker.v1 import sandbox_pb2, sandbox_pb2_grpc
 
 log = logging.getLogger("stoker.sandbox")
@@ -73,7 +74,7 @@ def sweep_orphans(temp_dir: str) -> list[str]:
 def _alive(pid: int) -> bool:
     """Whether ``pid`` runs: a zombie (exited, its adopter not yet reaping it) does not."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        state = proc_stat(pid)[0]
     except FileNotFoundError:
         return False
     except OSError:  # no /proc: ask the kernel
@@ -84,7 +85,7 @@ def _alive(pid: int) -> bool:
         except PermissionError:  # someone else's process
             return True
         return True
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    return state not in ("Z", "X")
 
 
 def die_with_parent(parent_pid: int) -> None:

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from stoker.procstat import proc_stat
+
 TRAJECTORY_BYTES_PER_TOKEN = 4 + 1 + 4 + 4  # ids, mask, log-probs, versions
 READY_TIMEOUT = 60.0
 DRAIN_SECONDS = 2.0  # the reader keeps draining this long after a round so no writer is stuck
@@ -153,7 +155,7 @@ def context_switches(pid: int) -> int:
 
 def cpu_seconds(pid: int) -> tuple[float, float]:
     """(user, system) CPU seconds of a process, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = proc_stat(pid)
     tick = os.sysconf("SC_CLK_TCK")
     return int(fields[11]) / tick, int(fields[12]) / tick
 

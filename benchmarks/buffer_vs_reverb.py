@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from stoker.procstat import proc_stat
+
 HERE = Path(__file__).resolve().parent
 READY_TIMEOUT = 90.0
 GROUP_SIZE = 8  # the actors' groups: one call per episode as it finishes, or the whole group at once
@@ -148,7 +150,7 @@ def buffer_reader(args: argparse.Namespace) -> None:
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = proc_stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

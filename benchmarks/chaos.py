@@ -36,6 +36,7 @@ from stoker.buffer.settings import BufferSettings
 from stoker.buffer.wal_format import SEGMENT_RE, read_segment
 from stoker.manifest import load_job
 from stoker.parent import PARENT_ENV
+from stoker.procstat import proc_stat
 from stoker.runner.report import read_jsonl
 from stoker.v1 import buffer_pb2, trajectory_pb2
 
@@ -123,7 +124,7 @@ def cmdline(pid: int) -> list[str]:
 def started(pid: int) -> str | None:
     """The process's start time (field 22 of /proc/PID/stat): tells it from a later one with its pid."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        return proc_stat(pid)[19]
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return None
 

@@ -47,6 +47,7 @@ from stoker.model.model import count_params, init_model
 from stoker.weights.shards import BLOCK_BYTES, RUN_BYTES, ShardedWeights, crc32
 from stoker.weights.channel import WeightPublisher, WeightSubscriber, flatten_params
 from stoker.spec import TransformerConfig
+from stoker.procstat import proc_stat
 
 SETS = {
     "~50 MB f32": (TransformerConfig(
@@ -81,7 +82,7 @@ def cpu_seconds(pid: int | None = None) -> float:
     if pid is None:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         return usage.ru_utime + usage.ru_stime
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = proc_stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

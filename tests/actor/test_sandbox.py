@@ -24,6 +24,7 @@ from stoker.actor.process_sandbox import ProcessSandbox, ProcessSandboxFactory, 
 from stoker.actor.sandbox import InlineEnvironment, SandboxConfig, SandboxEnvironment, SandboxFailed, inline_factory
 from stoker.actor.swe import bundled_tasks
 from stoker.conversation.tokenization import TextInterface
+from stoker.procstat import proc_stat
 from stoker.trajectory import array_problem, to_proto
 
 pytestmark = pytest.mark.asyncio
@@ -217,7 +218,7 @@ async def test_a_cheap_inline_environment_is_called_on_the_event_loop(
 
 def _gone(pid: int) -> bool:
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        state = proc_stat(pid)[0]
     except (FileNotFoundError, ProcessLookupError):
         return True
     return state in ("Z", "X")  # exited; only waiting to be reaped by whoever adopted it

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from stoker.procstat import proc_stat
 from stoker.runner.children import Child, wait_for_ready_file
 from stoker.runner.progress import MetricsTail, RunState
 from stoker.runner.report import rolling_mean, time_to_reach, write_report
@@ -29,8 +30,7 @@ def _alive(pid: int) -> bool:
         return False
     # A zombie still answers kill(0); it is dead for our purposes.
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split()[2] != "Z"
+        return proc_stat(pid)[0] != "Z"
     except FileNotFoundError:
         return False
 
