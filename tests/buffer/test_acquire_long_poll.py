@@ -7,7 +7,8 @@ from __future__ import annotations
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -43,58 +44,57 @@ def _waiting_acquires(server: BufferServer) -> int:
     return len(server.service._acquirers._waiting)
 
 
-def test_a_waiting_acquire_is_granted_when_the_learner_publishes(
-    server_factory: Callable[..., BufferServer], settings: BufferSettings
-) -> None:
+@dataclass
+class NoCredit:
+    """A buffer whose every group of credit an actor holds."""
+
+    server: BufferServer
+    address: str
+    actor: BufferClient
+
+
+@pytest.fixture
+def no_credit(server_factory: Callable[..., BufferServer], settings: BufferSettings) -> Iterator[NoCredit]:
     server = server_factory(settings)
     address = f"127.0.0.1:{server.port}"
     with BufferClient(address, client_id="actor-0") as actor:
         actor.wait_ready(10)
         assert actor.acquire(ALLOWANCE).granted == ALLOWANCE  # every group the rule allows is taken
-        answers: list[buffer_pb2.AcquireResponse] = []
-        waiting = threading.Thread(target=lambda: answers.append(_one_acquire(address, 120.0)))
-        waiting.start()
-        deadline = time.monotonic() + 30
-        while _waiting_acquires(server) == 0 and time.monotonic() < deadline:
-            waiting.join(0.01)
-        assert _waiting_acquires(server) == 1 and not answers  # held, not refused
-        actor.set_policy_version(1)  # the allowance grows by batch_groups
-        waiting.join(60)
-        assert not waiting.is_alive()
+        yield NoCredit(server, address, actor)
+
+
+def test_a_waiting_acquire_is_granted_when_the_learner_publishes(no_credit: NoCredit) -> None:
+    answers: list[buffer_pb2.AcquireResponse] = []
+    waiting = threading.Thread(target=lambda: answers.append(_one_acquire(no_credit.address, 120.0)))
+    waiting.start()
+    deadline = time.monotonic() + 30
+    while _waiting_acquires(no_credit.server) == 0 and time.monotonic() < deadline:
+        waiting.join(0.01)
+    assert _waiting_acquires(no_credit.server) == 1 and not answers  # held, not refused
+    no_credit.actor.set_policy_version(1)  # the allowance grows by batch_groups
+    waiting.join(60)
+    assert not waiting.is_alive()
     assert answers[0].granted == 1 and answers[0].policy_version == 1
 
 
-def test_an_acquire_that_finds_no_credit_waits_its_timeout_then_refuses(
-    server_factory: Callable[..., BufferServer], settings: BufferSettings
-) -> None:
-    server = server_factory(settings)
-    address = f"127.0.0.1:{server.port}"
-    with BufferClient(address, client_id="actor-0") as actor:
-        actor.wait_ready(10)
-        actor.acquire(ALLOWANCE)
-        started = time.monotonic()
-        refused = _one_acquire(address, 0.3)
-        assert refused.granted == 0 and refused.retry_after_seconds > 0
-        assert time.monotonic() - started >= 0.3
-        assert _one_acquire(address, 0.0).granted == 0  # 0: answered at once, as before long polls
-        with pytest.raises(grpc.RpcError) as bad:
-            _one_acquire(address, -1.0)
-        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+def test_an_acquire_that_finds_no_credit_waits_its_timeout_then_refuses(no_credit: NoCredit) -> None:
+    started = time.monotonic()
+    refused = _one_acquire(no_credit.address, 0.3)
+    assert refused.granted == 0 and refused.retry_after_seconds > 0
+    assert time.monotonic() - started >= 0.3
+    assert _one_acquire(no_credit.address, 0.0).granted == 0  # 0: answered at once, as before long polls
+    with pytest.raises(grpc.RpcError) as bad:
+        _one_acquire(no_credit.address, -1.0)
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_the_client_long_polls_and_an_actor_is_refused_only_after_its_wait(
-    server_factory: Callable[..., BufferServer], settings: BufferSettings
-) -> None:
-    server = server_factory(settings)
-    with BufferClient(f"127.0.0.1:{server.port}", client_id="actor-0") as actor:
-        actor.wait_ready(10)
-        actor.acquire(ALLOWANCE)
-        publisher = threading.Timer(0.2, actor.set_policy_version, args=(1,))
-        publisher.start()
-        try:
-            assert actor.acquire(1, wait=120).granted == 1
-        finally:
-            publisher.join()
+def test_the_client_long_polls_until_credit_comes(no_credit: NoCredit) -> None:
+    publisher = threading.Timer(0.2, no_credit.actor.set_policy_version, args=(1,))
+    publisher.start()
+    try:
+        assert no_credit.actor.acquire(1, wait=120).granted == 1
+    finally:
+        publisher.join()
 
 
 def _credit_core(path: Path) -> BufferCore:
