@@ -8,7 +8,7 @@ the staleness of a real asynchronous run); ``frozenlake_seeds.py`` then checks a
 real loop.
 
     .venv/bin/python benchmarks/lagged_loop.py [--manifest examples/frozenlake.yaml] [--lags 0 2]
-        [--seeds 0 1 2] [--max-steps 300] [--target 0.9] [--jobs 1]
+        [--seeds 0 1 2] [--max-steps 300] [--target 0.9] [--jobs 1] [--drop-slowest K]
         [--config NAME=algorithm.offPolicyCorrection=m2po,algorithm.learningRate=0.002 ...]
         [--out runs/bench-lagged]
 
@@ -52,7 +52,7 @@ WINDOW = 10  # steps in the rolling success rate (runner/progress.py)
 
 
 async def steps_to_target(
-    job: RLJob, lag: int, max_steps: int, target: float, run_dir: Path, tasks: str = "cycle"
+    job: RLJob, lag: int, max_steps: int, target: float, run_dir: Path, tasks: str = "cycle", drop_slowest: int = 0
 ) -> dict[str, Any]:
     spec = job.spec
     settings = LearnerSettings.from_spec(spec, run_dir=run_dir, max_steps=max_steps, checkpoint_dir=None)
@@ -72,11 +72,13 @@ async def steps_to_target(
     try:
         await policy.load_weights(*versions[0])
         while learner.steps < max_steps and reached is None:
-            chosen = [pick_task() for _ in range(settings.batch_groups)]
+            chosen = [pick_task() for _ in range(settings.batch_groups + drop_slowest)]
             groups = await asyncio.gather(*(
                 run_group(policy, envs, interface, task, actor.group_size, limits=actor.limits, seed=rng.randrange(1 << 30))
                 for task in chosen
             ))
+            if drop_slowest:  # the asynchronous loop's stale drops: the groups whose longest episode ran longest
+                groups = sorted(groups, key=lambda g: (max(e.num_turns for e in g), rng.random()))[: settings.batch_groups]
             metrics = learner.train_on([Group(g, masked=not all(e.ok for e in g)) for g in groups])
             log.write(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}) + "\n")
             log.flush()
@@ -95,7 +97,8 @@ async def steps_to_target(
 
 
 def one_run(
-    manifest: Path, overrides: list[str], lag: int, seed: int, max_steps: int, target: float, run_dir: Path, tasks: str
+    manifest: Path, overrides: list[str], lag: int, seed: int, max_steps: int, target: float, run_dir: Path, tasks: str,
+    drop_slowest: int = 0,
 ) -> dict[str, Any]:
     doc = yaml.safe_load(manifest.read_text())
     doc["spec"]["seed"] = seed
@@ -103,7 +106,7 @@ def one_run(
         path, _, value = item.partition("=")
         set_path(doc, path, value)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return asyncio.run(steps_to_target(RLJob.model_validate(doc), lag, max_steps, target, run_dir, tasks))
+    return asyncio.run(steps_to_target(RLJob.model_validate(doc), lag, max_steps, target, run_dir, tasks, drop_slowest))
 
 
 def _single_threaded() -> None:
@@ -120,6 +123,9 @@ def main() -> int:
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--tasks", choices=["cycle", "random"], default="cycle",
                         help="cycle: every task once per batch (the synchronous loop); random: each group's own draw")
+    parser.add_argument("--drop-slowest", type=int, default=0, metavar="K",
+                        help="play K groups more a step and leave out the K whose longest episode ran longest "
+                             "(what the asynchronous loop's stale drops remove)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process")
     parser.add_argument("--config", action="append", default=[], metavar="NAME=PATH=VALUE[,PATH=VALUE]",
                         help="a named set of spec overrides (repeatable)")
@@ -136,7 +142,7 @@ def main() -> int:
         futures = {
             pool.submit(
                 one_run, args.manifest, configs[name], lag, seed, args.max_steps, args.target,
-                args.out / f"{name}-lag-{lag}-seed-{seed}", args.tasks,
+                args.out / f"{name}-lag-{lag}-seed-{seed}", args.tasks, args.drop_slowest,
             ): (name, lag, seed)
             for name, lag, seed in runs
         }
