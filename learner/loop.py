@@ -37,7 +37,9 @@ import numpy as np
 from stoker.compilation_cache import enable_compilation_cache
 from stoker.distributed import Processes
 from stoker.learner.checkpoint_schedule import CheckpointSchedule
-from stoker.learner import algorithms, metrics, multihost, packing, remat, sharding, step, train, value_network
+from stoker.learner import (
+    algorithms, metrics, multihost, packing, precompile, remat, sharding, step, train, value_network,
+)
 from stoker.learner.batches import GroupLike, Prepared, prepare_groups
 from stoker.learner.checkpoint import Checkpointer
 from stoker.learner.driver import BatchSource, Publisher, RunLoop
@@ -139,6 +141,7 @@ class Learner:
             self.sft_data = job_sft_data(settings.spec, model.config.vocab_size)
             log.info("SFT: %d conversations to train on, %d held out", len(self.sft_data.train), len(self.sft_data.eval))
         self.resumed = bool(resume and self.restore())
+        self._precompile = precompile.start(self.trainer, self.rows, platform)
 
     # ----------------------------------------------------------------------------- training
 
@@ -235,6 +238,8 @@ class Learner:
             self.steps += 1
             return {**base, "policy_version": self.version, "step": self.steps, "trained": 0.0, "stale_tokens": stale}
         step.assign_weights(micros, trainable, s.loss_aggregation)
+        if self._precompile is not None:  # its programs come from the cache, not compiled a second time
+            self._precompile.wait_for({micro.shape[1] for micro in micros})
         sums = self.trainer.step(micros, self.version, num_pairs=prepared.num_pairs)
         applied = not sums["nonfinite_grads"]  # a non-finite gradient: no update (Trainer.step)
         if not applied:
@@ -355,6 +360,8 @@ class Learner:
         return True
 
     def close(self) -> None:
+        if self._precompile is not None:
+            self._precompile.finish()
         if self.checkpointer is not None:
             self.checkpointer.close()
 
