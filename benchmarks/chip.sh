@@ -108,14 +108,22 @@ case " $PARTS " in *" duty "*)
     done
 esac
 
+# seeded PATH SEED [PATH=VALUE,...]: the shipped example at SEED, with spec overrides, written to PATH.
+seeded() {
+    PYTHONPATH="$ROOT/benchmarks${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c "import sys; from pathlib import Path; from local_runs import manifest_variant, set_path
+def edit(doc):
+    doc['spec']['seed'] = int(sys.argv[3])
+    for item in filter(None, sys.argv[4].split(',')):
+        set_path(doc, *item.split('=', 1))
+manifest_variant(Path(sys.argv[1]), Path(sys.argv[2]), edit)" "$ROOT/examples/frozenlake.yaml" "$1" "$2" "${3:-}"
+}
+
 SHIPPED=()
 case " $PARTS " in *" shipped "*)
     # Each seed both ways, side by side in time (the machine drifts); ~50 s a run since the example's
     # environments run inline.
     for seed in ${CHIP_SEEDS:-0 1}; do
-        PYTHONPATH="$ROOT/benchmarks${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c "import sys; from pathlib import Path; from local_runs import manifest_variant
-manifest_variant(Path(sys.argv[1]), Path(sys.argv[2]), lambda doc: doc['spec'].update(seed=int(sys.argv[3])))" \
-            "$ROOT/examples/frozenlake.yaml" "$WORK/shipped-seed$seed.yaml" "$seed"
+        seeded "$WORK/shipped-seed$seed.yaml" "$seed"
         run "shipped-async-s$seed" 100 "$WORK/shipped-seed$seed.yaml" async
         run "shipped-sync-s$seed" 100 "$WORK/shipped-seed$seed.yaml" sync
         SHIPPED+=("$WORK/shipped-async-s$seed" "$WORK/shipped-sync-s$seed")
@@ -128,13 +136,7 @@ case " $PARTS " in *" variants "*)
     for variant in ${CHIP_VARIANTS:-}; do
         vname=${variant%%:*}
         for seed in ${CHIP_SEEDS:-0 1}; do
-            PYTHONPATH="$ROOT/benchmarks${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c "import sys; from pathlib import Path; from local_runs import manifest_variant, set_path
-def edit(doc):
-    doc['spec']['seed'] = int(sys.argv[3])
-    for item in filter(None, sys.argv[4].split(',')):
-        set_path(doc, *item.split('=', 1))
-manifest_variant(Path(sys.argv[1]), Path(sys.argv[2]), edit)" \
-                "$ROOT/examples/frozenlake.yaml" "$WORK/$vname-seed$seed.yaml" "$seed" "$(echo "$variant" | cut -d: -f2)"
+            seeded "$WORK/$vname-seed$seed.yaml" "$seed" "$(echo "$variant" | cut -d: -f2)"
             modes=$(echo "$variant" | cut -s -d: -f3); modes=${modes:-async}
             for mode in ${modes//+/ }; do
                 run "$vname-$mode-s$seed" 100 "$WORK/$vname-seed$seed.yaml" "$mode"

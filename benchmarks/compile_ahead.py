@@ -18,32 +18,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
 
 from local_runs import REPO
-
-
-def batch(vocab: int, length: int, groups: int, size: int, rng: np.random.Generator) -> list:
-    from stoker.learner.batches import Group
-    from stoker.trajectory import Episode
-
-    out = []
-    for g in range(groups):
-        episodes = []
-        for j in range(size):
-            mask = np.zeros(length, np.uint8)
-            mask[length // 2:] = 1
-            episodes.append(Episode(
-                episode_id=uuid.uuid4().hex, group_id=f"g{g}", group_size=size, task_id="t",
-                token_ids=rng.integers(1, vocab, length).astype(np.int32), loss_mask=mask,
-                logprobs=np.where(mask == 1, -1.0, 0.0).astype(np.float32),
-                policy_versions=np.where(mask == 1, 0, -1).astype(np.int32), reward=float(j % 2), status=1,
-            ))
-        out.append(Group(episodes))
-    return out
+from stuck_loss_cost import group
 
 
 def one_mode(manifest: Path, mode: str) -> dict[str, float]:
@@ -69,9 +49,11 @@ def one_mode(manifest: Path, mode: str) -> dict[str, float]:
     rng = np.random.default_rng(0)
     vocab, groups, size = job.spec.model.architecture.vocab_size, job.spec.learner.batch_groups, job.spec.buffer.group_size
     short, long = min(learner.rows), max(learner.rows)
+    rewards = [float(j % 2) for j in range(size)]
     for name, length in (("first_step_seconds", short - 8), ("long_bucket_step_seconds", long - 8)):
+        batch = [group("t", rewards, length, vocab, rng) for _ in range(groups)]
         started = time.perf_counter()
-        learner.train_on(batch(vocab, length, groups, size, rng))
+        learner.train_on(batch)
         figures[name] = time.perf_counter() - started
     learner.close()
     return figures

@@ -119,12 +119,9 @@ def main() -> int:
     from stoker.manifest import load_job
 
     spec = load_job(args.manifest).spec
-    if args.batch_groups:
-        spec = spec.model_copy(update={"learner": spec.learner.model_copy(update={"batch_groups": args.batch_groups})})
-    if args.microbatch_tokens:
-        spec = spec.model_copy(
-            update={"learner": spec.learner.model_copy(update={"microbatch_tokens": args.microbatch_tokens})}
-        )
+    overrides = {"batch_groups": args.batch_groups, "microbatch_tokens": args.microbatch_tokens}
+    learner_spec = spec.learner.model_copy(update={k: v for k, v in overrides.items() if v})
+    spec = spec.model_copy(update={"learner": learner_spec})
     work = Path(tempfile.mkdtemp(prefix="stoker-learner-duty-"))
     settings = LearnerSettings.from_spec(
         spec, run_dir=work, checkpoint_dir=None,

@@ -16,20 +16,15 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-import jax
+from stoker.compilation_cache import cache_enabled
 
 log = logging.getLogger(__name__)
 
 
 def wanted(platform: str) -> bool:
-    """Whether to compile ahead on this platform (a persistent cache on, not the CPU)."""
-    return platform != "cpu" and cache_active()
-
-
-def cache_active() -> bool:
-    """Whether compiled programs are kept in a persistent cache (otherwise compiling ahead of time
-    would not help the step's own call)."""
-    return bool(getattr(jax.config, "jax_compilation_cache_dir"))  # noqa: B009 - not in the type stubs
+    """Whether to compile ahead on this platform: not the CPU, and a persistent cache on (without
+    one, compiling ahead would not help the step's own call)."""
+    return platform != "cpu" and cache_enabled()
 
 
 class AheadOfTime:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-
 from stoker.compilation_cache import cache_dir_for, enable_compilation_cache
 from stoker.conversation.tokenization import allowed_token_ids
 from stoker.distributed import Processes

@@ -25,6 +25,13 @@ def enable_compilation_cache(directory: str | Path | None) -> None:
     _reset_cache()
 
 
+def cache_enabled() -> bool:
+    """Whether this process keeps compiled programs in a persistent cache."""
+    import jax
+
+    return bool(getattr(jax.config, "jax_compilation_cache_dir"))  # noqa: B009 - not in the type stubs
+
+
 def disable_compilation_cache() -> None:
     """Turn the persistent compilation cache off again (in-process callers and tests)."""
     import jax

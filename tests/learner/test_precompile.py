@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from stoker.compilation_cache import disable_compilation_cache
+from stoker.compilation_cache import cache_enabled, disable_compilation_cache
 from stoker.learner import precompile
 from stoker.learner.batches import Group
 from stoker.learner.loop import Learner
@@ -26,7 +26,7 @@ LONG = 12  # tokens: past the bandit's first bucket (8), inside its second (16)
 @pytest.fixture
 def cached_learner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Learner]:
     """A bandit learner with its own (empty) persistent cache, compiling ahead as on an accelerator."""
-    monkeypatch.setattr(precompile, "wanted", lambda platform: precompile.cache_active())
+    monkeypatch.setattr(precompile, "wanted", lambda platform: cache_enabled())
     learner = Learner(dataclasses.replace(settings(None), compilation_cache_dir=str(tmp_path / "cache")), resume=False)
     try:
         yield learner
@@ -71,7 +71,7 @@ def test_a_step_waits_for_its_bucket_still_compiling_ahead(tmp_path: Path, monke
         real(self)
 
     monkeypatch.setattr(precompile.AheadOfTime, "_run", held)
-    monkeypatch.setattr(precompile, "wanted", lambda platform: precompile.cache_active())
+    monkeypatch.setattr(precompile, "wanted", lambda platform: cache_enabled())
     learner = Learner(dataclasses.replace(settings(None), compilation_cache_dir=str(tmp_path / "cache")), resume=False)
     try:
         groups = with_reward_spread(bandit_groups(learner, np.random.default_rng(0)))
