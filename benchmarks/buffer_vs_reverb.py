@@ -4,26 +4,11 @@
     /work/tmp/buf/reverb-venv/bin/pip install "dm-reverb[tensorflow]==0.14.0"
     .venv/bin/python benchmarks/buffer_vs_reverb.py --reverb-python /work/tmp/buf/reverb-venv/bin/python
 
-Reverb lives in its own virtual environment, never in the project's dependencies. For each shape
-(``--per-call``: trajectories per insert call, 1 and 8) every target runs the same load in turn,
-in ``--rounds`` alternating rounds so that background load on a shared machine hits all alike:
-``--writers`` writer processes, each inserting ``--tokens``-token trajectories ``per-call`` at a
-time with at most ``--window`` unconfirmed, and one reader process taking batches of ``--batch``
-(decoded to numpy; the buffer's reader commits each batch, Reverb's queue table removes what it
-samples). Targets:
-
-* ``reverb``: a Reverb server with one FIFO queue table of ``--capacity`` items; writers use
-  ``TrajectoryWriter`` (``create_item`` per trajectory, ``flush`` to bound the unconfirmed ones).
-  Reverb does not fsync.
-* ``buffer``: ``stoker buffer`` (``fsync`` before every acknowledgement, ``--capacity``
-  trajectories); writers use ``BufferClient.put_stream`` (one message per call, acknowledged
-  per durable flush).
-* ``buffer-unary``: the same server, writers calling the unary ``Put`` once per call and waiting
-  for it (the issue's baseline: one round trip per call).
-
-A trajectory's latency is from the call that inserted it until the writer sees it confirmed (for
-both, when the writer next waits for the oldest unconfirmed one). CPU per item counts the server,
-the writers and the reader (``/proc`` for the server, ``process_time`` for the clients).
+Writer processes insert trajectories into each target in turn (``reverb``: a Reverb FIFO queue
+table; ``buffer``: ``stoker buffer`` over ``BufferClient.put_stream``; ``buffer-unary``: one unary
+``Put`` per call) while one reader takes batches; it prints inserts/s, insert latency and CPU per
+item for each. Reverb lives in its own virtual environment, never in the project's dependencies.
+The load, the definitions and the figures: benchmarks/README.md, "The buffer against DeepMind Reverb".
 """
 
 from __future__ import annotations
@@ -259,19 +244,22 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog='Method and figures: benchmarks/README.md, "The buffer against DeepMind Reverb".',
+    )
     parser.add_argument("role", nargs="?", default="run", choices=["run", "writer", "reader"])
-    parser.add_argument("--reverb-python", default="/work/tmp/buf/reverb-venv/bin/python")
+    parser.add_argument("--reverb-python", default="/work/tmp/buf/reverb-venv/bin/python", help="Python of Reverb's venv")
     parser.add_argument("--targets", nargs="+", default=["reverb", "buffer", "buffer-unary"])
-    parser.add_argument("--per-call", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--writers", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--per-call", type=int, nargs="+", default=[1, 8], help="trajectories per insert call (one case each)")
+    parser.add_argument("--writers", type=int, default=4, help="writer processes")
+    parser.add_argument("--tokens", type=int, default=512, help="tokens per trajectory")
     parser.add_argument("--window", type=int, default=32, help="unconfirmed trajectories per writer")
     parser.add_argument("--batch", type=int, default=32, help="trajectories per reader batch")
-    parser.add_argument("--capacity", type=int, default=1024)
+    parser.add_argument("--capacity", type=int, default=1024, help="items the queue table / buffer holds")
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=2.0)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds, the targets' order alternating")
     parser.add_argument("--json", type=Path)
     # for the client processes
     parser.add_argument("--address", default="")

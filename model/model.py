@@ -3,38 +3,12 @@
 One implementation serves the learner (packed training forward) and the actors' sampler (prefill
 plus KV-cached decode, see ``stoker.rollout.sampling``). Submodules carry Hugging Face's names
 (``embed_tokens``, ``layers.N.self_attn.q_proj`` ...) so the checkpoint mapping in
-``stoker.model.hf`` is a rename plus a transpose, nothing more. The layers (norm, attention, MLP,
-block) are in ``stoker.model.layers``; this module stacks them and runs them.
-
-Llama/Qwen blocks are the pre-norm residual pair
-
-    h = x + Attn(RMSNorm(x)),        y = h + MLP(RMSNorm(h)),
-    RMSNorm(x) = w * x / sqrt(mean(x^2) + eps),
-    MLP(x) = W_down (silu(W_gate x) * W_up x)                       (SwiGLU),
-
-with rotary position embeddings on queries and keys (``stoker.model.rope``) and grouped-query
-attention (``stoker.model.attention``). Gemma 2 (arXiv:2408.00118) and Gemma 3 (its technical
-report, arXiv:2503.19786) change, each behind a ``TransformerConfig`` field:
-
-    h = x + RMSNorm(Attn(RMSNorm(x))),  y = h + RMSNorm(MLP(RMSNorm(h)))    (sandwichNorms)
-    RMSNorm scales by (1 + w)                                           (normUnitOffset)
-    MLP gate gelu(tanh approximation), i.e. GeGLU                       (mlpActivation)
-    token embeddings times sqrt(hidden)                                 (embeddingScale)
-    scores scaled by query_pre_attn_scalar^-1/2, soft-capped            (Gemma 2)
-    local layers attend within a sliding window; Gemma 3 gives them their own rotary base
-    and normalises each query/key head (qkNorm); final logits soft-capped (Gemma 2).
-
-Qwen3-MoE and Mixtral replace the MLP of their sparse layers by a router and top-k experts
-(``stoker.model.moe``, selected by ``TransformerConfig.is_moe_layer``).
-
-Packed rows: ``segment_ids`` label which sequence each token belongs to (0 = padding). A query
-attends to key j only if both share the same nonzero segment and j is not after it, so sequences
-packed side by side never see each other; ``positions`` restart at 0 for each sequence.
+``stoker.model.hf`` is a rename plus a transpose. The layers are in ``stoker.model.layers``; this
+module stacks and runs them (the equations: ``Transformer``).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
@@ -45,6 +19,7 @@ from flax import nnx
 
 from stoker.model.attention import Visibility
 from stoker.model.attention_kernels import Implementation
+from stoker.model.init import init_module as init_module  # re-exported: the critic's init
 from stoker.model.layers import Block, LayerCache, norm_layer
 from stoker.model.logprobs import OutputHead
 from stoker.model.moe import RouterStats
@@ -149,7 +124,32 @@ def _scan_layers(
 
 
 class Transformer(nnx.Module):
-    """Decoder-only language model sized by ``TransformerConfig``."""
+    """Decoder-only language model sized by ``TransformerConfig``.
+
+    Llama/Qwen blocks are the pre-norm residual pair
+
+        h = x + Attn(RMSNorm(x)),        y = h + MLP(RMSNorm(h)),
+        RMSNorm(x) = w * x / sqrt(mean(x^2) + eps),
+        MLP(x) = W_down (silu(W_gate x) * W_up x)                       (SwiGLU),
+
+    with rotary position embeddings on queries and keys (``stoker.model.rope``) and grouped-query
+    attention (``stoker.model.attention``). Gemma 2 (arXiv:2408.00118) and Gemma 3
+    (arXiv:2503.19786) change, each behind a ``TransformerConfig`` field:
+
+        h = x + RMSNorm(Attn(RMSNorm(x))),  y = h + RMSNorm(MLP(RMSNorm(h)))    (sandwichNorms)
+        RMSNorm scales by (1 + w)                                           (normUnitOffset)
+        MLP gate gelu(tanh approximation), i.e. GeGLU                       (mlpActivation)
+        token embeddings times sqrt(hidden)                                 (embeddingScale)
+        scores scaled by query_pre_attn_scalar^-1/2, soft-capped            (Gemma 2)
+        local layers attend within a sliding window; Gemma 3 gives them their own rotary base
+        and normalises each query/key head (qkNorm); final logits soft-capped (Gemma 2).
+
+    Qwen3-MoE and Mixtral replace the MLP of their sparse layers by a router and top-k experts
+    (``stoker.model.moe``, selected by ``TransformerConfig.is_moe_layer``).
+
+    Packed rows: ``segment_ids`` label which sequence each token belongs to (0 = padding). A query
+    attends to key j only if both share the same nonzero segment and j is not after it, so
+    sequences packed side by side never see each other; ``positions`` restart at 0 for each."""
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, dtype: jnp.dtype = jnp.float32):
         self.config = config
@@ -351,39 +351,6 @@ def init_model(
     argument, so it compiles once per (config, dtype, placement), not once per seed."""
     model: Transformer = init_module(Transformer, config, seed, dtype, placement)
     return model
-
-
-def init_module(
-    module: Callable[..., nnx.Module], config: TransformerConfig, seed: int, dtype: Any = jnp.float32,
-    placement: Callable[[tuple[int, ...]], jax.sharding.Sharding] | None = None,
-) -> Any:
-    """``module(config, rngs=nnx.Rngs(params=seed), dtype=dtype)`` built by one compiled program
-    that takes the seed's key as its argument (``init_model``; PPO's critic). The key is
-    ``jax.random.key(seed)``, as ``nnx.Rngs`` makes it from an int, so the values are those of a
-    program with the seed written into it, bit for bit."""
-    dtype = jnp.dtype(dtype)
-    graphdef, abstract = _abstract_module(module, config, dtype)
-    shardings = None if placement is None else tuple(placement(tuple(a.shape)) for a in jax.tree.leaves(abstract))
-    state = _init_program(module, config, dtype, shardings)(jax.random.key(seed))
-    return nnx.merge(graphdef, state)
-
-
-@functools.lru_cache(maxsize=32)  # a process builds a few shapes; bounded all the same
-def _abstract_module(module: Callable[..., nnx.Module], config: TransformerConfig, dtype: jnp.dtype) -> tuple[Any, Any]:
-    """The module's graph and its parameters' shapes (no seed changes either)."""
-    return nnx.split(nnx.eval_shape(lambda: module(config, rngs=nnx.Rngs(params=0), dtype=dtype)))
-
-
-@functools.lru_cache(maxsize=32)  # a process builds a few shapes; bounded all the same
-def _init_program(
-    module: Callable[..., nnx.Module], config: TransformerConfig, dtype: jnp.dtype,
-    shardings: tuple[jax.sharding.Sharding, ...] | None,
-) -> Callable[[jax.Array], Any]:
-    """The jitted key -> parameter state of ``module``; ``shardings``: its leaves' out_shardings
-    in ``jax.tree.leaves`` order (a tuple, so that the cache can key on it)."""
-    _, abstract = _abstract_module(module, config, dtype)
-    placed = {} if shardings is None else {"out_shardings": jax.tree.unflatten(jax.tree.structure(abstract), shardings)}
-    return jax.jit(lambda key: nnx.state(module(config, rngs=nnx.Rngs(params=key), dtype=dtype)), **placed)
 
 
 def count_params(model: nnx.Module) -> int:
