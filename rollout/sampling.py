@@ -43,7 +43,7 @@ from stoker.rollout.programs import Limits as _Limits
 from stoker.rollout.programs import continue_cached as _continue
 from stoker.rollout.programs import generate_fresh as _generate
 from stoker.rollout.programs import sample_token
-from stoker.rollout.warmup import SamplerWarmup
+from stoker.rollout.warmup import SamplerWarmup, padded_batch
 from stoker.rollout.sessions import Session as _Session
 from stoker.rollout.sessions import (
     CacheStats, SessionRows, cached_prefix, chunk_buckets, session_length, session_row_bytes,
@@ -77,13 +77,6 @@ def pick_bucket(buckets: Sequence[int], length: int) -> int:
         if bucket >= length:
             return bucket
     raise PromptTooLong(f"{length} tokens do not fit the largest bucket ({max(buckets)})")
-
-
-def padded_batch(n: int, min_batch: int = 1) -> int:
-    """Batch rows actually computed for ``n`` prompts: the next power of two, at least ``min_batch``."""
-    return 1 << max(0, math.ceil(math.log2(max(n, min_batch, 1))))
-
-
 
 
 class Sampler(SessionRows, SamplerWarmup):

@@ -10,7 +10,8 @@ Compiling them up front, while the learner compiles its own step, takes that out
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -23,13 +24,14 @@ from stoker.rollout.sessions import chunk_buckets
 from stoker.spec import SamplingSpec
 
 
-def row_counts(max_rows: int, min_batch: int) -> Iterator[int]:
-    """Every padded row count of a call of 1..``max_rows`` prompts: powers of two from ``min_batch``."""
-    rows = 1 << max(0, (max(min_batch, 1) - 1).bit_length())
-    yield rows
-    while rows < max_rows:
-        rows *= 2
-        yield rows
+def padded_batch(n: int, min_batch: int = 1) -> int:
+    """Batch rows actually computed for ``n`` prompts: the next power of two, at least ``min_batch``."""
+    return 1 << max(0, math.ceil(math.log2(max(n, min_batch, 1))))
+
+
+def row_counts(max_rows: int, min_batch: int) -> list[int]:
+    """Every padded row count of a call of 1..``max_rows`` prompts, ascending."""
+    return sorted({padded_batch(n, min_batch) for n in range(1, max_rows + 1)})
 
 
 class SamplerWarmup:
@@ -94,7 +96,7 @@ class SamplerWarmup:
             widths = [(w, None) for w in chunk_buckets(self.session_len, self.min_chunk)]
         else:
             widths = [(p, c) for p in self.buckets for c in self.buckets if c >= p]
-        counts = list(row_counts(max_rows, self.min_batch))
+        counts = row_counts(max_rows, self.min_batch)
         return [
             (rows, w, c) for rows in counts for w, c in widths
             if rows == counts[0] or max_call_tokens is None or rows <= max_call_tokens // (c or w)
