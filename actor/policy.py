@@ -228,8 +228,8 @@ class BatchedSampler:
                         )
 
     def _take_batch(self) -> list[_Request]:
-        """Live requests sharing the oldest one's limits and length bucket: all of them when the
-        sampler's padding makes them cost one minimal call, else a power of two of them.
+        """Live requests sharing the oldest one's limits and length bucket: all of them when they
+        fit twice the sampler's minimal padding, else a power of two of them.
 
         Rows of one call are padded to the longest prefill's bucket -- the whole prompt, or with
         sessions the part the sampler has not cached -- so mixing a 40-token prefill into a batch of
@@ -245,8 +245,10 @@ class BatchedSampler:
         most = self.max_batch if live[0].session is None else self.max_session_batch
         rows = min(len(same), most, max(1, self.max_call_tokens // live[0].bucket))
         # The sampler pads a call to a power of two rows, at least its min_batch: 8 + 3 rows cost
-        # less than 11 padded to 16, but 3 rows padded to 4 cost the same as 2 + 1 in one call.
-        size = rows if rows <= self.sampler.min_batch else 1 << (rows.bit_length() - 1)
+        # less than 11 padded to 16, but up to twice min_batch one padded call costs less than two
+        # (8 rows cost 1.55x 4: benchmarks/README.md, "Actor sampling: call sizes"), and a
+        # group's turn that waits for a second call takes twice as long.
+        size = rows if rows <= 2 * self.sampler.min_batch else 1 << (rows.bit_length() - 1)
         batch = same[:size]
         taken = {id(r) for r in batch}
         self._queue = [r for r in live if id(r) not in taken]

@@ -87,16 +87,18 @@ PARTS=${*:-shipped latency}
 case " $PARTS " in *" bench "*) bench; esac
 # actors: eight actor loops of the example at once (actor_rate.py), XLA's default CPU pools against
 # pools of one thread as `stoker run` now sizes them; the lines go to chip.log.
+# CHIP_ACTOR_FLAGS: the flag sets compared, separated by '|' (an empty one: actor_rate.py's defaults).
 actors() {
-    local threads i
-    for threads in "" "--cpu-threads 1"; do
-        echo "== 8 actor loops at once ${threads:-with the default pools}" | tee -a "$OUT/chip.log"
+    local flags i
+    while IFS= read -r flags; do
+        echo "== 8 actor loops at once ${flags:-with the default pools}" | tee -a "$OUT/chip.log"
         for i in 0 1 2 3 4 5 6 7; do
+            # shellcheck disable=SC2086  # each set is several flags
             JAX_PLATFORMS=cpu timeout "$(limit 120)" "$PYTHON" "$ROOT/benchmarks/actor_rate.py" \
-                "$ROOT/examples/frozenlake.yaml" $threads 2>/dev/null | tee -a "$OUT/chip.log" &
+                "$ROOT/examples/frozenlake.yaml" $flags 2>/dev/null | tee -a "$OUT/chip.log" &
         done
         wait
-    done
+    done < <(echo "${CHIP_ACTOR_FLAGS:-|--cpu-threads 1}" | tr '|' '\n')
 }
 case " $PARTS " in *" actors "*) actors; esac
 # duty: the learner alone on the chip, fed by a full buffer (learner_duty.py), at the manifest's

@@ -198,6 +198,8 @@ class SizeRecordingSampler:
     [
         (3, 10, 4, [3]),  # padded to 4 rows anyway: one call, not 2 + 1
         (4, 10, 4, [4]),
+        (7, 10, 4, [7]),  # padded to 8: one call costs less than 4 + 3, and a group's turn waits for one
+        (9, 10, 4, [8, 1]),
         (11, 10, 4, [8, 3]),  # 11 padded to 16 would compute 5 idle rows; 3 pad to 4
         (11, 10, 16, [11]),
         (40, 10, 4, [32, 8]),  # at most 32 rows per call
