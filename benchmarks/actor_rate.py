@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import dataclasses
+import json
 import os
 import statistics
 import sys

@@ -9,7 +9,7 @@
 # ways; every run under a timeout, so a hang costs its slot and not the call. The table of all
 # runs goes to $OUT/chip.md and $OUT/chip.json (benchmarks/run_figures.py), each run's log to $OUT.
 # host_cpu.py always first (~15 s); shipped (seeds CHIP_SEEDS, default 0 1) and latency by default (~9 minutes); `latency` alone gives its synchronous run the ~5
-# minutes it needs to reach 0.9; `bench` alone (~8 minutes) runs `stoker bench` on benchmarks/chip/; `actors` (~1 minute) eight actor loops at once, default pools against one thread each; `variants` the example with CHIP_VARIANTS' spec overrides (below); `duty` the learner alone, fed by a full buffer. CHIP_SECONDS scales every limit (e.g. 0.2 for a quick check on a CPU machine).
+# minutes it needs to reach 0.9; `bench` alone (~8 minutes) runs `stoker bench` on benchmarks/chip/; `actors` (~1 minute a flag set) eight actor loops at once for each of CHIP_ACTOR_FLAGS' flag sets (default: XLA's pools against one thread each); `variants` the example with CHIP_VARIANTS' spec overrides (below); `duty` the learner alone, fed by a full buffer. CHIP_SECONDS scales every limit (e.g. 0.2 for a quick check on a CPU machine).
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-python3}
