@@ -65,10 +65,13 @@ async def test_admission_refusal_holds_groups_until_credit(server: BufferServer,
     await wait_for(lambda: actor.stats.admission_refusals >= 3 and actor.stats.groups_submitted == 1)
     assert actor.stats.groups_started == 1  # refused credit: the second group never started
     # The learner trains on the first group and publishes version 1: one more group of credit.
+    # The commit alone already frees it (the buffer cannot tell an update from a batch without
+    # one until the version arrives), so the policy is at version 1 before the commit: a group
+    # granted in between samples with it too, and is not stale once version 1 is reported.
     first = await asyncio.to_thread(learner.sample, 1, 1, 5.0)
     assert first is not None and len(first.groups) == 1
-    await asyncio.to_thread(learner.commit, first.batch_id)
     policy.version = 1
+    await asyncio.to_thread(learner.commit, first.batch_id)
     await asyncio.to_thread(learner.set_policy_version, 1)
     stats = await asyncio.wait_for(running, 20)
     assert stats.groups_submitted == 2 and stats.episodes == 2 * G
