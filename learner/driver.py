@@ -178,12 +178,13 @@ class RunLoop:
                 batch_id = batch.batch_id
                 learner.before_step()
                 metrics = learner.train_on(batch.groups, sampled_at=batch.policy_version, max_staleness=batch.max_staleness)
-            if batch_id is not None and source is not None:
-                outbox.send(functools.partial(self._commit, source, batch_id))
+            commit = functools.partial(self._commit, source, batch_id) if batch_id is not None and source is not None else None
             if batch is not None and self.sink is not None and hasattr(self.sink, "record_episodes"):
                 # Trained or not: a batch without signal (every episode alike) is the one to read.
                 self.sink.record_episodes(learner.steps, [e for g in batch.groups for e in g.episodes])
             if not metrics.get("trained"):
+                if commit is not None:
+                    outbox.send(commit)
                 if self.sink is not None:
                     self.sink.record(metrics)  # its episodes still count toward the success rate
                 continue
@@ -196,6 +197,11 @@ class RunLoop:
             metrics["duty_cycle"] = duty.value
             if learner.steps % s.publish_interval == 0:
                 self._publish(outbox, metrics["duty_cycle"])
+            if commit is not None:
+                # After the version it made is reported: a commit frees the batch's admission
+                # credit, and granted before the report the actors' next groups would start on
+                # the weights this step just replaced.
+                outbox.send(commit)
             learner.checkpoint_if_due()
             if self.sink is not None:
                 newest = self._newest_eval

@@ -88,6 +88,7 @@ class ScriptedBuffer:
     learner_ref: list[Learner] = field(default_factory=list)
     committed: list[str] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    calls: list[str] = field(default_factory=list)  # commits and version reports, in order
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(6))
 
     def sample(self, max_groups: int, min_groups: int, timeout: float) -> SampledBatch:
@@ -100,6 +101,8 @@ class ScriptedBuffer:
 
     def commit(self, batch_id: str) -> None:
         self.committed.append(batch_id)
+        self.calls.append(f"commit {batch_id}")
 
     def set_policy_version(self, version: int, duty_cycle: float | None = None) -> None:
         self.versions.append(version)
+        self.calls.append(f"version {version}")

@@ -82,6 +82,11 @@ def test_run_loop_commits_publishes_checkpoints_and_resumes(tmp_path: Path) -> N
     # Every second version, reported after it is published; newest wins if publishing falls behind.
     assert buffer.versions[0] == 0 and buffer.versions[-1] == 4 and set(buffer.versions) <= {0, 2, 4}
     assert buffer.versions == sorted(set(buffer.versions))
+    # A published version is reported before the commit of the batch that made it: the commit
+    # frees admission credit, and the actors' next groups must start on the new weights.
+    for version in (2, 4):
+        made_it = buffer.committed[version - 1]
+        assert buffer.calls.index(f"version {version}") < buffer.calls.index(f"commit {made_it}")
     reported_before_restart = len(buffer.versions)
     lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [line["policy_version"] for line in lines] == [1, 2, 3, 4]
