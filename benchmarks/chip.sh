@@ -9,7 +9,7 @@
 # ways; every run under a timeout, so a hang costs its slot and not the call. The table of all
 # runs goes to $OUT/chip.md and $OUT/chip.json (benchmarks/run_figures.py), each run's log to $OUT.
 # host_cpu.py always first (~15 s); shipped (seeds CHIP_SEEDS, default 0 1) and latency by default (~9 minutes); `latency` alone gives its synchronous run the ~5
-# minutes it needs to reach 0.9; `bench` alone (~8 minutes) runs `stoker bench` on benchmarks/chip/; `actors` (~1 minute a flag set) eight actor loops at once for each of CHIP_ACTOR_FLAGS' flag sets (default: XLA's pools against one thread each); `variants` the example with CHIP_VARIANTS' spec overrides (below); `duty` the learner alone, fed by a full buffer. CHIP_SECONDS scales every limit (e.g. 0.2 for a quick check on a CPU machine).
+# minutes it needs to reach 0.9; `bench` alone (~8 minutes) runs `stoker bench` on benchmarks/chip/; `flags` (~1 minute a variant) the grad step under grad_flags.py's variants; `step` (~2 minutes a manifest) the learner's whole step at real size; `actors` (~1 minute a flag set) eight actor loops at once for each of CHIP_ACTOR_FLAGS' flag sets (default: XLA's pools against one thread each); `variants` the example with CHIP_VARIANTS' spec overrides (below); `duty` the learner alone, fed by a full buffer. CHIP_SECONDS scales every limit (e.g. 0.2 for a quick check on a CPU machine).
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-python3}
@@ -85,6 +85,30 @@ PARTS=${*:-shipped latency}
 # Always first (~15 s): the cores the host really runs at once, against its mask and CPU quota.
 "$PYTHON" "$ROOT/benchmarks/host_cpu.py" --json "$OUT/host.json" | tee -a "$OUT/chip.log"
 case " $PARTS " in *" bench "*) bench; esac
+# flags: the grad step under remat policies, splash blocks and libtpu flags (grad_flags.py; issue
+# 51), on CHIP_FLAG_MANIFESTS (default q05-2k) with Adam's state in bfloat16 so that remat none
+# passes the bench's fit check (the grad program's speed does not depend on it); CHIP_FLAG_ARGS
+# adds grad_flags.py arguments (--variant ...). The table goes to $OUT/flags.md.
+case " $PARTS " in *" flags "*)
+    # shellcheck disable=SC2086  # several manifests and arguments
+    timeout -k 10 "$(limit 540)" "$PYTHON" "$ROOT/benchmarks/grad_flags.py" ${CHIP_FLAG_MANIFESTS:-$ROOT/benchmarks/chip/q05-2k.yaml} \
+        --set learner.optimizerStateDtype=bfloat16 --timeout "$(limit 120)" --json "$OUT/flags.json" ${CHIP_FLAG_ARGS:-} \
+        > "$OUT/flags.md" 2> "$WORK/flags.log"
+    echo "flags: exit $? after ${SECONDS}s of the script" | tee -a "$OUT/chip.log"
+    tail -n 20 "$WORK/flags.log" > "$OUT/flags-log-tail.txt"
+esac
+# step: the learner's whole step at each of CHIP_STEP_MANIFESTS' real size (real_step.py: the
+# optimizer state, a publish copy and the gradient sum beside the grad), a JSON line each into
+# chip.log: the remat a run takes, its step time and MFU, the device's peak bytes against the plan.
+case " $PARTS " in *" step "*)
+    for manifest in ${CHIP_STEP_MANIFESTS:-$ROOT/benchmarks/chip/q05-2k-rnone.yaml $ROOT/benchmarks/chip/q05-2k.yaml}; do
+        name=$(basename "$manifest" .yaml)
+        timeout -k 10 "$(limit 200)" "$PYTHON" "$ROOT/benchmarks/real_step.py" "$manifest" --json "$OUT/step-$name.json" \
+            2> "$WORK/step-$name.log" | tee -a "$OUT/chip.log"
+        echo "step $name: exit ${PIPESTATUS[0]} after ${SECONDS}s of the script" | tee -a "$OUT/chip.log"
+        grep -v -e Warning -e warnings.warn "$WORK/step-$name.log" | tail -n 8 >> "$OUT/chip.log"
+    done
+esac
 # actors: eight actor loops of the example at once (actor_rate.py), XLA's default CPU pools against
 # pools of one thread as `stoker run` now sizes them; the lines go to chip.log.
 # CHIP_ACTOR_FLAGS: the flag sets compared, separated by '|' (an empty one: actor_rate.py's defaults).

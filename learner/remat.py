@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from stoker.actor_count import host_cores
 from stoker.learner import train, trees
 from stoker.model.model import RematPolicy
 from stoker.spec_model import RematSetting
@@ -168,16 +170,32 @@ def abstract(module: Any) -> Any:
     return nnx.merge(graphdef, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
 
 
-def step_peak(trainer: train.Trainer, rows: Mapping[int, int], allowed: int) -> int | None:
+SIDE_BY_SIDE_MIN_CORES = 4  # a core per compile, about: fewer and they would only queue
+
+
+def side_by_side_workers(cores: int | None = None) -> int:
+    """Threads for compiling auto's candidates side by side: one per candidate and one for the
+    apply on a host with the cores for it (a TPU VM); none on a small one (CI's two cores), where
+    the candidates compile in turn and stop at the first that fits."""
+    cores = host_cores() if cores is None else cores
+    return 0 if cores < SIDE_BY_SIDE_MIN_CORES else min(cores, len(REMAT_ORDER) + 1)
+
+
+def step_peak(trainer: train.Trainer, rows: Mapping[int, int], allowed: int,
+              longest: Future[Any] | None = None) -> int | None:
     """The largest grad step's bytes per device over the buckets (length -> rows), compiled for
     ``trainer``'s devices, longest first; stops at the first over ``allowed``. None when the
-    compiler refuses one for memory."""
+    compiler refuses one for memory. ``longest``: the longest bucket's compile, already under way."""
     state = StateBytes.of(trainer)
     peak = 0
     for length in sorted(rows, reverse=True):
-        grad, args = trainer.programs(rows[length], length)["grad"]
         try:
-            memory = grad.lower(*args).compile().memory_analysis()
+            if longest is not None:
+                compiled, longest = longest.result(), None
+            else:
+                grad, args = trainer.programs(rows[length], length)["grad"]
+                compiled = grad.lower(*args).compile()
+            memory = compiled.memory_analysis()
         except Exception as exc:  # jax's XlaRuntimeError; anything but a refusal for memory is a bug
             if not refused_for_memory(exc):
                 raise
@@ -197,12 +215,31 @@ def device_limit(device: Any) -> int | None:
 
 
 def learner_remat(setting: RematSetting, mesh: Any, rows: Mapping[int, int],
-                  build: Callable[[RematPolicy], train.Trainer], headroom: float = HEADROOM) -> RematChoice:
+                  build: Callable[[RematPolicy], train.Trainer], headroom: float = HEADROOM,
+                  workers: int | None = None) -> RematChoice:
     """``setting`` resolved on ``mesh``'s devices: for auto on an accelerator, each policy's grad
     step compiled for every bucket by an abstract trainer from ``build(policy)`` (nothing
-    allocated) and judged against the device's ``bytes_limit``."""
+    allocated) and judged against the device's ``bytes_limit``. With ``workers`` threads (None:
+    ``side_by_side_workers()``) every policy's longest bucket compiles at once, traced here and
+    compiled on the threads: on a v5e host each compile of a 0.5B step takes 20-50 s, and in turn
+    auto cost that run's learner 75 s before its first step (benchmarks/README.md)."""
     device = mesh.devices.flat[0]
     limit = device_limit(device) if setting == "auto" and device.platform != "cpu" else None
     allowed = budget(limit, headroom) if limit is not None else 0
-    return resolve_remat(setting, device.platform, lambda policy: step_peak(build(policy), rows, allowed),
-                         limit, headroom)
+    workers = side_by_side_workers() if workers is None else workers
+    if limit is None or workers < 2:
+        return resolve_remat(setting, device.platform, lambda policy: step_peak(build(policy), rows, allowed),
+                             limit, headroom)
+    longest = max(rows)
+    trainers = {policy: build(policy) for policy in REMAT_ORDER}
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="remat")
+    try:
+        futures = {}
+        for policy, trainer in trainers.items():
+            grad, args = trainer.programs(rows[longest], longest)["grad"]
+            futures[policy] = pool.submit(grad.lower(*args).compile)
+        return resolve_remat(setting, device.platform,
+                             lambda policy: step_peak(trainers[policy], rows, allowed, futures[policy]),
+                             limit, headroom)
+    finally:  # a candidate auto did not need is not waited for
+        pool.shutdown(wait=False, cancel_futures=True)

@@ -36,7 +36,6 @@ from stoker.model.hf import dtype_from_name
 from stoker.model.layers import head_dim
 from stoker.model.model import RematPolicy, Transformer
 from stoker.sizing.chips import chip
-from stoker.actor_count import host_cores
 from stoker.sizing.compiler import Compiled, Slice, compile_lowered, compile_program
 from stoker.spec import RLJobSpec, TransformerConfig
 
@@ -158,7 +157,7 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
     ``memory_limit``: bytes one chip may hold, what ``model.remat: auto`` judges the grad steps
     against (``stoker.learner.remat``; the chip's usable HBM for a TPU slice when None).
     ``compile_workers``: threads compiling remat auto's candidates and the apply side by side
-    (None: ``side_by_side_workers()``; 0: one after another, each candidate only if the one before
+    (None: ``remat.side_by_side_workers()``; 0: one after another, each candidate only if the one before
     did not fit)."""
     config, note = model_config(spec)
     settings = LearnerSettings.from_spec(spec)
@@ -225,7 +224,7 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
             return None
         return max(p.total for p in programs) * slice_.devices_per_chip
 
-    workers = side_by_side_workers() if compile_workers is None else compile_workers
+    workers = remat.side_by_side_workers() if compile_workers is None else compile_workers
     deciding = "grad" in wanted and settings.remat == "auto" and backend.platform != "cpu" and limit is not None
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="compile") if deciding and workers > 0 else None
     if pool is not None:
@@ -293,17 +292,6 @@ def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | Non
     if pool is not None:  # a candidate auto did not need is not waited for
         pool.shutdown(wait=False, cancel_futures=True)
     return out
-
-
-SIDE_BY_SIDE_MIN_CORES = 4  # a core per compile, about: fewer and they would only queue
-
-
-def side_by_side_workers(cores: int | None = None) -> int:
-    """Threads for compiling remat auto's candidates side by side: one per candidate and one for
-    the apply on a host with the cores for it; none on a small one (CI's two cores), where the
-    candidates compile in turn and stop at the first that fits."""
-    cores = host_cores() if cores is None else cores
-    return 0 if cores < SIDE_BY_SIDE_MIN_CORES else min(cores, len(remat.REMAT_ORDER) + 1)
 
 
 def grad_inputs(trainer: train.Trainer, rows: int, length: int, vocab: int) -> Callable[[Any, int], tuple[Any, ...]]:

@@ -6,9 +6,11 @@ slices: tests/sizing/test_remat_plan.py."""
 from __future__ import annotations
 
 import logging
+import threading
 from types import SimpleNamespace
 from typing import Any
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -110,7 +112,7 @@ def test_on_an_accelerator_the_learner_compiles_each_policy_until_one_fits_its_d
         stats = {"bytes_limit": limit}
         return SimpleNamespace(devices=np.array([SimpleNamespace(platform="tpu", memory_stats=lambda: stats)]))
 
-    roomy = remat.learner_remat("auto", device(2**40), {16: 2}, build)
+    roomy = remat.learner_remat("auto", device(2**40), {16: 2}, build, workers=0)
     needed = roomy.peaks["none"]
     assert roomy.policy == "none" and built == ["none"] and needed is not None and needed > 0
     assert roomy.reason.startswith("peak ") and "of 1024.00 GiB" in roomy.reason
@@ -125,10 +127,29 @@ def test_on_an_accelerator_the_learner_compiles_each_policy_until_one_fits_its_d
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(train.Trainer, "programs", counted)
-        tight = remat.learner_remat("auto", device(needed // 4), {16: 2, 32: 1}, build)
+        tight = remat.learner_remat("auto", device(needed // 4), {16: 2, 32: 1}, build, workers=0)
     assert built == ["none", "save-matmuls", "full"] and compiled == [32, 32, 32] and "nothing fits" in tight.reason
     built.clear()
     assert remat.learner_remat("full", device(needed // 4), {16: 2}, build).policy == "full" and built == []
+    built.clear()
+
+    # On a host with the cores (a TPU VM), every candidate's longest bucket compiles at once: each
+    # compile waits at a barrier for the other two, which a compile in turn would never reach.
+    barrier = threading.Barrier(len(remat.REMAT_ORDER), timeout=60)
+    compile_lowered = jax.stages.Lowered.compile
+    threads: list[str] = []
+
+    def together(self: Any, *args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        barrier.wait()
+        return compile_lowered(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(jax.stages.Lowered, "compile", together)
+        side_by_side = remat.learner_remat("auto", device(2**40), {16: 2}, build, workers=4)
+    assert side_by_side.policy == "none" and side_by_side.peaks["none"] == needed
+    assert built == list(remat.REMAT_ORDER) and len(threads) == 3 and all(t.startswith("remat") for t in threads)
+    assert remat.side_by_side_workers(2) == 0 and remat.side_by_side_workers(13) == len(remat.REMAT_ORDER) + 1
 
 
 def test_the_learner_on_the_cpu_says_its_choice_and_trains_with_it(caplog: pytest.LogCaptureFixture) -> None:

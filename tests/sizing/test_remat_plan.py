@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from stoker.learner.remat import HEADROOM, REMAT_ORDER, budget
+from stoker.learner.remat import HEADROOM, REMAT_ORDER, budget, side_by_side_workers
 from stoker.manifest import load_job
 from stoker.sizing.compiler import load_slice
 from stoker.sizing import programs
-from stoker.sizing.programs import learner_programs, side_by_side_workers
+from stoker.sizing.programs import learner_programs
 
 pytestmark = pytest.mark.slow
 
