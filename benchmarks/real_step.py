@@ -30,7 +30,7 @@ from stoker.learner.batches import Group
 from stoker.learner.loop import Learner
 from stoker.learner.settings import LearnerSettings
 from stoker.manifest import load_job
-from stoker.sizing.chips import CHIPS
+from stoker.sizing.chips import chip_of_device
 from stoker.sizing.programs import train_flops
 from stoker.trajectory import Episode
 
@@ -53,15 +53,6 @@ def synthetic_groups(groups: int, size: int, length: int, vocab: int, version: i
             ))
         out.append(Group(episodes))
     return out
-
-
-def peak_generation(kind: str) -> float | None:
-    """The chip's published bf16 peak from jax's device kind (``TPU v5 lite`` is a v5e)."""
-    name = kind.lower()
-    for generation, chip in CHIPS.items():
-        if generation in name or (generation == "v5e" and "v5 lite" in name):
-            return chip.peak_bf16_flops
-    return None
 
 
 def main() -> int:
@@ -95,12 +86,12 @@ def main() -> int:
     stats = device.memory_stats() or {}
     median = statistics.median(seconds[1:])
     flops = micro_batches * train_flops(config, learner.rows[length], length)
-    peak = peak_generation(device.device_kind)
+    chip = chip_of_device(device.device_kind)
     result = {
         "manifest": args.manifest.stem, "device": device.device_kind, "remat": learner.remat.line,
         "built_s": round(built, 1), "first_step_s": round(seconds[0], 2), "step_s": [round(s, 4) for s in seconds[1:]],
         "median_step_s": round(median, 4), "micro_batches": micro_batches,
-        "mfu": flops / (median * peak) if peak else None,
+        "mfu": flops / (median * chip.peak_bf16_flops) if chip is not None else None,
         "peak_bytes_in_use": stats.get("peak_bytes_in_use"), "bytes_limit": stats.get("bytes_limit"),
     }
     print(json.dumps(result), flush=True)
