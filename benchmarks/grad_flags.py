@@ -23,9 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from local_runs import set_path
+from local_runs import manifest_variant, set_path
 
 DEFAULT_VARIANTS = [
     "full=full/-/-",
@@ -56,12 +54,11 @@ def variant(text: str) -> tuple[str, str, str, str]:
 
 
 def edited(manifest: Path, remat: str, sets: list[str], where: Path) -> Path:
-    doc = yaml.safe_load(manifest.read_text())
-    for item in sets + ([f"model.remat={remat}"] if remat != "-" else []):
-        set_path(doc, *item.split("=", 1))
-    out = where / f"{manifest.stem}-{remat}.yaml"
-    out.write_text(yaml.safe_dump(doc))
-    return out
+    def edit(doc: dict[str, Any]) -> None:
+        for item in sets + ([f"model.remat={remat}"] if remat != "-" else []):
+            set_path(doc, *item.split("=", 1))
+
+    return manifest_variant(manifest, where / f"{manifest.stem}-{remat}.yaml", edit)
 
 
 def run_one(manifest: Path, name: str, remat: str, blocks: str, flags: str, sets: list[str], repeats: int,
