@@ -9,7 +9,7 @@
 # ways; every run under a timeout, so a hang costs its slot and not the call. The table of all
 # runs goes to $OUT/chip.md and $OUT/chip.json (benchmarks/run_figures.py), each run's log to $OUT.
 # host_cpu.py always first (~15 s); shipped (seeds CHIP_SEEDS, default 0 1) and latency by default (~9 minutes); `latency` alone gives its synchronous run the ~5
-# minutes it needs to reach 0.9; `bench` alone (~8 minutes) runs `stoker bench` on benchmarks/chip/; `flags` (~1 minute a variant) the grad step under grad_flags.py's variants; `step` (~2 minutes a manifest) the learner's whole step at real size; `actors` (~1 minute a flag set) eight actor loops at once for each of CHIP_ACTOR_FLAGS' flag sets (default: XLA's pools against one thread each); `variants` the example with CHIP_VARIANTS' spec overrides (below); `duty` the learner alone, fed by a full buffer. CHIP_SECONDS scales every limit (e.g. 0.2 for a quick check on a CPU machine).
+# minutes it needs to reach 0.9; `bench` alone (~8 minutes) runs `stoker bench` on benchmarks/chip/; `flags` (~1 minute a variant) the grad step under grad_flags.py's variants; `step` (~4 minutes a manifest under remat auto) the learner's whole step at real size; `actors` (~1 minute a flag set) eight actor loops at once for each of CHIP_ACTOR_FLAGS' flag sets (default: XLA's pools against one thread each); `variants` the example with CHIP_VARIANTS' spec overrides (below); `duty` the learner alone, fed by a full buffer. CHIP_SECONDS scales every limit (e.g. 0.2 for a quick check on a CPU machine).
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-python3}
@@ -103,7 +103,7 @@ esac
 case " $PARTS " in *" step "*)
     for manifest in ${CHIP_STEP_MANIFESTS:-$ROOT/benchmarks/chip/q05-2k-rnone.yaml $ROOT/benchmarks/chip/q05-2k.yaml}; do
         name=$(basename "$manifest" .yaml)
-        timeout -k 10 "$(limit 200)" "$PYTHON" "$ROOT/benchmarks/real_step.py" "$manifest" --json "$OUT/step-$name.json" \
+        timeout -k 10 "$(limit 300)" "$PYTHON" "$ROOT/benchmarks/real_step.py" "$manifest" --json "$OUT/step-$name.json" \
             2> "$WORK/step-$name.log" | tee -a "$OUT/chip.log"
         echo "step $name: exit ${PIPESTATUS[0]} after ${SECONDS}s of the script" | tee -a "$OUT/chip.log"
         grep -v -e Warning -e warnings.warn "$WORK/step-$name.log" | tail -n 8 >> "$OUT/chip.log"

@@ -20,7 +20,9 @@ compiler's temporaries.
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,6 +36,8 @@ from stoker.actor_count import host_cores
 from stoker.learner import train, trees
 from stoker.model.model import RematPolicy
 from stoker.spec_model import RematSetting
+
+log = logging.getLogger(__name__)
 
 # Cheapest in compute first: auto takes the first that fits.
 REMAT_ORDER: tuple[RematPolicy, ...] = ("none", "save-matmuls", "full")
@@ -207,6 +211,15 @@ def step_peak(trainer: train.Trainer, rows: Mapping[int, int], allowed: int,
     return peak
 
 
+def timed_compile(policy: RematPolicy, lowered: Any) -> Any:
+    """``lowered.compile()``, its seconds logged: a large step's compile takes minutes on a TPU host."""
+    started = time.perf_counter()
+    try:
+        return lowered.compile()
+    finally:
+        log.info("remat auto: %s compiled in %.1f s", policy, time.perf_counter() - started)
+
+
 def device_limit(device: Any) -> int | None:
     """The bytes the runtime lets one program hold on ``device`` (None where it keeps no count)."""
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
@@ -232,12 +245,14 @@ def learner_remat(setting: RematSetting, mesh: Any, rows: Mapping[int, int],
                              limit, headroom)
     longest = max(rows)
     trainers = {policy: build(policy) for policy in REMAT_ORDER}
+    log.info("remat auto: compiling the %d-token step under %s side by side to find the cheapest within %s",
+             longest, ", ".join(REMAT_ORDER), size(allowed))
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="remat")
     try:
         futures = {}
         for policy, trainer in trainers.items():
             grad, args = trainer.programs(rows[longest], longest)["grad"]
-            futures[policy] = pool.submit(grad.lower(*args).compile)
+            futures[policy] = pool.submit(timed_compile, policy, grad.lower(*args))
         return resolve_remat(setting, device.platform,
                              lambda policy: step_peak(trainers[policy], rows, allowed, futures[policy]),
                              limit, headroom)
