@@ -131,6 +131,7 @@ class LearnerSettings:
             off_policy=algorithm.off_policy_correction,
             importance_cap=algorithm.importance_cap,
             m2po_budget=algorithm.m2po_budget,
+            episode_cap=algorithm.episode_cap,
             dual_clip=algorithm.dual_clip,
             kl_coef=algorithm.kl_coef,
             entropy_coef=algorithm.entropy_coef,

@@ -95,7 +95,7 @@ def per_shard_loss(
         loss, stats = algorithms.grpo_loss(
             logp, old, batch["behaviour_logprobs"], batch["advantages"], weights, cfg,
             ref_logprobs=ref, entropy=entropy, stuck=batch["stuck"], log_not_taken=extras["log_not_taken"],
-            lag=lag, total=total,
+            lag=lag, total=total, sequence_ids=sequence_ids,
         )
     elif options.algorithm == "gspo":
         loss, stats = algorithms.gspo_loss(
@@ -116,7 +116,7 @@ def per_shard_loss(
         )
         loss, stats = algorithms.ppo_loss(
             logp, old, batch["behaviour_logprobs"], advantages, values, returns, weights, cfg,
-            ref_logprobs=ref, entropy=entropy, lag=lag, total=total,
+            ref_logprobs=ref, entropy=entropy, lag=lag, total=total, sequence_ids=sequence_ids,
         )
         stats["advantage_sum"] = jnp.sum(mask * advantages)
         stats["value_sum"] = jnp.sum(mask * jax.lax.stop_gradient(values))

@@ -103,16 +103,21 @@ class AlgorithmSpec(SpecModel):
     clip_epsilon_high: float | None = Field(None, gt=0, description="Upper ratio clip; clipEpsilon when unset.")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference policy (0 disables it).")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus.")
-    off_policy_correction: Literal["clip", "lag-clip", "m2po", "decoupled", "none"] = Field(
+    off_policy_correction: Literal["clip", "episode", "lag-clip", "m2po", "decoupled", "none"] = Field(
         "clip",
         description=(
             "How stale tokens are corrected. clip: PPO's clipped ratio against the sampler's own "
-            "log-probs (a trust region around the policy that generated them); lag-clip: the same "
+            "log-probs (a trust region around the policy that generated them); episode: clip, and each "
+            "token's advantage weighted by the ratio pi/mu of the rest of its episode, within "
+            "[1/episodeCap, episodeCap] (for episodes of a few sampled tokens, e.g. a move per turn); lag-clip: the same "
             "ratio, its clip widened per version the token lags ((1 +- eps)^(1 + lag)); m2po: no clip, "
             "the tokens with the largest (log pi/mu)^2 left out until the rest's mean is within "
             "m2poBudget (M2PO); decoupled: AReaL's truncated weight min(pi/mu, importanceCap) with the "
-            "clip around the current policy; none: no correction. lag-clip and m2po: grpo and ppo only."
+            "clip around the current policy; none: no correction. episode, lag-clip and m2po: grpo and ppo only."
         ),
+    )
+    episode_cap: float = Field(
+        1.5, gt=1, description="offPolicyCorrection episode: the bound on the rest of the episode's ratio (and its inverse)."
     )
     m2po_budget: float = Field(
         0.04, gt=0, description="offPolicyCorrection m2po: the kept tokens' mean (log pi/mu)^2 (M2PO's 0.04)."

@@ -52,7 +52,7 @@ def cross_field_problems(spec: RLJobSpec) -> list[tuple[str, str]]:
     ):
         problems.append(
             ("algorithm.offPolicyCorrection", f"got {spec.algorithm.off_policy_correction}; expected clip, decoupled or "
-                                              f"none for {spec.algorithm.name} (lag-clip and m2po: grpo and ppo)")
+                                              f"none for {spec.algorithm.name} (episode, lag-clip and m2po: grpo and ppo)")
         )
     if spec.algorithm.name == AlgorithmName.SFT and spec.algorithm.sft is None:
         problems.append(("algorithm.sft", "missing; algorithm.name sft trains on algorithm.sft.dataset"))
@@ -164,7 +164,7 @@ _EP = spec_cel.opt("self", ("learner", "mesh", "ep"), "1")
 _EXPERTS = spec_cel.opt("self", ("model", "architecture", "numExperts"), "0")
 _CORRECTION = spec_cel.opt("self", ("algorithm", "offPolicyCorrection"), "'clip'")
 # Corrections that are the token-level policy-gradient loss's alone (GRPO's, PPO's).
-LOSS_ONLY_CORRECTIONS = ("lag-clip", "m2po")
+LOSS_ONLY_CORRECTIONS = ("episode", "lag-clip", "m2po")
 _LEARNING_RATE = spec_cel.opt("self", ("algorithm", "learningRate"), repr(float(AlgorithmSpec().learning_rate)))
 
 ROOT_CEL_RULES: list[dict[str, Any]] = [
@@ -196,7 +196,7 @@ CEL_RULES: dict[tuple[str, ...], list[dict[str, Any]]] = {
         ),
         cel(
             f"!({_CORRECTION} in {list(LOSS_ONLY_CORRECTIONS)} && !({_ALGORITHM} in ['grpo', 'ppo']))",
-            "algorithm.offPolicyCorrection lag-clip and m2po are for algorithm.name grpo and ppo",
+            "algorithm.offPolicyCorrection episode, lag-clip and m2po are for algorithm.name grpo and ppo",
         ),
         cel(f"{_CAPACITY} >= {_GROUP_SIZE}", "buffer.capacity must be >= buffer.groupSize (a full buffer must hold a complete group)"),
         cel(

@@ -8,7 +8,8 @@ docs/architecture.md, "Loss conventions".
 
 The modules: ``config`` (``LossConfig`` and the types), ``advantages`` (GRPO's group advantage,
 GAE), ``token_weights`` (aggregation and importance weights, stale tokens, the TiTO check),
-``off_policy`` (the behaviour ratio's statistics, M2PO's mask, the lag-scaled clip),
+``off_policy`` (the behaviour ratio's statistics, M2PO's mask, the lag-scaled clip, the rest
+of the episode's ratio),
 ``policy_gradient`` (GRPO, GSPO, PPO), ``dpo``, ``sft``, ``distill``, ``stats``; import from here.
 """
 
@@ -25,7 +26,12 @@ from stoker.learner.algorithms.config import (
 )
 from stoker.learner.algorithms.distill import distill_loss
 from stoker.learner.algorithms.dpo import dpo_loss
-from stoker.learner.algorithms.off_policy import behaviour_ratio_stats, lag_scaled_clip, second_moment_mask
+from stoker.learner.algorithms.off_policy import (
+    behaviour_ratio_stats,
+    episode_weights,
+    lag_scaled_clip,
+    second_moment_mask,
+)
 from stoker.learner.algorithms.ops import exp_log_ratio
 from stoker.learner.algorithms.policy_gradient import grpo_loss, gspo_loss, kl_k3, ppo_loss, stuck_unlikelihood
 from stoker.learner.algorithms.sft import sft_loss
@@ -49,6 +55,7 @@ __all__ = [
     "behaviour_ratio_stats",
     "combine_stats",
     "distill_loss",
+    "episode_weights",
     "dpo_loss",
     "exp_log_ratio",
     "finalize_stats",

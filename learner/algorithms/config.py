@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 Array = Any  # a jax.Array or np.ndarray; both are accepted everywhere
 Aggregation = Literal["token-mean", "sequence-mean"]
-OffPolicy = Literal["clip", "lag-clip", "m2po", "decoupled", "none"]
+OffPolicy = Literal["clip", "episode", "lag-clip", "m2po", "decoupled", "none"]
 AdvantageNormalization = Literal["population-std", "sample-std", "none"]
 Divergence = Literal["reverse_kl", "jsd"]  # distillation's per-token divergence to the teacher
 
@@ -27,6 +27,7 @@ class LossConfig:
     off_policy: OffPolicy = "clip"
     importance_cap: float = 2.0
     m2po_budget: float = 0.04  # off_policy "m2po": the kept tokens' mean (log pi/mu)^2
+    episode_cap: float = 1.5  # off_policy "episode": the rest of the episode's ratio within [1/cap, cap]
     dual_clip: float = 3.0
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
@@ -45,4 +46,4 @@ class LossConfig:
     def clips_against_behaviour(self, algorithm: str) -> bool:
         """Whether the trainer passes mu as ``old_logprobs`` (see ``stoker.learner.algorithms``):
         every correction whose ratio is taken against the sampler's policy."""
-        return self.off_policy in ("clip", "lag-clip", "m2po") and algorithm != "dpo"
+        return self.off_policy in ("clip", "episode", "lag-clip", "m2po") and algorithm != "dpo"

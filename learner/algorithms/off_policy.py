@@ -1,5 +1,6 @@
 """How far the trained policy is from the one that sampled: the behaviour ratio's statistics, the
-second-moment token mask (M2PO) and the trust region that widens with a token's lag.
+second-moment token mask (M2PO), the trust region that widens with a token's lag and the weight of
+the rest of a token's episode.
 
 All take the per-token log-ratio ``log pi_theta(y_t) - log mu(y_t)`` (``mu``: the sampler's
 log-probs, ``behaviour_logprobs``), with no gradient; ``total`` sums over every shard the rows
@@ -12,9 +13,10 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from stoker.learner.algorithms.config import LOG_RATIO_LIMIT, Array, LossConfig
-from stoker.learner.algorithms.ops import exp_log_ratio
+from stoker.learner.algorithms.ops import exp_log_ratio, gather_segments, segment_sum
 
 Total = Callable[[jax.Array], jax.Array]
 BISECTION_STEPS = 40  # halvings of [0, LOG_RATIO_LIMIT^2]: the threshold to ~4e-10
@@ -78,3 +80,23 @@ def lag_scaled_clip(config: LossConfig, lag: Array) -> tuple[jax.Array, jax.Arra
     ``k = 0`` (on-policy) exactly PPO's ``[1 - eps_lo, 1 + eps_hi]``."""
     steps = 1.0 + jnp.maximum(jnp.asarray(lag, jnp.float32), 0.0)
     return (1.0 - config.clip_low) ** steps, (1.0 + config.clip_high) ** steps
+
+
+def episode_weights(log_ratio: Array, mask: Array, sequence_ids: Array, cap: float) -> jax.Array:
+    """Each trained token's weight for the rest of its episode: the likelihood ratio of the
+    episode's other sampled tokens, truncated to ``[1 / cap, cap]``,
+
+        v_t = clip( prod_{s in episode(t), s != t} pi_theta(y_s) / mu(y_s), 1 / cap, cap ).
+
+    An episode's return depends on every move in it, so ``A * r_t`` alone (PPO's per-token ratio)
+    is the gradient of a surrogate whose states and continuation are the sampler's; with ``v_t``
+    the episode is weighted as a whole, ``A * prod_s r_s`` (the trajectory's importance weight,
+    Precup et al. 2000), which corrects both. On-policy every factor is ~1. The spread of the
+    product grows with the episode's sampled tokens, so this is for episodes of a few decisions
+    (a move per turn), not for long generations. No gradient; 1 off ``mask``."""
+    on = jnp.asarray(mask) > 0
+    log_w = jnp.where(on, jax.lax.stop_gradient(jnp.asarray(log_ratio)), 0.0)
+    ids = jnp.asarray(sequence_ids)
+    others = gather_segments(segment_sum(log_w, ids), ids) - log_w
+    bound = float(np.log(cap))
+    return jnp.where(on, jnp.exp(jnp.clip(others, -bound, bound)), 1.0)

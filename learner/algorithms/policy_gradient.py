@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from stoker.learner.algorithms.config import LOG_RATIO_LIMIT, Array, LossConfig
 from stoker.learner.algorithms.ops import (
@@ -14,7 +15,13 @@ from stoker.learner.algorithms.ops import (
     gather_segments,
     segment_sum,
 )
-from stoker.learner.algorithms.off_policy import Total, lag_scaled_clip, one_shard, second_moment_mask
+from stoker.learner.algorithms.off_policy import (
+    Total,
+    episode_weights,
+    lag_scaled_clip,
+    one_shard,
+    second_moment_mask,
+)
 from stoker.learner.algorithms.token_weights import truncated_importance_weights
 
 
@@ -97,6 +104,7 @@ def grpo_loss(
     log_not_taken: Array | None = None,
     lag: Array | None = None,
     total: Total = one_shard,
+    sequence_ids: Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """GRPO (Shao et al. 2024) with the decoupled truncated-IS correction, per token.
 
@@ -106,7 +114,9 @@ def grpo_loss(
 
     ``config.off_policy`` "lag-clip" clips r_t to ``lag_scaled_clip`` of the token's ``lag``
     (versions since it was sampled); "m2po" drops the clip and keeps the surrogate only on the
-    tokens ``second_moment_mask`` keeps (``total`` sums its budget over the shards).
+    tokens ``second_moment_mask`` keeps (``total`` sums its budget over the shards); "episode"
+    multiplies A_t by ``episode_weights``, the ratio of the rest of the token's episode (its
+    ``sequence_ids``, then required).
 
     ``advantages`` is the episode's group-relative advantage broadcast to its tokens (see
     ``group_advantages``). ``ref_logprobs`` is required when ``config.kl_coef > 0``; ``entropy``
@@ -127,6 +137,15 @@ def grpo_loss(
     log_ratio = jnp.asarray(logprobs) - jax.lax.stop_gradient(jnp.asarray(old_logprobs))
     ratio = exp_log_ratio(log_ratio)
     adv = jnp.asarray(advantages)
+    if config.off_policy == "episode":
+        if sequence_ids is None:
+            raise ValueError("offPolicyCorrection episode needs each token's sequence_ids")
+        rest = episode_weights(jnp.asarray(logprobs) - jnp.asarray(behaviour_logprobs), mask, sequence_ids,
+                               config.episode_cap)
+        adv = adv * rest
+        stats["episode_w_sum"] = jnp.sum(jnp.where(mask, rest, 0.0))
+        stats["episode_w_capped"] = jnp.sum((mask & (jnp.abs(jnp.log(rest)) >= np.log(config.episode_cap) - 1e-6))
+                                            .astype(jnp.float32))
     bounds = _ratio_bounds(config, lag)
     surrogate = _clipped_surrogate(ratio, adv, config, bounds)
     if config.off_policy == "m2po":
@@ -241,6 +260,7 @@ def ppo_loss(
     entropy: Array | None = None,
     lag: Array | None = None,
     total: Total = one_shard,
+    sequence_ids: Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO-clip with a learned value function (Schulman et al. 2017, eq. 9), truncated IS, per token.
 
@@ -259,7 +279,7 @@ def ppo_loss(
     )
     pg, stats = grpo_loss(
         logprobs, old_logprobs, behaviour_logprobs, advantages, weights, config,
-        ref_logprobs=ref_logprobs, entropy=entropy, lag=lag, total=total,
+        ref_logprobs=ref_logprobs, entropy=entropy, lag=lag, total=total, sequence_ids=sequence_ids,
     )
     weights = jnp.asarray(weights)
     value_err = jnp.asarray(values) - jax.lax.stop_gradient(jnp.asarray(returns))

@@ -35,6 +35,9 @@ def finalize_stats(sums: dict[str, float]) -> dict[str, float]:
         out["behaviour_ess"] = sums["behaviour_w_sum"] ** 2 / max(sums["behaviour_w_sumsq"], 1e-30) / n_behaviour
         out["behaviour_log_w_m2"] = sums["behaviour_log_w_sumsq"] / n_behaviour
         out["behaviour_log_w_abs_max"] = float(sums["behaviour_log_w_abs_max"])
+    if "episode_w_sum" in sums and sums.get("trained_tokens"):  # offPolicyCorrection episode
+        out["episode_weight_mean"] = sums["episode_w_sum"] / sums["trained_tokens"]
+        out["episode_weight_capped_fraction"] = sums["episode_w_capped"] / sums["trained_tokens"]
     if sums.get("m2_masked") is not None and sums.get("trained_tokens"):
         out["m2_masked_fraction"] = sums["m2_masked"] / sums["trained_tokens"]
     if "ratio_clipped" in sums and sums.get("trained_tokens"):

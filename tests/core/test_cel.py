@@ -149,6 +149,9 @@ CASES: list[Case] = [
     ("dpo lag-clip", "lake", {"algorithm": {"name": "dpo", "offPolicyCorrection": "lag-clip"}}, "spec.algorithm.offPolicyCorrection"),
     ("grpo lag-clip", "lake", {"algorithm": {"offPolicyCorrection": "lag-clip"}}, None),
     ("ppo m2po", "lake", {"algorithm": {"name": "ppo", "offPolicyCorrection": "m2po"}}, None),
+    ("gspo episode", "lake", {"algorithm": {"name": "gspo", "offPolicyCorrection": "episode"}},
+     "spec.algorithm.offPolicyCorrection"),
+    ("ppo episode", "lake", {"algorithm": {"name": "ppo", "offPolicyCorrection": "episode"}}, None),
     # The buffer's own bounds, which Configure applies live too: a complete group must fit.
     ("capacity below groupSize", "lake", {"buffer": {"capacity": 1}}, "spec.buffer.capacity"),
     ("capacity below the default groupSize", "lake", {"buffer": {"capacity": 7}}, "spec.buffer.capacity"),

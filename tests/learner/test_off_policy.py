@@ -142,3 +142,52 @@ def test_m2po_trains_unclipped_on_kept_tokens_and_not_on_dropped_ones(maybe_jit:
     np.testing.assert_allclose(grad, [[-1.05 / 4, -1.5 / 4, -0.97 / 4, 0.0]], rtol=1e-5)
     _, stats = alg.grpo_loss(logp, mu, mu, adv, jnp.full((1, 4), 0.25), cfg)
     assert float(stats["m2_masked"]) == 1.0
+
+
+def rest_of_episode(log_w: np.ndarray, mask: np.ndarray, ids: np.ndarray, cap: float) -> np.ndarray:
+    """The equation read literally: for each trained token, the product of the other trained
+    tokens' ratios in its episode, clipped to [1/cap, cap]; 1 off the mask."""
+    out = np.ones(log_w.shape)
+    for index in zip(*np.nonzero(mask)):
+        same = (ids == ids[index]) & (mask > 0)
+        same[index] = False
+        out[index] = np.clip(np.prod(np.exp(log_w[same].astype(np.float64))), 1 / cap, cap)
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_episode_weights_are_the_rest_of_the_episodes_ratio(maybe_jit: Any, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    log_w = rng.normal(0.0, 0.6, (2, 12)).astype(np.float32)
+    mask = (rng.random((2, 12)) > 0.3).astype(np.float32)
+    ids = np.asarray([[0] * 5 + [1] * 7, [12] * 4 + [13] * 4 + [14] * 4], np.int32)  # row-local ids, as packed
+    got = np.asarray(maybe_jit(lambda x, m, i: alg.episode_weights(x, m, i, 1.5))(log_w, mask, ids))
+    np.testing.assert_allclose(got, rest_of_episode(log_w, mask, ids, 1.5), rtol=1e-5)
+    assert np.any(np.isclose(got, 1.5)) and np.any(np.isclose(got, 1 / 1.5))  # the cap binds both ways here
+    on_policy = np.asarray(alg.episode_weights(np.zeros_like(log_w), mask, ids, 1.5))
+    np.testing.assert_allclose(on_policy, 1.0)
+
+
+def test_episode_correction_weights_each_tokens_advantage_by_the_rest_of_its_episode(maybe_jit: Any) -> None:
+    """episode: clip's gradient with A_t times v_t. Episode 0 holds tokens of ratios 1.1 and 1.3,
+    episode 1 one token alone (v = 1); the second token of episode 0 has A < 0 and r = 1.3."""
+    ratios = np.asarray([[1.1, 1.3, 0.9]], np.float32)
+    mu = jnp.log(jnp.full((1, 3), 0.3))
+    logp = mu + jnp.log(jnp.asarray(ratios))
+    adv = jnp.asarray([[1.0, -1.0, 2.0]])
+    ids = jnp.asarray([[0, 0, 1]])
+    weights = jnp.full((1, 3), 1.0 / 3)
+
+    def grad(cfg: LossConfig) -> jax.Array:
+        return jax.grad(lambda x: alg.grpo_loss(x, mu, mu, adv, weights, cfg, sequence_ids=ids)[0])(logp)
+
+    got = maybe_jit(lambda: grad(LossConfig(off_policy="episode", clip_high=1.0)))()
+    # d/dlogp of -v A r / 3 is -v A r / 3 for an unclipped token
+    np.testing.assert_allclose(got, [[-1.3 * 1.0 * 1.1 / 3, 1.1 * 1.3 / 3, -2.0 * 0.9 / 3]], rtol=1e-5)
+    with pytest.raises(ValueError, match="sequence_ids"):
+        alg.grpo_loss(logp, mu, mu, adv, weights, LossConfig(off_policy="episode"))
+    _, stats = alg.grpo_loss(logp, mu, mu, adv, weights, LossConfig(off_policy="episode", episode_cap=1.2),
+                             sequence_ids=ids)
+    out = alg.finalize_stats({**{k: float(v) for k, v in stats.items()}, "trained_tokens": 3.0})
+    assert out["episode_weight_mean"] == pytest.approx((1.2 + 1.1 + 1.0) / 3, rel=1e-5)
+    assert out["episode_weight_capped_fraction"] == pytest.approx(1 / 3)
