@@ -240,7 +240,7 @@ class Learner:
         step.assign_weights(micros, trainable, s.loss_aggregation)
         if self._precompile is not None:  # its programs come from the cache, not compiled a second time
             self._precompile.wait_for({micro.shape[1] for micro in micros})
-        sums = self.trainer.step(micros, self.version, num_pairs=prepared.num_pairs)
+        sums = self.trainer.step(micros, self.version, num_pairs=prepared.num_pairs, updates=s.updates_per_batch)
         applied = not sums["nonfinite_grads"]  # a non-finite gradient: no update (Trainer.step)
         if not applied:
             log.warning("update skipped: a gradient is not finite (%d so far)", sums["nonfinite_updates"])

@@ -148,6 +148,10 @@ class LearnerSettings:
         return self.spec.algorithm.loss_aggregation
 
     @property
+    def updates_per_batch(self) -> int:
+        return self.spec.algorithm.updates_per_batch
+
+    @property
     def advantage_normalization(self) -> AdvantageNormalization:
         """How GRPO/GSPO normalise a group's advantages (``batches.prepare_groups``)."""
         return self.spec.algorithm.advantage_normalization

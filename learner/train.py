@@ -303,13 +303,36 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------- host
 
-    def step(self, micros: list[MicroBatch], version: int, num_pairs: int = 0) -> dict[str, float]:
-        """One optimizer update from the micro-batches of one batch (weights already set); none when a
-        gradient is not finite (``nonfinite_grads`` 1 in the returned stats, ``nonfinite_updates``
-        the count so far)."""
+    def step(self, micros: list[MicroBatch], version: int, num_pairs: int = 0, updates: int = 1) -> dict[str, float]:
+        """``updates`` optimizer updates from the micro-batches of one batch (weights already set),
+        each from the gradient at the parameters the last one left (PPO's epochs); none when the
+        first gradient is not finite (``nonfinite_grads`` 1 in the returned stats, ``nonfinite_updates``
+        the count so far), and no more after any that is not. The stats are the first pass's: the
+        batch as it came."""
         if not micros:
             raise ValueError("no micro-batches to train on")
         scalars = {"version": host_scalar(version, np.int32), "num_pairs": host_scalar(max(num_pairs, 1), np.float32)}
+        device_stats, grad_norm, finite = self._update(micros, scalars)
+        applied = bool(finite)
+        for _ in range(updates - 1):
+            if not bool(finite):
+                break
+            _, _, finite = self._update(micros, scalars)
+        total: dict[str, float] = {}
+        for stats in jax.device_get(device_stats):
+            total = algorithms.combine_stats(total, {k: float(v) for k, v in stats.items()})
+        total["grad_norm"] = float(grad_norm)
+        if not bool(finite):
+            self.nonfinite_updates += 1
+        total["nonfinite_grads"] = 0.0 if applied else 1.0
+        total["nonfinite_updates"] = float(self.nonfinite_updates)
+        if self.schedule is not None and applied:  # the rate the last update applied used
+            total["learning_rate"] = float(self.schedule(updates_applied(self.opt_state) - 1))
+        return total
+
+    def _update(self, micros: list[MicroBatch], scalars: dict[str, Any]) -> tuple[list[Any], jax.Array, jax.Array]:
+        """One optimizer update from the gradient summed over ``micros``: each micro-batch's device
+        stats, the gradient's norm and whether it was finite (if not, nothing changed)."""
         grads = None
         device_stats = []
         for index, micro in enumerate(micros):
@@ -318,17 +341,7 @@ class Trainer:
             grads = g if grads is None else self._accumulate(grads, g)
             device_stats.append(stats)
         self.params, self.opt_state, grad_norm, finite = self._apply(self.params, self.opt_state, grads)
-        total: dict[str, float] = {}
-        for stats in jax.device_get(device_stats):
-            total = algorithms.combine_stats(total, {k: float(v) for k, v in stats.items()})
-        total["grad_norm"] = float(grad_norm)
-        if not bool(finite):
-            self.nonfinite_updates += 1
-        total["nonfinite_grads"] = 0.0 if bool(finite) else 1.0
-        total["nonfinite_updates"] = float(self.nonfinite_updates)
-        if self.schedule is not None and bool(finite):  # the rate the update just applied used
-            total["learning_rate"] = float(self.schedule(updates_applied(self.opt_state) - 1))
-        return total
+        return device_stats, grad_norm, finite
 
     def evaluate(self, micros: list[MicroBatch], version: int) -> dict[str, float]:
         """The loss's summed stats over micro-batches (weights already set), without an update:

@@ -129,6 +129,11 @@ class AlgorithmSpec(SpecModel):
     loss_aggregation: Literal["token-mean", "sequence-mean"] = Field(
         "token-mean", description="How per-token losses are averaged."
     )
+    updates_per_batch: int = Field(
+        1, ge=1, le=16, description="Optimizer updates on each batch (PPO's epochs), each from the gradient at the "
+        "parameters the last one left; one policy version per batch. The clip against the sampler's log-probs "
+        "(offPolicyCorrection clip, episode) bounds how far they move."
+    )
     gamma: float = Field(1.0, ge=0, le=1, description="Discount (PPO).")
     gae_lambda: float = Field(0.95, ge=0, le=1, description="GAE lambda (PPO).")
     value_coef: float = Field(0.5, ge=0, description="Value loss weight (PPO).")

@@ -3,7 +3,9 @@ out of the loss, pushes a stuck policy off a lost task, and weighs off-policy to
 
 from __future__ import annotations
 
+import copy
 import uuid
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ import pytest
 
 from stoker.learner.batches import Group, prepare_groups
 from stoker.learner.loop import SAMPLE_LAG_VERSIONS, Learner
+from stoker.learner.optimizer import updates_applied
 from stoker.learner.testing import TINY_ARCHITECTURE
 from stoker.model.logprobs import token_logprobs
 from stoker.trajectory import Episode
@@ -38,6 +41,21 @@ def test_training_moves_the_policy_toward_reward(algorithm: str) -> None:
     assert abs(metrics["tito_logprob_diff_mean"]) < 1e-4
     assert metrics["is_weight_max"] == pytest.approx(1.0, abs=1e-4)
     assert metrics["staleness_max"] == 0
+
+
+def test_updates_per_batch_take_the_gradient_again_where_the_last_update_left(tmp_path: Path) -> None:
+    """algorithm.updatesPerBatch 2: one batch, two Adam updates, one version -- exactly what two
+    single-update steps on the same batch do (the clip correction does not read the version)."""
+    once = Learner(settings(tmp_path / "once"))
+    twice = Learner(settings(tmp_path / "twice", algorithm={"updatesPerBatch": 2}))
+    groups = with_reward_spread(bandit_groups(once, np.random.default_rng(0)))
+    first = once.train_on(copy.deepcopy(groups))
+    once.train_on(copy.deepcopy(groups))
+    both = twice.train_on(copy.deepcopy(groups))
+    assert updates_applied(twice.trainer.opt_state) == 2 and twice.version == 1 and both["trained"] == 1.0
+    for a, b in zip(jax.tree.leaves(once.trainer.params), jax.tree.leaves(twice.trainer.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    assert both["pg_loss"] == pytest.approx(first["pg_loss"])  # the stats are the batch as it came
 
 
 def test_stale_tokens_never_reach_the_loss(grpo_learner: Learner) -> None:
