@@ -305,19 +305,18 @@ class Trainer:
 
     def step(self, micros: list[MicroBatch], version: int, num_pairs: int = 0, updates: int = 1) -> dict[str, float]:
         """``updates`` optimizer updates from the micro-batches of one batch (weights already set),
-        each from the gradient at the parameters the last one left (PPO's epochs); none when the
-        first gradient is not finite (``nonfinite_grads`` 1 in the returned stats, ``nonfinite_updates``
-        the count so far), and no more after any that is not. The stats are the first pass's: the
-        batch as it came."""
+        each from the gradient at the parameters the last one left (PPO's epochs); an update whose
+        gradient is not finite changes nothing (``nonfinite_grads`` 1 in the returned stats when the
+        first was not, ``nonfinite_updates`` the steps with any so far). The updates are dispatched
+        without a host round trip between them. The stats are the first pass's: the batch as it came."""
         if not micros:
             raise ValueError("no micro-batches to train on")
         scalars = {"version": host_scalar(version, np.int32), "num_pairs": host_scalar(max(num_pairs, 1), np.float32)}
-        device_stats, grad_norm, finite = self._update(micros, scalars)
-        applied = bool(finite)
+        device_stats, grad_norm, first = self._update(micros, scalars)
+        finite = first
         for _ in range(updates - 1):
-            if not bool(finite):
-                break
-            _, _, finite = self._update(micros, scalars)
+            finite = finite & self._update(micros, scalars)[2]
+        applied = bool(first)
         total: dict[str, float] = {}
         for stats in jax.device_get(device_stats):
             total = algorithms.combine_stats(total, {k: float(v) for k, v in stats.items()})
