@@ -1,13 +1,15 @@
-"""Decode step time on the chip, per-row select against one shared slot (issue 52): the real
-``Transformer.decode`` of the Qwen2.5-0.5B shape in bfloat16 (random weights), its cache donated
-and fed back step after step, as the sampler's loop runs it.
+"""Decode step time on the chip (issue 52): the real ``Transformer.decode`` of the Qwen2.5-0.5B shape
+in bfloat16 (random weights), its cache donated and fed back step after step, as the sampler's loop
+runs it, for three writes: per-row select over the whole cache, one shared slot, and the flat
+cache's TPU kernels (in-place per-row write, attention over each row's filled slots only).
 
-    device run, carry [".whl-tpu"]:  . .whl-tpu/install.sh && python3 benchmarks/decode_step.py 128x2048 128x256
+    device run, carry [".whl-tpu"]:  . .whl-tpu/install.sh && python3 benchmarks/decode_step.py 128x2048 128x256x192
 
-Prints one JSON line per shape and variant: ms per step, tokens/s, and the attainable bound
-(weights plus every slot's keys and values read once at 819 GB/s) as a fraction of the step.
-``--bytes`` (no TPU needed): compile each for v5e with libtpu here and print XLA's "bytes
-accessed" of the step instead.
+A shape is ROWSxSLOTS[xFILLED]: FILLED slots of each row hold tokens (default: all but the last
+few). Prints one JSON line per shape and variant: ms per step, tokens/s, and the attainable bound
+(weights plus each row's filled keys and values read once at 819 GB/s) as a fraction of the step.
+``--ragged-only``: the kernels alone; ``--block-bytes=N``: their block budget. ``--bytes`` (no TPU needed): compile each for v5e with libtpu here and print XLA's "bytes
+accessed" of the step instead (the kernels' own traffic is not in it).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from stoker.model import decode_attention
 from stoker.model.layers import LayerCache
-from stoker.model.model import KVCache, init_model
+from stoker.model.model import KVCache, flatten_cache, init_model
 from stoker.spec import TransformerConfig
 
 QWEN_05B = TransformerConfig(vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
@@ -43,7 +46,13 @@ def seconds_per_step(fn: Any, args: list[Any], steps: int = 12) -> float:
 
 def main() -> None:
     compile_only = "--bytes" in sys.argv
-    shapes = [tuple(int(n) for n in a.split("x")) for a in sys.argv[1:] if a != "--bytes"] or [(128, 2048)]
+    variants = ("per-row select", "shared slot", "ragged kernels")
+    if "--ragged-only" in sys.argv:
+        variants = variants[2:]
+    for arg in sys.argv:  # --block-bytes=N: the attention kernel's block budget (decode_attention.BLOCK_BYTES)
+        if arg.startswith("--block-bytes="):
+            decode_attention.BLOCK_BYTES = int(arg.split("=")[1])
+    shapes = [[int(n) for n in a.split("x")] for a in sys.argv[1:] if not a.startswith("--")] or [[128, 2048]]
     if compile_only:
         from stoker.model.model import Transformer
         from stoker.sizing.compiler import load_slice
@@ -54,13 +63,18 @@ def main() -> None:
     else:
         graphdef, state = nnx.split(init_model(QWEN_05B, 0, jnp.bfloat16))
     weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(state))
-    for rows, slots in shapes:
-        for shared in (False, True):
-            def step(state: Any, cache: KVCache, tokens: jax.Array, positions: jax.Array, shared: bool = shared) -> Any:
+    for shape_arg in shapes:
+        rows, slots = shape_arg[:2]
+        filled = shape_arg[2] if len(shape_arg) > 2 else slots - 3
+        for variant in variants:
+            def step(state: Any, cache: KVCache, tokens: jax.Array, positions: jax.Array, variant: str = variant) -> Any:
                 model = nnx.merge(graphdef, state)
-                return model.decode(tokens, positions, cache, slot=jnp.max(positions) if shared else None)
+                slot = jnp.max(positions) if variant == "shared slot" else None
+                return model.decode(tokens, positions, cache, slot=slot, interpret=False)
 
             shape = (rows, slots, QWEN_05B.num_kv_heads, 64)
+            if variant == "ragged kernels":
+                shape = (rows, slots, QWEN_05B.num_kv_heads * 64)
             fn = jax.jit(step, donate_argnums=(1,))
             if compile_only:
                 def spec(shape: tuple[int, ...], dtype: Any = jnp.bfloat16) -> Any:
@@ -70,15 +84,17 @@ def main() -> None:
                 abstract_cache = KVCache((layer,) * QWEN_05B.num_layers, spec((rows, slots), jnp.int32))
                 ints = spec((rows,), jnp.int32)
                 costs: Any = fn.lower(state, abstract_cache, ints, ints).compile().cost_analysis()
-                print(json.dumps({"rows": rows, "slots": slots, "variant": "shared slot" if shared else "per-row select",
+                print(json.dumps({"rows": rows, "slots": slots, "variant": variant,
                                   "bytes_accessed_gb": round(float(costs["bytes accessed"]) / 1e9, 3)}), flush=True)
                 continue
+            segments = (jnp.arange(slots)[None, :] < filled).astype(jnp.int32) * jnp.ones((rows, 1), jnp.int32)
             cache = KVCache(tuple(LayerCache(jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16))
-                                  for _ in range(QWEN_05B.num_layers)), jnp.ones((rows, slots), jnp.int32))
-            positions = slots - 1 - jnp.arange(rows, dtype=jnp.int32) % 3  # rows of different lengths
+                                  for _ in range(QWEN_05B.num_layers)), segments)
+            positions = filled - jnp.arange(rows, dtype=jnp.int32) % 3  # rows of different lengths
             sec = seconds_per_step(fn, [state, cache, jnp.zeros((rows,), jnp.int32), positions])
-            bound = (weights + 2 * QWEN_05B.num_layers * rows * slots * shape[2] * shape[3] * 2) / HBM_BYTES_PER_SECOND
-            print(json.dumps({"rows": rows, "slots": slots, "variant": "shared slot" if shared else "per-row select",
+            kv_bytes = 2 * QWEN_05B.num_layers * rows * (filled + 1) * QWEN_05B.num_kv_heads * 64 * 2
+            bound = (weights + kv_bytes) / HBM_BYTES_PER_SECOND
+            print(json.dumps({"rows": rows, "slots": slots, "filled": filled, "variant": variant,
                               "ms": round(sec * 1e3, 2), "tokens_per_s": round(rows / sec), "of_bound": round(bound / sec, 2)}),
                   flush=True)
 

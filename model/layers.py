@@ -16,6 +16,7 @@ from flax import nnx
 
 from stoker.model.attention import Visibility
 from stoker.model.attention_kernels import Implementation, attend
+from stoker.model.decode_attention import ragged_decode_attention
 from stoker.model.moe import RouterStats, SparseMoE
 from stoker.model.rope import inverse_frequencies, rotary
 from stoker.spec import TransformerConfig
@@ -56,7 +57,8 @@ def norm_layer(config: TransformerConfig, size: int, dtype: jnp.dtype) -> RMSNor
 
 
 class LayerCache(NamedTuple):
-    """One layer's keys and values for every cache slot: [B, S, num_kv_heads, head_dim]."""
+    """One layer's keys and values for every cache slot: [B, S, num_kv_heads, head_dim], or flat
+    [B, S, num_kv_heads * head_dim] for the TPU decode kernels (``stoker.model.decode_attention``)."""
 
     keys: jax.Array
     values: jax.Array
@@ -113,6 +115,23 @@ class Attention(nnx.Module):
         q = rotary(q, positions, self.inv_freq)
         out = attend(kernel, q, keys, values, vis, scale=self.scale, softcap=self.softcap, window=self.window)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+
+    def decode_step(
+        self, x: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array, k_positions: jax.Array,
+        *, interpret: bool,
+    ) -> jax.Array:
+        """One query a row, ``x`` [B, 1, hidden] at ``positions`` [B], over a flat cache [B, S,
+        kv_heads * D] whose slot positions are ``k_positions`` [B, S] (``decode_attention``)."""
+        b = x.shape[0]
+        q = self.q_proj(x).reshape(b, 1, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = rotary(q, positions[:, None], self.inv_freq)[:, 0]
+        out = ragged_decode_attention(
+            q, keys, values, positions, k_positions, scale=self.scale, softcap=self.softcap, window=self.window,
+            interpret=interpret,
+        )
+        return self.o_proj(out.reshape(b, 1, self.num_heads * self.head_dim))
 
 
 class MLP(nnx.Module):

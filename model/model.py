@@ -20,6 +20,7 @@ from flax import nnx
 from stoker.model.attention import Visibility
 from stoker.model.attention_kernels import Implementation
 from stoker.model.init import init_module as init_module  # re-exported: the critic's init
+from stoker.model.decode_attention import key_positions, write_rows
 from stoker.model.layers import Block, LayerCache, norm_layer
 from stoker.model.logprobs import OutputHead
 from stoker.model.moe import RouterStats
@@ -297,7 +298,7 @@ class Transformer(nnx.Module):
 
     def decode(
         self, token_ids: jax.Array, positions: jax.Array, cache: KVCache, *, slot: jax.Array | None = None,
-        start: jax.Array | None = None,
+        start: jax.Array | None = None, interpret: bool | None = None,
     ) -> tuple[jax.Array, KVCache]:
         """One cached step: token [B] at position [B] -> logits [B, V].
 
@@ -308,7 +309,14 @@ class Transformer(nnx.Module):
         by ``slot - positions[b]`` from its own positions, the slots between its prompt and
         ``start`` unfilled. The write is then one in-place ``dynamic_update_slice`` per layer;
         per-row slots take a select over the whole cache, which the v5e compiler reads and
-        writes whole every step (benchmarks/README.md, "Decode's cache write")."""
+        writes whole every step (benchmarks/README.md, "Decode's cache write").
+
+        A flat cache (``flatten_cache``) takes the TPU kernels instead (``_decode_flat``);
+        ``interpret`` (default: off a TPU) runs them in Pallas' interpreter."""
+        if cache.layers[0].keys.ndim == 3:
+            if slot is not None:
+                raise ValueError("a flat cache is written per row in place: no shared slot")
+            return self._decode_flat(token_ids, positions, cache, jax.default_backend() != "tpu" if interpret is None else interpret)
         batch, num_slots = cache.segment_ids.shape
         slots = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (batch, num_slots))
         pos = positions[:, None]
@@ -335,6 +343,36 @@ class Transformer(nnx.Module):
             new_layers.append(LayerCache(keys, values))
             h = block.finish(h, block.self_attn(x, pos, keys, values, vis))
         return self._logits(h)[:, 0], KVCache(tuple(new_layers), segments)
+
+    def _decode_flat(
+        self, token_ids: jax.Array, positions: jax.Array, cache: KVCache, interpret: bool
+    ) -> tuple[jax.Array, KVCache]:
+        """``decode`` over a flat cache (``flatten_cache``): each row's keys and values written in
+        place into slot ``positions[b]`` (a position past the cache writes nothing), attention
+        reading only the blocks of slots a row can see (``stoker.model.decode_attention``)."""
+        batch, num_slots = cache.segment_ids.shape
+        slots = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (batch, num_slots))
+        segments = jnp.where(slots == positions[:, None], 1, cache.segment_ids)
+        k_positions = key_positions(segments, slots)
+        h = self.embed(token_ids[:, None])
+        new_layers: list[LayerCache] = []
+        for block, layer in zip(self.layers, cache.layers, strict=True):
+            x = block.input_layernorm(h)
+            k, v = block.self_attn.project_kv(x, positions[:, None])
+            keys, values = write_rows(
+                layer.keys, layer.values, k.reshape(batch, -1), v.reshape(batch, -1), positions, interpret=interpret
+            )
+            new_layers.append(LayerCache(keys, values))
+            h = block.finish(h, block.self_attn.decode_step(x, positions, keys, values, k_positions, interpret=interpret))
+        return self._logits(h)[:, 0], KVCache(tuple(new_layers), segments)
+
+
+def flatten_cache(cache: KVCache) -> KVCache:
+    """[B, S, K, D] keys and values -> the flat [B, S, K * D] cache ``Transformer.decode``
+    runs the TPU kernels on."""
+    return cache._replace(layers=tuple(
+        LayerCache(*(x.reshape(*x.shape[:2], -1) for x in layer)) for layer in cache.layers
+    ))
 
 
 def init_model(

@@ -109,6 +109,7 @@ class Sampler(SessionRows, SamplerWarmup):
         share_prefixes: bool = True,
         min_chunk: int = 16,
         mesh: Mesh | None = None,
+        decode_kernels: bool | None = None,
     ):
         if not buckets or list(buckets) != sorted(set(buckets)):
             raise ValueError(f"buckets must be strictly ascending, got {list(buckets)}")
@@ -153,7 +154,10 @@ class Sampler(SessionRows, SamplerWarmup):
             self._traces += 1
             return _generate(self._graphdef, *args, **kwargs)
 
-        self._jit = jax.jit(traced, static_argnames=("cache_len", "use_top_p", "truncate"))
+        self._jit = jax.jit(traced, static_argnames=("cache_len", "use_top_p", "truncate", "decode_kernels"))
+        # Fresh calls' decode steps on the TPU kernels (``generate_fresh``); default: on one TPU
+        # chip (the kernels do not split a cache over a mesh). Off a TPU they run interpreted.
+        self.decode_kernels = (mesh is None and jax.default_backend() == "tpu") if decode_kernels is None else decode_kernels
 
         # The conversation cache: one row per session plus a scratch row for batch padding, each
         # as long as the largest bucket the model can hold.
@@ -297,6 +301,7 @@ class Sampler(SessionRows, SamplerWarmup):
         out = self._jit(
             self._state, ids, prompt_lens, active, limits, key,
             cache_len=cache_len, use_top_p=self.sampling.top_p < 1.0, truncate=self.truncates,
+            decode_kernels=self.decode_kernels,
         )
         return self._generations(out, len(prompts), [self.version] * len(prompts))
 

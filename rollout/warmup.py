@@ -48,6 +48,7 @@ class SamplerWarmup:
     _traces: int
     _jit: Callable[..., Any]
     _jit_continue: Callable[..., Any]
+    decode_kernels: bool
 
     @property
     def truncates(self) -> bool:
@@ -81,7 +82,7 @@ class SamplerWarmup:
             else:
                 self._jit(
                     self._state, np.zeros((rows, width), np.int32), ones, inactive, limits, key,
-                    cache_len=cache_len, use_top_p=use_top_p, truncate=self.truncates,
+                    cache_len=cache_len, use_top_p=use_top_p, truncate=self.truncates, decode_kernels=self.decode_kernels,
                 )
         jax.block_until_ready(self._store)
         return self._traces - before
