@@ -275,7 +275,7 @@ class Transformer(nnx.Module):
         invalid entries (chunk padding) are computed but never written. Each token attends to
         every slot up to its own position, i.e. the cached prefix and the chunk before it.
         Returns logits [B, V] at chunk index ``logits_at[b]`` and the cache with the chunk's
-        keys and values written."""
+        keys and values written, in the cache's layout (flat or not)."""
         batch, num_slots = cache.segment_ids.shape
         slots = jnp.arange(num_slots, dtype=jnp.int32)
         rows = jnp.arange(batch)[:, None]
@@ -288,10 +288,15 @@ class Transformer(nnx.Module):
         for block, layer in zip(self.layers, cache.layers, strict=True):
             x = block.input_layernorm(h)
             k, v = block.self_attn.project_kv(x, positions)
+            heads = k.shape[2:]
+            if layer.keys.ndim == 3:  # a flat cache (``flatten_cache``)
+                k, v = k.reshape(*k.shape[:2], -1), v.reshape(*v.shape[:2], -1)
             keys = layer.keys.at[rows, write].set(k, mode="drop")
             values = layer.values.at[rows, write].set(v, mode="drop")
             new_layers.append(LayerCache(keys, values))
-            h = block.finish(h, block.self_attn(x, positions, keys, values, vis))
+            h = block.finish(h, block.self_attn(
+                x, positions, keys.reshape(batch, num_slots, *heads), values.reshape(batch, num_slots, *heads), vis
+            ))
         logits = self._logits(jnp.take_along_axis(h, logits_at[:, None, None], axis=1))[:, 0]
         segments = (slots[None, :] < filled[:, None]).astype(jnp.int32)
         return logits, KVCache(tuple(new_layers), segments)

@@ -34,6 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from stoker.model.hf import load_hf
+from stoker.model.decode_attention import WRITE_ALIGN
 from stoker.model.layers import LayerCache, head_dim
 from stoker.model.model import Transformer, init_model
 from stoker.rollout.mesh import cache_sharding, param_shardings
@@ -155,9 +156,12 @@ class Sampler(SessionRows, SamplerWarmup):
             return _generate(self._graphdef, *args, **kwargs)
 
         self._jit = jax.jit(traced, static_argnames=("cache_len", "use_top_p", "truncate", "decode_kernels"))
-        # Fresh calls' decode steps on the TPU kernels (``generate_fresh``); default: on one TPU
-        # chip (the kernels do not split a cache over a mesh). Off a TPU they run interpreted.
+        # Decode steps on the TPU kernels (``generate_fresh``; with sessions, a flat conversation
+        # cache); default: on one TPU chip (the kernels do not split a cache over a mesh). Off a
+        # TPU they run in Pallas' interpreter.
         self.decode_kernels = (mesh is None and jax.default_backend() == "tpu") if decode_kernels is None else decode_kernels
+        if self.decode_kernels and mesh is not None:
+            raise ValueError("the decode kernels run on one chip: no mesh with decode_kernels")
 
         # The conversation cache: one row per session plus a scratch row for batch padding, each
         # as long as the largest bucket the model can hold.
@@ -179,7 +183,9 @@ class Sampler(SessionRows, SamplerWarmup):
             self.session_len = session_length(config, self.buckets)
             if not self.session_len:
                 raise ValueError(f"no bucket of {list(self.buckets)} fits maxSeqLen {config.max_seq_len}")
-            shape = (session_rows + 1, self.session_len, config.num_kv_heads, head_dim(config))
+            shape: tuple[int, ...] = (session_rows + 1, self.session_len, config.num_kv_heads, head_dim(config))
+            if self.decode_kernels and self.session_len % WRITE_ALIGN == 0:
+                shape = (*shape[:2], shape[2] * shape[3])  # flat: the decode kernels' layout
             # Made in place over the mesh: the whole cache may exceed one chip's memory.
             where = None if mesh is None else cache_sharding(config, mesh)
             self._store = tuple(

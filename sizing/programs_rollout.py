@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from stoker.model.decode_attention import WRITE_ALIGN
 from stoker.model.hf import dtype_from_name
 from stoker.model.layers import LayerCache, head_dim
 from stoker.model.model import KVCache, Transformer
@@ -52,12 +53,19 @@ def rollout_programs(spec: RLJobSpec, slice_: Slice, *, kinds: Collection[str] |
     rows = settings.max_batch
     kv = cache_sharding(config, mesh)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    # The server's sampler on one TPU chip keeps its cache flat and decodes on the kernels
+    # (rollout/sampling.py, ``decode_kernels``); over a mesh, the heads' layout and the select.
+    flat = mesh.size == 1 and devices[0].platform == "tpu" and slots % WRITE_ALIGN == 0
+    if flat:
+        kv = rep  # one chip: nothing to split
 
     def placed(shape: tuple[int, ...], dtype: Any, sharding: Any) -> Any:  # Any: stands in for a jax.Array
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
     def cache(batch: int) -> KVCache:
-        shape = (batch, slots, config.num_kv_heads, head_dim(config))
+        shape: tuple[int, ...] = (batch, slots, config.num_kv_heads, head_dim(config))
+        if flat:
+            shape = (batch, slots, config.num_kv_heads * head_dim(config))
         layer = LayerCache(placed(shape, dtype, kv), placed(shape, dtype, kv))
         return KVCache(tuple(layer for _ in range(config.num_layers)), placed((batch, slots), jnp.int32, rep))
 
@@ -69,13 +77,14 @@ def rollout_programs(spec: RLJobSpec, slice_: Slice, *, kinds: Collection[str] |
         return nnx.merge(graphdef, state).extend(chunk, positions, valid, cache, logits_at=last)
 
     def decode(state: Any, cache: KVCache, tokens: jax.Array, positions: jax.Array) -> Any:
-        return nnx.merge(graphdef, state).decode(tokens, positions, cache)
+        return nnx.merge(graphdef, state).decode(tokens, positions, cache, interpret=False if flat else None)
 
     params = shard_bytes(state)
     # The conversation cache: one row per session plus the scratch row (rollout/sampling.py).
     store = shard_bytes(cache(settings.session_rows + 1).layers)
     batch_cache = shard_bytes(cache(rows))
-    notes = [f"tp {mesh.shape['tp']}, {settings.session_rows} session rows x {slots} slots, {settings.dtype}"]
+    notes = [f"tp {mesh.shape['tp']}, {settings.session_rows} session rows x {slots} slots, {settings.dtype}"
+             + (", decode kernels" if flat else "")]
     if note:
         notes.append(note)
     def prefill_inputs(shardings: Any, seed: int) -> tuple[Any, ...]:

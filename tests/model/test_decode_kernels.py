@@ -21,6 +21,8 @@ from stoker.model.model import flatten_cache, init_model
 from stoker.rollout.sampling import Sampler
 from stoker.spec import SamplingSpec, TransformerConfig
 from tests.model.test_decode import v5e_decode_step
+from tests.rollout.test_warmup import CONFIG as WARMUP_CONFIG
+from tests.rollout.test_warmup import play
 
 QWEN_LIKE = TransformerConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                               intermediate_size=48, attention_bias=True, qk_norm=True, tie_embeddings=False)
@@ -105,6 +107,21 @@ def test_the_sampler_draws_the_same_tokens_on_the_kernels() -> None:
         return [(g.token_ids, g.logprobs) for g in out]
 
     ours, want = play(True), play(False)
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(ours, want, strict=True):
+        assert tokens == want_tokens
+        np.testing.assert_allclose(logprobs, want_logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_conversations_on_a_flat_cache_draw_the_same_tokens() -> None:
+    """The rollout server's calls: turns that extend cached conversations (the cache flat), new
+    weights, a long prompt (``tests/rollout/test_warmup.py``'s conversations)."""
+    def sampler(kernels: bool) -> Sampler:
+        return Sampler(WARMUP_CONFIG, SamplingSpec(temperature=1.0), seed=3, buckets=(16, 32, 64), min_batch=2,
+                       session_rows=4, decode_kernels=kernels)
+
+    flat = sampler(True)
+    assert flat._store[0].keys.ndim == 3
+    ours, want = play(flat, sessions=True), play(sampler(False), sessions=True)
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(ours, want, strict=True):
         assert tokens == want_tokens
         np.testing.assert_allclose(logprobs, want_logprobs, rtol=1e-5, atol=1e-5)

@@ -84,3 +84,18 @@ def test_the_samplers_prefill_and_decode_compile_beside_the_conversation_cache(
         assert program.terms["KV cache"] == cache
     assert programs["decode"].tokens == 8  # one token per row per step
     assert programs["prefill"].tokens == 8 * slots
+
+
+def test_a_one_chip_servers_decode_runs_the_decode_kernels(job: Callable[..., Path]) -> None:
+    """The rollout server on one chip decodes on the flat cache's kernels (rollout/sampling.py),
+    so the plan's decode program does too; over the 2x2 meshes above it keeps the select."""
+    from stoker.manifest import load_job
+    from stoker.sizing.programs_rollout import rollout_programs
+
+    path = job(rollout="  rollout: {accelerator: tpu-v5-lite-podslice, topology: '1x1', maxBatch: 8}\n")
+    spec = load_job(str(path)).spec
+    (decode,) = rollout_programs(spec, load_slice("v5e:1x1", 1), kinds=["decode"], keep=True)
+    assert "decode kernels" in decode.notes[0]
+    assert decode.compiled.executable.as_text().count(MOSAIC) >= 2  # the write and the attention
+    (shared,) = rollout_programs(spec, load_slice("v5e:2x2", 4), kinds=["decode"], keep=True)
+    assert "decode kernels" not in shared.notes[0] and MOSAIC not in shared.compiled.executable.as_text()
