@@ -31,7 +31,7 @@ from stoker.learner.loop import Learner
 from stoker.learner.settings import LearnerSettings
 from stoker.manifest import load_job
 from stoker.sizing.chips import chip_of_device
-from stoker.sizing.programs import train_flops
+from stoker.model.flops import train_flops
 from stoker.trajectory import Episode
 
 

@@ -173,6 +173,7 @@ class Sampler(SessionRows, SamplerWarmup):
         # Live sessions by the prompt of their first turn: where a prefix donor is looked for.
         self._openings: dict[tuple[int, ...], set[Any]] = {}
         self.cache_stats = CacheStats()
+        self.fresh_prompt_tokens = 0  # prompts of calls without sessions, all prefilled
         self._sessions: dict[Any, _Session] = {}
         self._row_owner: list[Any] = [None] * session_rows
         self._uses = 0
@@ -204,6 +205,11 @@ class Sampler(SessionRows, SamplerWarmup):
     def truncates(self) -> bool:
         """Whether top-k or min-p is on (programs without them skip the sort)."""
         return self.sampling.top_k > 0 or self.sampling.min_p > 0
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens prefilled so far: fresh calls' whole prompts, conversations' uncached ends."""
+        return self.fresh_prompt_tokens + self.cache_stats.prompt_tokens - self.cache_stats.reused_tokens
 
     @property
     def temperature(self) -> float:
@@ -294,6 +300,7 @@ class Sampler(SessionRows, SamplerWarmup):
         if sessions is not None:
             return self._generate_sessions(prompts, list(sessions), limits, longest + max_new_tokens, rows)
 
+        self.fresh_prompt_tokens += sum(lens)
         cache_len = pick_bucket(self.buckets, longest + max_new_tokens)
         prefill_len = pick_bucket(self.buckets, longest)
         batch = padded_batch(len(prompts), rows)

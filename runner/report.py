@@ -16,24 +16,12 @@ import matplotlib
 import numpy as np
 
 from stoker.actor.diagnostics import combine, episode_time_line, read_snapshots
+from stoker.jsonl import read_jsonl as read_jsonl  # re-exported: the benchmarks read runs with it
 from stoker.learner.samples import SAMPLES_FILE, as_markdown
+from stoker.runner import phases
 
 matplotlib.use("Agg")  # headless: the report is files, never a window
 import matplotlib.pyplot as plt  # noqa: E402
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    records: list[dict[str, Any]] = []
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return records
-    for line in lines:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a torn last line from an interrupted writer
-    return records
 
 
 def _series(records: list[dict[str, Any]], key: str, t0: float) -> tuple[list[float], list[float]]:
@@ -321,6 +309,7 @@ def write_report(run_dir: Path, failure: str | None = None) -> Path | None:
         ]
     lines += _evaluation(metrics, plots)
     lines += _generation(run_dir, metrics)
+    lines += phases.report_lines(run_dir)
     lines += _samples(run_dir)
     report = run_dir / "report.md"
     report.write_text("\n".join(lines))

@@ -33,7 +33,9 @@ from stoker.learner.loop import Learner
 from stoker.learner.metrics import DutyCycle, MetricsSink
 from stoker.learner.samples import attach_samples
 from stoker.learner.settings import LearnerSettings
+from stoker.model.flops import matmul_params
 from stoker.rollout.mesh import rollout_mesh
+from stoker.runner import phases
 from stoker.runner.local import Outcome, RunOptions, compilation_cache_dir
 from stoker.runner.progress import Progress
 from stoker.spec import RLJob, RLJobSpec
@@ -73,6 +75,11 @@ def generation_mesh(learner: Learner) -> Any:
     return mesh if mesh.size > 1 else None
 
 
+def prefilled_tokens(policy: Any) -> int:
+    """The prompt tokens the policy's sampler has prefilled (``Sampler.prefilled_tokens``)."""
+    return int(getattr(policy.sampler, "prefilled_tokens", 0))
+
+
 async def _run(options: RunOptions) -> Outcome:
     spec = options.job.spec
     overrides: dict[str, object] = {"compilation_cache_dir": compilation_cache_dir(options)}
@@ -85,6 +92,7 @@ async def _run(options: RunOptions) -> Outcome:
         log.warning("environment.evalTasks: actors play evaluation rounds; the sync baseline does not")
     interface = text_interface(spec)
     policy = make_policy(actor, spec.model.dtype, generation_mesh(learner))
+    params, device = matmul_params(learner.model_config), learner.mesh.devices.flat[0]
     envs = environment_factory(actor)
     rng = random.Random(spec.seed * 7919 + learner.steps)
     pick_task = task_cycle(actor.tasks, rng)
@@ -112,6 +120,7 @@ async def _run(options: RunOptions) -> Outcome:
                     outcome = Outcome(0, f"done: success rate reached {options.target_success} ({progress.summary()})")
                     break
                 chosen = [pick_task() for _ in range(settings.batch_groups)]
+                step_started, busy, prefilled = time.monotonic(), policy.stats.busy_seconds, prefilled_tokens(policy)
                 groups = await asyncio.gather(
                     *(
                         run_group(
@@ -123,7 +132,9 @@ async def _run(options: RunOptions) -> Outcome:
                 )
                 # A group with a failed or timed-out episode is masked, as the buffer would deliver it.
                 batch = [Group(episodes, masked=not all(e.ok for e in episodes)) for episodes in groups]
+                played = time.monotonic()
                 metrics = learner.train_on(batch)
+                trained = time.monotonic()
                 episodes = [e for group in groups for e in group]
                 sink.record_episodes(learner.steps, episodes)
                 for reason in generated.add(episodes):
@@ -134,8 +145,20 @@ async def _run(options: RunOptions) -> Outcome:
                 metrics["duty_cycle"] = duty.value
                 if metrics.get("trained"):
                     await policy.load_weights(learner.device_weights(), learner.version)
+                    weights_loaded = time.monotonic()
                     if learner.steps % settings.checkpoint_interval == 0:
                         learner.save()
+                else:
+                    weights_loaded = time.monotonic()
+                phases.append(options.run_dir, phases.StepPhases(
+                    step=learner.steps, wall_seconds=time.monotonic() - step_started,
+                    generate_seconds=policy.stats.busy_seconds - busy, play_seconds=played - step_started,
+                    train_seconds=trained - played, weights_seconds=weights_loaded - trained,
+                    sampled_tokens=float(metrics.get("sampled_tokens") or 0.0),
+                    prefilled_tokens=float(prefilled_tokens(policy) - prefilled),
+                    trained_tokens=float(metrics.get("tokens") or 0.0) * settings.updates_per_batch,
+                    matmul_params=params, device_kind=device.device_kind, devices=learner.mesh.size,
+                ))
                 sink.record(metrics)
                 progress.refresh()
             else:

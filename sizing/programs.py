@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from stoker.hfconfig import read_config
+from stoker.model.flops import train_flops
 from stoker.learner import packing, remat, sharding, step, train, trees, value_network
 from stoker.learner.optimizer import learning_rate_schedule
 from stoker.learner.remat import RematChoice, StateBytes, grad_terms, shard_bytes  # shard_bytes: also programs_rollout's
@@ -124,27 +125,6 @@ def model_config(spec: RLJobSpec) -> tuple[TransformerConfig, str | None]:
     if checkpoint:
         return spec.model.architecture, f"checkpoint {checkpoint} is not on this machine: sized from spec.model.architecture"
     return spec.model.architecture, None
-
-
-def matmul_params(config: TransformerConfig) -> int:
-    """Parameters that take part in a matmul per token: every layer's projections and the head;
-    in a mixture-of-experts layer the router and the k experts a token is routed to (the active
-    parameters), never the experts it is not."""
-    hd = head_dim(config)
-    attention = config.hidden_size * hd * (2 * config.num_heads + 2 * config.num_kv_heads)
-    dense = 3 * config.hidden_size * config.intermediate_size
-    routed = config.num_experts_per_tok * 3 * config.hidden_size * config.expert_size + config.hidden_size * config.num_experts
-    mlp = sum(routed if config.is_moe_layer(i) else dense for i in range(config.num_layers))
-    return config.num_layers * attention + mlp + config.vocab_size * config.hidden_size
-
-
-def train_flops(config: TransformerConfig, rows: int, length: int) -> float:
-    """Useful flops of a forward and backward over [rows, length] tokens: 6 per matmul parameter
-    per token, plus causal attention's 6 x layers x query width x length per token (half of the
-    12 a full square of scores costs); remat's recomputation is not useful work."""
-    tokens = rows * length
-    attention = 6 * config.num_layers * config.num_heads * head_dim(config) * length
-    return float(tokens * (6 * matmul_params(config) + attention))
 
 
 def learner_programs(spec: RLJobSpec, slice_: Slice, *, buckets: list[int] | None = None,

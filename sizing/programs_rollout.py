@@ -21,15 +21,9 @@ from stoker.rollout.mesh import cache_sharding, param_shardings, rollout_mesh
 from stoker.rollout.sessions import session_length
 from stoker.rollout.settings import RolloutSettings
 from stoker.sizing.compiler import Slice, compile_program
-from stoker.sizing.programs import Program, matmul_params, model_config, on_devices, random_like, shard_bytes
+from stoker.model.flops import decode_flops
+from stoker.sizing.programs import Program, model_config, on_devices, random_like, shard_bytes
 from stoker.spec import RLJobSpec, TransformerConfig
-
-
-def decode_flops(config: TransformerConfig, rows: int, context: int) -> float:
-    """Useful flops of one decode step: 2 per matmul parameter per row, plus attention over
-    ``context`` cached slots (scores and values: 4 x layers x query width x context)."""
-    attention = 4 * config.num_layers * config.num_heads * head_dim(config) * context
-    return float(rows * (2 * matmul_params(config) + attention))
 
 
 def rollout_programs(spec: RLJobSpec, slice_: Slice, *, kinds: Collection[str] | None = None,

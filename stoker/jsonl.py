@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 
@@ -26,3 +27,18 @@ def finite_or_null(value: Any) -> Any:
 def json_line(record: dict[str, Any], *, sort_keys: bool = False) -> str:
     """One record as a line of strict JSON (non-finite floats as null), newline included."""
     return json.dumps(finite_or_null(record), sort_keys=sort_keys, allow_nan=False) + "\n"
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every whole record of ``path`` (none if it does not exist)."""
+    records: list[dict[str, Any]] = []
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return records
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a torn last line from an interrupted writer
+    return records

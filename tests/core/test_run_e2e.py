@@ -54,6 +54,14 @@ def test_run_trains_reports_and_resumes(job: tuple[Path, dict[str, str]], tmp_pa
         # finishes and reports the round it is playing.
         actor_log = (tmp_path / "logs" / "actor-0.log").read_text()
         assert "evaluation round at version 0" in actor_log, actor_log[-2000:]
+    else:
+        # The synchronous loop's time split, a line a step; the report's section from the second on.
+        split = [json.loads(line) for line in (tmp_path / "phases.jsonl").read_text().splitlines()]
+        assert [p["step"] for p in split] == [1, 2]
+        assert all(0 < p["generate_seconds"] <= p["play_seconds"] < p["wall_seconds"] for p in split)
+        assert all(p["sampled_tokens"] > 0 for p in split)
+        assert [p["trained_tokens"] for p in split] == [s.get("tokens", 0.0) for s in steps]  # a flat batch trains none
+        assert "## Where a step's time went (1 steps after the first" in (tmp_path / "report.md").read_text()
     second = _run(manifest, tmp_path, env, "--mode", mode, "--max-steps", "3")
     assert second.returncode == 0, second.stderr[-3000:]
     resumed = _steps(tmp_path)[2:]

@@ -55,8 +55,7 @@ def test_every_program_runs_on_the_cpu_and_is_measured_beside_the_plans_figures(
         assert plan["fits"] and plan["advice"] is None and plan["bound"] is None  # no peaks, no bound
         assert plan["total_bytes"] == sum(plan["terms"].values()) > 0
         assert plan["limit_bytes"] == host["memory_limit_bytes_per_device"]
-    from stoker.sizing.programs import train_flops
-    from stoker.sizing.programs_rollout import decode_flops
+    from stoker.model.flops import decode_flops, train_flops
 
     config = tiny_config()
     grad = rows["grad 128"]

@@ -11,8 +11,7 @@ import pytest
 from flax import nnx
 
 from stoker.model.model import Transformer, count_params
-from stoker.sizing.programs import matmul_params, train_flops
-from stoker.sizing.programs_rollout import decode_flops
+from stoker.model.flops import decode_flops, matmul_params, train_flops
 from stoker.spec import TransformerConfig
 from tests.sizing.test_plan import plan
 
