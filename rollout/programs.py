@@ -36,7 +36,16 @@ def sample_token(
     distribution is renormalised over what they keep: the recorded log-prob is the one of the
     distribution the token is drawn from (before top-p), which the trainer reproduces."""
     greedy = temperature <= 0
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature), axis=-1)
+    scaled = logits.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature)
+    if top_p is None and top_k is None and min_p is None:
+        # The draw from the scaled logits themselves: the Gumbel-max takes the same token for the
+        # same noise as from their log-softmax (a shift per row), and one log-sum-exp gives its
+        # log-prob, so the [rows, vocab] floats are read twice, not written and read again
+        # (benchmarks/README.md, "Decode on the kernels").
+        tokens = jnp.where(greedy, jnp.argmax(scaled, axis=-1), jax.random.categorical(key, scaled, axis=-1))
+        picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
+        return tokens.astype(jnp.int32), picked - jax.nn.logsumexp(scaled, axis=-1)
+    logp = jax.nn.log_softmax(scaled, axis=-1)
     if top_k is not None or min_p is not None:
         keep = truncation_mask(logp, 0 if top_k is None else top_k, 0.0 if min_p is None else min_p)
         logp = jax.nn.log_softmax(jnp.where(keep, logp, -1e9), axis=-1)

@@ -393,3 +393,19 @@ def test_greedy_sessions_match_greedy_whole_prompts() -> None:
         assert gen.token_ids == plain.token_ids
         np.testing.assert_allclose(gen.logprobs, plain.logprobs, atol=1e-4)
         conversation = conversation + gen.token_ids + [10, 11]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_the_plain_draw_takes_the_same_tokens_as_a_draw_from_the_log_softmax(jit: bool) -> None:
+    """Without top-p, top-k or min-p the sampler draws from the scaled logits (one read fewer of
+    the vocabulary): for the same key, the same tokens as ``jax.random.categorical`` over the
+    log-softmax, and the log-softmax's value at each."""
+    logits = jax.random.normal(jax.random.key(1), (512, 1000)) * 3.0
+    draw = jax.jit(sample_token) if jit else sample_token
+    for temperature in (1.0, 0.7):
+        key = jax.random.key(7)
+        tokens, logprobs = draw(key, logits, jnp.float32(temperature), None)
+        logp = jax.nn.log_softmax(logits / temperature, axis=-1)
+        np.testing.assert_array_equal(np.asarray(tokens), np.asarray(jax.random.categorical(key, logp, axis=-1)))
+        want = np.take_along_axis(np.asarray(logp), np.asarray(tokens)[:, None], axis=-1)[:, 0]
+        np.testing.assert_allclose(np.asarray(logprobs), want, rtol=1e-5, atol=1e-5)
