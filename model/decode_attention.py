@@ -154,6 +154,12 @@ def _attention_kernel(
         o_ref[...] = (acc_ref[...] / jnp.where(total > 0, total, 1.0)).astype(o_ref.dtype)
 
 
+def takes(slots: int) -> bool:
+    """Whether the kernels take a cache of ``slots`` slots: a multiple of the write's tile, and of
+    128 or at most 128 (a longer cache of another length would be one block too big for VMEM)."""
+    return slots % WRITE_ALIGN == 0 and (slots % 128 == 0 or slots <= 128)
+
+
 def block_sizes(rows: int, slots: int, features: int, itemsize: int) -> tuple[int, int]:
     """(rows, slots) of one kernel block: up to ``ROWS_PER_BLOCK`` rows, and the largest power of
     two >= 128 dividing ``slots`` whose block fits ``BLOCK_BYTES`` (all of them when 128 does

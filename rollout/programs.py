@@ -13,7 +13,7 @@ from flax import nnx
 
 from stoker.model.logprobs import truncation_mask
 from stoker.model.layers import LayerCache
-from stoker.model.decode_attention import WRITE_ALIGN
+from stoker.model.decode_attention import takes
 from stoker.model.model import KVCache, Transformer, flatten_cache
 
 
@@ -185,15 +185,15 @@ def generate_fresh(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Stateless: prefill whole prompts into a fresh cache, then sample. ``decode_kernels``: the
     decode steps run the TPU kernels on a flat cache (``stoker.model.decode_attention``: each
-    row's write in place, attention over its filled slots only); where the cache length is not a
-    multiple of their write's tile, the shared slot or per-row select as before."""
+    row's write in place, attention over its filled slots only); where they do not take the cache
+    length (``decode_attention.takes``), the shared slot or per-row select as before."""
     model = nnx.merge(graphdef, state)
     idx = jnp.arange(prompt_ids.shape[1])[None, :]
     segments = (idx < prompt_lens[:, None]).astype(jnp.int32)
     positions = jnp.broadcast_to(idx, prompt_ids.shape).astype(jnp.int32)
     last, cache = model.prefill(prompt_ids, positions, segments, cache_len=cache_len, logits_at=prompt_lens - 1)
     assert cache is not None
-    flat = decode_kernels and cache_len % WRITE_ALIGN == 0
+    flat = decode_kernels and takes(cache_len)
     _, tokens, logprobs, generated, finished = sample_loop(
         model, last, flatten_cache(cache) if flat else cache, prompt_lens, active, limits, key, width=cache_len,
         use_top_p=use_top_p, truncate=truncate, shared_slot=not flat and shared_slot_pays(cache_len),

@@ -34,7 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from stoker.model.hf import load_hf
-from stoker.model.decode_attention import WRITE_ALIGN
+from stoker.model.decode_attention import takes
 from stoker.model.layers import LayerCache, head_dim
 from stoker.model.model import Transformer, init_model
 from stoker.rollout.mesh import cache_sharding, param_shardings
@@ -185,7 +185,7 @@ class Sampler(SessionRows, SamplerWarmup):
             if not self.session_len:
                 raise ValueError(f"no bucket of {list(self.buckets)} fits maxSeqLen {config.max_seq_len}")
             shape: tuple[int, ...] = (session_rows + 1, self.session_len, config.num_kv_heads, head_dim(config))
-            if self.decode_kernels and self.session_len % WRITE_ALIGN == 0:
+            if self.decode_kernels and takes(self.session_len):
                 shape = (*shape[:2], shape[2] * shape[3])  # flat: the decode kernels' layout
             # Made in place over the mesh: the whole cache may exceed one chip's memory.
             where = None if mesh is None else cache_sharding(config, mesh)

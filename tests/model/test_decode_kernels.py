@@ -140,3 +140,11 @@ def test_on_the_v5e_the_flat_decode_step_runs_mosaic_kernels_and_copies_no_cache
     assert text.count('custom_call_target="tpu_custom_call"') == 2 * config.num_layers
     cache_copies = re.findall(rf"bf16\[{rows},{slots},128\]\{{[^}}]*\}} copy", text)
     assert cache_copies == []
+
+
+def test_the_kernels_take_caches_whose_blocks_fit() -> None:
+    from stoker.model.decode_attention import takes
+
+    assert takes(16) and takes(128) and takes(2048) and takes(8192)
+    assert not takes(100)  # not a multiple of the write's tile
+    assert not takes(1008)  # a tile multiple, but one 1,008-slot block a group of rows
