@@ -212,6 +212,9 @@ def ragged_decode_attention(
         # Outside [lo, hi) the index repeats its neighbour's: the pipeline fetches nothing new.
         return g, jnp.maximum(jnp.minimum(j, hi[g] - 1), jnp.minimum(lo[g], blocks - 1)), 0
 
+    def position_block(g: jax.Array, j: jax.Array, lo: Any, hi: Any) -> tuple[Any, ...]:
+        return g, 0, kv_block(g, j, lo, hi)[1]
+
     out = pl.pallas_call(
         functools.partial(_attention_kernel, scale=scale, softcap=softcap, window=window),
         out_shape=jax.ShapeDtypeStruct((rows, padded_heads, features), jnp.float32),
@@ -221,7 +224,7 @@ def ragged_decode_attention(
             in_specs=[
                 pl.BlockSpec((block_rows, padded_heads, features), lambda g, j, lo, hi: (g, 0, 0)),
                 pl.BlockSpec((block_rows, 1, 1), lambda g, j, lo, hi: (g, 0, 0)),
-                pl.BlockSpec((block_rows, 1, block), lambda g, j, lo, hi: (lambda g_, s, z: (g_, z, s))(*kv_block(g, j, lo, hi))),
+                pl.BlockSpec((block_rows, 1, block), position_block),
                 pl.BlockSpec((block_rows, block, features), kv_block),
                 pl.BlockSpec((block_rows, block, features), kv_block),
             ],
