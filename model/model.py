@@ -314,14 +314,14 @@ class Transformer(nnx.Module):
         by ``slot - positions[b]`` from its own positions, the slots between its prompt and
         ``start`` unfilled. The write is then one in-place ``dynamic_update_slice`` per layer;
         per-row slots take a select over the whole cache, which the v5e compiler reads and
-        writes whole every step (benchmarks/README.md, "Decode's cache write").
-
-        A flat cache (``flatten_cache``) takes the TPU kernels instead (``_decode_flat``);
-        ``interpret`` (default: off a TPU) runs them in Pallas' interpreter."""
+        writes whole every step (benchmarks/README.md, "Decode's cache write"). A flat cache
+        (``flatten_cache``) takes the TPU kernels (``_decode_flat``; ``interpret``, default off a
+        TPU: in Pallas' interpreter)."""
         if cache.layers[0].keys.ndim == 3:
             if slot is not None:
                 raise ValueError("a flat cache is written per row in place: no shared slot")
-            return self._decode_flat(token_ids, positions, cache, jax.default_backend() != "tpu" if interpret is None else interpret)
+            interpret = jax.default_backend() != "tpu" if interpret is None else interpret
+            return self._decode_flat(token_ids, positions, cache, interpret)
         batch, num_slots = cache.segment_ids.shape
         slots = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (batch, num_slots))
         pos = positions[:, None]
@@ -364,9 +364,7 @@ class Transformer(nnx.Module):
         for block, layer in zip(self.layers, cache.layers, strict=True):
             x = block.input_layernorm(h)
             k, v = block.self_attn.project_kv(x, positions[:, None])
-            keys, values = write_rows(
-                layer.keys, layer.values, k.reshape(batch, -1), v.reshape(batch, -1), positions, interpret=interpret
-            )
+            keys, values = write_rows(*layer, k.reshape(batch, -1), v.reshape(batch, -1), positions, interpret=interpret)
             new_layers.append(LayerCache(keys, values))
             h = block.finish(h, block.self_attn.decode_step(x, positions, keys, values, k_positions, interpret=interpret))
         return self._logits(h)[:, 0], KVCache(tuple(new_layers), segments)

@@ -5,16 +5,19 @@ every row has hit a stop token. Why the log-probs are recorded as they are is in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from stoker.model.logprobs import truncation_mask
 from stoker.model.layers import LayerCache
 from stoker.model.decode_attention import takes
 from stoker.model.model import KVCache, Transformer, flatten_cache
+from stoker.spec import SamplingSpec
 
 
 def sample_token(
@@ -83,6 +86,23 @@ class Limits(NamedTuple):
     top_p: jax.Array
     top_k: jax.Array  # 0: off
     min_p: jax.Array  # 0: off
+
+
+def call_limits(
+    max_new_tokens: int, stop_token_ids: Sequence[int], allowed: np.ndarray, temperature: float, sampling: SamplingSpec
+) -> Limits:
+    """One call's ``Limits`` as device arrays; ``ValueError`` for a stop token outside the vocabulary."""
+    vocab = allowed.shape[0]
+    is_stop = np.zeros((vocab,), np.bool_)
+    for token in stop_token_ids:
+        if not 0 <= token < vocab:
+            raise ValueError(f"stop token {token} is outside the vocabulary [0, {vocab})")
+        is_stop[token] = True
+    return Limits(
+        jnp.asarray(max_new_tokens, jnp.int32), jnp.asarray(is_stop), jnp.asarray(allowed),
+        jnp.asarray(temperature, jnp.float32), jnp.asarray(sampling.top_p, jnp.float32),
+        jnp.asarray(sampling.top_k, jnp.int32), jnp.asarray(sampling.min_p, jnp.float32),
+    )
 
 
 # The shortest cache for which the shared slot's in-place write beats the per-row select on a

@@ -35,19 +35,20 @@ from jax.sharding import Mesh
 
 from stoker.model.hf import load_hf
 from stoker.model.decode_attention import takes
-from stoker.model.layers import LayerCache, head_dim
+from stoker.model.layers import LayerCache
 from stoker.model.model import Transformer, init_model
-from stoker.rollout.mesh import cache_sharding, param_shardings
+from stoker.rollout.mesh import param_shardings
 
 # Imported under the names the Sampler's constructor has always used for them.
 from stoker.rollout.programs import Limits as _Limits
+from stoker.rollout.programs import call_limits
 from stoker.rollout.programs import continue_cached as _continue
 from stoker.rollout.programs import generate_fresh as _generate
 from stoker.rollout.programs import sample_token
 from stoker.rollout.warmup import SamplerWarmup, padded_batch
 from stoker.rollout.sessions import Session as _Session
 from stoker.rollout.sessions import (
-    CacheStats, SessionRows, cached_prefix, chunk_buckets, session_length, session_row_bytes,
+    CacheStats, SessionRows, cached_prefix, chunk_buckets, conversation_store, session_length, session_row_bytes,
 )
 from stoker.spec import SamplingSpec, TransformerConfig
 from stoker.weights.shard_layout import layout_of
@@ -184,15 +185,8 @@ class Sampler(SessionRows, SamplerWarmup):
             self.session_len = session_length(config, self.buckets)
             if not self.session_len:
                 raise ValueError(f"no bucket of {list(self.buckets)} fits maxSeqLen {config.max_seq_len}")
-            shape: tuple[int, ...] = (session_rows + 1, self.session_len, config.num_kv_heads, head_dim(config))
-            if self.decode_kernels and takes(self.session_len):
-                shape = (*shape[:2], shape[2] * shape[3])  # flat: the decode kernels' layout
-            # Made in place over the mesh: the whole cache may exceed one chip's memory.
-            where = None if mesh is None else cache_sharding(config, mesh)
-            self._store = tuple(
-                LayerCache(jnp.zeros(shape, dtype, device=where), jnp.zeros(shape, dtype, device=where))
-                for _ in range(config.num_layers)
-            )
+            flat = self.decode_kernels and takes(self.session_len)
+            self._store = conversation_store(config, session_rows + 1, self.session_len, dtype, mesh, flat=flat)
 
             def traced_continue(*args: Any, **kwargs: Any) -> Any:
                 self._traces += 1
@@ -205,11 +199,6 @@ class Sampler(SessionRows, SamplerWarmup):
     def truncates(self) -> bool:
         """Whether top-k or min-p is on (programs without them skip the sort)."""
         return self.sampling.top_k > 0 or self.sampling.min_p > 0
-
-    @property
-    def prefilled_tokens(self) -> int:
-        """Prompt tokens prefilled so far: fresh calls' whole prompts, conversations' uncached ends."""
-        return self.fresh_prompt_tokens + self.cache_stats.prompt_tokens - self.cache_stats.reused_tokens
 
     @property
     def temperature(self) -> float:
@@ -325,20 +314,8 @@ class Sampler(SessionRows, SamplerWarmup):
         key = (max_new_tokens, stop_token_ids, temperature)
         limits = self._limits_cache.get(key)
         if limits is None:
-            vocab = self.config.vocab_size
-            is_stop = np.zeros((vocab,), np.bool_)
-            for token in stop_token_ids:
-                if not 0 <= token < vocab:
-                    raise ValueError(f"stop token {token} is outside the vocabulary [0, {vocab})")
-                is_stop[token] = True
-            limits = self._limits_cache[key] = _Limits(
-                jnp.asarray(max_new_tokens, jnp.int32),
-                jnp.asarray(is_stop),
-                jnp.asarray(self.allowed),
-                jnp.asarray(temperature, jnp.float32),
-                jnp.asarray(self.sampling.top_p, jnp.float32),
-                jnp.asarray(self.sampling.top_k, jnp.int32),
-                jnp.asarray(self.sampling.min_p, jnp.float32),
+            limits = self._limits_cache[key] = call_limits(
+                max_new_tokens, stop_token_ids, self.allowed, temperature, self.sampling
             )
         return limits
 

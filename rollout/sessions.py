@@ -10,10 +10,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
-from stoker.model.layers import head_dim
+from stoker.model.layers import LayerCache, head_dim
+from stoker.rollout.mesh import cache_sharding
 from stoker.spec import TransformerConfig
 
 
@@ -63,6 +66,12 @@ class SessionRows:
     _openings: dict[tuple[int, ...], set[Any]]  # live sessions by the prompt of their first turn
     _pinned_states: dict[int, nnx.State]  # weights by version that pinned sessions still sample with
     _uses: int
+    fresh_prompt_tokens: int  # prompts of calls without sessions, all prefilled
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens prefilled so far: fresh calls' whole prompts, conversations' uncached ends."""
+        return self.fresh_prompt_tokens + self.cache_stats.prompt_tokens - self.cache_stats.reused_tokens
 
     def bookkeeping_digest(self) -> int:
         """A 63-bit digest of everything that decides the programs the next call runs: the
@@ -204,6 +213,22 @@ def session_row_bytes(config: TransformerConfig, buckets: Sequence[int], dtype: 
     slots = session_length(config, buckets)
     return 2 * config.num_layers * slots * config.num_kv_heads * head_dim(config) * np.dtype(dtype).itemsize
 
+
+
+def conversation_store(
+    config: TransformerConfig, rows: int, slots: int, dtype: Any, mesh: Mesh | None, *, flat: bool
+) -> tuple[LayerCache, ...]:
+    """The conversation cache, zeroed: ``rows`` x ``slots`` keys and values per layer, in the
+    heads' layout or ``flat`` (the decode kernels', ``stoker.model.decode_attention``). Made in
+    place over ``mesh``: the whole cache may exceed one chip's memory."""
+    shape: tuple[int, ...] = (rows, slots, config.num_kv_heads, head_dim(config))
+    if flat:
+        shape = (rows, slots, config.num_kv_heads * head_dim(config))
+    where = None if mesh is None else cache_sharding(config, mesh)
+    return tuple(
+        LayerCache(jnp.zeros(shape, dtype, device=where), jnp.zeros(shape, dtype, device=where))
+        for _ in range(config.num_layers)
+    )
 
 
 def chunk_buckets(longest: int, smallest: int = 16) -> tuple[int, ...]:
