@@ -154,6 +154,12 @@ def _attention_kernel(
         o_ref[...] = (acc_ref[...] / jnp.where(total > 0, total, 1.0)).astype(o_ref.dtype)
 
 
+def runs_by_default(platform: str, devices: int) -> bool:
+    """Whether a sampler decodes on the kernels unless told: on one TPU chip (they do not split a
+    cache over a mesh)."""
+    return platform == "tpu" and devices == 1
+
+
 def takes(slots: int) -> bool:
     """Whether the kernels take a cache of ``slots`` slots: a multiple of the write's tile, and of
     128 or at most 128 (a longer cache of another length would be one block too big for VMEM)."""

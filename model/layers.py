@@ -109,12 +109,17 @@ class Attention(nnx.Module):
         makes visible (a local layer only the last ``window`` of them). A ``kernel`` other than
         blockwise needs packed self-attention (``stoker.model.attention_kernels``)."""
         b, t, _ = x.shape
+        q = self.queries(x, positions)
+        out = attend(kernel, q, keys, values, vis, scale=self.scale, softcap=self.softcap, window=self.window)
+        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+
+    def queries(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """Rotated queries [B, T, heads, D] for tokens ``x`` [B, T, hidden] at ``positions`` [B, T]."""
+        b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
-        q = rotary(q, positions, self.inv_freq)
-        out = attend(kernel, q, keys, values, vis, scale=self.scale, softcap=self.softcap, window=self.window)
-        return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
+        return rotary(q, positions, self.inv_freq)
 
     def decode_step(
         self, x: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array, k_positions: jax.Array,
@@ -123,12 +128,8 @@ class Attention(nnx.Module):
         """One query a row, ``x`` [B, 1, hidden] at ``positions`` [B], over a flat cache [B, S,
         kv_heads * D] whose slot positions are ``k_positions`` [B, S] (``decode_attention``)."""
         b = x.shape[0]
-        q = self.q_proj(x).reshape(b, 1, self.num_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        q = rotary(q, positions[:, None], self.inv_freq)[:, 0]
         out = ragged_decode_attention(
-            q, keys, values, positions, k_positions, scale=self.scale, softcap=self.softcap, window=self.window,
+            self.queries(x, positions[:, None])[:, 0], keys, values, positions, k_positions, scale=self.scale, softcap=self.softcap, window=self.window,
             interpret=interpret,
         )
         return self.o_proj(out.reshape(b, 1, self.num_heads * self.head_dim))

@@ -34,7 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from stoker.model.hf import load_hf
-from stoker.model.decode_attention import takes
+from stoker.model.decode_attention import runs_by_default, takes
 from stoker.model.layers import LayerCache
 from stoker.model.model import Transformer, init_model
 from stoker.rollout.mesh import param_shardings
@@ -158,9 +158,10 @@ class Sampler(SessionRows, SamplerWarmup):
 
         self._jit = jax.jit(traced, static_argnames=("cache_len", "use_top_p", "truncate", "decode_kernels"))
         # Decode steps on the TPU kernels (``generate_fresh``; with sessions, a flat conversation
-        # cache); default: on one TPU chip (the kernels do not split a cache over a mesh). Off a
-        # TPU they run in Pallas' interpreter.
-        self.decode_kernels = (mesh is None and jax.default_backend() == "tpu") if decode_kernels is None else decode_kernels
+        # cache). Off a TPU they run in Pallas' interpreter.
+        if decode_kernels is None:
+            decode_kernels = mesh is None and runs_by_default(jax.default_backend(), 1)
+        self.decode_kernels = decode_kernels
         if self.decode_kernels and mesh is not None:
             raise ValueError("the decode kernels run on one chip: no mesh with decode_kernels")
 

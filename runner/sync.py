@@ -145,11 +145,9 @@ async def _run(options: RunOptions) -> Outcome:
                 metrics["duty_cycle"] = duty.value
                 if metrics.get("trained"):
                     await policy.load_weights(learner.device_weights(), learner.version)
-                    weights_loaded = time.monotonic()
-                    if learner.steps % settings.checkpoint_interval == 0:
-                        learner.save()
-                else:
-                    weights_loaded = time.monotonic()
+                weights_loaded = time.monotonic()
+                if metrics.get("trained") and learner.steps % settings.checkpoint_interval == 0:
+                    learner.save()
                 phases.append(options.run_dir, phases.StepPhases(
                     step=learner.steps, wall_seconds=time.monotonic() - step_started,
                     generate_seconds=policy.stats.busy_seconds - busy, play_seconds=played - step_started,

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stoker.model.decode_attention import takes
+from stoker.model.decode_attention import runs_by_default, takes
 from stoker.model.hf import dtype_from_name
 from stoker.model.layers import LayerCache, head_dim
 from stoker.model.model import KVCache, Transformer
@@ -49,7 +49,7 @@ def rollout_programs(spec: RLJobSpec, slice_: Slice, *, kinds: Collection[str] |
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     # The server's sampler on one TPU chip keeps its cache flat and decodes on the kernels
     # (rollout/sampling.py, ``decode_kernels``); over a mesh, the heads' layout and the select.
-    flat = mesh.size == 1 and devices[0].platform == "tpu" and takes(slots)
+    flat = runs_by_default(devices[0].platform, mesh.size) and takes(slots)
     if flat:
         kv = rep  # one chip: nothing to split
 
