@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from stoker.model.logprobs import truncation_mask
+from stoker.rollout.draw import draw
 from stoker.model.layers import LayerCache
 from stoker.model.decode_attention import takes
 from stoker.model.model import KVCache, Transformer, flatten_cache
@@ -41,13 +42,11 @@ def sample_token(
     greedy = temperature <= 0
     scaled = logits.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature)
     if top_p is None and top_k is None and min_p is None:
-        # The draw from the scaled logits themselves: the Gumbel-max takes the same token for the
-        # same noise as from their log-softmax (a shift per row), and one log-sum-exp gives its
-        # log-prob, so the [rows, vocab] floats are read twice, not written and read again
-        # (benchmarks/README.md, "Decode on the kernels").
-        tokens = jnp.where(greedy, jnp.argmax(scaled, axis=-1), jax.random.categorical(key, scaled, axis=-1))
+        # Drawn from the scaled logits themselves (a shift per row changes no Gumbel-max draw) and
+        # one log-sum-exp for the log-prob: the [rows, vocab] floats are not normalised and written.
+        tokens = draw(key, scaled, greedy)
         picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
-        return tokens.astype(jnp.int32), picked - jax.nn.logsumexp(scaled, axis=-1)
+        return tokens, picked - jax.nn.logsumexp(scaled, axis=-1)
     logp = jax.nn.log_softmax(scaled, axis=-1)
     if top_k is not None or min_p is not None:
         keep = truncation_mask(logp, 0 if top_k is None else top_k, 0.0 if min_p is None else min_p)
@@ -61,8 +60,9 @@ def sample_token(
         in_nucleus = mass_before < top_p
         threshold = jnp.min(jnp.where(in_nucleus, sorted_logp, jnp.inf), axis=-1, keepdims=True)
         allowed = jnp.where(logp >= threshold, logp, -jnp.inf)
-    tokens = jnp.where(greedy, jnp.argmax(logp, axis=-1), jax.random.categorical(key, allowed, axis=-1))
-    return tokens.astype(jnp.int32), jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    # A greedy row's argmax of ``allowed`` is the one of ``logp``: the top token is always kept.
+    tokens = draw(key, allowed, greedy)
+    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
 class _Loop(NamedTuple):
