@@ -43,9 +43,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("batches", type=int, nargs="*", default=[8, 128])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kernels", choices=("both", "on", "off"), default="both", help="decode kernels on, off or both")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    for kernels in (True, False):
+    for kernels in {"both": (True, False), "on": (True,), "off": (False,)}[args.kernels]:
         sampler = Sampler(QWEN_05B, SamplingSpec(temperature=1.0), seed=0, buckets=(128, 256), dtype=jnp.bfloat16,
                           decode_kernels=kernels)
         weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(sampler._state))
