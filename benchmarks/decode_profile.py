@@ -3,9 +3,9 @@
     device run, carry [".whl-tpu"]:  . .whl-tpu/install.sh && python3 benchmarks/decode_profile.py 128 256 --out $OUT
 
 The sampler of ``sampler_decode.py`` (Qwen2.5-0.5B shape, bf16, 128-token prompts, 128 new
-tokens), one whole call traced by JAX's profiler after a warm-up call; the device's "XLA Ops"
-events are summed by op and by the JAX name stack they came from, per decode token. Prints a table
-per batch size and writes it to ``--out`` (profile-B.md).
+tokens): the call's decode rate as ``sampler_decode.py`` times it, then one call traced by JAX's
+profiler, the device's "XLA Ops" events summed by op kind and result type, per decode step.
+Prints a JSON line and a table per batch size; the table also goes to ``--out`` (profile-B.md).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import json
 import re
 import tempfile
 import time
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.profiler import ProfileData
 
-from sampler_decode import NEW, PROMPT, QWEN_05B
+from sampler_decode import NEW, PROMPT, QWEN_05B, decode_rate
 from stoker.rollout.sampling import Sampler
 from stoker.spec import SamplingSpec
 
@@ -83,13 +84,15 @@ def main() -> None:
                       decode_kernels=args.decode_kernels == "on")
     for batch in args.batches:
         prompts = [rng.integers(0, QWEN_05B.vocab_size, PROMPT).tolist() for _ in range(batch)]
-        sampler.generate(prompts, max_new_tokens=NEW)  # compiles
+        rate = decode_rate(sampler, prompts, repeats=2)  # compiles, then times the call untraced
+        print(json.dumps({"batch": batch, "decode_kernels": args.decode_kernels == "on", **rate}), flush=True)
         with tempfile.TemporaryDirectory() as trace_dir:
             start = time.perf_counter()
             with jax.profiler.trace(trace_dir):
                 sampler.generate(prompts, max_new_tokens=NEW)
             wall = time.perf_counter() - start
-            text = f"## batch {batch}, decode kernels {args.decode_kernels}, call {wall * 1e3:.1f} ms (traced)\n\n"
+            text = (f"## batch {batch}, decode kernels {args.decode_kernels}: {rate['decode_tokens_per_s']} decode tokens/s "
+                    f"({rate['of_bound']:.0%} of the bound); the traced call {wall * 1e3:.1f} ms\n\n")
             text += table(device_ops(trace_dir), NEW - 1, args.top)
         print(text, flush=True)
         (args.out / f"profile-{batch}.md").write_text(text + "\n")

@@ -39,6 +39,23 @@ def best_seconds(sampler: Sampler, prompts: list[list[int]], new: int, repeats: 
     return min(times)
 
 
+def decode_rate(sampler: Sampler, prompts: list[list[int]], repeats: int) -> dict[str, float]:
+    """Decode tokens/s of ``prompts`` (the whole call minus a 1-token call) and its share of the
+    bound; the sampler's program compiled first."""
+    batch = len(prompts)
+    weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(sampler._state))
+    compile_start = time.perf_counter()
+    sampler.generate(prompts, max_new_tokens=1)  # compiles the call's program
+    compiled = time.perf_counter() - compile_start
+    one = best_seconds(sampler, prompts, 1, repeats)
+    whole = best_seconds(sampler, prompts, NEW, repeats)
+    rate = batch * (NEW - 1) / (whole - one)
+    kv = 2 * QWEN_05B.num_layers * batch * (PROMPT + NEW // 2) * QWEN_05B.num_kv_heads * 64 * 2
+    bound = batch / ((weights + kv) / HBM_BYTES_PER_SECOND)
+    return {"decode_tokens_per_s": round(rate), "of_bound": round(rate / bound, 2), "one_token_call_ms": round(one * 1e3, 1),
+            "first_call_s": round(compiled, 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("batches", type=int, nargs="*", default=[8, 128])
@@ -49,20 +66,9 @@ def main() -> None:
     for kernels in {"both": (True, False), "on": (True,), "off": (False,)}[args.kernels]:
         sampler = Sampler(QWEN_05B, SamplingSpec(temperature=1.0), seed=0, buckets=(128, 256), dtype=jnp.bfloat16,
                           decode_kernels=kernels)
-        weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(sampler._state))
         for batch in args.batches:
             prompts = [rng.integers(0, QWEN_05B.vocab_size, PROMPT).tolist() for _ in range(batch)]
-            compile_start = time.perf_counter()
-            sampler.generate(prompts, max_new_tokens=1)  # compiles the call's program
-            compiled = time.perf_counter() - compile_start
-            one = best_seconds(sampler, prompts, 1, args.repeats)
-            whole = best_seconds(sampler, prompts, NEW, args.repeats)
-            rate = batch * (NEW - 1) / (whole - one)
-            kv = 2 * QWEN_05B.num_layers * batch * (PROMPT + NEW // 2) * QWEN_05B.num_kv_heads * 64 * 2
-            bound = batch / ((weights + kv) / HBM_BYTES_PER_SECOND)
-            print(json.dumps({"batch": batch, "decode_kernels": kernels, "decode_tokens_per_s": round(rate),
-                              "of_bound": round(rate / bound, 2), "one_token_call_ms": round(one * 1e3, 1),
-                              "first_call_s": round(compiled, 1)}), flush=True)
+            print(json.dumps({"batch": batch, "decode_kernels": kernels, **decode_rate(sampler, prompts, args.repeats)}), flush=True)
 
 
 if __name__ == "__main__":
