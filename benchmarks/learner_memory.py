@@ -51,7 +51,7 @@ def step_seconds(remats: list[str], length: int, repeats: int) -> dict[str, floa
     import numpy as np
 
     from stoker.learner.packing import FIELDS
-    from stoker.learner.train import DEVICE_FIELDS
+    from stoker.learner.step import DEVICE_FIELDS
 
     rng = np.random.default_rng(0)
     batch = {

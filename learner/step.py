@@ -16,12 +16,28 @@ import numpy as np
 
 from stoker.learner import algorithms, lora, sharding
 from stoker.learner.algorithms import LossConfig
-from stoker.learner.packing import MicroBatch
+from stoker.learner.packing import FIELDS, MicroBatch
 from stoker.model.attention_kernels import Implementation
 from stoker.model.model import RematPolicy
 from stoker.model.moe import RouterStats, load_balancing_loss
 
 ALGORITHMS = ("grpo", "ppo", "gspo", "dpo", "sft", "distill")
+# Batch arrays the device needs (sequence_index stays on the host).
+DEVICE_FIELDS = (
+    "tokens", "targets", "positions", "segment_ids", "weights", "behaviour_logprobs", "behaviour_known",
+    "versions", "advantages", "rewards", "pair_slot", "pair_sign", "stuck",
+)
+
+
+def batch_to_device(micro: MicroBatch, mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+    """The device arrays of a micro-batch, rows split over fsdp."""
+    spec = sharding.batch_sharding(mesh)
+    return {name: jax.device_put(micro.arrays[name], spec) for name in DEVICE_FIELDS}
+
+
+def abstract_batch(rows: int, length: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """A [rows, length] micro-batch's device arrays as shapes (to compile ahead of time)."""
+    return {name: jax.ShapeDtypeStruct((rows, length), FIELDS.get(name, np.dtype(np.float32))) for name in DEVICE_FIELDS}
 
 
 @dataclass(frozen=True)

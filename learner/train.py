@@ -31,11 +31,11 @@ from jax.sharding import Mesh, PartitionSpec
 from stoker.learner import algorithms, lora, sharding
 from stoker.learner.optimizer import make_optimizer as make_optimizer  # re-exported: train.make_optimizer
 from stoker.learner.optimizer import updates_applied
-from stoker.learner.packing import FIELDS, MicroBatch
+from stoker.learner.packing import MicroBatch
 # Re-exported: train.StepOptions, train.assign_weights, train.ValueNetwork, as callers name them.
 from stoker.learner.step import StepOptions as StepOptions
 from stoker.learner.step import assign_weights as assign_weights
-from stoker.learner.step import add_router_loss, per_shard_loss
+from stoker.learner.step import abstract_batch, add_router_loss, batch_to_device, per_shard_loss
 from stoker.learner.trees import abstract_placed, cast_floats, float_dtype, fresh_copy, host_scalar
 from stoker.learner.value_network import ValueNetwork as ValueNetwork
 from stoker.learner.value_network import init_value_network as init_value_network
@@ -44,19 +44,6 @@ from stoker.model.logprobs import TokenStats, token_stats
 from stoker.model.model import Transformer
 from stoker.model.moe import RouterStats
 from stoker.model.training_layout import TrainingLayout, training_layout
-
-# Batch arrays the device needs (sequence_index stays on the host).
-DEVICE_FIELDS = (
-    "tokens", "targets", "positions", "segment_ids", "weights", "behaviour_logprobs", "behaviour_known",
-    "versions", "advantages", "rewards", "pair_slot", "pair_sign", "stuck",
-)
-
-
-def batch_to_device(micro: MicroBatch, mesh: Mesh) -> dict[str, jax.Array]:
-    """The device arrays of a micro-batch, rows split over fsdp."""
-    spec = sharding.batch_sharding(mesh)
-    return {name: jax.device_put(micro.arrays[name], spec) for name in DEVICE_FIELDS}
-
 
 class Trainer:
     """Parameters, optimizer state and the compiled step functions on one mesh.
@@ -364,10 +351,7 @@ class Trainer:
     def programs(self, rows: int, length: int) -> dict[str, tuple[Any, tuple[Any, ...]]]:
         """``grad`` (one [rows, length] micro-batch), ``apply`` and ``accumulate``, each with abstract
         arguments to ``lower(*args).compile()`` ahead of time (stoker plan, memory_analysis)."""
-        batch = {
-            name: jax.ShapeDtypeStruct((rows, length), FIELDS.get(name, np.dtype(np.float32)))
-            for name in DEVICE_FIELDS
-        }
+        batch = abstract_batch(rows, length)
         scalars = {
             "version": jax.ShapeDtypeStruct((), jnp.int32), "num_pairs": jax.ShapeDtypeStruct((), jnp.float32),
             "micro": jax.ShapeDtypeStruct((), jnp.int32),

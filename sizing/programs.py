@@ -108,7 +108,7 @@ def full_batch(rows: int, length: int, vocab: int, seed: int) -> dict[str, np.nd
                                        advantage=float(rng.choice([-1.0, 1.0])))] for _ in range(rows)]
     (micro,) = packing.pack(episodes, [length], {length: rows})
     step.assign_weights([micro], [micro.arrays["mask"]], "token-mean")
-    return {name: micro.arrays[name] for name in train.DEVICE_FIELDS}
+    return {name: micro.arrays[name] for name in step.DEVICE_FIELDS}
 
 
 def on_devices(values: Any, shardings: Any) -> Any:

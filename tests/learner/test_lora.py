@@ -14,7 +14,7 @@ import optax
 import pytest
 from flax import nnx
 
-from stoker.learner import sharding, train
+from stoker.learner import sharding, step, train
 from stoker.learner.lora import LoraConfig, LoraLinear, init_adapters
 from stoker.learner.packing import TrainSequence, pack, rows_for_buckets
 from stoker.learner.peft import ADAPTER_DIR, CONFIG_FILE, WEIGHTS_FILE, merge_into, read_adapter, write_adapter
@@ -88,7 +88,7 @@ def test_trainer_forward_is_the_merged_models_and_policy_copy_is_merged() -> Non
     assert jax.tree.leaves(copy)[0].sharding == jax.tree.leaves(trainer.base)[0].sharding  # the training sharding
     # The training forward (unmerged: base(x) + scale * x A B) gives the merged model's log-probs.
     micros = micro_batches()
-    batch = train.batch_to_device(micros[0], trainer.mesh)
+    batch = step.batch_to_device(micros[0], trainer.mesh)
     logp = trainer._forward_logprobs(trainer.base, batch, adapters=trainer.params["lora"])[0].logprobs
     merged = trainer._forward_logprobs(copy, batch)[0].logprobs
     np.testing.assert_allclose(np.asarray(logp), np.asarray(merged), rtol=1e-4, atol=1e-5)
@@ -106,7 +106,7 @@ def test_gradients_and_optimizer_state_are_the_adapters_only() -> None:
     adapter_size = sum(x.size for x in jax.tree.leaves(trainer.params))
     assert sum(x.size for x in jax.tree.leaves(trainer.opt_state)) == 2 * adapter_size + 1  # + Adam's count
     micros = micro_batches()
-    batch = train.batch_to_device(micros[0], trainer.mesh)
+    batch = step.batch_to_device(micros[0], trainer.mesh)
     scalars = {"version": jnp.asarray(0), "num_pairs": jnp.asarray(1.0), "micro": jnp.asarray(0)}
     grads, _ = trainer._grad(trainer.params, trainer.frozen, batch, scalars)
     assert jax.tree.structure(grads) == jax.tree.structure(trainer.params)

@@ -172,7 +172,7 @@ LAYOUT = SEQUENCES + textwrap.dedent(
     """
     import json, sys
     import jax, jax.numpy as jnp, numpy as np
-    from stoker.learner import packing, sharding, train
+    from stoker.learner import packing, sharding, step, train
     from stoker.model.model import init_model
     from stoker.model.training_layout import TrainingLayout, training_layout
     from stoker.spec import TransformerConfig
@@ -190,7 +190,7 @@ LAYOUT = SEQUENCES + textwrap.dedent(
         trainer = train.Trainer(init_model(cfg, 0), train.StepOptions("grpo", sequence_sharding=seq),
                                 train.make_optimizer(1e-2, 1.0), mesh)
         scalars = {"version": jnp.int32(0), "num_pairs": jnp.float32(1), "micro": jnp.int32(0)}
-        batch = train.batch_to_device(micros[0], mesh)
+        batch = step.batch_to_device(micros[0], mesh)
         grads, stats = trainer._grad(trainer.params, trainer.frozen, batch, scalars)
         # The residual stream as the layer loop saw it: split over tp when asked.
         hlo = trainer._grad.lower(trainer.params, trainer.frozen, batch, scalars).as_text()
