@@ -8,18 +8,10 @@ limit is answered at once, and its slot goes to the next queued turn at the next
 sampler's jitted program is unchanged: a segment is an ordinary call with a small
 ``max_new_tokens``. Why segments and how long (docs/architecture.md, "The rollout tier").
 
-Long prefills. A call's chunk is as wide as its widest row's uncached prompt, so a new turn with
-a long tool output would pad every decoding row of its segment to that width. A turn whose
-uncached prompt pads beyond ``prefill_apart_above`` is therefore prefilled in a call of its own
-(``prefill_rows`` rows, sampling its first token) and then decodes with the others from its
-cached prompt; one such call runs per segment.
-
-Weights. The sampler pins every session (``pin_sessions=True``), so a turn in flight keeps the
-weights it started with across segments and every token of one answer carries one version.
-A session asking ``pin_weights`` keeps its first version until it ends (``between-episodes``);
-any other session moves to the newest weights at the start of its next turn (its cache is
-dropped and the conversation prefilled under them, as ``between-turns`` does in-process). A
-version is released once no live session uses it.
+Weights. Sessions are pinned (``pin_sessions=True``): a turn keeps the weights it started with,
+so every token of an answer carries one version. A ``pin_weights`` session keeps its first version
+until it ends (``between-episodes``); any other moves to the newest at its next turn (its cache
+dropped and the conversation prefilled again). A version is released once no session uses it.
 
 One thread (``run`` / ``start``) drives the sampler; ``submit``, ``load_weights``,
 ``end_session`` and ``stats`` may be called from any thread.
@@ -39,13 +31,14 @@ import numpy as np
 
 from stoker.distributed import PeerFailure
 from stoker.rollout.sampling import Sampler
-from stoker.rollout.turns import EngineBusy, EngineStats, EngineStopped, LoadWindow, Turn, TurnResult, check_turn
+from stoker.rollout.turns import (
+    EngineBusy, EngineStats, EngineStopped, LoadWindow, Turn, TurnResult, VersionLog, check_turn,
+)
 from stoker.weights.errors import WeightsError
 
 __all__ = ["PREFILL_APART_ABOVE", "PREFILL_ROWS", "SEGMENT_TOKENS", "Engine"]
 
 log = logging.getLogger("stoker.rollout")
-ANNOUNCE_SECONDS = 60.0  # weight version changes are logged at most this often
 
 # Decode steps per segment: see docs/architecture.md ("The rollout tier") for the measurement.
 SEGMENT_TOKENS = 16
@@ -109,7 +102,7 @@ class Engine:
         self.rejected_total = 0
         self.segments_total = 0
         self._version = sampler.version
-        self._announced: tuple[float, int] | None = None  # when the last version change was logged, and which
+        self._versions = VersionLog()
         self.failure: PeerFailure | None = None  # why the engine ended on its own
         self.finished = threading.Event()  # the engine thread has ended
 
@@ -300,7 +293,7 @@ class Engine:
                 continue
             self._version = version
             loaded.set()
-            self._announce(version)
+            self._versions.changed(version)
         if weights:
             # Sessions between turns that do not pin their weights move to the new ones at their
             # next turn anyway; dropping their old keys/values now releases the old version.
@@ -310,16 +303,6 @@ class Engine:
                 if self.sampler.session_version(session) not in (None, self._version):
                     self.sampler.end_session(session)
 
-    def _announce(self, version: int) -> None:
-        """One log line per version change at most every ``ANNOUNCE_SECONDS`` (a learner publishing
-        every step would otherwise fill the log with them), with how many versions it spans."""
-        now = time.monotonic()
-        if self._announced is None or now - self._announced[0] >= ANNOUNCE_SECONDS:
-            since = "" if self._announced is None else f" ({version - self._announced[1]} versions since the last such line)"
-            log.info("rollout engine now samples new turns with policy version %d%s", version, since)
-            self._announced = (now, version)
-        else:
-            log.debug("rollout engine now samples new turns with policy version %d", version)
     def _take_segment(self) -> list[Turn]:
         """Running turns plus queued ones in free slots; those sharing the oldest's stop tokens
         and greediness (the sampler takes one set and one temperature per call)."""

@@ -1,8 +1,10 @@
-"""What the rollout engine takes and gives: turns, their results, its errors, and the window of
-recent sampler calls its load figures come from."""
+"""What the rollout engine takes and gives: turns, their results, its errors, the window of
+recent sampler calls its load figures come from, and its log of weight versions."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -105,6 +107,26 @@ class LoadWindow:
         waves = queued / max_batch
         seconds = self._turn_seconds * max(waves, 1.0) if self._turn_seconds else 0.2
         return int(min(max(seconds * 1000, 50), 5000))
+
+
+@dataclass
+class VersionLog:
+    """One log line per weight version change at most every ``seconds`` (a learner publishing every
+    step would otherwise fill the log), with how many versions it spans; the rest at debug."""
+
+    seconds: float = 60.0
+    clock: Callable[[], float] = time.monotonic
+    _last: tuple[float, int] | None = None  # when the last line was logged, and its version
+
+    def changed(self, version: int) -> None:
+        log = logging.getLogger("stoker.rollout")
+        now = self.clock()
+        if self._last is None or now - self._last[0] >= self.seconds:
+            since = "" if self._last is None else f" ({version - self._last[1]} versions since the last such line)"
+            log.info("rollout engine now samples new turns with policy version %d%s", version, since)
+            self._last = (now, version)
+        else:
+            log.debug("rollout engine now samples new turns with policy version %d", version)
 
 
 def check_turn(

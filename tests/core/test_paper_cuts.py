@@ -7,7 +7,6 @@ import logging
 import os
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -46,17 +45,14 @@ def test_tensorboard_tags_are_legal_so_tensorboardx_never_complains(tmp_path: Pa
     assert not [r for r in caplog.records if "illegal" in r.getMessage().lower()]
 
 
-def test_the_rollout_log_announces_weight_versions_at_most_once_a_minute(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    from stoker.rollout import engine
+def test_the_rollout_log_announces_weight_versions_at_most_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
+    from stoker.rollout.turns import VersionLog
 
     clock = [1000.0]
-    monkeypatch.setattr(engine.time, "monotonic", lambda: clock[0])
-    fake = types.SimpleNamespace(_announced=None)
+    versions = VersionLog(clock=lambda: clock[0])
     with caplog.at_level(logging.INFO, logger="stoker.rollout"):
         for version in range(1, 101):  # a learner publishing every step, 1 s apart
-            engine.Engine._announce(fake, version)  # type: ignore[arg-type]
+            versions.changed(version)
             clock[0] += 1.0
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
     assert lines == [
