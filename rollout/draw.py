@@ -6,6 +6,9 @@ for a [rows, vocabulary] draw threefry's ~60 integer operations an element made 
 compute-bound on a TPU (0.48 ms of a 3.6 ms decode step at 128 rows of a 152k vocabulary,
 benchmarks/README.md, "Where the decode call's time goes"); the hash takes ~10, and fuses with
 the argmax into one read of the scores. Greedy rows add no noise, so one reduction serves both.
+``draw_scored`` also returns the drawn token's score and the log-sum-exp in that same pass (an
+online log-sum-exp as a variadic reduction): one read of the [rows, vocabulary] floats where a
+separate log-sum-exp and gather took three more.
 """
 
 from __future__ import annotations
@@ -39,3 +42,29 @@ def draw(key: jax.Array, scores: jax.Array, greedy: jax.Array) -> jax.Array:
     rows, vocab = scores.shape
     noise = jnp.where(jnp.broadcast_to(greedy, (rows,))[:, None], 0.0, gumbel_noise(key, (rows, vocab)))
     return jnp.argmax(scores + noise, axis=-1).astype(jnp.int32)
+
+
+def _combine(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """Merges two partial reductions: (running max, sum of exp(score - max), best noisy score, its
+    index, its score); ties go to the lower index, as ``argmax``."""
+    max_a, sum_a, best_a, index_a, score_a = a
+    max_b, sum_b, best_b, index_b, score_b = b
+    top = jnp.maximum(max_a, max_b)
+    shift = jnp.where(jnp.isfinite(top), top, 0.0)  # all -inf so far: both sums are 0
+    total = sum_a * jnp.exp(max_a - shift) + sum_b * jnp.exp(max_b - shift)
+    take_b = (best_b > best_a) | ((best_b == best_a) & (index_b < index_a))
+    return (top, total, jnp.where(take_b, best_b, best_a), jnp.where(take_b, index_b, index_a),
+            jnp.where(take_b, score_b, score_a))
+
+
+def draw_scored(key: jax.Array, scores: jax.Array, greedy: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``draw``'s tokens [B] int32, each token's score [B] and each row's log-sum-exp of the scores
+    [B], in one reduction over the scores."""
+    rows, vocab = scores.shape
+    noise = jnp.where(jnp.broadcast_to(greedy, (rows,))[:, None], 0.0, gumbel_noise(key, (rows, vocab)))
+    index = jax.lax.broadcasted_iota(jnp.int32, (rows, vocab), 1)
+    start = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(-jnp.inf), jnp.int32(vocab), jnp.float32(0.0))
+    top, total, _, tokens, picked = jax.lax.reduce(
+        (scores, jnp.ones_like(scores), scores + noise, index, scores), start, _combine, (1,)
+    )
+    return tokens, picked, top + jnp.log(total)

@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from stoker.model.logprobs import truncation_mask
-from stoker.rollout.draw import draw
+from stoker.rollout.draw import draw, draw_scored
 from stoker.model.layers import LayerCache
 from stoker.model.decode_attention import takes
 from stoker.model.model import KVCache, Transformer, flatten_cache
@@ -42,11 +42,10 @@ def sample_token(
     greedy = temperature <= 0
     scaled = logits.astype(jnp.float32) / jnp.where(greedy, 1.0, temperature)
     if top_p is None and top_k is None and min_p is None:
-        # Drawn from the scaled logits themselves (a shift per row changes no Gumbel-max draw) and
-        # one log-sum-exp for the log-prob: the [rows, vocab] floats are not normalised and written.
-        tokens = draw(key, scaled, greedy)
-        picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
-        return tokens, picked - jax.nn.logsumexp(scaled, axis=-1)
+        # Drawn from the scaled logits themselves (a shift per row changes no Gumbel-max draw), the
+        # log-sum-exp of the log-prob in the same pass: the [rows, vocab] floats are read once.
+        tokens, picked, log_normalizer = draw_scored(key, scaled, greedy)
+        return tokens, picked - log_normalizer
     logp = jax.nn.log_softmax(scaled, axis=-1)
     if top_k is not None or min_p is not None:
         keep = truncation_mask(logp, 0 if top_k is None else top_k, 0.0 if min_p is None else min_p)

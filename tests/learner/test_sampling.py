@@ -14,7 +14,7 @@ from flax import nnx
 from stoker.model.hf import load_checkpoint, read_weights, save_checkpoint
 from stoker.model.logprobs import token_logprobs
 from stoker.model.model import Transformer, init_model
-from stoker.rollout.draw import draw, gumbel_noise
+from stoker.rollout.draw import draw, draw_scored, gumbel_noise
 from stoker.rollout.sampling import PromptTooLong, Sampler, padded_batch, pick_bucket, sample_token
 from stoker.model.tokenizer import load_tokenizer, save_tokenizer, token_id, train_word_tokenizer
 from stoker.weights.channel import flatten_params
@@ -440,3 +440,19 @@ def test_a_greedy_draw_is_the_first_argmax(jit: bool) -> None:
     np.testing.assert_array_equal(np.asarray(tokens), np.asarray(jnp.argmax(scores, axis=-1)))
     assert int(tokens[0]) == 1023 and int(tokens[1]) == 7
     assert int(run(jax.random.key(0), scores, jnp.asarray(False))[1]) == 7  # -inf is never drawn
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_the_one_pass_draw_gives_the_draws_tokens_their_scores_and_the_log_sum_exp(jit: bool) -> None:
+    scores = jax.random.normal(jax.random.key(2), (64, 3000)) * 3.0
+    scores = scores.at[0, 1023].set(50.0).at[0, 1024].set(50.0)  # a tie: the lower index
+    scores = scores.at[1].set(-jnp.inf).at[1, 7].set(0.0)  # one allowed token
+    scores = scores.at[2, :2000].set(-jnp.inf)  # a masked head of the vocabulary
+    run = jax.jit(draw_scored) if jit else draw_scored
+    for greedy in (False, True):
+        tokens, picked, log_normalizer = run(jax.random.key(4), scores, jnp.asarray(greedy))
+        np.testing.assert_array_equal(np.asarray(tokens), np.asarray(draw(jax.random.key(4), scores, jnp.asarray(greedy))))
+        np.testing.assert_array_equal(np.asarray(picked), np.asarray(jnp.take_along_axis(scores, tokens[:, None], axis=-1)[:, 0]))
+        np.testing.assert_allclose(np.asarray(log_normalizer), np.asarray(jax.nn.logsumexp(scores, axis=-1)), rtol=1e-6, atol=1e-6)
+        assert int(tokens[1]) == 7 and int(tokens[2]) >= 2000
+    assert int(run(jax.random.key(4), scores, jnp.asarray(True))[0][0]) == 1023
