@@ -116,7 +116,7 @@ case " $PARTS " in *" decode "*)
     timeout -k 10 "$(limit 240)" "$PYTHON" "$ROOT/benchmarks/decode_step.py" \
         ${CHIP_DECODE_SHAPES:-8x256x192 128x256x192 256x256x192 128x2048x192 128x2048} 2>&1 | grep '^{' | tee -a "$OUT/chip.log"
     echo "decode_step: exit ${PIPESTATUS[0]} after ${SECONDS}s of the script" | tee -a "$OUT/chip.log"
-    (cd "$ROOT/benchmarks" && timeout -k 10 "$(limit 300)" "$PYTHON" decode_profile.py ${CHIP_DECODE_BATCHES:-8 32 128 256} \
+    (cd "$ROOT/benchmarks" && timeout -k 10 "$(limit 300)" "$PYTHON" decode_profile.py ${CHIP_DECODE_BATCHES:-128 256 8 32} \
         --out "$OUT") 2>&1 | grep '^{' | tee -a "$OUT/chip.log"
     echo "decode_profile: exit ${PIPESTATUS[0]} after ${SECONDS}s of the script" | tee -a "$OUT/chip.log"
 esac
