@@ -17,6 +17,23 @@ from typing import IO, Any
 # How long a child gets to shut down cleanly after SIGTERM before it is killed.
 STOP_GRACE_SECONDS = 30.0
 READY_TIMEOUT_SECONDS = 120.0
+# How long ``finish`` waits for a killed group's processes to be gone (SIGKILL is delivered
+# asynchronously: a process killed a moment ago may still be tearing down).
+GROUP_EXIT_SECONDS = 10.0
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Processes of group ``pgid`` still running (zombies, dead but not yet reaped, left out)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid pgrp ...": comm may hold spaces, so split after its ")".
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
 
 
 @dataclass
@@ -69,12 +86,16 @@ class Child:
         if not self.wait(grace):
             self.signal(signal.SIGKILL)
             self.wait(10.0)
-        # Whatever the child left in its group (e.g. a sandbox mid-step) goes too.
+        # Whatever the child left in its group (e.g. a sandbox mid-step) goes too, and is gone
+        # before the run says it stopped.
         if self.process is not None:
             try:
                 os.killpg(self.process.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+            deadline = time.monotonic() + GROUP_EXIT_SECONDS
+            while live_group_members(self.process.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)  # polling for the killed processes to be gone
         if self._log is not None:
             self._log.close()
 

@@ -71,6 +71,15 @@ def test_run_trains_reports_and_resumes(job: tuple[Path, dict[str, str]], tmp_pa
     assert resumed[0]["policy_version"] == steps[-1]["policy_version"] + int(resumed[0]["trained"])
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process still running (a zombie, dead and waiting to be reaped by
+    whoever adopted it, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _descendants(pid: int) -> set[int]:
     out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
     children: dict[int, list[int]] = {}
@@ -102,6 +111,6 @@ def test_ctrl_c_stops_every_process_and_keeps_the_checkpoint(job: tuple[Path, di
     _, stderr = runner.communicate(timeout=120)
     assert runner.returncode == 130, stderr[-3000:]
     assert "interrupted" in stderr
-    alive = {pid for pid in spawned if Path(f"/proc/{pid}").exists()}
+    alive = {pid for pid in spawned if _running(pid)}
     assert not alive, f"orphans left behind: {alive}"
     assert any((tmp_path / "checkpoints").iterdir())
