@@ -39,9 +39,13 @@ def gumbel_noise(key: jax.Array, shape: tuple[int, int]) -> jax.Array:
 def draw(key: jax.Array, scores: jax.Array, greedy: jax.Array) -> jax.Array:
     """scores [B, V] float32 (-inf: never drawn), greedy bool [B] or scalar -> tokens [B] int32:
     a draw from softmax(scores), or the (first) argmax where greedy."""
+    return jnp.argmax(_noisy(key, scores, greedy), axis=-1).astype(jnp.int32)
+
+
+def _noisy(key: jax.Array, scores: jax.Array, greedy: jax.Array) -> jax.Array:
+    """The scores plus Gumbel noise, none on greedy rows."""
     rows, vocab = scores.shape
-    noise = jnp.where(jnp.broadcast_to(greedy, (rows,))[:, None], 0.0, gumbel_noise(key, (rows, vocab)))
-    return jnp.argmax(scores + noise, axis=-1).astype(jnp.int32)
+    return scores + jnp.where(jnp.broadcast_to(greedy, (rows,))[:, None], 0.0, gumbel_noise(key, (rows, vocab)))
 
 
 def _combine(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
@@ -61,10 +65,9 @@ def draw_scored(key: jax.Array, scores: jax.Array, greedy: jax.Array) -> tuple[j
     """``draw``'s tokens [B] int32, each token's score [B] and each row's log-sum-exp of the scores
     [B], in one reduction over the scores."""
     rows, vocab = scores.shape
-    noise = jnp.where(jnp.broadcast_to(greedy, (rows,))[:, None], 0.0, gumbel_noise(key, (rows, vocab)))
     index = jax.lax.broadcasted_iota(jnp.int32, (rows, vocab), 1)
     start = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(-jnp.inf), jnp.int32(vocab), jnp.float32(0.0))
     top, total, _, tokens, picked = jax.lax.reduce(
-        (scores, jnp.ones_like(scores), scores + noise, index, scores), start, _combine, (1,)
+        (scores, jnp.ones_like(scores), _noisy(key, scores, greedy), index, scores), start, _combine, (1,)
     )
     return tokens, picked, top + jnp.log(total)
