@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stoker.model.logprobs import truncation_mask
+from stoker.model.logprobs import SORT_FREE_CANDIDATES, truncation_mask
 from stoker.rollout.draw import draw, draw_scored
 from stoker.model.layers import LayerCache
 from stoker.model.decode_attention import takes
@@ -51,17 +51,30 @@ def sample_token(
         keep = truncation_mask(logp, 0 if top_k is None else top_k, 0.0 if min_p is None else min_p)
         logp = jax.nn.log_softmax(jnp.where(keep, logp, -1e9), axis=-1)
     allowed = logp
-    if top_p is not None:
-        sorted_logp = jnp.sort(logp, axis=-1)[:, ::-1]
-        probs = jnp.exp(sorted_logp)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        # Smallest log-prob still inside the nucleus; ties with it are kept too.
-        in_nucleus = mass_before < top_p
-        threshold = jnp.min(jnp.where(in_nucleus, sorted_logp, jnp.inf), axis=-1, keepdims=True)
-        allowed = jnp.where(logp >= threshold, logp, -jnp.inf)
+    if top_p is not None:  # ties with the nucleus' smallest log-prob are kept too
+        allowed = jnp.where(logp >= nucleus_floor(logp, top_p), logp, -jnp.inf)
     # A greedy row's argmax of ``allowed`` is the one of ``logp``: the top token is always kept.
     tokens = draw(key, allowed, greedy)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+def nucleus_floor(logp: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The smallest log-prob in each row's top-p nucleus, [B, 1], from log-probs [B, V]: the
+    nucleus is the most likely tokens up to and including the one whose mass reaches ``top_p``.
+    Found among the rows' ``SORT_FREE_CANDIDATES`` most likely tokens when their mass reaches
+    ``top_p`` in every row, by a full sort of the vocabulary otherwise."""
+    candidates = min(SORT_FREE_CANDIDATES, logp.shape[-1])
+
+    def floor_of(descending: jax.Array) -> tuple[jax.Array, jax.Array]:
+        probs = jnp.exp(descending)
+        mass = jnp.cumsum(probs, axis=-1)
+        in_nucleus = mass - probs < top_p
+        return jnp.min(jnp.where(in_nucleus, descending, jnp.inf), axis=-1, keepdims=True), mass[:, -1]
+
+    floor, mass = floor_of(jax.lax.top_k(logp, candidates)[0])
+    return jax.lax.cond(
+        jnp.all(mass >= top_p), lambda: floor, lambda: floor_of(jnp.sort(logp, axis=-1)[:, ::-1])[0]
+    )
 
 
 class _Loop(NamedTuple):
