@@ -1,6 +1,6 @@
 """One sampled token per row over a real vocabulary, with top-p / top-k on (issue 52): the
-sort-free truncation (``lax.top_k`` candidates, the full sort only when they do not decide)
-against the full-vocabulary sort it replaced, side by side in one run.
+truncation found by weighing (``stoker.model.selection``) against the full-vocabulary sort and
+``lax.top_k``, side by side in one run.
 
     device run, carry [".whl-tpu"]:  . .whl-tpu/install.sh && python3 benchmarks/sampling_truncation.py
     this CPU:                        .venv/bin/python benchmarks/sampling_truncation.py --rows 8 --repeats 3
@@ -21,6 +21,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from stoker.model.selection import weighted_threshold
 from stoker.rollout.draw import draw
 from stoker.rollout.programs import sample_token
 
@@ -65,11 +66,15 @@ def main() -> None:
             free = ms_per_call(lambda k, z, t, p: sample_token(k, z, t, p), (key, logits, t, p), args.repeats)
             sort = ms_per_call(by_sort, (key, logits, t, p), args.repeats)
             top_k = ms_per_call(lambda k, z, t: sample_token(k, z, t, None, jnp.int32(50)), (key, logits, t), args.repeats)
+            lax_top_k = ms_per_call(lambda z: jax.lax.top_k(z, 256), (logits,), args.repeats)
+            weighing = {f"weighing_{bits}_bits_ms": round(ms_per_call(
+                lambda z, bits=bits: (weighted_threshold(z, 0.9, jnp.exp(z), bits=bits),) * 2, (logits,), args.repeats), 3)
+                for bits in (1, 2, 4)}
             print(json.dumps({
                 "rows": rows, "scale": scale, "top_p": top_p, "plain_ms": round(plain, 3),
-                "top_p_sort_free_ms": round(free, 3), "top_p_full_sort_ms": round(sort, 3),
-                "top_k_50_ms": round(top_k, 3), "sort_over_sort_free": round(sort / free, 2),
-                "platform": jax.devices()[0].platform,
+                "top_p_weighing_ms": round(free, 3), "top_p_full_sort_ms": round(sort, 3),
+                "top_k_50_ms": round(top_k, 3), "lax_top_k_256_ms": round(lax_top_k, 3), **weighing,
+                "sort_over_weighing": round(sort / free, 2), "platform": jax.devices()[0].platform,
             }), flush=True)
 
 

@@ -15,13 +15,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from stoker.model.selection import weighted_threshold
+
 # Float32 logits one chunk may hold: 2^26 * 4 B = 256 MiB (at vocab 151936, 441 tokens).
 CHUNK_LOGIT_ELEMENTS = 1 << 26
 # Stands in for -inf: keeps softmax, logsumexp and their gradients free of NaNs.
 _IMPOSSIBLE = -1e9
-# Top-k (and the sampler's top-p nucleus) are looked for among a row's this many most likely
-# tokens (``lax.top_k``); the full-vocabulary sort runs only when they do not decide it.
-SORT_FREE_CANDIDATES = 256
 
 
 def softcap(logits: jax.Array, cap: float | None) -> jax.Array:
@@ -40,29 +39,6 @@ def restrict_logits(logits: jax.Array, allowed_token_ids: tuple[int, ...] | None
     return jnp.where(allowed, logits, jnp.asarray(_IMPOSSIBLE, logits.dtype))
 
 
-def kth_largest(z: jax.Array, k: jax.Array | int) -> jax.Array:
-    """The k-th largest value along z's last axis, [..., 1]; ``k`` in [1, vocab], static or a
-    runtime scalar. Taken from ``lax.top_k``'s ``SORT_FREE_CANDIDATES`` when k is among them (the
-    same value a sort gives), from a full sort of the vocabulary otherwise."""
-    vocab = z.shape[-1]
-    candidates = min(SORT_FREE_CANDIDATES, vocab)
-
-    def among_top() -> jax.Array:
-        index = jnp.minimum(jnp.asarray(k, jnp.int32), candidates) - 1
-        return jnp.take_along_axis(jax.lax.top_k(z, candidates)[0], _filled(z, index), axis=-1)
-
-    def by_sort() -> jax.Array:
-        return jnp.take_along_axis(jnp.sort(z, axis=-1), _filled(z, vocab - jnp.asarray(k, jnp.int32)), axis=-1)
-
-    if isinstance(k, int):
-        return among_top() if k <= candidates else by_sort()
-    return jax.lax.cond(k <= candidates, among_top, by_sort)
-
-
-def _filled(z: jax.Array, index: jax.Array) -> jax.Array:
-    return jnp.full((*z.shape[:-1], 1), index, jnp.int32)
-
-
 def truncation_mask(z: jax.Array, top_k: jax.Array | int, min_p: jax.Array | float) -> jax.Array:
     """The tokens top-k and min-p keep, from tempered logits ``z`` [..., V] (bool [..., V]): the
     ``top_k`` most likely (ties with the k-th kept; 0 keeps all) whose probability is at least
@@ -70,13 +46,11 @@ def truncation_mask(z: jax.Array, top_k: jax.Array | int, min_p: jax.Array | flo
 
     The sampler draws from softmax(z) renormalised over these tokens and records that log-prob;
     the trainer applies the same mask (docs/architecture.md, "Sampler log-probs")."""
-    vocab = z.shape[-1]
-    if isinstance(top_k, int):
-        k: jax.Array | int = min(max(top_k, 0), vocab)
-        keep = z >= kth_largest(z, k) if k > 0 else jnp.ones(z.shape, jnp.bool_)
-    else:
-        k = jnp.clip(jnp.asarray(top_k, jnp.int32), 0, vocab)
-        keep = jnp.where(k > 0, z >= kth_largest(z, jnp.maximum(k, 1)), True)
+    if isinstance(top_k, int) and top_k <= 0:
+        keep = jnp.ones(z.shape, jnp.bool_)
+    else:  # the k-th largest by weighing, not by a sort (stoker.model.selection)
+        k = jnp.asarray(top_k, jnp.float32)
+        keep = jnp.where(k > 0, z >= weighted_threshold(z, k), True)
     p = jnp.asarray(min_p, jnp.float32)
     # p_v >= min_p * p_max  <=>  z_v - z_max >= log(min_p)
     floor = jnp.max(z, axis=-1, keepdims=True) + jnp.log(jnp.maximum(p, 1e-30))

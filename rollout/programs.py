@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from stoker.model.logprobs import SORT_FREE_CANDIDATES, truncation_mask
+from stoker.model.logprobs import truncation_mask
+from stoker.model.selection import weighted_threshold
 from stoker.rollout.draw import draw, draw_scored
 from stoker.model.layers import LayerCache
 from stoker.model.decode_attention import takes
@@ -60,21 +61,9 @@ def sample_token(
 
 def nucleus_floor(logp: jax.Array, top_p: jax.Array) -> jax.Array:
     """The smallest log-prob in each row's top-p nucleus, [B, 1], from log-probs [B, V]: the
-    nucleus is the most likely tokens up to and including the one whose mass reaches ``top_p``.
-    Found among the rows' ``SORT_FREE_CANDIDATES`` most likely tokens when their mass reaches
-    ``top_p`` in every row, by a full sort of the vocabulary otherwise."""
-    candidates = min(SORT_FREE_CANDIDATES, logp.shape[-1])
-
-    def floor_of(descending: jax.Array) -> tuple[jax.Array, jax.Array]:
-        probs = jnp.exp(descending)
-        mass = jnp.cumsum(probs, axis=-1)
-        in_nucleus = mass - probs < top_p
-        return jnp.min(jnp.where(in_nucleus, descending, jnp.inf), axis=-1, keepdims=True), mass[:, -1]
-
-    floor, mass = floor_of(jax.lax.top_k(logp, candidates)[0])
-    return jax.lax.cond(
-        jnp.all(mass >= top_p), lambda: floor, lambda: floor_of(jnp.sort(logp, axis=-1)[:, ::-1])[0]
-    )
+    nucleus is the most likely tokens up to and including the one whose mass reaches ``top_p``
+    (and its ties), found by weighing, not by sorting the vocabulary."""
+    return weighted_threshold(logp, top_p, jnp.exp(logp))
 
 
 class _Loop(NamedTuple):

@@ -1,6 +1,5 @@
-"""Top-k and the top-p nucleus over a real-size vocabulary: found among each row's
-``SORT_FREE_CANDIDATES`` most likely tokens when those decide it, by a full sort otherwise; either
-way the set the definition names (ties kept)."""
+"""Top-k and the top-p nucleus over a real-size vocabulary, found by weighing rather than sorting
+(``stoker.model.selection``): the set the definition names, ties kept, narrow and wide alike."""
 
 from __future__ import annotations
 
@@ -9,10 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stoker.model.logprobs import SORT_FREE_CANDIDATES, truncation_mask
+from stoker.model.logprobs import truncation_mask
+from stoker.model.selection import from_key, ordered_keys, weighted_threshold
 from stoker.rollout.programs import nucleus_floor, sample_token
 
-VOCAB = 3000  # > SORT_FREE_CANDIDATES
+VOCAB = 3000
 
 
 def logits(scale: float, seed: int, rows: int = 3) -> np.ndarray:
@@ -28,7 +28,7 @@ def nucleus_floor_by_definition(logp: np.ndarray, top_p: float) -> np.ndarray:
 
 
 @pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize("k", [1, 7, SORT_FREE_CANDIDATES, SORT_FREE_CANDIDATES + 1, 1000, VOCAB])
+@pytest.mark.parametrize("k", [1, 7, 256, 1000, VOCAB])
 def test_top_k_keeps_the_k_largest_and_their_ties(jit: bool, k: int) -> None:
     z = logits(2.0, seed=k)
     want = z >= np.sort(z, axis=-1)[:, -k][:, None]
@@ -40,16 +40,16 @@ def test_top_k_keeps_the_k_largest_and_their_ties(jit: bool, k: int) -> None:
 
 
 @pytest.mark.parametrize("jit", [False, True])
-@pytest.mark.parametrize(("scale", "top_p", "within_candidates"), [(4.0, 0.9, True), (0.5, 0.9, False), (4.0, 0.99, False)])
-def test_the_nucleus_is_the_sorted_definitions(jit: bool, scale: float, top_p: float, within_candidates: bool) -> None:
-    """Peaked rows (every nucleus within the top 256), flat ones (thousands of tokens), and a batch
-    where one row's nucleus is wider than the candidates (the whole batch goes to the sort)."""
+@pytest.mark.parametrize(("scale", "top_p", "size"), [(4.0, 0.9, (16, 57)), (4.0, 0.99, (148, 353)), (0.5, 0.9, (2349, 2663))])
+def test_the_nucleus_is_the_sorted_definitions(jit: bool, scale: float, top_p: float, size: tuple[int, int]) -> None:
+    """Peaked rows (tens of tokens), wider ones, and flat ones (thousands)."""
     z = logits(scale, seed=int(scale * 10))
     logp = np.asarray(jax.nn.log_softmax(jnp.asarray(z), axis=-1))
     floor = (jax.jit(nucleus_floor) if jit else nucleus_floor)(jnp.asarray(logp), jnp.float32(top_p))
     want = nucleus_floor_by_definition(logp, top_p)
     np.testing.assert_array_equal(np.asarray(floor), want.astype(np.float32))
-    assert ((logp >= want).sum(-1) <= SORT_FREE_CANDIDATES).all() == within_candidates
+    sizes = (logp >= want).sum(-1)
+    assert (sizes.min(), sizes.max()) == size
 
 
 def test_drawn_tokens_stay_in_the_nucleus() -> None:
@@ -61,3 +61,21 @@ def test_drawn_tokens_stay_in_the_nucleus() -> None:
     assert (logp[np.arange(64), tokens] >= floor[:, 0]).all()
     np.testing.assert_allclose(np.asarray(recorded), logp[np.arange(64), tokens], atol=1e-5)
     assert len(set(tokens.tolist())) > 32  # it samples
+
+
+def test_keys_keep_the_floats_order_and_invert() -> None:
+    x = np.asarray([-np.inf, -3e38, -1.5, -1e-40, -0.0, 0.0, 1e-40, 2.5, 3e38, np.inf], np.float32)
+    keys = np.asarray(ordered_keys(jnp.asarray(x)))
+    assert (np.diff(keys.astype(np.int64)) > 0).all()
+    np.testing.assert_array_equal(np.asarray(from_key(jnp.asarray(keys))), x)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_every_pass_width_finds_the_same_threshold(bits: int) -> None:
+    z = jax.random.normal(jax.random.key(9), (3, VOCAB))  # distinct values: exactly k reach the k-th
+    for k in (1, 100, VOCAB):
+        want = np.sort(np.asarray(z), axis=-1)[:, -k]
+        np.testing.assert_array_equal(np.asarray(weighted_threshold(z, k, bits=bits))[:, 0], want)
+    np.testing.assert_array_equal(np.asarray(weighted_threshold(z, VOCAB + 5, bits=bits))[:, 0], np.asarray(z).min(-1))
+    with pytest.raises(ValueError, match="divide 32"):
+        weighted_threshold(z, 1, bits=3)
