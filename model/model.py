@@ -191,8 +191,8 @@ class Transformer(nnx.Module):
             return OutputHead(self.embed_tokens.embedding[...], True, self.config.final_logit_softcap)
         return OutputHead(self.lm_head.kernel[...], False, self.config.final_logit_softcap)
 
-    def _logits(self, h: jax.Array) -> jax.Array:
-        return self.output_head().logits(self.norm(h))
+    def _logits(self, h: jax.Array, head: bool = True) -> jax.Array:  # ``head`` off: the head's input
+        return self.output_head().logits(self.norm(h)) if head else self.norm(h)
 
     def hidden_states(
         self, token_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array, *, remat: RematPolicy = "none",
@@ -241,12 +241,13 @@ class Transformer(nnx.Module):
         *,
         cache_len: int | None,
         logits_at: jax.Array | None = None,
+        head: bool = True,
     ) -> tuple[jax.Array, KVCache | None]:
         """Forward over [B, T] tokens; with ``cache_len`` (>= T) also return a KV cache whose
         first T slots hold these tokens' keys and values (the sampler's prefill).
 
-        ``logits_at`` [B]: return logits [B, V] at just that index of each row (the head is then
-        applied to B vectors instead of B * T)."""
+        ``logits_at`` [B]: logits [B, V] at just that index of each row (the head on B vectors, not
+        B * T). ``head`` off: the head's input (the final norm's output) instead, for the sampler."""
         vis = packed_visibility(segment_ids)
         h = self.embed(token_ids)
         layer_caches: list[LayerCache] = []
@@ -256,16 +257,16 @@ class Transformer(nnx.Module):
                 pad = ((0, 0), (0, cache_len - k.shape[1]), (0, 0), (0, 0))
                 layer_caches.append(LayerCache(jnp.pad(k, pad), jnp.pad(v, pad)))
         if logits_at is not None:
-            logits = self._logits(jnp.take_along_axis(h, logits_at[:, None, None], axis=1))[:, 0]
-        else:
-            logits = self._logits(h)
+            h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)[:, 0]
+        logits = self._logits(h, head)
         if cache_len is None:
             return logits, None
         segments = jnp.pad(segment_ids, ((0, 0), (0, cache_len - segment_ids.shape[1])))
         return logits, KVCache(tuple(layer_caches), segments)
 
     def extend(
-        self, token_ids: jax.Array, positions: jax.Array, valid: jax.Array, cache: KVCache, *, logits_at: jax.Array
+        self, token_ids: jax.Array, positions: jax.Array, valid: jax.Array, cache: KVCache, *,
+        logits_at: jax.Array, head: bool = True,
     ) -> tuple[jax.Array, KVCache]:
         """Append a chunk of tokens to cached sequences (the sampler's prefill when a
         conversation's earlier turns are already cached).
@@ -275,7 +276,7 @@ class Transformer(nnx.Module):
         invalid entries (chunk padding) are computed but never written. Each token attends to
         every slot up to its own position, i.e. the cached prefix and the chunk before it.
         Returns logits [B, V] at chunk index ``logits_at[b]`` and the cache with the chunk's
-        keys and values written, in the cache's layout (flat or not)."""
+        keys and values written, in the cache's layout (flat or not). ``head``: as ``prefill``'s."""
         batch, num_slots = cache.segment_ids.shape
         slots = jnp.arange(num_slots, dtype=jnp.int32)
         rows = jnp.arange(batch)[:, None]
@@ -297,15 +298,15 @@ class Transformer(nnx.Module):
             h = block.finish(h, block.self_attn(
                 x, positions, keys.reshape(batch, num_slots, *heads), values.reshape(batch, num_slots, *heads), vis
             ))
-        logits = self._logits(jnp.take_along_axis(h, logits_at[:, None, None], axis=1))[:, 0]
+        logits = self._logits(jnp.take_along_axis(h, logits_at[:, None, None], axis=1), head)[:, 0]
         segments = (slots[None, :] < filled[:, None]).astype(jnp.int32)
         return logits, KVCache(tuple(new_layers), segments)
 
     def decode(
         self, token_ids: jax.Array, positions: jax.Array, cache: KVCache, *, slot: jax.Array | None = None,
-        start: jax.Array | None = None, interpret: bool | None = None,
+        start: jax.Array | None = None, interpret: bool | None = None, head: bool = True,
     ) -> tuple[jax.Array, KVCache]:
-        """One cached step: token [B] at position [B] -> logits [B, V].
+        """One cached step: token [B] at position [B] -> logits [B, V] (``head``: as ``prefill``'s).
 
         Writes the token's keys/values into slot ``positions[b]`` of row b, then attends over the
         filled slots up to and including it. With ``slot`` (a scalar) every row writes into that
@@ -313,15 +314,14 @@ class Transformer(nnx.Module):
         hold the tokens it generates from slot ``start`` (default ``slot``) on, each row's shifted
         by ``slot - positions[b]`` from its own positions, the slots between its prompt and
         ``start`` unfilled. The write is then one in-place ``dynamic_update_slice`` per layer;
-        per-row slots take a select over the whole cache, which the v5e compiler reads and
-        writes whole every step (benchmarks/README.md, "Decode's cache write"). A flat cache
+        per-row slots take a select the v5e reads and writes whole (benchmarks/README.md). A flat cache
         (``flatten_cache``) takes the TPU kernels (``_decode_flat``; ``interpret``, default off a
         TPU: in Pallas' interpreter)."""
         if cache.layers[0].keys.ndim == 3:
             if slot is not None:
                 raise ValueError("a flat cache is written per row in place: no shared slot")
             interpret = jax.default_backend() != "tpu" if interpret is None else interpret
-            return self._decode_flat(token_ids, positions, cache, interpret)
+            return self._decode_flat(token_ids, positions, cache, interpret, head)
         batch, num_slots = cache.segment_ids.shape
         slots = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (batch, num_slots))
         pos = positions[:, None]
@@ -347,10 +347,10 @@ class Transformer(nnx.Module):
                 values = jax.lax.dynamic_update_slice(layer.values, v.astype(layer.values.dtype), (0, at, 0, 0))
             new_layers.append(LayerCache(keys, values))
             h = block.finish(h, block.self_attn(x, pos, keys, values, vis))
-        return self._logits(h)[:, 0], KVCache(tuple(new_layers), segments)
+        return self._logits(h, head)[:, 0], KVCache(tuple(new_layers), segments)
 
     def _decode_flat(
-        self, token_ids: jax.Array, positions: jax.Array, cache: KVCache, interpret: bool
+        self, token_ids: jax.Array, positions: jax.Array, cache: KVCache, interpret: bool, head: bool
     ) -> tuple[jax.Array, KVCache]:
         """``decode`` over a flat cache (``flatten_cache``): each row's keys and values written in
         place into slot ``positions[b]`` (a position past the cache writes nothing), attention
@@ -367,7 +367,7 @@ class Transformer(nnx.Module):
             keys, values = write_rows(*layer, k.reshape(batch, -1), v.reshape(batch, -1), positions, interpret=interpret)
             new_layers.append(LayerCache(keys, values))
             h = block.finish(h, block.self_attn.decode_step(x, positions, keys, values, k_positions, interpret=interpret))
-        return self._logits(h)[:, 0], KVCache(tuple(new_layers), segments)
+        return self._logits(h, head)[:, 0], KVCache(tuple(new_layers), segments)
 
 
 def flatten_cache(cache: KVCache) -> KVCache:

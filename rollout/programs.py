@@ -68,7 +68,7 @@ def nucleus_floor(logp: jax.Array, top_p: jax.Array) -> jax.Array:
 
 class _Loop(NamedTuple):
     step: jax.Array  # tokens drawn so far, shared by all rows
-    logits: jax.Array  # [B, V] next-token logits
+    hidden: jax.Array  # [B, D] the final norm's output for the next token (the head's input)
     cache: KVCache
     tokens: jax.Array  # [B, W] generated ids, by step
     logprobs: jax.Array  # [B, W] log-prob of each generated token
@@ -121,7 +121,7 @@ def shared_slot_pays(slots: int) -> bool:
 
 def sample_loop(
     model: Transformer,
-    logits: jax.Array,  # [B, V] after the prompt's last token
+    hidden: jax.Array,  # [B, D] the final norm's output at the prompt's last token (``head=False``)
     cache: KVCache,
     first_slot: jax.Array,  # [B] where the first generated token goes
     active: jax.Array,  # [B] false for batch padding
@@ -140,8 +140,12 @@ def sample_loop(
     (``start``: the latest ``first_slot``; ``Transformer.decode``'s ``slot``), so that the write
     is one in-place slice per layer instead of a select over the whole cache. The cache returned
     then holds a row's generated tokens from ``start`` on, not at their positions: for callers
-    that drop it (``generate_fresh``; see ``shared_slot_pays``)."""
-    batch = logits.shape[0]
+    that drop it (``generate_fresh``; see ``shared_slot_pays``).
+
+    The loop carries hidden states, not logits, and applies the head where it draws: XLA then
+    fuses the head's matmul with the draw's reduction, and the [B, V] float32 logits never
+    reach HBM (plain sampling; top-p and top-k still make them)."""
+    batch = hidden.shape[0]
     rows = jnp.arange(batch)
     start = jnp.max(first_slot)
 
@@ -150,7 +154,8 @@ def sample_loop(
 
     def body(s: _Loop) -> _Loop:
         key, draw = jax.random.split(s.key)
-        masked = jnp.where(limits.allowed, s.logits, jnp.asarray(-1e9, s.logits.dtype))  # as restrict_logits
+        logits = model.output_head().logits(s.hidden)
+        masked = jnp.where(limits.allowed, logits, jnp.asarray(-1e9, logits.dtype))  # as restrict_logits
         token, logprob = sample_token(
             draw, masked, limits.temperature, limits.top_p if use_top_p else None,
             *((limits.top_k, limits.min_p) if truncate else (None, None)),
@@ -164,20 +169,20 @@ def sample_loop(
 
         def advance(c: KVCache) -> tuple[jax.Array, KVCache]:
             if shared_slot:
-                return model.decode(token, first_slot + s.step, c, slot=start + s.step, start=start)
-            return model.decode(token, first_slot + s.step, c)
+                return model.decode(token, first_slot + s.step, c, slot=start + s.step, start=start, head=False)
+            return model.decode(token, first_slot + s.step, c, head=False)
 
         def stay(c: KVCache) -> tuple[jax.Array, KVCache]:
-            return s.logits, c
+            return s.hidden, c
 
         # The final draw needs no further forward pass.
         more = (step < limits.max_new_tokens) & ~jnp.all(done)
-        next_logits, next_cache = jax.lax.cond(more, advance, stay, s.cache)
-        return _Loop(step, next_logits, next_cache, tokens, logprobs, done, generated, key)
+        next_hidden, next_cache = jax.lax.cond(more, advance, stay, s.cache)
+        return _Loop(step, next_hidden, next_cache, tokens, logprobs, done, generated, key)
 
     init = _Loop(
         step=jnp.zeros((), jnp.int32),
-        logits=logits,
+        hidden=hidden,
         cache=cache,
         tokens=jnp.zeros((batch, width), jnp.int32),
         logprobs=jnp.zeros((batch, width), jnp.float32),
@@ -212,7 +217,7 @@ def generate_fresh(
     idx = jnp.arange(prompt_ids.shape[1])[None, :]
     segments = (idx < prompt_lens[:, None]).astype(jnp.int32)
     positions = jnp.broadcast_to(idx, prompt_ids.shape).astype(jnp.int32)
-    last, cache = model.prefill(prompt_ids, positions, segments, cache_len=cache_len, logits_at=prompt_lens - 1)
+    last, cache = model.prefill(prompt_ids, positions, segments, cache_len=cache_len, logits_at=prompt_lens - 1, head=False)
     assert cache is not None
     flat = decode_kernels and takes(cache_len)
     _, tokens, logprobs, generated, finished = sample_loop(
@@ -248,7 +253,7 @@ def continue_cached(
         jnp.zeros((rows.shape[0], store[0].keys.shape[1]), jnp.int32),  # extend() recomputes it
     )
     last, cache = model.extend(
-        chunk_ids, starts[:, None] + idx, idx < chunk_lens[:, None], cache, logits_at=chunk_lens - 1
+        chunk_ids, starts[:, None] + idx, idx < chunk_lens[:, None], cache, logits_at=chunk_lens - 1, head=False
     )
     # Per-row slots: the store wants each token at its position's slot, and moving rows back
     # after a shared-slot loop (a gather along the slots) took 211 ms on the v5e at 128 x 2,048,

@@ -27,12 +27,13 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13]]
 SLOTS, STEPS = 16, 6
 
 
-def _prefill(model: Transformer) -> tuple[jax.Array, KVCache, jax.Array]:
+def _prefill(model: Transformer, head: bool = True) -> tuple[jax.Array, KVCache, jax.Array]:
     lens = jnp.asarray([len(p) for p in PROMPTS], jnp.int32)
     ids = jnp.asarray([p + [0] * (8 - len(p)) for p in PROMPTS], jnp.int32)
     idx = jnp.arange(8, dtype=jnp.int32)[None, :]
     segments = (idx < lens[:, None]).astype(jnp.int32)
-    logits, cache = model.prefill(ids, jnp.broadcast_to(idx, ids.shape), segments, cache_len=SLOTS, logits_at=lens - 1)
+    logits, cache = model.prefill(ids, jnp.broadcast_to(idx, ids.shape), segments, cache_len=SLOTS, logits_at=lens - 1,
+                                  head=head)
     assert cache is not None
     return logits, cache, lens
 
@@ -69,7 +70,7 @@ def test_a_shared_slot_gives_the_per_row_slots_logits_and_settles_into_their_cac
 @pytest.mark.parametrize("jit", [False, True])
 def test_the_sampler_loop_draws_the_same_tokens_with_a_shared_slot(jit: bool) -> None:
     model = init_model(QWEN_LIKE, seed=1)
-    logits, cache, lens = _prefill(model)
+    hidden, cache, lens = _prefill(model, head=False)
     vocab = QWEN_LIKE.vocab_size
     limits = Limits(jnp.asarray(STEPS), jnp.zeros(vocab, bool).at[5].set(True), jnp.ones(vocab, bool),
                     jnp.asarray(0.0), jnp.asarray(1.0), jnp.asarray(0), jnp.asarray(0.0))
@@ -77,13 +78,38 @@ def test_the_sampler_loop_draws_the_same_tokens_with_a_shared_slot(jit: bool) ->
     def run(shared: bool) -> tuple[np.ndarray, ...]:
         loop = lambda l, c: sample_loop(model, l, c, lens, jnp.ones(3, bool), limits, jax.random.key(0), width=SLOTS,
                                         use_top_p=False, shared_slot=shared)[1:]
-        return tuple(np.asarray(x) for x in _maybe_jit(loop, jit)(logits, cache))
+        return tuple(np.asarray(x) for x in _maybe_jit(loop, jit)(hidden, cache))
 
     (tokens, logprobs, generated, finished), want = run(True), run(False)
     np.testing.assert_array_equal(tokens, want[0])  # greedy: the same argmax at every step
     np.testing.assert_allclose(logprobs, want[1], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(generated, want[2])
     np.testing.assert_array_equal(finished, want[3])
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_without_the_head_each_forward_returns_what_the_head_turns_into_its_logits(jit: bool) -> None:
+    """The sampler's loop carries the final norm's output and applies the head where it draws."""
+    model = init_model(QWEN_LIKE, seed=1)
+    head = model.output_head()
+    (logits, cache, lens), (hidden, _, _) = _prefill(model), _prefill(model, head=False)
+    assert hidden.shape == (3, QWEN_LIKE.hidden_size)
+    np.testing.assert_allclose(np.asarray(head.logits(hidden)), np.asarray(logits), rtol=1e-6, atol=1e-6)
+    def step(t: jax.Array, p: jax.Array, c: KVCache, head: bool) -> tuple[jax.Array, KVCache]:
+        return model.decode(t, p, c, head=head)
+
+    step = jax.jit(step, static_argnums=3) if jit else step
+    tokens = jnp.asarray([3, 4, 5], jnp.int32)
+    (want, want_cache), (got, got_cache) = step(tokens, lens, cache, True), step(tokens, lens, cache, False)
+    np.testing.assert_allclose(np.asarray(head.logits(got)), np.asarray(want), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got_cache.layers[0].keys), np.asarray(want_cache.layers[0].keys))
+    chunk = jnp.asarray([[6, 7], [8, 0], [9, 10]], jnp.int32)
+    positions = lens[:, None] + jnp.arange(2)[None, :]
+    valid = jnp.asarray([[True, True], [True, False], [True, True]])
+    last = jnp.asarray([1, 0, 1])
+    want, _ = model.extend(chunk, positions, valid, cache, logits_at=last)
+    got, _ = model.extend(chunk, positions, valid, cache, logits_at=last, head=False)
+    np.testing.assert_allclose(np.asarray(head.logits(got)), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
 def v5e_decode_step(
