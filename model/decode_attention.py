@@ -113,45 +113,58 @@ def write_rows(
     return out
 
 
+def start_softmax(m_ref: Any, l_ref: Any, acc_ref: Any) -> None:
+    """The online softmax's state before a group's first block."""
+    m_ref[...] = jnp.full(m_ref.shape, MASKED, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+
+def accumulate_block(
+    q: jax.Array, keys: jax.Array, values: jax.Array, qpos: jax.Array, kpos: jax.Array, m_ref: Any, l_ref: Any,
+    acc_ref: Any, *, scale: float, softcap: float | None, window: int | None,
+) -> None:
+    """One block of slots into the online softmax of a group's rows, all rows at once: batched
+    matmuls [R, Hp, F] x [R, bs, F]^T, the state read and written once. On the v5e 1.3x (128 rows)
+    to 1.8x (256) the speed of a loop over the rows (benchmarks/README.md, "The attention kernel's
+    rows at once")."""
+    scores = jnp.einsum("rhf,rsf->rhs", q, keys, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    seen = kpos <= qpos  # [R, 1, bs] from [R, 1, bs] and [R, 1, 1]
+    if window is not None:
+        seen &= qpos - kpos < window
+    scores = jnp.where(seen, scores, MASKED)
+    m_prev = m_ref[...]
+    m_next = jnp.maximum(m_prev, jnp.max(scores, axis=-1, keepdims=True))
+    alpha = jnp.exp(m_prev - m_next)
+    probs = jnp.where(seen, jnp.exp(scores - m_next), 0.0)
+    l_ref[...] = alpha * l_ref[...] + jnp.sum(probs, axis=-1, keepdims=True)
+    acc_ref[...] = alpha * acc_ref[...] + jnp.einsum(
+        "rhs,rsf->rhf", probs.astype(values.dtype), values, preferred_element_type=jnp.float32
+    )
+    m_ref[...] = m_next
+
+
+def finish_softmax(o_ref: Any, l_ref: Any, acc_ref: Any) -> None:
+    """The group's output from the state after its last block (zeros for a row that saw nothing)."""
+    total = l_ref[...]
+    o_ref[...] = (acc_ref[...] / jnp.where(total > 0, total, 1.0)).astype(o_ref.dtype)
+
+
 def _attention_kernel(
     lo_ref: Any, hi_ref: Any, q_ref: Any, qpos_ref: Any, kpos_ref: Any, k_ref: Any, v_ref: Any, o_ref: Any,
     m_ref: Any, l_ref: Any, acc_ref: Any, *, scale: float, softcap: float | None, window: int | None,
 ) -> None:
     group, block = pl.program_id(0), pl.program_id(1)
-
-    @pl.when(block == 0)
-    def _init() -> None:
-        m_ref[...] = jnp.full(m_ref.shape, MASKED, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    pl.when(block == 0)(lambda: start_softmax(m_ref, l_ref, acc_ref))
 
     @pl.when((block >= lo_ref[group]) & (block < hi_ref[group]))
     def _accumulate() -> None:
-        # The group's rows at once, as batched matmuls [R, Hp, F] x [R, bs, F]^T, the softmax's
-        # state read and written once: on the v5e 1.3x (128 rows) to 1.8x (256) the row-by-row
-        # loop's speed (benchmarks/README.md, "The attention kernel's rows at once").
-        scores = jnp.einsum("rhf,rsf->rhs", q_ref[...], k_ref[...], preferred_element_type=jnp.float32) * scale
-        if softcap is not None:
-            scores = softcap * jnp.tanh(scores / softcap)
-        qpos, kpos = qpos_ref[...], kpos_ref[...]  # [R, 1, 1], [R, 1, bs]
-        seen = kpos <= qpos
-        if window is not None:
-            seen &= qpos - kpos < window
-        scores = jnp.where(seen, scores, MASKED)
-        m_prev = m_ref[...]
-        m_next = jnp.maximum(m_prev, jnp.max(scores, axis=-1, keepdims=True))
-        alpha = jnp.exp(m_prev - m_next)
-        probs = jnp.where(seen, jnp.exp(scores - m_next), 0.0)
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(probs, axis=-1, keepdims=True)
-        acc_ref[...] = alpha * acc_ref[...] + jnp.einsum(
-            "rhs,rsf->rhf", probs.astype(v_ref.dtype), v_ref[...], preferred_element_type=jnp.float32
-        )
-        m_ref[...] = m_next
+        accumulate_block(q_ref[...], k_ref[...], v_ref[...], qpos_ref[...], kpos_ref[...], m_ref, l_ref, acc_ref,
+                         scale=scale, softcap=softcap, window=window)
 
-    @pl.when(block == pl.num_programs(1) - 1)
-    def _finish() -> None:
-        total = l_ref[...]
-        o_ref[...] = (acc_ref[...] / jnp.where(total > 0, total, 1.0)).astype(o_ref.dtype)
+    pl.when(block == pl.num_programs(1) - 1)(lambda: finish_softmax(o_ref, l_ref, acc_ref))
 
 
 def runs_by_default(platform: str, devices: int) -> bool:
@@ -184,6 +197,35 @@ def key_positions(segments: jax.Array, positions: jax.Array) -> jax.Array:
     return jnp.where(segments != 0, positions, UNFILLED).astype(jnp.int32)
 
 
+def query_lanes(q: jax.Array, features: int, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """q [B, H, D] -> (each query in its own kv head's lanes of the flat key, zero elsewhere, heads
+    padded to a bfloat16 tile's 16 sublanes: [B, Hp, K * D]; each head's kv head [H])."""
+    rows, heads, dim = q.shape
+    kv_heads = features // dim
+    own = jnp.arange(heads) // (heads // kv_heads)
+    lanes = jax.nn.one_hot(own, kv_heads, dtype=q.dtype)[:, :, None]  # [H, K, 1]
+    q_flat = (q[:, :, None, :] * lanes).reshape(rows, heads, features)
+    padded_heads = -(-heads // 16) * 16
+    return jnp.pad(q_flat, ((0, 0), (0, padded_heads - heads), (0, 0))).astype(dtype), own
+
+
+def visited_blocks(
+    q_positions: jax.Array, k_positions: jax.Array, window: int | None, block_rows: int, block: int
+) -> tuple[jax.Array, jax.Array]:
+    """The blocks of slots each group of rows visits, [lo, hi): from the first visible slot's block
+    to the last's."""
+    rows, slots = k_positions.shape
+    groups, blocks = rows // block_rows, slots // block
+    seen = k_positions <= q_positions[:, None]
+    if window is not None:
+        seen &= q_positions[:, None] - k_positions < window
+    per_block = jnp.any(seen.reshape(groups, block_rows, blocks, block), axis=(1, 3))  # [groups, blocks]
+    index = jnp.arange(blocks, dtype=jnp.int32)
+    lo = jnp.min(jnp.where(per_block, index, blocks), axis=1).astype(jnp.int32)
+    hi = (jnp.max(jnp.where(per_block, index, -1), axis=1) + 1).astype(jnp.int32)
+    return lo, hi
+
+
 def ragged_decode_attention(
     q: jax.Array, keys: jax.Array, values: jax.Array, q_positions: jax.Array, k_positions: jax.Array,
     *, scale: float, softcap: float | None = None, window: int | None = None, interpret: bool = False,
@@ -195,24 +237,12 @@ def ragged_decode_attention(
     gets zeros. ``block_slots``: the slots of one block (default: ``block_sizes``)."""
     rows, heads, dim = q.shape
     _, slots, features = keys.shape
-    kv_heads = features // dim
     block_rows, block = block_sizes(rows, slots, features, keys.dtype.itemsize)
     block = block_slots or block
     groups, blocks = rows // block_rows, slots // block
-    padded_heads = -(-heads // 16) * 16  # a bfloat16 tile's sublanes
-    # Each query in its own kv head's lanes of the flat key, zero elsewhere.
-    own = jnp.arange(heads) // (heads // kv_heads)
-    lanes = jax.nn.one_hot(own, kv_heads, dtype=q.dtype)[:, :, None]  # [H, K, 1]
-    q_flat = (q[:, :, None, :] * lanes).reshape(rows, heads, features)
-    q_flat = jnp.pad(q_flat, ((0, 0), (0, padded_heads - heads), (0, 0))).astype(keys.dtype)
-    # The blocks each group of rows visits: from the first visible slot's block to the last's.
-    seen = k_positions <= q_positions[:, None]
-    if window is not None:
-        seen &= q_positions[:, None] - k_positions < window
-    per_block = jnp.any(seen.reshape(groups, block_rows, blocks, block), axis=(1, 3))  # [groups, blocks]
-    index = jnp.arange(blocks, dtype=jnp.int32)
-    lo = jnp.min(jnp.where(per_block, index, blocks), axis=1).astype(jnp.int32)
-    hi = (jnp.max(jnp.where(per_block, index, -1), axis=1) + 1).astype(jnp.int32)
+    q_flat, own = query_lanes(q, features, keys.dtype)
+    padded_heads = q_flat.shape[1]
+    lo, hi = visited_blocks(q_positions, k_positions, window, block_rows, block)
 
     def kv_block(g: jax.Array, j: jax.Array, lo: Any, hi: Any) -> tuple[Any, ...]:
         # Outside [lo, hi) the index repeats its neighbour's: the pipeline fetches nothing new.
@@ -246,5 +276,5 @@ def ragged_decode_attention(
     )(lo, hi, q_flat, q_positions.astype(jnp.int32).reshape(rows, 1, 1),
       k_positions.astype(jnp.int32).reshape(rows, 1, slots), keys, values)
     # Each head's own lanes: [B, Hp, K, D] -> [B, H, D].
-    out = out[:, :heads].reshape(rows, heads, kv_heads, dim)
+    out = out[:, :heads].reshape(rows, heads, features // dim, dim)
     return jnp.take_along_axis(out, own[None, :, None, None], axis=2)[:, :, 0].astype(q.dtype)
