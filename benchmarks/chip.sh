@@ -9,7 +9,7 @@
 # ways; every run under a timeout, so a hang costs its slot and not the call. The table of all
 # runs goes to $OUT/chip.md and $OUT/chip.json (benchmarks/run_figures.py), each run's log to $OUT.
 # host_cpu.py always first (~15 s); shipped (seeds CHIP_SEEDS, default 0 1) and latency by default (~9 minutes); `latency` alone gives its synchronous run the ~5
-# minutes it needs to reach 0.9; `bench` alone (~8 minutes) runs `stoker bench` on benchmarks/chip/; `flags` (~1 minute a variant) the grad step under grad_flags.py's variants; `step` (~4 minutes a manifest under remat auto) the learner's whole step at real size; `actors` (~1 minute a flag set) eight actor loops at once for each of CHIP_ACTOR_FLAGS' flag sets (default: XLA's pools against one thread each); `variants` the example with CHIP_VARIANTS' spec overrides (below); `duty` the learner alone, fed by a full buffer; `decode` (~9 minutes) the sampler's decode step by variant, then whole calls on the kernels with where their device time went. CHIP_SECONDS scales every limit (e.g. 0.2 for a quick check on a CPU machine).
+# minutes it needs to reach 0.9; `bench` alone (~8 minutes) runs `stoker bench` on benchmarks/chip/; `flags` (~1 minute a variant) the grad step under grad_flags.py's variants; `step` (~4 minutes a manifest under remat auto) the learner's whole step at real size; `actors` (~1 minute a flag set) eight actor loops at once for each of CHIP_ACTOR_FLAGS' flag sets (default: XLA's pools against one thread each); `variants` the example with CHIP_VARIANTS' spec overrides (below); `duty` the learner alone, fed by a full buffer; `decode` (~8 minutes) the write-and-attend kernel against the two, whole sampler calls on the kernels with where their device time went, and top-p / top-k draws. CHIP_SECONDS scales every limit (e.g. 0.2 for a quick check on a CPU machine).
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-python3}
@@ -109,16 +109,24 @@ case " $PARTS " in *" step "*)
         grep -v -e Warning -e warnings.warn "$WORK/step-$name.log" | tail -n 8 >> "$OUT/chip.log"
     done
 esac
-# decode: the sampler's decode step (decode_step.py: kernels, select, shared slot), then whole
-# sampler calls on the kernels (decode_profile.py: each batch's decode tokens/s, a JSON line into
-# chip.log, and where its device time went, $OUT/profile-B.md) (issue 52).
+# decode: the write-and-attend kernel against the two kernels (decode_write_fused.py), whole sampler
+# calls on the kernels (decode_profile.py: each batch's decode tokens/s, a JSON line into chip.log,
+# and where its device time went, $OUT/profile-B.md), then top-p / top-k draws (sampling_truncation.py)
+# (issue 52). CHIP_DECODE_STEP=1 adds decode_step.py's per-step variants first.
 case " $PARTS " in *" decode "*)
-    timeout -k 10 "$(limit 240)" "$PYTHON" "$ROOT/benchmarks/decode_step.py" \
-        ${CHIP_DECODE_SHAPES:-8x256x192 128x256x192 256x256x192 128x2048x192 128x2048} 2>&1 | grep '^{' | tee -a "$OUT/chip.log"
-    echo "decode_step: exit ${PIPESTATUS[0]} after ${SECONDS}s of the script" | tee -a "$OUT/chip.log"
+    if [ "${CHIP_DECODE_STEP:-0}" = 1 ]; then
+        timeout -k 10 "$(limit 240)" "$PYTHON" "$ROOT/benchmarks/decode_step.py" \
+            ${CHIP_DECODE_SHAPES:-8x256x192 128x256x192 256x256x192 128x2048x192 128x2048} 2>&1 | grep '^{' | tee -a "$OUT/chip.log"
+        echo "decode_step: exit ${PIPESTATUS[0]} after ${SECONDS}s of the script" | tee -a "$OUT/chip.log"
+    fi
+    timeout -k 10 "$(limit 120)" "$PYTHON" "$ROOT/benchmarks/decode_write_fused.py" 2>&1 | grep '^{' | tee -a "$OUT/chip.log"
+    echo "decode_write_fused: exit ${PIPESTATUS[0]} after ${SECONDS}s of the script" | tee -a "$OUT/chip.log"
     (cd "$ROOT/benchmarks" && timeout -k 10 "$(limit 300)" "$PYTHON" decode_profile.py ${CHIP_DECODE_BATCHES:-128 256 8 32} \
         --out "$OUT") 2>&1 | grep '^{' | tee -a "$OUT/chip.log"
     echo "decode_profile: exit ${PIPESTATUS[0]} after ${SECONDS}s of the script" | tee -a "$OUT/chip.log"
+    timeout -k 10 "$(limit 100)" "$PYTHON" "$ROOT/benchmarks/sampling_truncation.py" --rows 128 --repeats 3 2>&1 \
+        | grep '^{' | tee -a "$OUT/chip.log"
+    echo "sampling_truncation: exit ${PIPESTATUS[0]} after ${SECONDS}s of the script" | tee -a "$OUT/chip.log"
 esac
 # actors: eight actor loops of the example at once (actor_rate.py), XLA's default CPU pools against
 # pools of one thread as `stoker run` now sizes them; the lines go to chip.log.
