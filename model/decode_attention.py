@@ -23,7 +23,7 @@ the same dot product, and the caller keeps each head's own lanes of the output.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -226,6 +226,41 @@ def visited_blocks(
     return lo, hi
 
 
+class Grid(NamedTuple):
+    """How a decode kernel walks the cache: blocks of ``block_rows`` rows x ``block`` slots,
+    ``groups`` x ``blocks`` of them, each group visiting blocks [lo, hi); the queries in their kv
+    heads' lanes (``q_flat``) and each head's kv head (``own``)."""
+
+    block_rows: int
+    block: int
+    groups: int
+    blocks: int
+    q_flat: jax.Array
+    own: jax.Array
+    lo: jax.Array
+    hi: jax.Array
+
+
+def plan_grid(
+    q: jax.Array, keys: jax.Array, q_positions: jax.Array, k_positions: jax.Array, window: int | None,
+    block_slots: int | None,
+) -> Grid:
+    rows, _, _ = q.shape
+    _, slots, features = keys.shape
+    block_rows, block = block_sizes(rows, slots, features, keys.dtype.itemsize)
+    block = block_slots or block
+    q_flat, own = query_lanes(q, features, keys.dtype)
+    lo, hi = visited_blocks(q_positions, k_positions, window, block_rows, block)
+    return Grid(block_rows, block, rows // block_rows, slots // block, q_flat, own, lo, hi)
+
+
+def own_heads(out: jax.Array, grid: Grid, q: jax.Array) -> jax.Array:
+    """A kernel's [B, Hp, K * D] float32 output -> each head's own lanes, [B, H, D] in q's dtype."""
+    rows, heads, dim = q.shape
+    out = out[:, :heads].reshape(rows, heads, out.shape[-1] // dim, dim)
+    return jnp.take_along_axis(out, grid.own[None, :, None, None], axis=2)[:, :, 0].astype(q.dtype)
+
+
 def ragged_decode_attention(
     q: jax.Array, keys: jax.Array, values: jax.Array, q_positions: jax.Array, k_positions: jax.Array,
     *, scale: float, softcap: float | None = None, window: int | None = None, interpret: bool = False,
@@ -235,14 +270,10 @@ def ragged_decode_attention(
     ``key_positions``) -> [B, H, D] in q's dtype. Slot s is visible from row b's query iff
     ``k_positions[b, s] <= q_positions[b]`` (and within ``window``); a row that sees nothing
     gets zeros. ``block_slots``: the slots of one block (default: ``block_sizes``)."""
-    rows, heads, dim = q.shape
+    rows, _, _ = q.shape
     _, slots, features = keys.shape
-    block_rows, block = block_sizes(rows, slots, features, keys.dtype.itemsize)
-    block = block_slots or block
-    groups, blocks = rows // block_rows, slots // block
-    q_flat, own = query_lanes(q, features, keys.dtype)
+    block_rows, block, groups, blocks, q_flat, _, lo, hi = grid = plan_grid(q, keys, q_positions, k_positions, window, block_slots)
     padded_heads = q_flat.shape[1]
-    lo, hi = visited_blocks(q_positions, k_positions, window, block_rows, block)
 
     def kv_block(g: jax.Array, j: jax.Array, lo: Any, hi: Any) -> tuple[Any, ...]:
         # Outside [lo, hi) the index repeats its neighbour's: the pipeline fetches nothing new.
@@ -275,6 +306,4 @@ def ragged_decode_attention(
         interpret=pltpu.InterpretParams() if interpret else False,
     )(lo, hi, q_flat, q_positions.astype(jnp.int32).reshape(rows, 1, 1),
       k_positions.astype(jnp.int32).reshape(rows, 1, slots), keys, values)
-    # Each head's own lanes: [B, Hp, K, D] -> [B, H, D].
-    out = out[:, :heads].reshape(rows, heads, features // dim, dim)
-    return jnp.take_along_axis(out, own[None, :, None, None], axis=2)[:, :, 0].astype(q.dtype)
+    return own_heads(out, grid, q)

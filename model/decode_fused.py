@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from stoker.model.decode_attention import (
-    WRITE_ALIGN, accumulate_block, block_sizes, finish_softmax, query_lanes, start_softmax, visited_blocks,
+    WRITE_ALIGN, accumulate_block, finish_softmax, own_heads, plan_grid, start_softmax,
 )
 
 
@@ -80,13 +80,9 @@ def attend_and_write(
     ``ragged_decode_attention`` over the written cache, in one kernel: (out [B, H, D], keys,
     values). ``k_positions`` already counts the new slots (as after the write). In place when the
     caches are donated; a slot outside the cache writes nothing."""
-    rows, heads, dim = q.shape
+    rows, _, _ = q.shape
     _, slots, features = keys.shape
-    block_rows, block = block_sizes(rows, slots, features, keys.dtype.itemsize)
-    block = block_slots or block
-    groups, blocks = rows // block_rows, slots // block
-    q_flat, own = query_lanes(q, features, keys.dtype)
-    lo, hi = visited_blocks(q_positions, k_positions, window, block_rows, block)
+    block_rows, block, groups, blocks, q_flat, _, lo, hi = grid = plan_grid(q, keys, q_positions, k_positions, window, block_slots)
 
     def kv_block(g: jax.Array, j: jax.Array, lo: Any, hi: Any, at: Any) -> tuple[Any, ...]:
         return g, jnp.maximum(jnp.minimum(j, hi[g] - 1), jnp.minimum(lo[g], blocks - 1)), 0
@@ -130,5 +126,4 @@ def attend_and_write(
         interpret=pltpu.InterpretParams() if interpret else False,
     )(lo, hi, positions, q_flat, positions.reshape(rows, 1, 1), k_positions.astype(jnp.int32).reshape(rows, 1, slots),
       keys, values, *new)
-    out = out[:, :heads].reshape(rows, heads, features // dim, dim)
-    return jnp.take_along_axis(out, own[None, :, None, None], axis=2)[:, :, 0].astype(q.dtype), keys, values
+    return own_heads(out, grid, q), keys, values
