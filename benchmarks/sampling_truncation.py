@@ -5,10 +5,11 @@ truncation found by weighing (``stoker.model.selection``) against the full-vocab
     device run, carry [".whl-tpu"]:  . .whl-tpu/install.sh && python3 benchmarks/sampling_truncation.py
     this CPU:                        .venv/bin/python benchmarks/sampling_truncation.py --rows 8 --repeats 3
 
-Logits [rows, 151,936] float32, N(0, 1) x a scale: 6, a peaked distribution whose top-p 0.9
-nucleus lies within the 256 candidates; 0.5, a flat one (tens of thousands: the sort fallback). Prints one
-JSON line per case: ms per call (best of ``--repeats``, 10 calls each) for the plain draw, the
-sort-free path and the full sort, and the sort's time over the sort-free one.
+Logits [rows, 151,936] float32, N(0, 1) x a scale: 6, a peaked distribution (a top-p 0.9 nucleus
+of ~100 tokens); 0.5, a flat one (tens of thousands). Prints one JSON line per case: ms per call
+(best of ``--repeats``, 10 calls each) for the plain draw, top-p by weighing and by a full sort,
+top-k 50 by weighing, ``lax.top_k`` of 256 alone, the weighing alone at 1, 2 and 4 bits a pass, and
+the sort's time over the weighing's.
 """
 
 from __future__ import annotations

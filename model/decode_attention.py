@@ -227,18 +227,44 @@ def visited_blocks(
 
 
 class Grid(NamedTuple):
-    """How a decode kernel walks the cache: blocks of ``block_rows`` rows x ``block`` slots,
-    ``groups`` x ``blocks`` of them, each group visiting blocks [lo, hi); the queries in their kv
-    heads' lanes (``q_flat``) and each head's kv head (``own``)."""
+    """How a decode kernel walks a flat cache of ``slots`` slots: blocks of ``block_rows`` rows x
+    ``block`` slots, each group of rows visiting blocks [lo, hi); the queries in their kv heads'
+    lanes (``q_flat``) and each head's kv head (``own``). Its specs take the scalar-prefetched
+    ``lo`` and ``hi`` first (a kernel may prefetch more after them)."""
 
     block_rows: int
     block: int
-    groups: int
-    blocks: int
+    slots: int
     q_flat: jax.Array
     own: jax.Array
     lo: jax.Array
     hi: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q_flat.shape[0] // self.block_rows, self.slots // self.block
+
+    def block_index(self, g: jax.Array, j: jax.Array, lo: Any, hi: Any) -> jax.Array:
+        # Outside [lo, hi) the index repeats its neighbour's: the pipeline fetches nothing new.
+        return jnp.maximum(jnp.minimum(j, hi[g] - 1), jnp.minimum(lo[g], self.shape[1] - 1))
+
+    def row_spec(self, *tail: int) -> Any:
+        """A group's rows of an array [B, *tail], whole."""
+        return pl.BlockSpec((self.block_rows, *tail), lambda g, j, *_: (g, 0, 0))
+
+    def in_specs(self, features: int) -> list[Any]:
+        """Queries, their positions [B, 1, 1], key positions [B, 1, S], keys and values [B, S, F]."""
+        kv = pl.BlockSpec((self.block_rows, self.block, features),
+                          lambda g, j, lo, hi, *_: (g, self.block_index(g, j, lo, hi), 0))
+        positions = pl.BlockSpec((self.block_rows, 1, self.block),
+                                 lambda g, j, lo, hi, *_: (g, 0, self.block_index(g, j, lo, hi)))
+        return [self.row_spec(*self.q_flat.shape[1:]), self.row_spec(1, 1), positions, kv, kv]
+
+    def scratch(self) -> list[Any]:
+        """The online softmax's running max and sum (a column a row) and its accumulator."""
+        stats = (self.block_rows, self.q_flat.shape[1], 1)
+        return [pltpu.VMEM(stats, jnp.float32), pltpu.VMEM(stats, jnp.float32),
+                pltpu.VMEM((self.block_rows, *self.q_flat.shape[1:]), jnp.float32)]
 
 
 def plan_grid(
@@ -251,7 +277,7 @@ def plan_grid(
     block = block_slots or block
     q_flat, own = query_lanes(q, features, keys.dtype)
     lo, hi = visited_blocks(q_positions, k_positions, window, block_rows, block)
-    return Grid(block_rows, block, rows // block_rows, slots // block, q_flat, own, lo, hi)
+    return Grid(block_rows, block, slots, q_flat, own, lo, hi)
 
 
 def own_heads(out: jax.Array, grid: Grid, q: jax.Array) -> jax.Array:
@@ -272,38 +298,16 @@ def ragged_decode_attention(
     gets zeros. ``block_slots``: the slots of one block (default: ``block_sizes``)."""
     rows, _, _ = q.shape
     _, slots, features = keys.shape
-    block_rows, block, groups, blocks, q_flat, _, lo, hi = grid = plan_grid(q, keys, q_positions, k_positions, window, block_slots)
-    padded_heads = q_flat.shape[1]
-
-    def kv_block(g: jax.Array, j: jax.Array, lo: Any, hi: Any) -> tuple[Any, ...]:
-        # Outside [lo, hi) the index repeats its neighbour's: the pipeline fetches nothing new.
-        return g, jnp.maximum(jnp.minimum(j, hi[g] - 1), jnp.minimum(lo[g], blocks - 1)), 0
-
-    def position_block(g: jax.Array, j: jax.Array, lo: Any, hi: Any) -> tuple[Any, ...]:
-        return g, 0, kv_block(g, j, lo, hi)[1]
-
+    grid = plan_grid(q, keys, q_positions, k_positions, window, block_slots)
     out = pl.pallas_call(
         functools.partial(_attention_kernel, scale=scale, softcap=softcap, window=window),
-        out_shape=jax.ShapeDtypeStruct((rows, padded_heads, features), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct(grid.q_flat.shape, jnp.float32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
-            grid=(groups, blocks),
-            in_specs=[
-                pl.BlockSpec((block_rows, padded_heads, features), lambda g, j, lo, hi: (g, 0, 0)),
-                pl.BlockSpec((block_rows, 1, 1), lambda g, j, lo, hi: (g, 0, 0)),
-                pl.BlockSpec((block_rows, 1, block), position_block),
-                pl.BlockSpec((block_rows, block, features), kv_block),
-                pl.BlockSpec((block_rows, block, features), kv_block),
-            ],
-            out_specs=pl.BlockSpec((block_rows, padded_heads, features), lambda g, j, lo, hi: (g, 0, 0)),
-            scratch_shapes=[
-                pltpu.VMEM((block_rows, padded_heads, 1), jnp.float32),
-                pltpu.VMEM((block_rows, padded_heads, 1), jnp.float32),
-                pltpu.VMEM((block_rows, padded_heads, features), jnp.float32),
-            ],
+            num_scalar_prefetch=2, grid=grid.shape, in_specs=grid.in_specs(features),
+            out_specs=grid.row_spec(*grid.q_flat.shape[1:]), scratch_shapes=grid.scratch(),
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
-    )(lo, hi, q_flat, q_positions.astype(jnp.int32).reshape(rows, 1, 1),
+    )(grid.lo, grid.hi, grid.q_flat, q_positions.astype(jnp.int32).reshape(rows, 1, 1),
       k_positions.astype(jnp.int32).reshape(rows, 1, slots), keys, values)
     return own_heads(out, grid, q)

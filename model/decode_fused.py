@@ -82,48 +82,24 @@ def attend_and_write(
     caches are donated; a slot outside the cache writes nothing."""
     rows, _, _ = q.shape
     _, slots, features = keys.shape
-    block_rows, block, groups, blocks, q_flat, _, lo, hi = grid = plan_grid(q, keys, q_positions, k_positions, window, block_slots)
-
-    def kv_block(g: jax.Array, j: jax.Array, lo: Any, hi: Any, at: Any) -> tuple[Any, ...]:
-        return g, jnp.maximum(jnp.minimum(j, hi[g] - 1), jnp.minimum(lo[g], blocks - 1)), 0
-
-    def row_block(g: jax.Array, j: jax.Array, *_: Any) -> tuple[Any, ...]:
-        return g, 0, 0
-
-    def position_block(g: jax.Array, j: jax.Array, lo: Any, hi: Any, at: Any) -> tuple[Any, ...]:
-        return g, 0, kv_block(g, j, lo, hi, at)[1]
-
-    padded_heads = q_flat.shape[1]
+    grid = plan_grid(q, keys, q_positions, k_positions, window, block_slots)
     new = [x.astype(keys.dtype).reshape(rows, 1, features) for x in (new_keys, new_values)]
-    stats = (block_rows, padded_heads, 1)
-    kv_spec = pl.BlockSpec((block_rows, block, features), kv_block)
     any_space = pl.BlockSpec(memory_space=pl.ANY)
     positions = q_positions.astype(jnp.int32)
     out, keys, values = pl.pallas_call(
         functools.partial(_kernel, scale=scale, softcap=softcap, window=window),
-        out_shape=(jax.ShapeDtypeStruct((rows, padded_heads, features), jnp.float32),
+        out_shape=(jax.ShapeDtypeStruct(grid.q_flat.shape, jnp.float32),
                    jax.ShapeDtypeStruct(keys.shape, keys.dtype), jax.ShapeDtypeStruct(values.shape, values.dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
-            grid=(groups, blocks),
-            in_specs=[
-                pl.BlockSpec((block_rows, padded_heads, features), row_block),
-                pl.BlockSpec((block_rows, 1, 1), row_block),
-                pl.BlockSpec((block_rows, 1, block), position_block),
-                kv_spec, kv_spec,
-                pl.BlockSpec((block_rows, 1, features), row_block),
-                pl.BlockSpec((block_rows, 1, features), row_block),
-            ],
-            out_specs=(pl.BlockSpec((block_rows, padded_heads, features), row_block), any_space, any_space),
-            scratch_shapes=[
-                pltpu.VMEM(stats, jnp.float32), pltpu.VMEM(stats, jnp.float32),
-                pltpu.VMEM((block_rows, padded_heads, features), jnp.float32),
-                pltpu.SemaphoreType.DMA(()),
-            ],
+            num_scalar_prefetch=3,  # lo, hi, and each row's new slot
+            grid=grid.shape,
+            in_specs=[*grid.in_specs(features), grid.row_spec(1, features), grid.row_spec(1, features)],
+            out_specs=(grid.row_spec(*grid.q_flat.shape[1:]), any_space, any_space),
+            scratch_shapes=[*grid.scratch(), pltpu.SemaphoreType.DMA(())],
         ),
         input_output_aliases={6: 1, 7: 2},  # operands count the three prefetched arrays
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
-    )(lo, hi, positions, q_flat, positions.reshape(rows, 1, 1), k_positions.astype(jnp.int32).reshape(rows, 1, slots),
-      keys, values, *new)
+    )(grid.lo, grid.hi, positions, grid.q_flat, positions.reshape(rows, 1, 1),
+      k_positions.astype(jnp.int32).reshape(rows, 1, slots), keys, values, *new)
     return own_heads(out, grid, q), keys, values

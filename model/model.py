@@ -191,7 +191,7 @@ class Transformer(nnx.Module):
             return OutputHead(self.embed_tokens.embedding[...], True, self.config.final_logit_softcap)
         return OutputHead(self.lm_head.kernel[...], False, self.config.final_logit_softcap)
 
-    def _logits(self, h: jax.Array, head: bool = True) -> jax.Array:  # ``head`` off: the head's input
+    def _output(self, h: jax.Array, head: bool) -> jax.Array:  # the logits; ``head`` off, the head's input
         return self.output_head().logits(self.norm(h)) if head else self.norm(h)
 
     def hidden_states(
@@ -258,7 +258,7 @@ class Transformer(nnx.Module):
                 layer_caches.append(LayerCache(jnp.pad(k, pad), jnp.pad(v, pad)))
         if logits_at is not None:
             h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)[:, 0]
-        logits = self._logits(h, head)
+        logits = self._output(h, head)
         if cache_len is None:
             return logits, None
         segments = jnp.pad(segment_ids, ((0, 0), (0, cache_len - segment_ids.shape[1])))
@@ -298,7 +298,7 @@ class Transformer(nnx.Module):
             h = block.finish(h, block.self_attn(
                 x, positions, keys.reshape(batch, num_slots, *heads), values.reshape(batch, num_slots, *heads), vis
             ))
-        logits = self._logits(jnp.take_along_axis(h, logits_at[:, None, None], axis=1), head)[:, 0]
+        logits = self._output(jnp.take_along_axis(h, logits_at[:, None, None], axis=1), head)[:, 0]
         segments = (slots[None, :] < filled[:, None]).astype(jnp.int32)
         return logits, KVCache(tuple(new_layers), segments)
 
@@ -347,7 +347,7 @@ class Transformer(nnx.Module):
                 values = jax.lax.dynamic_update_slice(layer.values, v.astype(layer.values.dtype), (0, at, 0, 0))
             new_layers.append(LayerCache(keys, values))
             h = block.finish(h, block.self_attn(x, pos, keys, values, vis))
-        return self._logits(h, head)[:, 0], KVCache(tuple(new_layers), segments)
+        return self._output(h, head)[:, 0], KVCache(tuple(new_layers), segments)
 
     def _decode_flat(
         self, token_ids: jax.Array, positions: jax.Array, cache: KVCache, interpret: bool, head: bool
@@ -367,7 +367,7 @@ class Transformer(nnx.Module):
             keys, values = write_rows(*layer, k.reshape(batch, -1), v.reshape(batch, -1), positions, interpret=interpret)
             new_layers.append(LayerCache(keys, values))
             h = block.finish(h, block.self_attn.decode_step(x, positions, keys, values, k_positions, interpret=interpret))
-        return self._logits(h, head)[:, 0], KVCache(tuple(new_layers), segments)
+        return self._output(h, head)[:, 0], KVCache(tuple(new_layers), segments)
 
 
 def flatten_cache(cache: KVCache) -> KVCache:

@@ -43,7 +43,6 @@ def weighted_threshold(
     found = jnp.zeros((*x.shape[:-1], 1), jnp.uint32)  # the key's bits decided so far
     for shift in range(32 - bits, -1, -bits):
         # Candidate c sets the next bits to c; the largest candidate that still weighs enough wins.
-        # The weights at every candidate are sibling reductions of one read of the row.
         weighs = [jnp.sum(jnp.where(keys >= (found | jnp.uint32(c << shift)), weight, 0.0), axis=-1, keepdims=True)
                   >= target for c in range(1, 1 << bits)]
         digit = sum((w.astype(jnp.uint32) for w in weighs), jnp.zeros_like(found))  # weighing is monotone in c

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from stoker.procstat import proc_stat
+
 # How long a child gets to shut down cleanly after SIGTERM before it is killed.
 STOP_GRACE_SECONDS = 30.0
 READY_TIMEOUT_SECONDS = 120.0
@@ -25,14 +27,13 @@ GROUP_EXIT_SECONDS = 10.0
 def live_group_members(pgid: int) -> list[int]:
     """Processes of group ``pgid`` still running (zombies, dead but not yet reaped, left out)."""
     members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for entry in Path("/proc").glob("[0-9]*"):
         try:
-            # "pid (comm) state ppid pgrp ...": comm may hold spaces, so split after its ")".
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = proc_stat(entry.name)  # [0] the state, [2] the process group
         except (OSError, IndexError):
             continue  # gone meanwhile
         if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(stat.parent.name))
+            members.append(int(entry.name))
     return members
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from stoker.procstat import proc_stat
+
 pytestmark = pytest.mark.slow
 
 
@@ -75,7 +77,7 @@ def _running(pid: int) -> bool:
     """Whether ``pid`` is a process still running (a zombie, dead and waiting to be reaped by
     whoever adopted it, is not)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return proc_stat(pid)[0] != "Z"
     except (OSError, IndexError):
         return False
 
