@@ -98,6 +98,19 @@ class BatchStats:
 # prefill tokens and at 64 rows x 64 (benchmarks/README.md, "Actor sampling: call sizes").
 MAX_CALL_ROWS = 32
 MAX_CALL_TOKENS = 2048
+# On an accelerator a call's rows share each decode step's read of the weights: on a v5e the
+# 0.5B-shaped sampler decodes 17.8k tokens/s at 32 rows and 53.7k at 128 (benchmarks/README.md,
+# "The decode step's kernels"), and the CPU's limits split a colocated loop's 128 episodes into four
+# calls of 32, one after the other ("The colocated loop on the chip").
+ACCELERATOR_CALL_ROWS = 256
+ACCELERATOR_CALL_TOKENS = 65536
+
+
+def call_limits(platform: str) -> tuple[int, int]:
+    """(most rows, most rows x prefill bucket) of one sampler call on JAX's ``platform``."""
+    if platform == "cpu":
+        return MAX_CALL_ROWS, MAX_CALL_TOKENS
+    return ACCELERATOR_CALL_ROWS, ACCELERATOR_CALL_TOKENS
 
 
 class BatchedSampler:

@@ -24,7 +24,7 @@ from stoker.actor.diagnostics import LoadReading
 from stoker.actor.environments import EnvironmentProblem
 from stoker.actor.evaluation import EvalOutcome, GreedyPolicy
 from stoker.actor.pods import pod_factory
-from stoker.actor.policy import BatchedSampler
+from stoker.actor.policy import BatchedSampler, call_limits
 from stoker.actor.process_sandbox import process_factory
 from stoker.actor.rewards import RewardedFactory
 from stoker.actor.runner import Actor, ActorStats, BufferUnavailable, Grant
@@ -132,7 +132,10 @@ def conversation_rows(settings: ActorSettings, config: Any, dtype: str) -> int:
 def make_policy(
     settings: ActorSettings, dtype: str = "float32", mesh: Any = None, cpu_threads: int | None = None
 ) -> BatchedSampler:
-    return BatchedSampler(make_sampler(settings, dtype, mesh, cpu_threads))
+    sampler = make_sampler(settings, dtype, mesh, cpu_threads)
+    import jax  # loaded by the sampler (imported late: an actor sampling from a rollout server never needs it)
+
+    return BatchedSampler(sampler, *call_limits(jax.default_backend()))
 
 
 async def warm_up(policy: BatchedSampler, settings: ActorSettings) -> None:

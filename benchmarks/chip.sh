@@ -9,7 +9,7 @@
 # ways; every run under a timeout, so a hang costs its slot and not the call. The table of all
 # runs goes to $OUT/chip.md and $OUT/chip.json (benchmarks/run_figures.py), each run's log to $OUT.
 # host_cpu.py always first (~15 s); shipped (seeds CHIP_SEEDS, default 0 1) and latency by default (~9 minutes); `latency` alone gives its synchronous run the ~5
-# minutes it needs to reach 0.9; `bench` alone (~8 minutes) runs `stoker bench` on benchmarks/chip/; `flags` (~1 minute a variant) the grad step under grad_flags.py's variants; `step` (~4 minutes a manifest under remat auto) the learner's whole step at real size; `actors` (~1 minute a flag set) eight actor loops at once for each of CHIP_ACTOR_FLAGS' flag sets (default: XLA's pools against one thread each); `variants` the example with CHIP_VARIANTS' spec overrides (below); `duty` the learner alone, fed by a full buffer; `decode` (~8 minutes) the write-and-attend kernel against the two, whole sampler calls on the kernels with where their device time went, and top-p / top-k draws. CHIP_SECONDS scales every limit (e.g. 0.2 for a quick check on a CPU machine).
+# minutes it needs to reach 0.9; `bench` alone (~8 minutes) runs `stoker bench` on benchmarks/chip/; `flags` (~1 minute a variant) the grad step under grad_flags.py's variants; `step` (~4 minutes a manifest under remat auto) the learner's whole step at real size; `actors` (~1 minute a flag set) eight actor loops at once for each of CHIP_ACTOR_FLAGS' flag sets (default: XLA's pools against one thread each); `variants` the example with CHIP_VARIANTS' spec overrides (below); `duty` the learner alone, fed by a full buffer; `decode` (~8 minutes) the write-and-attend kernel against the two, whole sampler calls on the kernels with where their device time went, and top-p / top-k draws; `colocated` (~6 minutes) a 0.5B-shaped policy sampling and training on the chip; `head` (~4 minutes) the LM head fused with the draw or apart. CHIP_SECONDS scales every limit (e.g. 0.2 for a quick check on a CPU machine).
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PYTHON=${PYTHON:-python3}
@@ -190,13 +190,31 @@ case " $PARTS " in *" variants "*)
         done
     done
 esac
+# colocated: benchmarks/colocated/q05.yaml (issue 52 item 4: a 0.5B-shaped policy sampling and
+# training on the one chip), its task file's path made absolute; report.md and phases.jsonl to $OUT.
+case " $PARTS " in *" colocated "*)
+    sed "s|benchmarks/colocated/|$ROOT/benchmarks/colocated/|" "$ROOT/benchmarks/colocated/q05.yaml" > "$WORK/colocated.yaml"
+    timeout -k 40 "$(limit 480)" "$PYTHON" -m stoker.cli run "$WORK/colocated.yaml" --run-dir "$WORK/colocated" --no-progress \
+        --max-minutes "$("$PYTHON" -c "print(round(($(limit 480) - 60) / 60, 2))")" > "$WORK/colocated.log" 2>&1
+    echo "colocated: exit $? after ${SECONDS}s of the script" | tee -a "$OUT/chip.log"
+    reap "$WORK/colocated"
+    cp "$WORK/colocated/report.md" "$OUT/colocated-report.md"; cp "$WORK/colocated/phases.jsonl" "$OUT/colocated-phases.jsonl"
+    grep -v -e Warning -e warnings.warn "$WORK/colocated/logs/learner.log" | tail -n 40 > "$OUT/colocated-learner-tail.txt"
+    tail -n 5 "$WORK/colocated.log" >> "$OUT/chip.log"
+esac
+# head: the LM head fused with the draw against the two apart, whole sampler calls (head_draw.py).
+case " $PARTS " in *" head "*)
+    (cd "$ROOT/benchmarks" && timeout -k 10 "$(limit 300)" "$PYTHON" head_draw.py ${CHIP_HEAD_BATCHES:-8 32 64}) 2>&1 \
+        | grep '^{' | tee -a "$OUT/chip.log"
+    echo "head_draw: exit ${PIPESTATUS[0]} after ${SECONDS}s of the script" | tee -a "$OUT/chip.log"
+esac
 case " $PARTS " in *" latency "*)
     run latency-async 120 "$WORK/job.yaml" async
     if [ "$PARTS" = latency ]; then run latency-sync 330 "$WORK/job-sync.yaml" sync
     else run latency-sync 150 "$WORK/job-sync.yaml" sync; fi
 esac
 
-[ "$PARTS" = bench ] || [ "$PARTS" = decode ] && exit 0
+case " $PARTS " in *" shipped "*|*" variants "*|*" latency "*) ;; *) exit 0 ;; esac  # no loop runs to tabulate
 "$PYTHON" "$ROOT/benchmarks/run_figures.py" ${SHIPPED[@]+"${SHIPPED[@]}"} ${VARIANTS[@]+"${VARIANTS[@]}"} "$WORK"/latency-async \
     "$WORK"/latency-sync --json "$OUT/chip.json" --markdown "$OUT/chip.md"
 tail -n 5 "$WORK"/*.log > "$OUT/logs.txt" 2>&1

@@ -16,10 +16,16 @@ from flax import nnx
 
 from stoker.model.attention import Visibility
 from stoker.model.attention_kernels import Implementation, attend
-from stoker.model.decode_attention import ragged_decode_attention
+from stoker.model.decode_attention import ragged_decode_attention, write_rows
+from stoker.model.decode_fused import attend_and_write
 from stoker.model.moe import RouterStats, SparseMoE
 from stoker.model.rope import inverse_frequencies, rotary
 from stoker.spec import TransformerConfig
+
+# The most rows a decode step writes its cache inside the attention kernel (decode_fused) rather
+# than in a kernel of its own before it: on a TPU v5e one kernel took 57.7 us a layer against 61.8
+# at 128 rows, 85.5 against 74.5 at 256 (benchmarks/README.md, "The decode step's kernels").
+WRITE_FUSED_MAX_ROWS = 128
 
 
 def head_dim(config: TransformerConfig) -> int:
@@ -123,16 +129,24 @@ class Attention(nnx.Module):
 
     def decode_step(
         self, x: jax.Array, positions: jax.Array, keys: jax.Array, values: jax.Array, k_positions: jax.Array,
-        *, interpret: bool,
-    ) -> jax.Array:
+        new_keys: jax.Array, new_values: jax.Array, *, interpret: bool,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """One query a row, ``x`` [B, 1, hidden] at ``positions`` [B], over a flat cache [B, S,
-        kv_heads * D] whose slot positions are ``k_positions`` [B, S] (``decode_attention``)."""
+        kv_heads * D] whose slot positions are ``k_positions`` [B, S] (``decode_attention``),
+        after writing each row's ``new_keys``/``new_values`` [B, kv_heads * D] into slot
+        ``positions[b]``: (out, keys, values). Up to ``WRITE_FUSED_MAX_ROWS`` rows the write runs
+        inside the attention kernel, past it in a kernel of its own."""
         b = x.shape[0]
-        out = ragged_decode_attention(
-            self.queries(x, positions[:, None])[:, 0], keys, values, positions, k_positions, scale=self.scale, softcap=self.softcap, window=self.window,
-            interpret=interpret,
-        )
-        return self.o_proj(out.reshape(b, 1, self.num_heads * self.head_dim))
+        q = self.queries(x, positions[:, None])[:, 0]
+        scale, softcap, window = self.scale, self.softcap, self.window
+        if b <= WRITE_FUSED_MAX_ROWS:
+            out, keys, values = attend_and_write(q, keys, values, new_keys, new_values, positions, k_positions,
+                                                 scale=scale, softcap=softcap, window=window, interpret=interpret)
+        else:
+            keys, values = write_rows(keys, values, new_keys, new_values, positions, interpret=interpret)
+            out = ragged_decode_attention(q, keys, values, positions, k_positions, scale=scale, softcap=softcap,
+                                          window=window, interpret=interpret)
+        return self.o_proj(out.reshape(b, 1, self.num_heads * self.head_dim)), keys, values
 
 
 class MLP(nnx.Module):

@@ -20,7 +20,7 @@ from flax import nnx
 from stoker.model.attention import Visibility
 from stoker.model.attention_kernels import Implementation
 from stoker.model.init import init_module as init_module  # re-exported: the critic's init
-from stoker.model.decode_attention import key_positions, write_rows
+from stoker.model.decode_attention import key_positions
 from stoker.model.layers import Block, LayerCache, norm_layer
 from stoker.model.logprobs import OutputHead
 from stoker.model.moe import RouterStats
@@ -352,9 +352,8 @@ class Transformer(nnx.Module):
     def _decode_flat(
         self, token_ids: jax.Array, positions: jax.Array, cache: KVCache, interpret: bool, head: bool
     ) -> tuple[jax.Array, KVCache]:
-        """``decode`` over a flat cache (``flatten_cache``): each row's keys and values written in
-        place into slot ``positions[b]`` (a position past the cache writes nothing), attention
-        reading only the blocks of slots a row can see (``stoker.model.decode_attention``)."""
+        """``decode`` over a flat cache (``flatten_cache``): each row's keys and values written in place into
+        slot ``positions[b]``, attention over the blocks a row can see (``Attention.decode_step``)."""
         batch, num_slots = cache.segment_ids.shape
         slots = jnp.broadcast_to(jnp.arange(num_slots, dtype=jnp.int32), (batch, num_slots))
         segments = jnp.where(slots == positions[:, None], 1, cache.segment_ids)
@@ -364,9 +363,10 @@ class Transformer(nnx.Module):
         for block, layer in zip(self.layers, cache.layers, strict=True):
             x = block.input_layernorm(h)
             k, v = block.self_attn.project_kv(x, positions[:, None])
-            keys, values = write_rows(*layer, k.reshape(batch, -1), v.reshape(batch, -1), positions, interpret=interpret)
-            new_layers.append(LayerCache(keys, values))
-            h = block.finish(h, block.self_attn.decode_step(x, positions, keys, values, k_positions, interpret=interpret))
+            out, *written = block.self_attn.decode_step(
+                x, positions, *layer, k_positions, k.reshape(batch, -1), v.reshape(batch, -1), interpret=interpret)
+            new_layers.append(LayerCache(*written))
+            h = block.finish(h, out)
         return self._output(h, head)[:, 0], KVCache(tuple(new_layers), segments)
 
 

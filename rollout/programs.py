@@ -119,6 +119,12 @@ def shared_slot_pays(slots: int) -> bool:
     return slots >= SHARED_SLOT_MIN_SLOTS
 
 
+# The fewest rows at which the head's matmul fused with the draw's reduction beats the two apart
+# on a TPU v5e (benchmarks/README.md, "The head fused with the draw"): fused, the [B, V] logits
+# never reach HBM, but at 8 and 32 rows the fused matmul ran slower than the weights' read alone.
+HEAD_FUSED_MIN_ROWS = 64
+
+
 def sample_loop(
     model: Transformer,
     hidden: jax.Array,  # [B, D] the final norm's output at the prompt's last token (``head=False``)
@@ -142,9 +148,9 @@ def sample_loop(
     then holds a row's generated tokens from ``start`` on, not at their positions: for callers
     that drop it (``generate_fresh``; see ``shared_slot_pays``).
 
-    The loop carries hidden states, not logits, and applies the head where it draws: XLA then
-    fuses the head's matmul with the draw's reduction, and the [B, V] float32 logits never
-    reach HBM (plain sampling; top-p and top-k still make them)."""
+    The loop carries hidden states, not logits, and applies the head where it draws: from
+    ``HEAD_FUSED_MIN_ROWS`` rows XLA fuses the head's matmul with the draw's reduction, and the
+    [B, V] float32 logits never reach HBM (plain sampling; top-p and top-k still make them)."""
     batch = hidden.shape[0]
     rows = jnp.arange(batch)
     start = jnp.max(first_slot)
@@ -155,6 +161,8 @@ def sample_loop(
     def body(s: _Loop) -> _Loop:
         key, draw = jax.random.split(s.key)
         logits = model.output_head().logits(s.hidden)
+        if batch < HEAD_FUSED_MIN_ROWS:  # keeps XLA from fusing the head into the draw
+            logits = jax.lax.optimization_barrier(logits)
         masked = jnp.where(limits.allowed, logits, jnp.asarray(-1e9, logits.dtype))  # as restrict_logits
         token, logprob = sample_token(
             draw, masked, limits.temperature, limits.top_p if use_top_p else None,

@@ -34,6 +34,16 @@ class StepPhases:
     matmul_params: int
     device_kind: str
     devices: int
+    compile_seconds: float = 0.0  # tracing, lowering and compiling programs (the process's, any of them)
+
+
+# A step that spent more than this share of its wall time compiling (a sampler program for a shape
+# the run had not met, say) is left out of the report's table, which is about the steady state.
+COMPILING_SHARE = 0.1
+
+
+def compiled(row: dict[str, Any]) -> bool:
+    return float(row.get("compile_seconds", 0.0)) > COMPILING_SHARE * float(row["wall_seconds"])
 
 
 def peak_flops(device_kind: str, devices: int) -> float | None:
@@ -56,9 +66,13 @@ def _mfu(flops: float, seconds: float, peak: float | None) -> str:
 
 
 def report_lines(run_dir: Path) -> list[str]:
-    """The report's section, from the steps after the first (which compiles every program)."""
+    """The report's section, from the steps after the first (which compiles every program) that
+    did not compile."""
     rows = read_jsonl(run_dir / PHASES_FILE)
-    steady: list[dict[str, Any]] = rows[1:]
+    steady: list[dict[str, Any]] = [r for r in rows[1:] if not compiled(r)]
+    stalled = [r for r in rows[1:] if compiled(r)]
+    if not steady:  # every step compiled (a short run): better those than no table
+        steady, stalled = rows[1:], []
     if not steady:
         return []
     total = {key: sum(float(r[key]) for r in steady) for key in (
@@ -71,8 +85,10 @@ def report_lines(run_dir: Path) -> list[str]:
     generated = total["sampled_tokens"] + total["prefilled_tokens"]
     wall = total["wall_seconds"]
     where = f"{last['devices']} {last['device_kind']} device(s)" + ("" if peak else ", no published peak: no MFU")
+    left_out = (f"; {len(stalled)} that compiled left out, {sum(float(r['wall_seconds']) for r in stalled):.1f} s"
+                if stalled else "")
     return [
-        f"## Where a step's time went ({len(steady)} steps after the first; {where})",
+        f"## Where a step's time went ({len(steady)} steps after the first{left_out}; {where})",
         "",
         "| phase | share of the wall time | tokens/s | MFU (matmul flops) |",
         "|---|---|---|---|",

@@ -75,6 +75,11 @@ def generation_mesh(learner: Learner) -> Any:
     return mesh if mesh.size > 1 else None
 
 
+def compile_seconds(learner: Learner) -> float:
+    """The process's time tracing, lowering and compiling so far (the sampler's programs too)."""
+    return learner.compiles.seconds + learner.compiles.frontend_seconds
+
+
 def prefilled_tokens(policy: Any) -> int:
     """The prompt tokens the policy's sampler has prefilled (``Sampler.prefilled_tokens``)."""
     return int(getattr(policy.sampler, "prefilled_tokens", 0))
@@ -121,6 +126,7 @@ async def _run(options: RunOptions) -> Outcome:
                     break
                 chosen = [pick_task() for _ in range(settings.batch_groups)]
                 step_started, busy, prefilled = time.monotonic(), policy.stats.busy_seconds, prefilled_tokens(policy)
+                compiling = compile_seconds(learner)
                 groups = await asyncio.gather(
                     *(
                         run_group(
@@ -156,6 +162,7 @@ async def _run(options: RunOptions) -> Outcome:
                     prefilled_tokens=float(prefilled_tokens(policy) - prefilled),
                     trained_tokens=float(metrics.get("tokens") or 0.0) * settings.updates_per_batch,
                     matmul_params=params, device_kind=device.device_kind, devices=learner.mesh.size,
+                    compile_seconds=compile_seconds(learner) - compiling,
                 ))
                 sink.record(metrics)
                 progress.refresh()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from stoker.actor.episode import EpisodeLimits, run_group
-from stoker.actor.policy import BatchedSampler
+from stoker.actor.policy import BatchedSampler, call_limits
 from stoker.actor.sandbox import inline_factory
 from stoker.conversation.tokenization import TextInterface
 from stoker.model.hf import to_hf
@@ -78,3 +78,17 @@ async def test_a_call_names_no_more_sessions_than_the_cache_has_rows(lake: TextI
     await policy.close()
     assert [e.ok for e in group] == [True] * 4
     assert max(policy.stats.sizes) == 2
+
+
+@pytest.mark.parametrize("platform, calls", [("cpu", [32] * 4), ("tpu", [128])])
+async def test_a_batch_of_episodes_goes_out_in_calls_sized_for_the_platform(
+    platform: str, calls: list[int]
+) -> None:
+    """A synchronous or colocated step's 128 episodes ask at once: on a CPU four calls of 32 (the
+    CPU's cache-bound sweet spot), on an accelerator one call of 128 (its decode shares each
+    weight read among the rows)."""
+    sampler = Sampler(CONFIG, SamplingSpec(max_new_tokens=2), seed=0, buckets=(16,))
+    policy = BatchedSampler(sampler, *call_limits(platform))
+    await asyncio.gather(*(policy.generate([1, 2, 3], max_new_tokens=2, stop_token_ids=()) for _ in range(128)))
+    await policy.close()
+    assert list(policy.stats.sizes) == calls

@@ -39,3 +39,22 @@ def test_a_cpu_run_has_no_mfu_and_one_step_no_section(tmp_path: Path) -> None:
     phases.append(tmp_path, phases.StepPhases(**{**_step(2).__dict__, "device_kind": "cpu"}))
     text = "\n".join(phases.report_lines(tmp_path))
     assert "no published peak: no MFU" in text and "| training | 30 % | 13,333 trained | - |" in text
+
+
+def test_a_step_that_compiled_is_left_out_and_said(tmp_path: Path) -> None:
+    """A sampler program compiled mid-run for a shape the run had not met (36 s of a 37 s step on
+    the chip) would make the steady state's table mostly "generating"."""
+    phases.append(tmp_path, _step(1, wall_seconds=60.0, compile_seconds=50.0))
+    phases.append(tmp_path, _step(2, compile_seconds=0.15))  # a small program: under a tenth of the step, kept
+    phases.append(tmp_path, _step(3, wall_seconds=37.0, generate_seconds=36.0, play_seconds=36.2, compile_seconds=35.0))
+    phases.append(tmp_path, _step(4))
+    text = "\n".join(phases.report_lines(tmp_path))
+    assert "(2 steps after the first; 1 that compiled left out, 37.0 s; 1 TPU v5 lite device(s))" in text
+    assert "| generating (the sampler's calls) | 50 % |" in text  # steps 2 and 4: 2 s of 4
+    assert "A step took 2.00 s on average." in text
+
+
+def test_when_every_step_compiled_the_table_keeps_them(tmp_path: Path) -> None:
+    phases.append(tmp_path, _step(1, compile_seconds=1.5))
+    phases.append(tmp_path, _step(2, compile_seconds=1.5))
+    assert "(1 steps after the first; 1 TPU v5 lite device(s))" in "\n".join(phases.report_lines(tmp_path))

@@ -62,6 +62,7 @@ def test_run_trains_reports_and_resumes(job: tuple[Path, dict[str, str]], tmp_pa
         assert [p["step"] for p in split] == [1, 2]
         assert all(0 < p["generate_seconds"] <= p["play_seconds"] < p["wall_seconds"] for p in split)
         assert all(p["sampled_tokens"] > 0 for p in split)
+        assert split[0]["compile_seconds"] > 0.5 * split[0]["wall_seconds"]  # the first step compiles every program
         assert [p["trained_tokens"] for p in split] == [s.get("tokens", 0.0) for s in steps]  # a flat batch trains none
         assert "## Where a step's time went (1 steps after the first" in (tmp_path / "report.md").read_text()
     second = _run(manifest, tmp_path, env, "--mode", mode, "--max-steps", "3")

@@ -5,6 +5,7 @@ tokens from the sampler's loop, and a v5e program that no longer reads and write
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,7 @@ import pytest
 
 from stoker.model.layers import LayerCache, head_dim
 from stoker.model.model import KVCache, Transformer, init_model
-from stoker.rollout.programs import Limits, sample_loop
+from stoker.rollout.programs import HEAD_FUSED_MIN_ROWS, Limits, sample_loop
 from stoker.spec import TransformerConfig
 
 QWEN_LIKE = TransformerConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -154,3 +155,35 @@ def test_on_the_v5e_a_shared_slot_step_moves_far_fewer_bytes_than_the_per_row_se
         return float(costs["bytes accessed"])
 
     assert moved(shared=True) < 0.7 * moved(shared=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [8, HEAD_FUSED_MIN_ROWS])
+def test_on_the_v5e_the_head_fuses_into_the_draw_only_from_enough_rows(rows: int) -> None:
+    """libtpu on this CPU: below ``HEAD_FUSED_MIN_ROWS`` the loop's logits are a fusion's result
+    (the head's matmul apart, as measured faster there); from it on no [rows, V] float32 array
+    leaves a fusion (the matmul inside the draw's reduction)."""
+    from flax import nnx
+
+    from stoker.sizing.compiler import load_slice
+
+    config = TransformerConfig(vocab_size=4096, hidden_size=128, num_layers=1, num_heads=2, num_kv_heads=1,
+                               intermediate_size=256, max_seq_len=256)
+    placed = jax.sharding.SingleDeviceSharding(load_slice("v5e:1x1", 1).devices[0])
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)))
+    shaped = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed)  # noqa: E731
+    cache_shape = (rows, 64, 1, head_dim(config))
+    layer = LayerCache(*(jnp.zeros(cache_shape, jnp.bfloat16),) * 2)
+    cache = KVCache((layer,), jnp.zeros((rows, 64), jnp.int32))
+    vocab = config.vocab_size
+    limits = Limits(jnp.asarray(8), jnp.zeros(vocab, bool), jnp.ones(vocab, bool), jnp.asarray(1.0), jnp.asarray(1.0),
+                    jnp.asarray(0), jnp.asarray(0.0))
+
+    def loop(state: nnx.State, hidden: jax.Array, cache: KVCache, limits: Limits) -> Any:
+        return sample_loop(nnx.merge(graphdef, state), hidden, cache, jnp.full(rows, 8, jnp.int32), jnp.ones(rows, bool),
+                           limits, jax.random.key(0), width=8, use_top_p=False)
+
+    args = jax.tree.map(shaped, (abstract, jnp.zeros((rows, config.hidden_size), jnp.bfloat16), cache, limits))
+    text = jax.jit(loop).lower(*args).compile().as_text()
+    logits_out = re.search(rf"= f32\[{rows},{vocab}\]\S* fusion\(", text) is not None
+    assert logits_out == (rows < HEAD_FUSED_MIN_ROWS)

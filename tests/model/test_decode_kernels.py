@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from stoker.model import layers
 from stoker.model.attention import Visibility, attention
 from stoker.model.decode_attention import key_positions, ragged_decode_attention, write_rows
 from stoker.model.model import flatten_cache, init_model
@@ -75,7 +76,12 @@ def test_write_rows_sets_one_slot_a_row_and_nothing_outside_the_cache(jit: bool)
 
 @pytest.mark.parametrize("config", [QWEN_LIKE, GEMMA_LIKE], ids=["qwen", "gemma"])
 @pytest.mark.parametrize("jit", [False, True])
-def test_decode_on_a_flat_cache_gives_the_per_row_steps_logits_and_cache(config: TransformerConfig, jit: bool) -> None:
+@pytest.mark.parametrize("write", ["in the attention kernel", "a kernel of its own"])
+def test_decode_on_a_flat_cache_gives_the_per_row_steps_logits_and_cache(
+    config: TransformerConfig, jit: bool, write: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if write == "a kernel of its own":
+        monkeypatch.setattr(layers, "WRITE_FUSED_MAX_ROWS", 0)
     model = init_model(config, seed=0)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13]]
     lens = jnp.asarray([len(p) for p in prompts], jnp.int32)
@@ -128,16 +134,20 @@ def test_conversations_on_a_flat_cache_draw_the_same_tokens() -> None:
 
 
 @pytest.mark.slow
-def test_on_the_v5e_the_flat_decode_step_runs_mosaic_kernels_and_copies_no_cache() -> None:
-    """libtpu on this CPU: two Mosaic kernels a layer, and no copy of a cache-sized array (a
-    reshape between the heads' and the flat layout, or a non-aliased write, would make one). The
-    flat width is 128 lanes as in Qwen2.5-0.5B (2 x 64): a narrower one the compiler lays out
-    slots-minor at the program's boundary, and copies there."""
+@pytest.mark.parametrize("kernels", [1, 2])
+def test_on_the_v5e_the_flat_decode_step_runs_mosaic_kernels_and_copies_no_cache(
+    kernels: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """libtpu on this CPU: one Mosaic kernel a layer up to ``WRITE_FUSED_MAX_ROWS`` rows, two past
+    it, and no copy of a cache-sized array (a reshape between the heads' and the flat layout, or a
+    non-aliased write, would make one). The flat width is 128 lanes as in Qwen2.5-0.5B (2 x 64):
+    a narrower one the compiler lays out slots-minor at the program's boundary, and copies there."""
     config = TransformerConfig(vocab_size=256, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
                                intermediate_size=256, max_seq_len=2048)
     rows, slots = 64, 2048
+    monkeypatch.setattr(layers, "WRITE_FUSED_MAX_ROWS", rows if kernels == 1 else rows - 1)
     text = v5e_decode_step(config, rows, slots, (rows, slots, 128), interpret=False).as_text()
-    assert text.count('custom_call_target="tpu_custom_call"') == 2 * config.num_layers
+    assert text.count('custom_call_target="tpu_custom_call"') == kernels * config.num_layers
     cache_copies = re.findall(rf"bf16\[{rows},{slots},128\]\{{[^}}]*\}} copy", text)
     assert cache_copies == []
 

@@ -57,3 +57,29 @@ def test_a_variant_names_remat_blocks_and_flags_and_bad_ones_are_refused() -> No
     ])
     assert "| q05-2k | none | 291.1 ms | 46.1 % | 5.85 GiB | 47.9 s | 75.0 s |" in table
     assert "| q05-2k | slow | no answer in 180 s | n/a | n/a | – | – s |" in table
+
+
+def test_the_colocated_manifest_runs_at_a_tiny_size_and_its_groups_train(tmp_path: Path) -> None:
+    """chip.sh's `colocated` part (issue 52 item 4) with the 0.5B shape shrunk for the CPU: one
+    process samples and trains, the report splits the step, and the task's reward is spread within
+    groups so that the batch trains (what the figures rest on)."""
+    import yaml
+
+    doc = yaml.safe_load((REPO / "benchmarks" / "colocated" / "q05.yaml").read_text())
+    spec = doc["spec"]
+    assert spec["mode"] == "colocated" and spec["learner"]["accelerator"] == "tpu-v5-lite-podslice"
+    spec["model"]["architecture"].update(vocabSize=264, hiddenSize=64, numLayers=2, numHeads=4, numKvHeads=2,
+                                         intermediateSize=128)
+    for key in ("accelerator", "topology"):
+        del spec["learner"][key]
+    spec["environment"]["tasks"] = [str(REPO / task) for task in spec["environment"]["tasks"]]
+    manifest, run_dir = tmp_path / "tiny.yaml", tmp_path / "run"
+    manifest.write_text(yaml.safe_dump(doc))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "stoker.cli", "run", str(manifest), "--run-dir", str(run_dir),
+                           "--max-steps", "2", "--no-progress"], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "## Where a step's time went" in (run_dir / "report.md").read_text()
+    steps = [json.loads(line) for line in (run_dir / "learner_metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert all(step["trained_tokens"] > 0.9 * step["sampled_tokens"] for step in steps)  # nearly every group trains
