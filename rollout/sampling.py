@@ -149,6 +149,8 @@ class Sampler(SessionRows, SamplerWarmup):
         # Sampling randomness is independent of the init stream that used the same seed.
         self._key = jax.random.fold_in(jax.random.key(seed), 0x5A)
         self._traces = 0
+        self._ran: dict[str, set[tuple[int, ...]]] = {}
+        self.reuse_compiled = (mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()) != "cpu"
         self._limits_cache: dict[tuple[int, tuple[int, ...], float], _Limits] = {}
 
         def traced(*args: Any, **kwargs: Any) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -293,7 +295,7 @@ class Sampler(SessionRows, SamplerWarmup):
         self.fresh_prompt_tokens += sum(lens)
         cache_len = pick_bucket(self.buckets, longest + max_new_tokens)
         prefill_len = pick_bucket(self.buckets, longest)
-        batch = padded_batch(len(prompts), rows)
+        batch, prefill_len, cache_len = self._program_shape("fresh", (padded_batch(len(prompts), rows), prefill_len, cache_len))
         ids = np.zeros((batch, prefill_len), np.int32)
         for row, prompt in enumerate(prompts):
             ids[row, : len(prompt)] = prompt
@@ -363,7 +365,7 @@ class Sampler(SessionRows, SamplerWarmup):
         starts, sources = self._chunk_starts(prompts, records, version)
         chunks = [p[s:] for p, s in zip(prompts, starts, strict=True)]
         width = pick_bucket(chunk_buckets(self.session_len, self.min_chunk), max(map(len, chunks)))
-        batch = padded_batch(len(prompts), min_batch)
+        batch, width = self._program_shape("continue", (padded_batch(len(prompts), min_batch), width))
         scratch = len(self._row_owner)
         rows = np.full((batch,), scratch, np.int32)
         source_arr = np.full((batch,), scratch, np.int32)

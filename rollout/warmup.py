@@ -46,6 +46,8 @@ class SamplerWarmup:
     _store: tuple[LayerCache, ...]
     _row_owner: list[Any]
     _traces: int
+    _ran: dict[str, set[tuple[int, ...]]]  # the call shapes each program kind has run at
+    reuse_compiled: bool
     _jit: Callable[..., Any]
     _jit_continue: Callable[..., Any]
     decode_kernels: bool
@@ -72,6 +74,8 @@ class SamplerWarmup:
         for rows, width, cache_len in shapes[first % len(shapes):] + shapes[: first % len(shapes)]:
             inactive = np.zeros((rows,), np.bool_)
             ones = np.ones((rows,), np.int32)
+            self._ran.setdefault("continue" if cache_len is None else "fresh", set()).add(
+                (rows, width) if cache_len is None else (rows, width, cache_len))
             if cache_len is None:
                 scratch = np.full((rows,), len(self._row_owner), np.int32)
                 self._store, *_ = self._jit_continue(
@@ -86,6 +90,21 @@ class SamplerWarmup:
                 )
         jax.block_until_ready(self._store)
         return self._traces - before
+
+    def _program_shape(self, kind: str, want: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape to run a call of shape ``want`` (rows, widths) at: ``want``, or with
+        ``reuse_compiled``, when ``want`` has never run, the smallest shape already run that covers
+        it (padded rows and widths change no result beyond rounding). On an accelerator a new
+        shape's compile stops the loop for tens of seconds (36 s at a 0.5B size on a v5e,
+        benchmarks/README.md, "The colocated loop on the chip") while the padding costs little;
+        on a CPU the reverse."""
+        ran = self._ran.setdefault(kind, set())
+        if self.reuse_compiled and want not in ran:
+            covering = [shape for shape in ran if all(a >= b for a, b in zip(shape, want, strict=True))]
+            if covering:
+                return min(covering, key=math.prod)
+        ran.add(want)
+        return want
 
     def _call_shapes(self, max_rows: int, max_call_tokens: int | None) -> list[tuple[int, int, int | None]]:
         """(rows, prefill width, cache length) of every call: with the conversation cache a chunk

@@ -93,3 +93,26 @@ def test_the_actors_batcher_compiles_nothing_after_its_warm_up_and_skips_calls_i
     asyncio.run(play_all())
     assert batcher.stats.calls > 0 and max(batcher.stats.sizes) > 2
     assert batcher.sampler.compile_count == compiled, "a call compiled a program the warm-up did not"
+
+
+@pytest.mark.parametrize("sessions", [4, 0], ids=["conversation-cache", "no-cache"])
+def test_on_an_accelerator_a_call_of_a_new_smaller_shape_runs_on_a_program_already_compiled(sessions: int) -> None:
+    """``reuse_compiled`` (a sampler off the CPU): after a call of 4 rows of long prompts, calls of
+    fewer rows and shorter prompts compile nothing, and at temperature 0 give the tokens and
+    log-probs a sampler of their own shapes gives; on the CPU (the default there) they compile."""
+    def calls(s: Sampler) -> list[tuple[list[int], list[float]]]:
+        out = []
+        for rows, length in ((4, 20), (1, 3), (3, 5)):
+            batch = [[1 + i] * length for i in range(rows)]
+            names = [f"c{i}-{rows}" for i in range(rows)] if sessions else None
+            out += [(g.token_ids, g.logprobs) for g in s.generate(batch, max_new_tokens=3, sessions=names, temperature=0.0)]
+        return out
+
+    reusing, own_shapes = sampler(sessions), sampler(sessions)
+    assert not own_shapes.reuse_compiled  # the CPU's default
+    reusing.reuse_compiled = True
+    got, want = calls(reusing), calls(own_shapes)
+    assert reusing.compile_count == 1 and own_shapes.compile_count == 3
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
+        assert tokens == want_tokens
+        np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-5)
