@@ -125,6 +125,20 @@ def shared_slot_pays(slots: int) -> bool:
 HEAD_FUSED_MIN_ROWS = 64
 
 
+def head_and_draw(
+    model: Transformer, hidden: jax.Array, key: jax.Array, limits: Limits, *, use_top_p: bool, truncate: bool
+) -> tuple[jax.Array, jax.Array]:
+    """A decode step's draw from the final norm's output [B, D]: the LM head, the allowed tokens,
+    then one token a row and its log-prob (``sample_token``). From ``HEAD_FUSED_MIN_ROWS`` rows
+    XLA fuses the head's matmul into the draw; below, a barrier keeps them apart."""
+    logits = model.output_head().logits(hidden)
+    if hidden.shape[0] < HEAD_FUSED_MIN_ROWS:
+        logits = jax.lax.optimization_barrier(logits)
+    masked = jnp.where(limits.allowed, logits, jnp.asarray(-1e9, logits.dtype))  # as restrict_logits
+    return sample_token(key, masked, limits.temperature, limits.top_p if use_top_p else None,
+                        *((limits.top_k, limits.min_p) if truncate else (None, None)))
+
+
 def sample_loop(
     model: Transformer,
     hidden: jax.Array,  # [B, D] the final norm's output at the prompt's last token (``head=False``)
@@ -160,14 +174,7 @@ def sample_loop(
 
     def body(s: _Loop) -> _Loop:
         key, draw = jax.random.split(s.key)
-        logits = model.output_head().logits(s.hidden)
-        if batch < HEAD_FUSED_MIN_ROWS:  # keeps XLA from fusing the head into the draw
-            logits = jax.lax.optimization_barrier(logits)
-        masked = jnp.where(limits.allowed, logits, jnp.asarray(-1e9, logits.dtype))  # as restrict_logits
-        token, logprob = sample_token(
-            draw, masked, limits.temperature, limits.top_p if use_top_p else None,
-            *((limits.top_k, limits.min_p) if truncate else (None, None)),
-        )
+        token, logprob = head_and_draw(model, s.hidden, draw, limits, use_top_p=use_top_p, truncate=truncate)
         live = ~s.done
         tokens = s.tokens.at[rows, s.step].set(jnp.where(live, token, 0))
         logprobs = s.logprobs.at[rows, s.step].set(jnp.where(live, logprob, 0.0))

@@ -1,6 +1,6 @@
 """A rollout server's programs on its TPU slice: the sampler's prefill (``Transformer.extend`` of
 the longest chunk, a conversation prefilled again after new weights) and one cached decode step
-(``Transformer.decode``), both at ``rollout.maxBatch`` rows over the server's tensor-parallel mesh,
+(``Transformer.decode``, then the head and the draw as the sampler's loop runs them), both at ``rollout.maxBatch`` rows over the server's tensor-parallel mesh,
 beside the conversation cache (``session rows x longest bucket`` slots per layer)."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from stoker.model.hf import dtype_from_name
 from stoker.model.layers import LayerCache, head_dim
 from stoker.model.model import KVCache, Transformer
 from stoker.rollout.mesh import cache_sharding, param_shardings, rollout_mesh
+from stoker.rollout.programs import Limits, head_and_draw
 from stoker.rollout.sessions import session_length
 from stoker.rollout.settings import RolloutSettings
 from stoker.sizing.compiler import Slice, compile_program
@@ -70,8 +71,18 @@ def rollout_programs(spec: RLJobSpec, slice_: Slice, *, kinds: Collection[str] |
                 last: jax.Array) -> Any:
         return nnx.merge(graphdef, state).extend(chunk, positions, valid, cache, logits_at=last)
 
-    def decode(state: Any, cache: KVCache, tokens: jax.Array, positions: jax.Array) -> Any:
-        return nnx.merge(graphdef, state).decode(tokens, positions, cache, interpret=False if flat else None)
+    sampling = settings.sampling
+
+    def decode(state: Any, cache: KVCache, tokens: jax.Array, positions: jax.Array, key_data: jax.Array) -> Any:
+        # The sampler's step: the forward, then the head and the draw (what a decode step costs it).
+        model = nnx.merge(graphdef, state)
+        hidden, cache = model.decode(tokens, positions, cache, interpret=False if flat else None, head=False)
+        vocab = config.vocab_size
+        limits = Limits(jnp.asarray(1), jnp.zeros(vocab, bool), jnp.ones(vocab, bool), jnp.asarray(sampling.temperature),
+                        jnp.asarray(sampling.top_p), jnp.asarray(sampling.top_k), jnp.asarray(sampling.min_p))
+        token, logprob = head_and_draw(model, hidden, jax.random.wrap_key_data(key_data), limits,
+                                       use_top_p=sampling.top_p < 1.0, truncate=sampling.top_k > 0 or sampling.min_p > 0)
+        return token, cache, logprob  # the cache second, where the bench carries it from run to run
 
     params = shard_bytes(state)
     # The conversation cache: one row per session plus the scratch row (rollout/sampling.py).
@@ -96,7 +107,8 @@ def rollout_programs(spec: RLJobSpec, slice_: Slice, *, kinds: Collection[str] |
         full = random_like(cache(rows), shardings[1], seed + 1)
         filled = np.ones((rows, slots), np.int32)
         filled[:, -1] = 0
-        host = (rng.integers(0, config.vocab_size, rows, dtype=np.int32), np.full(rows, slots - 1, np.int32))
+        host = (rng.integers(0, config.vocab_size, rows, dtype=np.int32), np.full(rows, slots - 1, np.int32),
+                np.asarray([seed, 1], np.uint32))
         return (random_like(state, shardings[0], seed),
                 full._replace(segment_ids=jax.device_put(filled, shardings[1].segment_ids)),
                 *on_devices(host, tuple(shardings[2:])))
@@ -105,7 +117,8 @@ def rollout_programs(spec: RLJobSpec, slice_: Slice, *, kinds: Collection[str] |
     programs: tuple[tuple[str, Callable[..., Any], tuple[Any, ...], int, float, Callable[[Any, int], tuple[Any, ...]]], ...] = (
         ("prefill", prefill, (state, cache(rows), ints(rows, slots), ints(rows, slots), ints(rows, slots, dtype=jnp.bool_),
                               ints(rows)), rows * slots, decode_flops(config, rows * slots, slots // 2), prefill_inputs),
-        ("decode", decode, (state, cache(rows), ints(rows), ints(rows)), rows, decode_flops(config, rows, slots),
+        ("decode", decode, (state, cache(rows), ints(rows), ints(rows), ints(2, dtype=jnp.uint32)), rows,
+         decode_flops(config, rows, slots),
          decode_inputs),
     )
     for name, fn, args, tokens, flops, inputs in programs:
