@@ -133,9 +133,7 @@ def make_policy(
     settings: ActorSettings, dtype: str = "float32", mesh: Any = None, cpu_threads: int | None = None
 ) -> BatchedSampler:
     sampler = make_sampler(settings, dtype, mesh, cpu_threads)
-    import jax  # loaded by the sampler (imported late: an actor sampling from a rollout server never needs it)
-
-    return BatchedSampler(sampler, *call_limits(jax.default_backend()))
+    return BatchedSampler(sampler, *call_limits(sampler.platform))
 
 
 async def warm_up(policy: BatchedSampler, settings: ActorSettings) -> None:

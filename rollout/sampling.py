@@ -150,7 +150,8 @@ class Sampler(SessionRows, SamplerWarmup):
         self._key = jax.random.fold_in(jax.random.key(seed), 0x5A)
         self._traces = 0
         self._ran: dict[str, set[tuple[int, ...]]] = {}
-        self.reuse_compiled = (mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()) != "cpu"
+        self.platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()  # where it samples
+        self.reuse_compiled = self.platform != "cpu"
         self._limits_cache: dict[tuple[int, tuple[int, ...], float], _Limits] = {}
 
         def traced(*args: Any, **kwargs: Any) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:

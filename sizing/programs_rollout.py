@@ -18,7 +18,7 @@ from stoker.model.hf import dtype_from_name
 from stoker.model.layers import LayerCache, head_dim
 from stoker.model.model import KVCache, Transformer
 from stoker.rollout.mesh import cache_sharding, param_shardings, rollout_mesh
-from stoker.rollout.programs import Limits, head_and_draw
+from stoker.rollout.programs import call_limits, head_and_draw
 from stoker.rollout.sessions import session_length
 from stoker.rollout.settings import RolloutSettings
 from stoker.sizing.compiler import Slice, compile_program
@@ -77,9 +77,7 @@ def rollout_programs(spec: RLJobSpec, slice_: Slice, *, kinds: Collection[str] |
         # The sampler's step: the forward, then the head and the draw (what a decode step costs it).
         model = nnx.merge(graphdef, state)
         hidden, cache = model.decode(tokens, positions, cache, interpret=False if flat else None, head=False)
-        vocab = config.vocab_size
-        limits = Limits(jnp.asarray(1), jnp.zeros(vocab, bool), jnp.ones(vocab, bool), jnp.asarray(sampling.temperature),
-                        jnp.asarray(sampling.top_p), jnp.asarray(sampling.top_k), jnp.asarray(sampling.min_p))
+        limits = call_limits(1, (), np.ones(config.vocab_size, np.bool_), sampling.temperature, sampling)
         token, logprob = head_and_draw(model, hidden, jax.random.wrap_key_data(key_data), limits,
                                        use_top_p=sampling.top_p < 1.0, truncate=sampling.top_k > 0 or sampling.min_p > 0)
         return token, cache, logprob  # the cache second, where the bench carries it from run to run
